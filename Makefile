@@ -1,0 +1,34 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-all lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/edgefcl simulate --out runs/demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest
+
+test-all: $(STAMP)
+	$(VENV)/bin/pytest -m ''
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(VENV)/bin/edgefcl bench client --out runs/bench
+	$(VENV)/bin/edgefcl bench transport --out runs/bench
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

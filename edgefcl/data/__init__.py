@@ -1,0 +1,1 @@
+"""Data: dataset loaders, class-incremental task splits, one-pass streams."""

@@ -1,0 +1,1 @@
+"""Federation: update encodings, aggregation strategies, round schedule, the Aggregator."""

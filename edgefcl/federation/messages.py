@@ -1,0 +1,63 @@
+"""Transport-free messages exchanged between clients and the aggregator.
+
+The learning cores produce and consume these plain objects; the transport layer turns them into
+msgpack payloads and back (`edgefcl.transport.codec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Tensors = dict[str, np.ndarray]
+"""Named parameter tensors, float32 numpy arrays in a fixed (state_dict) order."""
+
+
+@dataclass
+class Update:
+    """One client's contribution to a communication round.
+
+    `tensors` holds the encoded payload: for encoding "dense" the full float32 parameters,
+    keyed by parameter name. `base_version` is the global version the client last merged;
+    `seq` increases by one per message the client sends (used to drop QoS 1 redeliveries).
+    """
+
+    client: str
+    base_version: int
+    seq: int
+    task: int
+    batch: int
+    num_samples: int
+    tensors: Tensors
+    encoding: str = "dense"
+    class_counts: dict[int, int] | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Identity used for de-duplication."""
+        return (self.client, self.seq)
+
+
+@dataclass
+class Tick:
+    """A lock-step report from a client that is not eligible at this mini-batch."""
+
+    client: str
+    seq: int
+    task: int
+    batch: int
+
+
+@dataclass
+class GlobalModel:
+    """A global model version published by the aggregator."""
+
+    version: int
+    tensors: Tensors
+    participants: tuple[str, ...] = field(default_factory=tuple)
+
+
+def tensors_nbytes(tensors: Tensors) -> int:
+    """Raw tensor bytes (what a dense float32 encoding puts on the wire, headers aside)."""
+    return int(sum(t.nbytes for t in tensors.values()))

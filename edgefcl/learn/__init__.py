@@ -1,0 +1,1 @@
+"""Learning: models, perturbations, uncertainty scores, replay memory, the online Client."""

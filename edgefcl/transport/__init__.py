@@ -1,0 +1,1 @@
+"""Transport: topics, wire codec (msgpack), MQTT client wrapper, embedded broker."""
