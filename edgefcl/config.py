@@ -79,6 +79,7 @@ class LearnConfig:
     lr: float = opt(0.01, "learning rate")
     fedprox_mu: float = opt(0.01, "FedProx proximal weight (method fedprox)")
     device: str = opt("cpu", "torch device: cpu | cuda | cuda:N")
+    threads: int = opt(1, "torch CPU threads per client (1 keeps runs bit-reproducible)")
 
 
 @dataclass

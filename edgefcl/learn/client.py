@@ -1,0 +1,208 @@
+"""The online client: one pass over a stream, replay memory ranked by uncertainty, and the
+burn-in / jump schedule that decides when it sends an update (NOTES.md §1, Algorithm 1)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edgefcl.config import FedConfig, LearnConfig
+from edgefcl.data.types import Batch
+from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.federation.schedule import eligible
+from edgefcl.learn.memory import ReplayMemory
+from edgefcl.learn.params import get_tensors, set_tensors
+from edgefcl.learn.perturb import augment_batch, make_perturber, tta_logits
+from edgefcl.learn.scores import uncertainty
+
+SCORED_METHODS = ("bi", "lc", "ms", "rc", "en", "ag")
+MEMORY_POLICY = {**{m: "balanced-score" for m in SCORED_METHODS},
+                 "er": "reservoir", "cbr": "balanced-random"}
+
+
+def resolve_device(name: str) -> torch.device:
+    """A torch device, with a clear error when CUDA is asked for but absent."""
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device '{name}' requested but CUDA is not available; use --device cpu")
+    return dev
+
+
+class Client:
+    """An online federated continual learner.
+
+    `step(batch)` trains on the batch plus a replay draw, updates the memory, counts the batch
+    and returns an Update when the schedule says this client takes part. `apply_global(g)`
+    merges a new global model.
+    """
+
+    def __init__(self, cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedConfig,
+                 data_kind: str, seed: int = 0) -> None:
+        self.cid = cid
+        self.learn = learn
+        self.fed = fed
+        self.method = learn.method
+        self.device = resolve_device(learn.device)
+        self.model = model.to(self.device)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.data_kind = data_kind
+        params = list(self.model.parameters())
+        self.opt = (torch.optim.Adam(params, lr=learn.lr) if learn.optimizer == "adam"
+                    else torch.optim.SGD(params, lr=learn.lr))
+        self._policy = MEMORY_POLICY.get(self.method) if learn.memory_size > 0 else None
+        self.memory: ReplayMemory | None = None  # allocated on the first batch (sample shape)
+        self.perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
+                          if self.method in SCORED_METHODS else None)
+        self.score_model: torch.nn.Module | None = None
+        self.score_version = 0
+        self.version = 0
+        self.seq = 0
+        self.task: int | None = None
+        self.bn = 0
+        self.samples_in_task = 0
+        self.class_counts: dict[int, int] = {}
+        self.anchor = self._snapshot_params() if self.method == "fedprox" else None
+        self.sent: dict[str, np.ndarray] | None = None
+        self.scored = 0
+        self.batches = 0
+        self.timings: Counter[str] = Counter()  # seconds: train, score, memory (excl. score)
+
+    # -- the online step --------------------------------------------------------------------
+    def step(self, batch: Batch) -> Update | None:
+        """Process one mini-batch once; an Update when this client takes part now."""
+        if batch.task != self.task:
+            self._start_task(batch.task)
+        x = torch.from_numpy(batch.x).to(self.device)
+        y = torch.from_numpy(batch.y).to(self.device)
+        t0 = self._clock()
+        self._train(x, y)
+        t1 = self._clock()
+        score_before = self.timings["score"]
+        self._update_memory(x, y)
+        t2 = self._clock()
+        self.timings["train"] += t1 - t0
+        self.timings["memory"] += (t2 - t1) - (self.timings["score"] - score_before)
+        self.batches += 1
+        self.bn += 1
+        self.samples_in_task += len(batch.y)
+        labels, counts = np.unique(batch.y, return_counts=True)
+        for c, n in zip(labels.tolist(), counts.tolist(), strict=True):
+            self.class_counts[c] = self.class_counts.get(c, 0) + n
+        if not eligible(self.bn, self.fed.burn_in, self.fed.jump):
+            return None
+        self.seq += 1
+        tensors = get_tensors(self.model)
+        self.sent = tensors
+        return Update(self.cid, self.version, self.seq, self.task or 0, self.bn,
+                      self.samples_in_task, tensors, "dense", dict(self.class_counts))
+
+    def tick(self) -> Tick:
+        """A lock-step report for a mini-batch at which this client is not eligible."""
+        self.seq += 1
+        return Tick(self.cid, self.seq, self.task or 0, self.bn)
+
+    def _start_task(self, task: int) -> None:
+        self.task = task
+        self.bn = 0
+        self.samples_in_task = 0
+        self.class_counts = {}
+
+    def _train(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.model.train()
+        for epoch in range(self.learn.local_epochs):
+            xb = x if epoch == 0 else augment_batch(x, self.data_kind, self.gen)
+            yb = y
+            if self.memory is not None:
+                replay = self.memory.sample(len(y), exclude_task=self.task)
+                if replay is not None:
+                    xb = torch.cat([xb, replay[0]])
+                    yb = torch.cat([yb, replay[1]])
+            loss = F.cross_entropy(self.model(xb), yb)
+            if self.anchor is not None:
+                loss = loss + self._prox()
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+
+    def _prox(self) -> torch.Tensor:
+        """FedProx: (mu / 2) * ||w - w_global||^2 over the parameters."""
+        terms = [((p - self.anchor[n]) ** 2).sum() for n, p in self.model.named_parameters()]
+        return 0.5 * self.learn.fedprox_mu * torch.stack(terms).sum()
+
+    def _snapshot_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    # -- memory ---------------------------------------------------------------------------
+    def _update_memory(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self._policy is None:
+            return
+        if self.memory is None:
+            self.memory = ReplayMemory(self.learn.memory_size, tuple(x.shape[1:]), self._policy,
+                                       self.learn.selection, self.device,
+                                       int(torch.randint(0, 2**31 - 1, (1,),
+                                                         generator=self.gen)))
+        scorer = self._score if self._policy == "balanced-score" else None
+        if self.score_model is None:
+            # No snapshot yet: the scoring model is the current model, which moved this batch.
+            self.score_version += 1
+        self.scored += self.memory.update(x, y, self.task or 0, scorer, self.score_version,
+                                          rescore_all=self.learn.rescore == "always")
+
+    def _score(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = self._clock()
+        model = self.score_model if self.score_model is not None else self.model
+        logits = tta_logits(model, x, self.perturber, self.learn.score_chunk)
+        scores = uncertainty(self.method, logits)
+        self.timings["score"] += self._clock() - t0
+        return scores
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    # -- federation -----------------------------------------------------------------------
+    def apply_global(self, g: GlobalModel, merge: str = "replace") -> None:
+        """Merge a global model this client took part in.
+
+        replace: theta = theta_global (lock-step, Algorithm 1).
+        delta: theta = theta_global + (theta_now - theta_sent), keeping the progress made since
+        the update was sent (async).
+        The model as it was just before the merge becomes the scoring snapshot.
+        """
+        if self.perturber is not None:
+            if self.score_model is None:
+                self.score_model = copy.deepcopy(self.model)
+            else:
+                self.score_model.load_state_dict(self.model.state_dict())
+            self.score_version += 1
+        if merge == "delta" and self.sent is not None:
+            now = get_tensors(self.model)
+            tensors = {k: g.tensors[k] + (now[k] - self.sent[k]) for k in g.tensors}
+        else:
+            tensors = g.tensors
+        set_tensors(self.model, tensors)
+        self.version = g.version
+        if self.anchor is not None:
+            self.anchor = self._snapshot_params()
+
+    # -- evaluation -----------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> float:
+        """Accuracy (fraction) of the current model on (x, y), in eval mode."""
+        if len(y) == 0:
+            return float("nan")
+        was_training = self.model.training
+        self.model.eval()
+        correct = 0
+        for i in range(0, len(y), batch_size):
+            xb = torch.from_numpy(x[i:i + batch_size]).to(self.device)
+            pred = self.model(xb).argmax(1).cpu().numpy()
+            correct += int((pred == y[i:i + batch_size]).sum())
+        self.model.train(was_training)
+        return correct / len(y)

@@ -1,0 +1,41 @@
+"""Moving model parameters between torch modules and numpy tensor dicts."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from edgefcl.federation.messages import Tensors
+
+
+def shared_names(model: torch.nn.Module) -> list[str]:
+    """Names of the floating-point state entries that are federated (params + BN statistics)."""
+    return [k for k, v in model.state_dict().items() if v.is_floating_point()]
+
+
+def get_tensors(model: torch.nn.Module) -> Tensors:
+    """The federated state of `model` as float32 numpy arrays (copies), in state_dict order."""
+    state = model.state_dict()
+    return {k: state[k].detach().to("cpu", torch.float32).numpy().copy()
+            for k in shared_names(model)}
+
+
+def set_tensors(model: torch.nn.Module, tensors: Tensors) -> None:
+    """Load federated tensors into `model` in place (other buffers stay as they are)."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for k, v in tensors.items():
+            state[k].copy_(torch.from_numpy(np.asarray(v)).to(state[k].device, state[k].dtype))
+
+
+def tensors_sha256(tensors: Tensors) -> str:
+    """sha256 over the tensors' names, shapes and float32 bytes, in sorted-name order."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        v = np.ascontiguousarray(tensors[k], dtype="<f4")
+        h.update(k.encode())
+        h.update(str(v.shape).encode())
+        h.update(v.tobytes())
+    return h.hexdigest()

@@ -1,0 +1,172 @@
+"""In-process simulation: K clients and the aggregator in one process, lock-step, deterministic
+for a seed. The networked runtime (`edgefcl.runtime`) drives the same objects over MQTT."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from edgefcl.config import RunConfig, to_dict
+from edgefcl.data.loaders import load_dataset
+from edgefcl.data.splits import split_tasks
+from edgefcl.data.streams import count_batches, stream_batches
+from edgefcl.data.types import Dataset, TaskData
+from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.messages import GlobalModel, Update
+from edgefcl.learn.client import Client
+from edgefcl.learn.models import build_model
+from edgefcl.learn.params import get_tensors, tensors_sha256
+from edgefcl.metrics import CommStats, forgetting, last_accuracy
+from edgefcl.federation.messages import tensors_nbytes
+
+
+@dataclass
+class RunResult:
+    """Outcome of one run (one method, one seed)."""
+
+    method: str
+    seed: int
+    acc: np.ndarray  # (K, T, T) fractions
+    rounds: int
+    comm: CommStats
+    global_sha256: str
+    config: dict
+    wall_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def accuracy(self) -> float:
+        return 100.0 * last_accuracy(self.acc)
+
+    @property
+    def forgetting(self) -> float:
+        return 100.0 * forgetting(self.acc)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "seed": self.seed, "accuracy": self.accuracy,
+                "forgetting": self.forgetting,
+                "accuracy_matrix": np.round(100.0 * self.acc, 4).tolist(),
+                "rounds": self.rounds, **self.comm.to_dict(),
+                "global_sha256": self.global_sha256, "wall_s": round(self.wall_s, 3),
+                "config": self.config, **self.extra}
+
+
+@dataclass
+class Setup:
+    """Everything a run is built from, shared by the in-process and MQTT drivers."""
+
+    dataset: Dataset
+    tasks: list[list[TaskData]]  # [client][task]
+    initial: torch.nn.Module
+
+
+def client_id(k: int) -> str:
+    return f"c{k:03d}"
+
+
+def prepare(cfg: RunConfig, seed: int) -> Setup:
+    """Load the data, split it into per-client tasks and build the initial model."""
+    ds = load_dataset(cfg.data.dataset, cfg.data, seed)
+    tasks = split_tasks(ds, cfg.data, cfg.fed.clients, seed)
+    torch.manual_seed(seed)
+    model = build_model(cfg.learn.model, ds.sample_shape, ds.n_classes, cfg.learn.hidden)
+    return Setup(ds, tasks, model)
+
+
+def make_client(cfg: RunConfig, setup: Setup, k: int, method: str, seed: int) -> Client:
+    """Client k of a run, starting from the shared initial model."""
+    learn = dataclasses.replace(cfg.learn, method=method)
+    return Client(client_id(k), copy.deepcopy(setup.initial), learn, cfg.fed,
+                  setup.dataset.kind, seed=seed * 1000 + k)
+
+
+def client_stream(cfg: RunConfig, setup: Setup, k: int, seed: int):
+    return stream_batches(setup.tasks[k], cfg.data.batch_size, seed * 1000 + k)
+
+
+def evaluate_all(client: Client, tasks: list[TaskData]) -> np.ndarray:
+    """Accuracy of the client's model on every task's test data."""
+    return np.array([client.evaluate(t.x_test, t.y_test) for t in tasks])
+
+
+def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
+             progress: Callable[[int, int, str], None] | None = None) -> RunResult:
+    """Run one in-process lock-step simulation and return its result."""
+    method = method or cfg.learn.method
+    seed = cfg.seed if seed is None else seed
+    torch.set_num_threads(cfg.learn.threads)
+    start = time.perf_counter()
+    setup = prepare(cfg, seed)
+    K, T = cfg.fed.clients, cfg.data.tasks
+    clients = [make_client(cfg, setup, k, method, seed) for k in range(K)]
+    streams = {c.cid: client_stream(cfg, setup, k, seed) for k, c in enumerate(clients)}
+    agg = Aggregator(get_tensors(setup.initial), cfg.fed)
+    for c in clients:
+        agg.join(c.cid)
+    acc = np.zeros((K, T, T))
+    comm = CommStats()
+    total = max(sum(count_batches(t, cfg.data.batch_size)) for t in setup.tasks)
+    active = list(range(K))
+    tick = 0
+    while active:
+        tick += 1
+        finished_tasks: list[tuple[int, int]] = []
+        closed = None
+        tick_up = 0
+        for k in list(active):
+            c = clients[k]
+            batch = next(streams[c.cid], None)
+            if batch is None:
+                active.remove(k)
+                closed = agg.leave(c.cid) or closed
+                continue
+            upd = c.step(batch)
+            if upd is not None:
+                tick_up += encoded_size(upd)
+                comm.sent(c.cid, encoded_size(upd))
+            closed = agg.submit(upd if upd is not None else c.tick()) or closed
+            if batch.end_of_task:
+                finished_tasks.append((k, batch.task))
+        if closed is not None and closed.global_ is not None:
+            comm.per_round_up.append(tick_up)
+            _deliver(closed.global_, clients, comm)
+        for k, t in finished_tasks:
+            acc[k, t] = evaluate_all(clients[k], setup.tasks[k])
+        if progress is not None:
+            progress(min(tick, total), total, f"rounds {agg.rounds}")
+    g = agg.global_
+    return RunResult(method, seed, acc, agg.rounds, comm, tensors_sha256(g.tensors),
+                     cfg_dict(cfg, method, seed), time.perf_counter() - start,
+                     {"scored_samples": int(sum(c.scored for c in clients)),
+                      "batches": int(sum(c.batches for c in clients)),
+                      "timings": dict(sum((c.timings for c in clients), Counter())),
+                      "aggregator": dict(agg.counters)})
+
+
+def _deliver(g: GlobalModel, clients: list[Client], comm: CommStats) -> None:
+    size = encoded_size(g)
+    comm.per_round_down.append(size * len(g.participants))
+    by_id = {c.cid: c for c in clients}
+    for cid in g.participants:
+        by_id[cid].apply_global(g)
+        comm.received(cid, size)
+
+
+def cfg_dict(cfg: RunConfig, method: str, seed: int) -> dict:
+    """The run's config as a dict, with the method and seed actually used."""
+    d = to_dict(cfg)
+    d["learn"]["method"] = method
+    d["seed"] = seed
+    return d
+
+
+def encoded_size(msg: Update | GlobalModel) -> int:
+    """Bytes the message occupies on the wire."""
+    return tensors_nbytes(msg.tensors)

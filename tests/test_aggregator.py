@@ -1,0 +1,141 @@
+import numpy as np
+import pytest
+
+from edgefcl.config import FedConfig
+from edgefcl.federation.aggregation import ClassWeightedFedAvg, FedAvg, WeightedSum, mix
+from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.messages import Tick, Update
+from edgefcl.federation.schedule import eligible
+
+
+def upd(client, value, n=10, seq=1, batch=4, base=0, classes=None, shape=(2,)):
+    return Update(client, base, seq, 0, batch, n, {"w": np.full(shape, value, np.float32)},
+                  class_counts=classes)
+
+
+def test_schedule_burn_in_and_jump():
+    got = [b for b in range(1, 16) if eligible(b, burn_in=5, jump=3)]
+    assert got == [6, 9, 12, 15]
+    assert [b for b in range(1, 6) if eligible(b, 0, 2)] == [2, 4]
+
+
+def test_fedavg_weights_by_samples():
+    s = FedAvg()
+    s.add(upd("a", 1.0, n=10))
+    s.add(upd("b", 4.0, n=30))
+    np.testing.assert_allclose(s.result()["w"], [(10 * 1 + 30 * 4) / 40] * 2)
+
+
+def test_class_weighted_fedavg_by_hand():
+    s = ClassWeightedFedAvg()
+    s.add(upd("a", 0.0, classes={0: 10, 1: 10}))
+    s.add(upd("b", 6.0, classes={1: 30}))
+    # class 0: only a -> 0; class 1: (10*0 + 30*6)/40 = 4.5; equal mean of classes -> 2.25
+    np.testing.assert_allclose(s.result()["w"], [2.25, 2.25])
+
+
+def test_mix_with_previous_global():
+    out = mix({"w": np.array([2.0])}, {"w": np.array([0.0], np.float32)}, 0.5)
+    assert out["w"].dtype == np.float32 and out["w"][0] == 1.0
+
+
+def test_weighted_sum_memory_does_not_grow():
+    s = WeightedSum()
+    for i in range(50):
+        s.add({"w": np.full(3, i, np.float32)}, 1.0)
+    assert len(s.sums) == 1 and s.sums["w"].shape == (3,)
+    np.testing.assert_allclose(s.mean()["w"], np.full(3, 24.5))
+
+
+def make(mode="sync", **kw):
+    fed = FedConfig(clients=3, burn_in=2, jump=2, mode=mode, **kw)
+    return Aggregator({"w": np.zeros(2, np.float32)}, fed)
+
+
+def test_sync_tick_closes_when_everyone_reported_and_mixes():
+    agg = make()
+    assert agg.submit(upd("a", 2.0, n=10)) is None
+    assert agg.submit(Tick("b", 1, 0, 4)) is None
+    closed = agg.submit(upd("c", 4.0, n=30))
+    assert closed.tick == 1 and closed.participants == ("a", "c")
+    # FedAvg (10*2 + 30*4)/40 = 3.5, mixed 0.5/0.5 with the zero global -> 1.75
+    np.testing.assert_allclose(closed.global_.tensors["w"], [1.75, 1.75])
+    assert agg.global_.version == 1 and agg.rounds == 1
+
+
+def test_sync_tick_without_quorum_is_answered_without_a_global():
+    agg = make()
+    agg.submit(upd("a", 2.0))
+    agg.submit(Tick("b", 1, 0, 4))
+    closed = agg.submit(Tick("c", 1, 0, 4))
+    assert closed.tick == 1 and closed.global_ is None and agg.global_.version == 0
+
+
+def test_sync_result_independent_of_arrival_order():
+    results = []
+    for order in (["a", "b", "c"], ["c", "a", "b"]):
+        agg = make()
+        vals = {"a": 0.1, "b": 0.7, "c": 1.3}
+        for cid in order:
+            closed = agg.submit(upd(cid, vals[cid], n=7 + ord(cid)))
+        results.append(closed.global_.tensors["w"].tobytes())
+    assert results[0] == results[1]
+
+
+def test_leaving_client_does_not_stall_tick():
+    agg = make()
+    for cid in "abc":
+        agg.join(cid)
+    agg.submit(upd("a", 1.0))
+    agg.submit(upd("b", 3.0))
+    closed = agg.leave("c")
+    assert closed is not None and closed.global_ is not None
+
+
+@pytest.mark.parametrize("bad,reason", [
+    (Update("a", 0, 1, 0, 4, 10, {"v": np.zeros(2, np.float32)}), "names"),
+    (Update("a", 0, 1, 0, 4, 10, {"w": np.zeros(3, np.float32)}), "shape"),
+    (Update("a", 0, 1, 0, 4, 10, {"w": np.zeros(2, np.float64)}), "dtype"),
+    (Update("a", 0, 1, 0, 4, 10, {"w": np.array([0, np.nan], np.float32)}), "nonfinite"),
+    (Update("a", 0, 1, 0, 1, 10, {"w": np.zeros(2, np.float32)}), "not-eligible"),
+    (Update("a", 0, 1, 0, 3, 10, {"w": np.zeros(2, np.float32)}), "not-eligible"),
+])
+def test_invalid_updates_are_rejected_and_counted(bad, reason):
+    agg = make()
+    assert agg.submit(bad) is None
+    assert agg.counters[f"rejected_{reason}"] == 1
+    assert agg.counters["accepted"] == 0
+
+
+def test_duplicates_are_dropped():
+    agg = make()
+    agg.submit(upd("a", 1.0, seq=1))
+    agg.submit(upd("a", 1.0, seq=1))
+    assert agg.counters["rejected_duplicate"] == 1
+
+
+def test_async_round_closes_on_quorum_and_timeout_and_drops_stale():
+    agg = make("async", round_timeout=1.0, max_staleness=1, min_clients=2)
+    for cid in "abc":
+        agg.join(cid)
+    assert agg.submit(upd("a", 1.0), now=0.0) is None
+    assert agg.submit(upd("b", 3.0), now=0.2) is None  # c has not reported, no timeout yet
+    closed = agg.poll(now=1.5)
+    assert closed is not None and closed.participants == ("a", "b")
+    agg.submit(upd("a", 1.0, seq=2, base=1), now=2)
+    agg.submit(upd("b", 1.0, seq=2, base=1), now=2)
+    agg.submit(upd("c", 1.0, seq=1, base=1), now=2)
+    assert agg.global_.version == 2
+    assert agg.submit(upd("c", 1.0, seq=2, base=0), now=3) is None
+    assert agg.counters["rejected_stale"] == 1
+
+
+def test_state_round_trip():
+    agg = make()
+    agg.submit(upd("a", 2.0))
+    agg.submit(upd("b", 2.0))
+    agg.submit(upd("c", 2.0))
+    other = make()
+    other.load_state(agg.state())
+    assert other.global_.version == 1 and other.last_seq == {"a": 1, "b": 1, "c": 1}
+    np.testing.assert_array_equal(other.global_.tensors["w"], agg.global_.tensors["w"])
