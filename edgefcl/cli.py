@@ -80,6 +80,83 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats)
 
 
+DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
+
+
+def daemon_config(args: argparse.Namespace) -> RunConfig:
+    """Config for a command that connects to a broker (no embedded default)."""
+    cfg = config_from_args(args)
+    if not cfg.mqtt.broker:
+        cfg.mqtt.broker = DEFAULT_BROKER
+    return cfg
+
+
+def cmd_aggregator(args: argparse.Namespace) -> int:
+    from edgefcl.learn.params import get_tensors
+    from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+    from edgefcl.simulate import prepare
+
+    cfg = daemon_config(args)
+    initial = get_tensors(prepare(cfg, cfg.seed).initial)
+    state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
+    daemon = AggregatorDaemon(cfg, initial, state_dir, exit_when_done=args.exit_when_done)
+    return daemon.run()
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from edgefcl.runtime.device import DeviceRunner
+    from edgefcl.simulate import client_stream, make_client, prepare
+
+    cfg = daemon_config(args)
+    setup = prepare(cfg, cfg.seed)
+    if not 0 <= args.index < len(setup.tasks):
+        raise ConfigError(f"--index must be in [0, {len(setup.tasks)}) for {cfg.fed.clients} "
+                          "clients")
+    import torch
+
+    torch.set_num_threads(cfg.learn.threads)
+    client = make_client(cfg, setup, args.index, cfg.learn.method, cfg.seed)
+    if args.id:
+        client.cid = args.id
+    source = client_stream(cfg, setup, args.index, cfg.seed) if args.source == "local" else None
+    runner = DeviceRunner(cfg, client, source, None if args.no_eval else setup.tasks[args.index],
+                          Path(args.results) if args.results else None)
+    results = runner.run()
+    acc = results.get("accuracy")
+    print(f"{client.cid}: {results['batches']} batches, {results['rounds']} rounds"
+          + (f", A = {acc:.1f} %" if acc is not None else ""))
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from edgefcl.runtime.replayer import Replayer
+    from edgefcl.simulate import client_id, client_stream, prepare
+
+    cfg = daemon_config(args)
+    setup = prepare(cfg, cfg.seed)
+    streams = {client_id(k): client_stream(cfg, setup, k, cfg.seed)
+               for k in range(cfg.fed.clients)}
+    sent = Replayer(cfg, streams, rate=args.rate, window=args.window).run()
+    print(f"replayed {sum(sent.values())} mini-batches to {len(sent)} clients")
+    return 0
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from edgefcl.transport.broker import EmbeddedBroker
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with EmbeddedBroker(args.host, args.port) as broker:
+        print(f"embedded MQTT broker (amqtt, MQTT 3.1.1) listening on {broker.url}; "
+              "Ctrl-C stops it", flush=True)
+        stop.wait()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="edgefcl",
@@ -98,6 +175,49 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(s)
     s.set_defaults(func=cmd_simulate)
 
+    a = sub.add_parser("aggregator", help="run the aggregator daemon",
+                       description="Serve a fleet: validate updates, run the burn-in/jump "
+                       "round schedule, publish the global model (retained). State (global, "
+                       "version, round log) is written atomically to --state-dir after every "
+                       "round and resumed from on restart. SIGTERM/SIGINT stop it gracefully.")
+    a.add_argument("--state-dir", help="state directory (default: state/<fleet>)")
+    a.add_argument("--exit-when-done", action="store_true",
+                   help="exit once every client reported its stream done")
+    add_config_flags(a)
+    a.set_defaults(func=cmd_aggregator)
+
+    c = sub.add_parser("client", help="run one device client",
+                       description="A device: consumes its stream (from the broker's "
+                       "stream/<id> topic or a local source), trains online, publishes updates, "
+                       "merges globals, publishes its status with an 'offline' last will.")
+    c.add_argument("--index", type=int, default=0,
+                   help="which client's share of the dataset this device gets (0-based)")
+    c.add_argument("--id", default="", help="client id (default: c<index>, e.g. c000)")
+    c.add_argument("--source", choices=["mqtt", "local"], default="mqtt",
+                   help="mqtt: the stream/<id> topic (fed by `edgefcl replay`); local: read "
+                   "this device's share of the dataset directly")
+    c.add_argument("--results", metavar="DIR", help="write <id>.json with this client's results")
+    c.add_argument("--no-eval", action="store_true", help="skip test-set evaluation")
+    add_config_flags(c)
+    c.set_defaults(func=cmd_client)
+
+    r = sub.add_parser("replay", help="replay a dataset as live per-client streams",
+                       description="Publish each client's one-pass stream on stream/<id>, "
+                       "starting when the client is online.")
+    r.add_argument("--rate", type=float, default=0.0,
+                   help="mini-batches per second per client (0: as fast as clients consume)")
+    r.add_argument("--window", type=int, default=20,
+                   help="rate 0: mini-batches in flight per client at most")
+    add_config_flags(r)
+    r.set_defaults(func=cmd_replay)
+
+    k = sub.add_parser("broker", help="start the embedded MQTT broker (amqtt)",
+                       description="A pure-Python MQTT 3.1.1 broker for a laptop fleet. For "
+                       "production use Mosquitto with the configuration in broker/.")
+    k.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    k.add_argument("--port", type=int, default=1883, help="port to listen on")
+    k.set_defaults(func=cmd_broker)
+
     b = sub.add_parser("bench", help="benchmarks that print numbers and write JSON",
                        description="client: per-mini-batch time split (train, perturb+score, "
                        "memory) and batched vs per-view scoring, cached vs full re-scoring.")
@@ -114,10 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from edgefcl.data.types import DataError
+    from edgefcl.transport.mqtt import TransportError
 
     try:
         return args.func(args)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, TransportError) as e:
         print(f"edgefcl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -98,21 +98,46 @@ class FedConfig:
 
 
 @dataclass
+class MqttConfig:
+    """How to reach the broker and which fleet to join."""
+
+    broker: str = opt(
+        "", "broker URL mqtt://HOST:PORT or mqtts://HOST:PORT (empty: start an embedded broker)"
+    )
+    fleet: str = opt("demo", "fleet name: topics live under <topic-root>/<fleet>/")
+    topic_root: str = opt("edgefcl", "topic root")
+    username: str = opt("", "MQTT username (empty: anonymous)")
+    password: str = opt("", "MQTT password (prefer the EDGEFCL_MQTT_PASSWORD variable)")
+    tls_ca: str = opt("", "CA certificate file: enables TLS")
+    tls_cert: str = opt("", "client certificate file (mutual TLS)")
+    tls_key: str = opt("", "client private key file (mutual TLS)")
+    tls_insecure: bool = opt(False, "skip the broker hostname check (testing only)")
+    chunk_size: int = opt(1 << 20, "payloads above this many bytes travel as verified chunks")
+    max_payload: int = opt(64 << 20, "largest payload accepted, reassembled (bytes)")
+    wire_dtype: str = opt("float32", "tensor dtype on the wire: float32 | float16")
+    connect_timeout: float = opt(10.0, "seconds to wait for the broker at start-up")
+
+
+@dataclass
 class RunConfig:
     """A whole simulated run."""
 
     data: DataConfig = field(default_factory=DataConfig)
     learn: LearnConfig = field(default_factory=LearnConfig)
     fed: FedConfig = field(default_factory=FedConfig)
+    mqtt: MqttConfig = field(default_factory=MqttConfig)
     seed: int = opt(0, "random seed (data split, class order, init, training)")
     seeds: int = opt(1, "number of seeds to run (seed, seed+1, ...); results as mean ± std")
     compare: str = opt("", "comma-separated methods to run side by side, e.g. bi,er,fedavg")
-    transport: str = opt("inprocess", "inprocess")
+    transport: str = opt(
+        "inprocess", "inprocess (one process) | mqtt (aggregator, clients and replayer as "
+        "separate processes talking through a broker)"
+    )
     out: str = opt("", "run directory for results.json and plots (empty: no files)")
     quiet: bool = opt(False, "no progress output")
 
 
-SECTIONS = {"data": DataConfig, "learn": LearnConfig, "fed": FedConfig}
+SECTIONS = {"data": DataConfig, "learn": LearnConfig, "fed": FedConfig, "mqtt": MqttConfig}
 
 
 def _coerce(cls: type, key: str, value: Any) -> Any:
@@ -194,7 +219,30 @@ def validate(cfg: RunConfig) -> None:
         (f.min_clients >= 1, "min_clients must be >= 1"),
         (f.mode in ("sync", "async"), "mode must be sync or async"),
         (cfg.seeds >= 1, "seeds must be >= 1"),
+        (cfg.transport in ("inprocess", "mqtt"), "transport must be inprocess or mqtt"),
+        (cfg.mqtt.wire_dtype in ("float32", "float16"), "wire_dtype must be float32 or float16"),
+        (cfg.mqtt.broker == "" or cfg.mqtt.broker.startswith(("mqtt://", "mqtts://")),
+         "broker must look like mqtt://HOST:PORT or mqtts://HOST:PORT"),
+        (cfg.mqtt.chunk_size >= 1024, "chunk_size must be >= 1024 bytes"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def dump_toml(cfg: RunConfig) -> str:
+    """The config as TOML that `load_toml` reads back to an equal config."""
+    d = to_dict(cfg)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if k not in SECTIONS]
+    for section in SECTIONS:
+        lines.append(f"\n[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in d[section].items()]
+    return "\n".join(lines) + "\n"

@@ -25,10 +25,14 @@ def run_many(cfg: RunConfig) -> list[RunResult]:
 
 def run_one(cfg: RunConfig, method: str, seed: int) -> RunResult:
     """One run with a progress bar on stderr (unless quiet)."""
-    if cfg.transport != "inprocess":
-        raise NotImplementedError(cfg.transport)
+    if cfg.transport == "mqtt":
+        from edgefcl.runtime.fleet import simulate_mqtt
+
+        sim = lambda c, m, s, p=None: simulate_mqtt(c, m, s, progress=p)  # noqa: E731
+    else:
+        sim = simulate
     if cfg.quiet:
-        return simulate(cfg, method, seed)
+        return sim(cfg, method, seed)
     bar = tqdm(total=0, desc=f"{method} seed {seed}", unit="batch", file=sys.stderr,
                leave=False, dynamic_ncols=True)
 
@@ -39,6 +43,6 @@ def run_one(cfg: RunConfig, method: str, seed: int) -> RunResult:
         bar.refresh()
 
     try:
-        return simulate(cfg, method, seed, progress)
+        return sim(cfg, method, seed, progress)
     finally:
         bar.close()

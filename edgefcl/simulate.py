@@ -19,12 +19,11 @@ from edgefcl.data.splits import split_tasks
 from edgefcl.data.streams import count_batches, stream_batches
 from edgefcl.data.types import Dataset, TaskData
 from edgefcl.federation.aggregator import Aggregator
-from edgefcl.federation.messages import GlobalModel, Update
+from edgefcl.federation.messages import GlobalModel, Update, tensors_nbytes
 from edgefcl.learn.client import Client
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors, tensors_sha256
 from edgefcl.metrics import CommStats, forgetting, last_accuracy
-from edgefcl.federation.messages import tensors_nbytes
 
 
 @dataclass

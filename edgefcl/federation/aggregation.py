@@ -73,7 +73,8 @@ def make_strategy(name: str) -> FedAvg | ClassWeightedFedAvg:
     try:
         return STRATEGIES[name]()
     except KeyError:
-        raise ValueError(f"unknown aggregation '{name}'; choose from {sorted(STRATEGIES)}") from None
+        known = ", ".join(sorted(STRATEGIES))
+        raise ValueError(f"unknown aggregation '{name}'; choose from {known}") from None
 
 
 def mix(new: dict[str, np.ndarray], previous: Tensors, weight: float) -> Tensors:

@@ -1,0 +1,5 @@
+import sys
+
+from edgefcl.cli import main
+
+sys.exit(main())

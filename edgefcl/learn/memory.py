@@ -1,0 +1,366 @@
+"""Fixed-size replay memory: reservoir (ER), class-balanced random (CBR) and class-balanced
+uncertainty-ranked (BI and the other scores) population policies.
+
+All storage is preallocated on one torch device and every update is vectorized over the
+candidates (no per-sample Python loops). All randomness comes from one `torch.Generator`
+seeded at construction, so a run is reproducible for a seed and survives a
+`state_dict()` / `load_state_dict()` round-trip (device reboots).
+
+Class-balanced update (NOTES.md section 1, step 2), when a batch does not fit any more:
+candidates = memory + batch. The per-class allotment is water-filling: the largest integer q
+with sum_c min(n_c, q) <= capacity; classes with n_c <= q keep all their candidates, over-quota
+classes keep q each and the leftover slots go one each to over-quota classes in a fixed random
+priority order (drawn once per class, when its label is first offered), so the memory stays
+exactly full. Which candidates an over-quota class keeps: for classes of the current task under
+"balanced-score", the `selection` rule on the uncertainty scores; otherwise uniformly at random.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from edgefcl.config import ConfigError
+from edgefcl.data.types import DataError
+
+POLICIES = ("reservoir", "balanced-random", "balanced-score")
+SELECTIONS = ("bottom", "top", "step")
+_STATE_KEYS = (
+    "capacity",
+    "sample_shape",
+    "policy",
+    "selection",
+    "size",
+    "seen",
+    "x",
+    "y",
+    "task",
+    "score",
+    "score_version",
+    "classes",
+    "priority",
+    "generator",
+)
+
+Scorer = Callable[[Tensor], Tensor]
+"""Maps a stacked batch of samples (m, *sample_shape) to m uncertainty scores."""
+
+
+def water_fill(counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
+    """Per-class number of kept samples for candidate `counts` (all > 0) and `capacity`.
+
+    q = the largest integer with sum_c min(counts_c, q) <= capacity; each class keeps
+    min(counts_c, q), and the capacity - sum leftover slots go one each to the over-quota
+    classes with the lowest `priority`. Requires counts.sum() > capacity >= 0.
+    """
+    m = counts.numel()
+    ns, _ = torch.sort(counts)
+    before = torch.cumsum(ns, 0) - ns  # candidates of the classes smaller than class i
+    # f(ns[i]) = sum_c min(counts_c, ns[i]); the first i where it exceeds capacity is the
+    # first over-quota class, and there f(q) = before[i] + q * (m - i).
+    fill = before + ns * (m - torch.arange(m, device=counts.device))
+    i = torch.argmax((fill > capacity).to(torch.int32))
+    q = torch.div(capacity - before[i], m - i, rounding_mode="floor")
+    keep = torch.minimum(counts, q)
+    leftover = capacity - keep.sum()
+    over = counts > q
+    prio = torch.where(over, priority, torch.full_like(priority, float("inf")))
+    rank = torch.empty_like(counts)
+    rank[torch.argsort(prio, stable=True)] = torch.arange(m, device=counts.device)
+    return keep + (over & (rank < leftover)).to(keep.dtype)
+
+
+class ReplayMemory:
+    """A replay memory of `capacity` samples of shape `sample_shape` on `device`.
+
+    policy: "reservoir" (ER), "balanced-random" (CBR) or "balanced-score" (uncertainty
+    ranked). selection (balanced-score only): "bottom" keeps the lowest scores of an
+    over-quota current-task class, "top" the highest, "step" evenly spaced ranks.
+    Filled slots are [0, size): x, y, task, score and score_version (-1: no score) hold them.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        sample_shape: tuple[int, ...],
+        policy: str,
+        selection: str = "bottom",
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        x_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if capacity < 0:
+            raise ConfigError(f"memory capacity must be >= 0, got {capacity}")
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown memory policy '{policy}'; choose from {POLICIES}")
+        if selection not in SELECTIONS:
+            raise ConfigError(f"unknown selection '{selection}'; choose from {SELECTIONS}")
+        self.capacity = int(capacity)
+        self.sample_shape = tuple(int(s) for s in sample_shape)
+        self.policy = policy
+        self.selection = selection
+        self.device = torch.device(device)
+        self.size = 0
+        self.seen = 0
+        self.x = torch.zeros((self.capacity, *self.sample_shape), dtype=x_dtype, device=self.device)
+        self.y = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
+        self.task = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
+        self.score = torch.zeros(self.capacity, dtype=torch.float32, device=self.device)
+        self.score_version = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
+        # Every label ever offered (sorted) and its leftover-slot priority.
+        self._classes = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._priority = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self._gen = torch.Generator(device=self.device)
+        self._gen.manual_seed(int(seed))
+
+    # ------------------------------------------------------------------ queries
+
+    def sample(self, n: int, exclude_task: int | None = None) -> tuple[Tensor, Tensor] | None:
+        """Uniform draw of min(n, eligible) filled slots without replacement, skipping slots
+        of `exclude_task`; returns (x, y), or None when no slot is eligible or n <= 0."""
+        if n <= 0 or self.size == 0:
+            return None
+        if exclude_task is None:
+            idx = torch.arange(self.size, device=self.device)
+        else:
+            idx = torch.nonzero(self.task[: self.size] != exclude_task).squeeze(1)
+        if idx.numel() == 0:
+            return None
+        pick = torch.randperm(idx.numel(), generator=self._gen, device=self.device)[:n]
+        slots = idx[pick]
+        return self.x[slots], self.y[slots]
+
+    def class_counts(self) -> dict[int, int]:
+        """Number of stored samples per class label (classes with none are left out)."""
+        labels, counts = torch.unique(self.y[: self.size], return_counts=True)
+        return dict(zip(labels.tolist(), counts.tolist(), strict=True))
+
+    # ------------------------------------------------------------------ update
+
+    def update(
+        self,
+        x: Tensor,
+        y: Tensor,
+        task: int,
+        scorer: Scorer | None = None,
+        version: int = 0,
+        rescore_all: bool = False,
+    ) -> int:
+        """Offer a mini-batch (x, y) of `task`; returns the number of samples scored.
+
+        For "balanced-score", `scorer` is called at most once, on the stacked candidates that
+        need a score: the new samples plus the stored current-task samples whose cached score
+        is from another `version` (all of them if `rescore_all`). x is stored as x_dtype.
+        """
+        x, y = self._check_batch(x, y)
+        b = y.numel()
+        if b == 0:
+            return 0
+        if self.policy == "balanced-score" and scorer is None:
+            raise ConfigError("a 'balanced-score' memory needs a scorer in update()")
+        if self.policy == "reservoir":
+            self._reservoir(x, y, task)
+            return 0
+        self._note_classes(y)
+        self.seen += b
+        if self.size + b <= self.capacity:
+            sl = slice(self.size, self.size + b)
+            self.x[sl], self.y[sl], self.task[sl] = x, y, task
+            self.score[sl], self.score_version[sl] = 0.0, -1
+            scored = 0
+            if self.policy == "balanced-score":
+                assert scorer is not None
+                self.score[sl] = self._call_scorer(scorer, x)
+                self.score_version[sl] = version
+                scored = b
+            self.size += b
+            return scored
+        if self.capacity == 0:
+            return 0
+        return self._balanced(x, y, task, scorer, version, rescore_all)
+
+    def _check_batch(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+            raise DataError("memory update needs torch tensors x and y")
+        if tuple(x.shape[1:]) != self.sample_shape:
+            raise DataError(
+                f"memory stores samples of shape {self.sample_shape}, got a batch of shape "
+                f"{tuple(x.shape)}"
+            )
+        if y.dim() != 1 or y.numel() != x.shape[0]:
+            raise DataError(f"labels must have shape ({x.shape[0]},), got {tuple(y.shape)}")
+        if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+            raise DataError(f"labels must be integers, got dtype {y.dtype}")
+        y = y.to(self.device, torch.int64)
+        if y.numel() and int(y.min()) < 0:
+            raise DataError("labels must be >= 0")
+        return x.detach().to(self.device, self.x.dtype), y
+
+    def _note_classes(self, y: Tensor) -> None:
+        """Register labels never offered before, each with a random leftover priority."""
+        labels = torch.unique(y)
+        new = labels[~torch.isin(labels, self._classes)]
+        if new.numel() == 0:
+            return
+        prio = torch.rand(new.numel(), generator=self._gen, device=self.device)
+        classes = torch.cat([self._classes, new])
+        order = torch.argsort(classes)
+        self._classes = classes[order]
+        self._priority = torch.cat([self._priority, prio])[order]
+
+    def _call_scorer(self, scorer: Scorer, x: Tensor) -> Tensor:
+        s = scorer(x)
+        if not isinstance(s, Tensor) or tuple(s.shape) != (x.shape[0],):
+            shape = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
+            raise DataError(f"scorer must return a tensor of shape ({x.shape[0]},), got {shape}")
+        s = s.detach().to(self.device, torch.float32)
+        if not bool(torch.isfinite(s).all()):
+            raise DataError("scorer returned NaN or Inf scores; check the scoring model")
+        return s
+
+    def _reservoir(self, x: Tensor, y: Tensor, task: int) -> None:
+        """Sequential reservoir sampling over the batch, vectorized: sample number t (from 0)
+        goes to slot t while t < capacity, else to slot j ~ U[0, t] if j < capacity; when
+        several samples pick one slot the later one wins."""
+        b = y.numel()
+        t = self.seen + torch.arange(b, device=self.device, dtype=torch.int64)
+        u = torch.rand(b, generator=self._gen, device=self.device, dtype=torch.float64)
+        j = torch.minimum((u * (t + 1).to(torch.float64)).to(torch.int64), t)
+        j = torch.where(t < self.capacity, t, j)
+        self.seen += b
+        hit = j < self.capacity
+        if self.capacity == 0 or not bool(hit.any()):
+            return
+        winner = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
+        src = torch.arange(b, device=self.device)[hit]
+        winner.scatter_reduce_(0, j[hit], src, reduce="amax")
+        slots = torch.nonzero(winner >= 0).squeeze(1)
+        rows = winner[slots]
+        self.x[slots], self.y[slots], self.task[slots] = x[rows], y[rows], task
+        self.size = min(self.seen, self.capacity)
+
+    def _balanced(
+        self,
+        x: Tensor,
+        y: Tensor,
+        task: int,
+        scorer: Scorer | None,
+        version: int,
+        rescore_all: bool,
+    ) -> int:
+        """Class-balanced selection over memory + batch; writes kept new samples into the
+        evicted slots (and the free tail), so [0, capacity) is filled afterwards."""
+        dev, size, cap, b = self.device, self.size, self.capacity, y.numel()
+        n = size + b
+        yc = torch.cat([self.y[:size], y])
+        tc = torch.cat([self.task[:size], torch.full((b,), task, dtype=torch.int64, device=dev)])
+        sc = torch.cat([self.score[:size], torch.zeros(b, device=dev)])
+        vc = torch.cat([self.score_version[:size], torch.full_like(y, -1)])
+        labels, inv, counts = torch.unique(yc, return_inverse=True, return_counts=True)
+        m = labels.numel()
+        # A class of the current task: any of its candidates belongs to `task`.
+        current = torch.zeros(m, dtype=torch.bool, device=dev)
+        current[inv[tc == task]] = True
+
+        scored = 0
+        ranked = torch.zeros(m, dtype=torch.bool, device=dev)
+        if self.policy == "balanced-score":
+            assert scorer is not None
+            ranked = current
+            is_new = torch.arange(n, device=dev) >= size
+            stale = torch.ones_like(is_new) if rescore_all else vc != version
+            need = current[inv] & (is_new | stale)
+            idx = torch.nonzero(need).squeeze(1)
+            scored = idx.numel()
+            if scored:
+                mem_idx, new_idx = idx[idx < size], idx[idx >= size] - size
+                s = self._call_scorer(scorer, torch.cat([self.x[mem_idx], x[new_idx]]))
+                sc[idx], vc[idx] = s, version
+                self.score[:size], self.score_version[:size] = sc[:size], vc[:size]
+
+        # Sort key within a class: scores for ranked classes, random otherwise.
+        key = torch.rand(n, generator=self._gen, device=dev)
+        score_key = -sc if self.selection == "top" else sc
+        key = torch.where(ranked[inv], score_key, key)
+        pos = torch.searchsorted(self._classes, labels)
+        keep_n = water_fill(counts, self._priority[pos], cap)
+
+        # Sort by (class, key): stable sort by key, then stable sort by class.
+        order = torch.argsort(key, stable=True)
+        order = order[torch.argsort(inv[order], stable=True)]
+        cls = inv[order]
+        start = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(n, device=dev) - start[cls]
+        k, cnt = keep_n[cls], counts[cls]
+        keep_sorted = rank < k
+        if self.policy == "balanced-score" and self.selection == "step":
+            # rank r of cnt kept iff floor(r*k/cnt) steps up at r: k evenly spaced picks.
+            spread = torch.remainder(rank * k, cnt) < k
+            keep_sorted = torch.where(ranked[cls], spread, keep_sorted)
+        keep = torch.zeros(n, dtype=torch.bool, device=dev)
+        keep[order] = keep_sorted
+
+        free = torch.cat(
+            [torch.nonzero(~keep[:size]).squeeze(1), torch.arange(size, cap, device=dev)]
+        )
+        rows = torch.nonzero(keep[size:]).squeeze(1)
+        self.x[free], self.y[free], self.task[free] = x[rows], y[rows], task
+        self.score[free], self.score_version[free] = sc[size + rows], vc[size + rows]
+        self.size = cap
+        return scored
+
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume (CPU tensors): filled slots, counters, classes, RNG."""
+
+        def cpu(t: Tensor) -> Tensor:
+            return t.detach().to("cpu", copy=True)
+
+        s = self.size
+        return {
+            "capacity": self.capacity,
+            "sample_shape": self.sample_shape,
+            "policy": self.policy,
+            "selection": self.selection,
+            "size": s,
+            "seen": self.seen,
+            "x": cpu(self.x[:s]),
+            "y": cpu(self.y[:s]),
+            "task": cpu(self.task[:s]),
+            "score": cpu(self.score[:s]),
+            "score_version": cpu(self.score_version[:s]),
+            "classes": cpu(self._classes),
+            "priority": cpu(self._priority),
+            "generator": self._gen.get_state(),
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; the capacity, sample shape and policy must match."""
+        missing = [k for k in _STATE_KEYS if k not in d]
+        if missing:
+            raise ConfigError(f"not a ReplayMemory state: missing {missing}")
+        mine = (self.capacity, self.sample_shape, self.policy, self.selection)
+        theirs = (int(d["capacity"]), tuple(d["sample_shape"]), d["policy"], d["selection"])
+        if mine != theirs:
+            raise ConfigError(
+                f"memory state is for (capacity, shape, policy, selection) = {theirs}, "
+                f"this memory is {mine}"
+            )
+        s = int(d["size"])
+        if not 0 <= s <= self.capacity or d["x"].shape[0] != s:
+            raise ConfigError(f"memory state has an inconsistent size {s}")
+        dev = self.device
+        self.size, self.seen = s, int(d["seen"])
+        self.x[:s] = d["x"].to(dev, self.x.dtype)
+        self.y[:s] = d["y"].to(dev)
+        self.task[:s] = d["task"].to(dev)
+        self.score[:s] = d["score"].to(dev)
+        self.score_version[:s] = d["score_version"].to(dev)
+        self.score_version[s:] = -1
+        self._classes = d["classes"].to(dev, torch.int64)
+        self._priority = d["priority"].to(dev, torch.float32)
+        self._gen.set_state(d["generator"])

@@ -1,0 +1,214 @@
+"""The aggregator daemon: the Aggregator core behind an MQTT link, with a state directory it
+resumes from after a restart or crash."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+
+from edgefcl.config import RunConfig
+from edgefcl.federation.aggregator import Aggregator, RoundClosed
+from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.runtime.links import open_link, topics, wire_dtype
+from edgefcl.runtime.state import load_json, load_tensors, save_json, save_tensors
+from edgefcl.transport.codec import CodecError, Message, decode, encode, model_spec, spec_hash
+
+log = logging.getLogger("edgefcl.aggregator")
+
+SENDER = "aggregator"
+
+
+class AggregatorDaemon:
+    """Runs an Aggregator over MQTT until stopped (SIGTERM/SIGINT, `control` stop, or when
+    `exit_when_done` and every client that joined has finished).
+
+    State directory: `global.npz` (the current global), `state.json` (version, tick, rounds,
+    last sequence numbers, counters) and `rounds.jsonl` (one line per closed round), all written
+    atomically after every round.
+    """
+
+    def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
+                 exit_when_done: bool = False, status_every: float = 2.0) -> None:
+        self.cfg = cfg
+        self.state_dir = Path(state_dir)
+        self.topics = topics(cfg.mqtt)
+        self.agg = Aggregator(initial, cfg.fed)
+        self.spec_hash = spec_hash(model_spec(initial))
+        self.exit_when_done = exit_when_done
+        self.status_every = status_every
+        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.stop_event = threading.Event()
+        self.done: set[str] = set()
+        self.bytes_in: dict[str, int] = {}
+        self.bytes_out = 0
+        self.last_answer: bytes | None = None
+        self.resumed = self._load_state()
+        self.link = None
+
+    # -- persistence ----------------------------------------------------------------------
+    def _load_state(self) -> bool:
+        state_file = self.state_dir / "state.json"
+        if not state_file.exists():
+            return False
+        state = load_json(state_file)
+        state["tensors"] = load_tensors(self.state_dir / "global.npz")
+        self.agg.load_state(state)
+        self.done = set(state.get("done", []))
+        log.info("resumed from %s at version %d (round %d)", self.state_dir,
+                 self.agg.global_.version, self.agg.rounds)
+        return True
+
+    def _save_state(self, closed: RoundClosed | None) -> None:
+        state = self.agg.state()
+        tensors = state.pop("tensors")
+        state["done"] = sorted(self.done)
+        state["spec_hash"] = self.spec_hash
+        if closed is not None and closed.global_ is not None:
+            save_tensors(self.state_dir / "global.npz", tensors)
+            line = {"round": self.agg.rounds, "version": closed.global_.version,
+                    "tick": closed.tick, "participants": list(closed.participants),
+                    "time": round(time.time(), 3)}
+            with open(self.state_dir / "rounds.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        elif not (self.state_dir / "global.npz").exists():
+            save_tensors(self.state_dir / "global.npz", tensors)
+        save_json(self.state_dir / "state.json", state)
+
+    # -- MQTT -----------------------------------------------------------------------------
+    def _publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.bytes_out += self.link.publish(topic, payload, qos=1, retain=retain)
+
+    def _publish_config(self) -> None:
+        f = self.cfg.fed
+        body = {"burn_in": f.burn_in, "jump": f.jump, "mode": f.mode, "encoding": "dense",
+                "aggregation": f.aggregation, "min_clients": f.min_clients,
+                "spec_hash": self.spec_hash, "clients": f.clients}
+        self._publish(self.topics.config, encode(Message("config", body), fleet=self.cfg.mqtt.fleet,
+                                                 sender=SENDER), retain=True)
+
+    def _publish_global(self, g: GlobalModel) -> None:
+        payload = encode(g, fleet=self.cfg.mqtt.fleet, sender=SENDER,
+                         wire_dtype=wire_dtype(self.cfg.mqtt))
+        self._publish(self.topics.global_, payload, retain=True)
+
+    def _answer(self, closed: RoundClosed) -> None:
+        body = {"tick": closed.tick or 0, "version": self.agg.global_.version,
+                "participants": list(closed.participants)}
+        self.last_answer = encode(Message("answer", body), fleet=self.cfg.mqtt.fleet,
+                                  sender=SENDER)
+        self._publish(self.topics.tick, self.last_answer)
+
+    def status(self) -> dict:
+        """Counters and round state, as published on the aggregator status topic."""
+        return {"state": "online", "version": self.agg.global_.version,
+                "rounds": self.agg.rounds, "tick": self.agg.tick,
+                "active": sorted(self.agg.active), "done": sorted(self.done),
+                "counters": dict(self.agg.counters), "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out}
+
+    def _publish_status(self, state: str = "online") -> None:
+        body = self.status() | {"state": state}
+        self._publish(self.topics.aggregator_status,
+                      encode(Message("status", body), fleet=self.cfg.mqtt.fleet, sender=SENDER),
+                      retain=True)
+
+    # -- message handling -----------------------------------------------------------------
+    def handle(self, topic: str, payload: bytes) -> None:
+        """Validate and apply one incoming message; never raises on bad input."""
+        try:
+            msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload)
+        except CodecError as e:
+            self.agg.counters[f"rejected_{e.reason}"] += 1
+            log.warning("rejected payload on %s: %s", topic, e)
+            return
+        try:
+            sender = self.topics.client_from(topic)
+        except ValueError:
+            sender = None
+        now = time.monotonic()
+        if isinstance(msg, (Update, Tick)):
+            if sender is not None and msg.client != sender:
+                self.agg.counters["rejected_sender"] += 1
+                log.warning("rejected %s: claims client %s on %s", type(msg).__name__, msg.client,
+                            topic)
+                return
+            self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + len(payload)
+            if (self.cfg.fed.mode == "sync" and msg.seq <= self.agg.last_seq.get(msg.client, -1)
+                    and self.last_answer is not None):
+                self._publish(self.topics.tick, self.last_answer)  # a client retransmitted
+            self._closed(self.agg.submit(msg, now))
+        elif isinstance(msg, Message) and msg.kind == "status" and sender is not None:
+            self._on_status(sender, msg.body, now)
+        elif isinstance(msg, Message) and msg.kind == "control":
+            if msg.body.get("command") == "stop":
+                self.stop_event.set()
+        else:
+            self.agg.counters["rejected_kind"] += 1
+
+    def _on_status(self, client: str, body: dict, now: float) -> None:
+        state = body.get("state")
+        if state == "online":
+            self.done.discard(client)
+            self.agg.join(client)
+        elif state in ("offline", "done"):
+            if state == "done":
+                self.done.add(client)
+            if client in self.agg.active:
+                self._closed(self.agg.leave(client, now))
+
+    def _closed(self, closed: RoundClosed | None) -> None:
+        if closed is None:
+            return
+        self._save_state(closed)
+        if closed.global_ is not None:
+            self._publish_global(closed.global_)
+        if self.cfg.fed.mode == "sync":
+            self._answer(closed)
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until stopped; returns an exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(sig, lambda *_: self.stop_event.set())
+        will = (self.topics.aggregator_status,
+                encode(Message("status", {"state": "offline"}), fleet=self.cfg.mqtt.fleet,
+                       sender=SENDER), 1, True)
+        self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-aggregator", will=will)
+        put = lambda topic, payload: self.inbox.put((topic, payload))  # noqa: E731
+        self.link.subscribe(self.topics.updates, put)
+        self.link.subscribe(self.topics.statuses, put)
+        self.link.subscribe(self.topics.control, put)
+        self._save_state(None)
+        self._publish_config()
+        self._publish_global(self.agg.global_)
+        log.info("aggregator for fleet %s serving on %s (mode %s, version %d)",
+                 self.cfg.mqtt.fleet, self.cfg.mqtt.broker, self.cfg.fed.mode,
+                 self.agg.global_.version)
+        next_status = 0.0
+        while not self.stop_event.is_set():
+            try:
+                topic, payload = self.inbox.get(timeout=0.1)
+                self.handle(topic, payload)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if self.cfg.fed.mode == "async":
+                self._closed(self.agg.poll(now))
+            if now >= next_status:
+                self._publish_status()
+                next_status = now + self.status_every
+            if self.exit_when_done and self.done and not self.agg.active and \
+                    len(self.done) >= self.cfg.fed.clients:
+                break
+        self._save_state(None)
+        self._publish_status("stopped")
+        self.link.close()
+        log.info("aggregator stopped at version %d after %d rounds", self.agg.global_.version,
+                 self.agg.rounds)
+        return 0

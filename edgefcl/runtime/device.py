@@ -1,0 +1,216 @@
+"""A device: the online Client fed by a stream (MQTT `stream/<id>` or a local source),
+publishing updates and merging globals over MQTT."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from edgefcl.config import RunConfig
+from edgefcl.data.types import Batch, TaskData
+from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.learn.client import Client
+from edgefcl.runtime.links import open_link, topics, wire_dtype
+from edgefcl.runtime.state import save_json
+from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode
+
+log = logging.getLogger("edgefcl.client")
+
+END = object()
+
+
+class Stopped(Exception):
+    """The operator sent `stop`, or the process was asked to terminate."""
+
+
+class DeviceRunner:
+    """Drives one Client over MQTT.
+
+    sync: after every mini-batch the device reports (update or tick) and waits for the
+    aggregator's answer for that tick, then merges the global if it took part (Algorithm 1).
+    async: the device never waits; a global it took part in is merged with the delta rule
+    theta_global + (theta_now - theta_sent) before the next mini-batch.
+    """
+
+    def __init__(self, cfg: RunConfig, client: Client, source: Iterator[Batch] | None = None,
+                 eval_tasks: list[TaskData] | None = None, out: Path | None = None,
+                 status_every: int = 5, answer_timeout: float = 15.0) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.cid = client.cid
+        self.topics = topics(cfg.mqtt)
+        self.source = source
+        self.eval_tasks = eval_tasks
+        self.out = out
+        self.status_every = status_every
+        self.answer_timeout = answer_timeout
+        self.batches: queue.Queue = queue.Queue()
+        self.answers: dict[int, dict] = {}
+        self.latest: GlobalModel | None = None
+        self.cond = threading.Condition()
+        self.paused = False
+        self.stop = threading.Event()
+        self.consumed = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.rounds = 0
+        self.rejected = 0
+        n_tasks = len(eval_tasks) if eval_tasks else 0
+        self.acc = np.full((n_tasks, n_tasks), np.nan)
+        self.link = None
+
+    # -- inbound --------------------------------------------------------------------------
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        try:
+            msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload)
+        except CodecError as e:
+            self.rejected += 1
+            log.warning("%s: rejected payload on %s: %s", self.cid, topic, e)
+            return
+        with self.cond:
+            if isinstance(msg, GlobalModel):
+                self.bytes_down += len(payload)
+                self.latest = msg  # the retained global: the newest the aggregator published
+            elif isinstance(msg, Message) and msg.kind == "answer":
+                self.answers[int(msg.body["tick"])] = msg.body
+            elif isinstance(msg, Message) and msg.kind == "control":
+                cmd = msg.body["command"]
+                self.paused = cmd == "pause"
+                if cmd == "stop":
+                    self.stop.set()
+            elif isinstance(msg, Message) and msg.kind == "stream":
+                self.batches.put(END if msg.body.get("end_of_stream") else as_batch(msg))
+            self.cond.notify_all()
+
+    def _stream(self) -> Iterator[Batch]:
+        if self.source is not None:
+            yield from self.source
+            return
+        while True:
+            item = self._wait(lambda: self._get_batch())
+            if item is END:
+                return
+            yield item
+
+    def _get_batch(self):
+        try:
+            return self.batches.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _wait(self, ready, timeout: float | None = None, on_timeout=None):
+        """Block until ready() returns something not None (or raise Stopped)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while True:
+                if self.stop.is_set():
+                    raise Stopped
+                value = ready()
+                if value is not None:
+                    return value
+                if deadline is not None and time.monotonic() >= deadline:
+                    if on_timeout is not None:
+                        on_timeout()
+                    deadline = time.monotonic() + timeout
+                self.cond.wait(0.05 if deadline is None else
+                               max(0.0, min(0.05, deadline - time.monotonic())))
+
+    # -- outbound -------------------------------------------------------------------------
+    def _send(self, msg: Update | Tick) -> bytes:
+        payload = encode(msg, fleet=self.cfg.mqtt.fleet, wire_dtype=wire_dtype(self.cfg.mqtt))
+        self.link.publish(self.topics.update(self.cid), payload, qos=1)
+        if isinstance(msg, Update):
+            self.bytes_up += len(payload)
+        return payload
+
+    def _status(self, state: str, wait: bool = False, **extra) -> None:
+        c = self.client
+        body = {"state": state, "task": c.task if c.task is not None else -1, "batch": c.bn,
+                "version": c.version, "consumed": self.consumed, "rounds": self.rounds,
+                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down, **extra}
+        self.link.publish(self.topics.status(self.cid),
+                          encode(Message("status", body), fleet=self.cfg.mqtt.fleet,
+                                 sender=self.cid), qos=1, retain=True, wait=wait)
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Consume the whole stream; returns this device's results."""
+        offline = encode(Message("status", {"state": "offline"}), fleet=self.cfg.mqtt.fleet,
+                         sender=self.cid)
+        self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-{self.cid}",
+                              will=(self.topics.status(self.cid), offline, 1, True),
+                              connect=False)
+        self.link.subscribe(self.topics.global_, self._on_message)
+        self.link.subscribe(self.topics.tick, self._on_message)
+        self.link.subscribe(self.topics.control, self._on_message)
+        if self.source is None:
+            self.link.subscribe(self.topics.stream(self.cid), self._on_message)
+        self.link.connect(self.cfg.mqtt.connect_timeout)
+        self._status("online")
+        sync = self.cfg.fed.mode == "sync"
+        try:
+            for batch in self._stream():
+                self._wait(lambda: True if not self.paused else None)
+                upd = self.client.step(batch)
+                self.consumed += 1
+                if sync:
+                    self._sync_round(upd)
+                elif upd is not None:
+                    self._send(upd)
+                if not sync:
+                    self._merge_async()
+                if batch.end_of_task and self.eval_tasks:
+                    self.acc[batch.task] = [self.client.evaluate(t.x_test, t.y_test)
+                                            for t in self.eval_tasks]
+                if self.consumed % self.status_every == 0:
+                    self._status("online")
+            state = "done"
+        except Stopped:
+            state = "stopped"
+        results = self.results()
+        self._status(state, wait=True, accuracy=results.get("accuracy"))
+        self.link.close()
+        if self.out is not None:
+            save_json(self.out / f"{self.cid}.json", results)
+        return results
+
+    def _sync_round(self, upd: Update | None) -> None:
+        msg = upd if upd is not None else self.client.tick()
+        payload = self._send(msg)
+        tick = msg.seq
+
+        def resend() -> None:
+            log.info("%s: no answer for tick %d, re-sending", self.cid, tick)
+            self.link.publish(self.topics.update(self.cid), payload, qos=1)
+
+        answer = self._wait(lambda: self.answers.pop(tick, None), self.answer_timeout, resend)
+        version = int(answer["version"])
+        if self.cid in answer["participants"] and version > self.client.version:
+            g = self._wait(lambda: self.latest if self.latest is not None and
+                           self.latest.version >= version else None)
+            self.client.apply_global(g, "replace")
+            self.rounds += 1
+
+    def _merge_async(self) -> None:
+        with self.cond:
+            g = self.latest
+        if g is not None and g.version > self.client.version and self.cid in g.participants:
+            self.client.apply_global(g, "delta")
+            self.rounds += 1
+
+    def results(self) -> dict:
+        c = self.client
+        out = {"client": self.cid, "accuracy_matrix": np.nan_to_num(self.acc).tolist(),
+               "bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "rounds": self.rounds,
+               "batches": c.batches, "scored_samples": c.scored, "version": c.version,
+               "timings": dict(c.timings), "link": self.link.counters() if self.link else {},
+               "rejected": self.rejected}
+        if len(self.acc):
+            out["accuracy"] = float(100 * np.nan_to_num(self.acc)[-1].mean())
+        return out

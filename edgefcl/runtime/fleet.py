@@ -1,0 +1,149 @@
+"""`simulate --transport mqtt`: the aggregator, every client and the stream replayer as separate
+processes talking through a broker (embedded unless one is given), collected into a RunResult
+comparable with the in-process one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+
+from edgefcl.config import RunConfig, dump_toml
+from edgefcl.learn.params import tensors_sha256
+from edgefcl.metrics import CommStats
+from edgefcl.runtime.links import open_link, topics
+from edgefcl.runtime.state import load_json, load_tensors
+from edgefcl.simulate import RunResult, cfg_dict, client_id
+from edgefcl.transport.broker import EmbeddedBroker
+from edgefcl.transport.codec import CodecError, Message, decode
+
+
+class FleetError(RuntimeError):
+    """A fleet process failed; the message carries the tail of its log."""
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "edgefcl", *args], stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None = None,
+                  progress: Callable[[int, int, str], None] | None = None,
+                  timeout: float = 3600.0) -> RunResult:
+    """Run one simulation as a real fleet of processes over MQTT."""
+    start = time.perf_counter()
+    with ExitStack() as stack:
+        mqtt = cfg.mqtt
+        if not mqtt.broker:
+            broker = stack.enter_context(EmbeddedBroker())
+            mqtt = dataclasses.replace(mqtt, broker=broker.url)
+        fleet = f"{mqtt.fleet}-{secrets.token_hex(3)}"
+        mqtt = dataclasses.replace(mqtt, fleet=fleet)
+        run_cfg = dataclasses.replace(
+            cfg, mqtt=mqtt, seed=seed, seeds=1, compare="", out="",
+            learn=dataclasses.replace(cfg.learn, method=method))
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgefcl-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        conf = workdir / "fleet.toml"
+        conf.write_text(dump_toml(run_cfg))
+        state_dir, results_dir, logs = workdir / "aggregator", workdir / "clients", workdir / "logs"
+        logs.mkdir(exist_ok=True)
+        base = ["--config", str(conf)]
+        procs = {"aggregator": _spawn(["aggregator", *base, "--state-dir", str(state_dir),
+                                       "--exit-when-done"], logs / "aggregator.log")}
+        K = cfg.fed.clients
+        for k in range(K):
+            procs[client_id(k)] = _spawn(["client", *base, "--index", str(k), "--results",
+                                          str(results_dir)], logs / f"{client_id(k)}.log")
+        procs["replayer"] = _spawn(["replay", *base], logs / "replayer.log")
+        try:
+            _watch(run_cfg, procs, logs, progress, timeout)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs.values():
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        return _collect(run_cfg, method, seed, state_dir, results_dir,
+                        time.perf_counter() - start)
+
+
+def _watch(cfg: RunConfig, procs: dict[str, subprocess.Popen], logs: Path,
+           progress: Callable[[int, int, str], None] | None, timeout: float) -> None:
+    """Wait for every process to exit, reporting progress from the clients' status."""
+    t = topics(cfg.mqtt)
+    consumed: dict[str, int] = {}
+    agg_status: dict = {}
+
+    def on_status(topic: str, payload: bytes) -> None:
+        try:
+            msg = decode(payload, cfg.mqtt.fleet)
+        except CodecError:
+            return
+        if isinstance(msg, Message) and msg.kind == "status":
+            if topic == t.aggregator_status:
+                agg_status.update(msg.body)
+            else:
+                consumed[t.client_from(topic)] = int(msg.body.get("consumed", 0))
+
+    link = None
+    if progress is not None:
+        link = open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-watch-{secrets.token_hex(3)}",
+                         clean_start=True)
+        link.subscribe(t.statuses, on_status)
+        link.subscribe(t.aggregator_status, on_status)
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            for name, p in procs.items():
+                if p.poll() not in (None, 0):
+                    tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
+                    raise FleetError(f"{name} exited with code {p.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise FleetError(f"fleet did not finish within {timeout:.0f} s")
+            if progress is not None:
+                progress(sum(consumed.values()), 0, f"rounds {agg_status.get('rounds', 0)}")
+            time.sleep(0.2)
+        for name, p in procs.items():
+            if p.returncode != 0:
+                tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise FleetError(f"{name} exited with code {p.returncode}:\n{tail}")
+    finally:
+        if link is not None:
+            link.close()
+
+
+def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_dir: Path,
+             wall: float) -> RunResult:
+    K, T = cfg.fed.clients, cfg.data.tasks
+    acc = np.zeros((K, T, T))
+    comm = CommStats()
+    extra = {"scored_samples": 0, "batches": 0, "timings": {}}
+    for k in range(K):
+        r = json.loads((results_dir / f"{client_id(k)}.json").read_text())
+        acc[k] = np.asarray(r["accuracy_matrix"])
+        comm.sent(r["client"], r["bytes_up"])
+        comm.received(r["client"], r["bytes_down"])
+        extra["scored_samples"] += r["scored_samples"]
+        extra["batches"] += r["batches"]
+        for key, v in r["timings"].items():
+            extra["timings"][key] = extra["timings"].get(key, 0.0) + v
+    state = load_json(state_dir / "state.json")
+    tensors = load_tensors(state_dir / "global.npz")
+    extra["aggregator"] = state.get("counters", {})
+    return RunResult(method, seed, acc, int(state["rounds"]), comm, tensors_sha256(tensors),
+                     cfg_dict(cfg, method, seed), wall, extra)

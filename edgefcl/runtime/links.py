@@ -1,0 +1,33 @@
+"""Build MQTT links and topic sets from the `[mqtt]` config section."""
+
+from __future__ import annotations
+
+import os
+
+from edgefcl.config import MqttConfig
+from edgefcl.transport.mqtt import MqttLink
+from edgefcl.transport.topics import Topics
+
+
+def topics(m: MqttConfig) -> Topics:
+    return Topics(m.fleet, m.topic_root)
+
+
+def wire_dtype(m: MqttConfig) -> str | None:
+    """The codec's wire dtype for the configured float width."""
+    return "<f2" if m.wire_dtype == "float16" else None
+
+
+def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, bool] | None = None,
+              clean_start: bool = False, connect: bool = True) -> MqttLink:
+    """An MqttLink configured from `m` (credentials, TLS, chunking), connected unless asked not."""
+    password = m.password or os.environ.get("EDGEFCL_MQTT_PASSWORD", "")
+    link = MqttLink(
+        m.broker, client_id, username=m.username or None, password=password or None,
+        tls_ca=m.tls_ca or None, tls_cert=m.tls_cert or None, tls_key=m.tls_key or None,
+        tls_insecure=m.tls_insecure, clean_start=clean_start, will=will,
+        chunk_size=m.chunk_size, max_bytes=m.max_payload,
+    )
+    if connect:
+        link.connect(m.connect_timeout)
+    return link

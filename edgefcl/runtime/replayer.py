@@ -1,0 +1,98 @@
+"""Replay a dataset as live streams: one `stream/<client>` topic per client, paced or as fast
+as the clients consume."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from edgefcl.config import RunConfig
+from edgefcl.data.types import Batch
+from edgefcl.runtime.links import open_link, topics
+from edgefcl.transport.codec import CodecError, Message, decode, encode, encode_batch
+
+log = logging.getLogger("edgefcl.replay")
+
+
+class Replayer:
+    """Publishes each client's one-pass stream.
+
+    rate > 0: that many mini-batches per second per client. rate == 0: as fast as the clients
+    consume, keeping at most `window` batches in flight per client (clients report how many
+    they consumed in their status). A client's stream starts once its status says online (so
+    its persistent session exists and nothing is lost), and ends with an end-of-stream marker.
+    """
+
+    def __init__(self, cfg: RunConfig, streams: dict[str, Iterator[Batch]], rate: float = 0.0,
+                 window: int = 20, wait_online: float = 120.0) -> None:
+        self.cfg = cfg
+        self.streams = streams
+        self.rate = rate
+        self.window = window
+        self.wait_online = wait_online
+        self.topics = topics(cfg.mqtt)
+        self.consumed: dict[str, int] = {}
+        self.online: set[str] = set()
+        self.cond = threading.Condition()
+        self.sent: dict[str, int] = dict.fromkeys(streams, 0)
+
+    def _on_status(self, topic: str, payload: bytes) -> None:
+        try:
+            msg = decode(payload, self.cfg.mqtt.fleet)
+            cid = self.topics.client_from(topic)
+        except (CodecError, ValueError):
+            return
+        if not isinstance(msg, Message) or msg.kind != "status":
+            return
+        with self.cond:
+            if msg.body.get("state") == "online":
+                self.online.add(cid)
+            self.consumed[cid] = int(msg.body.get("consumed", 0))
+            self.cond.notify_all()
+
+    def run(self) -> dict[str, int]:
+        """Publish every stream to the end; returns batches sent per client."""
+        link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-replayer-{time.time_ns()}",
+                         clean_start=True)
+        link.subscribe(self.topics.statuses, self._on_status)
+        fleet = self.cfg.mqtt.fleet
+        with self.cond:
+            ok = self.cond.wait_for(lambda: set(self.streams) <= self.online, self.wait_online)
+        if not ok:
+            missing = sorted(set(self.streams) - self.online)
+            log.warning("clients not online after %.0f s, streaming anyway: %s",
+                        self.wait_online, ", ".join(missing))
+        pending = dict(self.streams)
+        interval = 1.0 / self.rate if self.rate > 0 else 0.0
+        next_at = time.monotonic()
+        while pending:
+            for cid in list(pending):
+                if not self.rate:
+                    with self.cond:
+                        if self.sent[cid] - self.consumed.get(cid, 0) >= self.window:
+                            continue
+                batch = next(pending[cid], None)
+                topic = self.topics.stream(cid)
+                if batch is None:
+                    del pending[cid]
+                    end = Message("stream", {"client": cid, "x": np.zeros((0,), np.float32),
+                                             "y": np.zeros((0,), np.int64), "task": -1,
+                                             "index": 0, "end_of_task": True,
+                                             "end_of_stream": True})
+                    link.publish(topic, encode(end, fleet=fleet, sender="replayer"), wait=True)
+                    continue
+                link.publish(topic, encode_batch(batch, client=cid, fleet=fleet), qos=1)
+                self.sent[cid] += 1
+            if self.rate:
+                next_at += interval
+                time.sleep(max(0.0, next_at - time.monotonic()))
+            else:
+                with self.cond:
+                    self.cond.wait(0.01)
+        link.close()
+        log.info("replayed %s", self.sent)
+        return self.sent

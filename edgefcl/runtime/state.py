@@ -1,0 +1,48 @@
+"""Atomic on-disk state: write to a temporary file, fsync, then rename over the old one."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgefcl.federation.messages import Tensors
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that readers see the old or the new file, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_json(path: Path, obj: Any) -> None:
+    atomic_write(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+def load_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def save_tensors(path: Path, tensors: Tensors) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, **tensors)
+    atomic_write(path, buf.getvalue())
+
+
+def load_tensors(path: Path) -> Tensors:
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}

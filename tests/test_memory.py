@@ -1,0 +1,426 @@
+"""Tests for the replay memory (edgefcl.learn.memory).
+
+Samples are 2-d vectors x = (id, label): ids are unique per stream so the tests can tell which
+samples were kept, and a scorer that returns x[:, 0] gives every sample a known score.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from edgefcl.config import ConfigError
+from edgefcl.data.types import DataError
+from edgefcl.learn.memory import ReplayMemory, water_fill
+
+
+def batch(ids, label: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.as_tensor(ids, dtype=torch.float32)
+    x = torch.stack([ids, torch.full_like(ids, float(label))], dim=1)
+    return x, torch.full((ids.numel(),), label, dtype=torch.int64)
+
+
+def id_score(x: torch.Tensor) -> torch.Tensor:
+    return x[:, 0].clone()
+
+
+class Recorder:
+    """A scorer (score = id) that records the ids of every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(sorted(x[:, 0].long().tolist()))
+        return x[:, 0].clone()
+
+
+def ids_of(mem: ReplayMemory, label: int | None = None) -> set[int]:
+    keep = mem.y[: mem.size] == label if label is not None else slice(None)
+    return set(mem.x[: mem.size][keep][:, 0].long().tolist())
+
+
+# ---------------------------------------------------------------- water-filling
+
+
+@pytest.mark.parametrize(
+    ("counts", "prio", "cap", "expected"),
+    [
+        ([8, 2, 3], [0.1, 0.2, 0.3], 10, [5, 2, 3]),  # q = 5: classes 1, 2 keep all
+        ([5, 5, 1], [0.2, 0.1, 0.5], 10, [4, 5, 1]),  # q = 4, leftover 1 to class 1
+        ([3, 3, 3], [0.3, 0.1, 0.2], 2, [0, 1, 1]),  # q = 0, 2 leftovers by priority
+        ([6, 6, 6], [0.5, 0.4, 0.6], 10, [3, 4, 3]),  # all over: quota = 10 // 3
+        ([1, 9], [0.0, 0.0], 4, [1, 3]),
+    ],
+)
+def test_water_fill_hand_computed(counts, prio, cap, expected):
+    got = water_fill(torch.tensor(counts), torch.tensor(prio), cap)
+    assert got.tolist() == expected
+
+
+def _reference_q(counts: list[int], cap: int) -> int:
+    q = 0
+    while sum(min(n, q + 1) for n in counts) <= cap:
+        q += 1
+    return q
+
+
+# ---------------------------------------------------------------- construction and input
+
+
+def test_bad_configuration_is_rejected():
+    with pytest.raises(ConfigError, match="policy"):
+        ReplayMemory(10, (2,), "fifo")
+    with pytest.raises(ConfigError, match="selection"):
+        ReplayMemory(10, (2,), "balanced-score", selection="middle")
+    with pytest.raises(ConfigError, match="capacity"):
+        ReplayMemory(-1, (2,), "reservoir")
+
+
+def test_bad_batches_are_rejected():
+    mem = ReplayMemory(4, (2,), "balanced-score")
+    x, y = batch([0, 1], 0)
+    with pytest.raises(DataError, match="shape"):
+        mem.update(torch.zeros(2, 3), y, 0, id_score)
+    with pytest.raises(DataError, match="labels"):
+        mem.update(x, y[:1], 0, id_score)
+    with pytest.raises(DataError, match="integers"):
+        mem.update(x, y.float(), 0, id_score)
+    with pytest.raises(DataError, match=">= 0"):
+        mem.update(x, -y - 1, 0, id_score)
+    with pytest.raises(ConfigError, match="scorer"):
+        mem.update(x, y, 0)
+    with pytest.raises(DataError, match="scorer must return"):
+        mem.update(x, y, 0, lambda t: t[:1, 0])
+    with pytest.raises(DataError, match="NaN"):
+        mem.update(x, y, 0, lambda t: torch.full((t.shape[0],), float("nan")))
+    assert mem.size == 0
+
+
+def test_zero_capacity_stores_nothing():
+    for policy in ("reservoir", "balanced-random", "balanced-score"):
+        mem = ReplayMemory(0, (2,), policy)
+        assert mem.update(*batch([0, 1, 2], 0), 0, id_score) == 0
+        assert mem.size == 0 and mem.seen == 3
+        assert mem.sample(5) is None
+
+
+def test_x_dtype_is_the_storage_dtype():
+    mem = ReplayMemory(4, (2,), "balanced-random", x_dtype=torch.float16)
+    mem.update(*batch([1.5, 2.5], 0), 0)
+    assert mem.x.dtype == torch.float16
+    assert mem.x[:2, 0].tolist() == [1.5, 2.5]
+
+
+# ---------------------------------------------------------------- balanced policies
+
+
+def test_append_while_room_then_exactly_full():
+    mem = ReplayMemory(10, (2,), "balanced-random")
+    mem.update(*batch(range(0, 4), 0), 0)
+    mem.update(*batch(range(4, 8), 1), 0)
+    assert mem.size == 8 and mem.class_counts() == {0: 4, 1: 4}
+    assert mem.y[:8].tolist() == [0] * 4 + [1] * 4  # appended in order
+    mem.update(*batch(range(8, 12), 2), 1)  # 4 + 4 + 4 > 10: q = 3, one leftover
+    counts = mem.class_counts()
+    assert mem.size == 10 and sum(counts.values()) == 10
+    assert sorted(counts.values()) == [3, 3, 4]
+
+
+def test_under_quota_classes_keep_everything():
+    mem = ReplayMemory(10, (2,), "balanced-random")
+    mem.update(*batch(range(0, 8), 0), 0)
+    mem.update(*batch(range(8, 10), 1), 0)
+    mem.update(*batch(range(10, 13), 2), 1)  # counts 8, 2, 3 -> q = 5
+    assert mem.class_counts() == {0: 5, 1: 2, 2: 3}
+    assert ids_of(mem, 1) == {8, 9} and ids_of(mem, 2) == {10, 11, 12}
+    assert ids_of(mem, 0) < set(range(8))
+
+
+def test_leftover_slot_then_rebalance():
+    mem = ReplayMemory(10, (2,), "balanced-random", seed=3)
+    mem.update(*batch(range(0, 5), 0), 0)
+    mem.update(*batch(range(5, 10), 1), 0)
+    mem.update(*batch([10], 2), 1)  # counts 5, 5, 1: q = 4, one leftover to class 0 or 1
+    counts = mem.class_counts()
+    assert counts[2] == 1 and sorted([counts[0], counts[1]]) == [4, 5]
+    mem.update(*batch([11], 2), 1)  # counts {4, 5}, 2: q = 4, no leftover
+    assert mem.class_counts() == {0: 4, 1: 4, 2: 2}
+
+
+def _past_and_current(cap: int, per_class: int, selection: str, values: list[list[int]]):
+    mem = ReplayMemory(cap, (2,), "balanced-score", selection=selection, seed=1)
+    mem.update(*batch(range(100, 100 + per_class), 0), 0, id_score)
+    mem.update(*batch(range(200, 200 + per_class), 1), 0, id_score)
+    for v in values:
+        mem.update(*batch(v, 2), 1, id_score)
+    return mem
+
+
+def test_bottom_keeps_lowest_scores_and_past_classes_are_cut_to_quota():
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(0)).tolist()
+    mem = _past_and_current(6, 3, "bottom", [perm[i : i + 4] for i in range(0, 20, 4)])
+    assert mem.class_counts() == {0: 2, 1: 2, 2: 2}
+    assert ids_of(mem, 2) == {0, 1}
+    assert ids_of(mem, 0) < {100, 101, 102} and ids_of(mem, 1) < {200, 201, 202}
+
+
+def test_top_keeps_highest_scores():
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(1)).tolist()
+    mem = _past_and_current(6, 3, "top", [perm[i : i + 4] for i in range(0, 20, 4)])
+    assert ids_of(mem, 2) == {18, 19}
+    assert mem.class_counts() == {0: 2, 1: 2, 2: 2}
+
+
+def test_step_keeps_evenly_spaced_ranks():
+    # capacity 12, counts 6, 6, 8 -> quota 4 each; class 2 keeps ranks 0, 2, 4, 6 of 8.
+    mem = _past_and_current(12, 6, "step", [[5, 3, 7, 0, 6, 1, 4, 2]])
+    assert mem.class_counts() == {0: 4, 1: 4, 2: 4}
+    assert ids_of(mem, 2) == {0, 2, 4, 6}
+    # 3 of 9 (capacity 9, counts 3, 3, 9 -> quota 3): ranks 0, 3, 6.
+    mem = _past_and_current(9, 3, "step", [[8, 7, 6, 5, 4, 3, 2, 1, 0]])
+    assert ids_of(mem, 2) == {0, 3, 6}
+
+
+def test_past_classes_are_random_not_ranked():
+    # Past classes hold ids 100..109 / 200..209; a ranked cut (bottom) would keep the lowest.
+    kept = set()
+    for seed in range(8):
+        mem = ReplayMemory(10, (2,), "balanced-score", seed=seed)
+        mem.update(*batch(range(100, 105), 0), 0, id_score)
+        mem.update(*batch(range(200, 205), 1), 0, id_score)
+        mem.update(*batch(range(0, 10), 2), 1, id_score)
+        kept |= ids_of(mem, 0)
+    assert kept == set(range(100, 105))
+
+
+def test_scores_are_cached_and_scorer_called_once_with_what_needs_a_score():
+    mem = ReplayMemory(6, (2,), "balanced-score", seed=0)
+    rec = Recorder()
+
+    def step(ids, label, task, version=0, rescore_all=False):
+        before = len(rec.calls)
+        n = mem.update(*batch(ids, label), task, rec, version, rescore_all)
+        assert len(rec.calls) == before + 1
+        assert n == len(rec.calls[-1])
+        return rec.calls[-1]
+
+    assert step([0, 1, 2], 0, 0) == [0, 1, 2]
+    assert step([3, 4, 5], 1, 0) == [3, 4, 5]
+    assert step([6, 7], 1, 0) == [6, 7]  # same version: memory not re-scored
+    stored = sorted(ids_of(mem))
+    assert step([8, 9], 0, 0, version=1) == sorted(stored + [8, 9])  # new version
+    assert step([10, 11], 1, 0, version=1) == [10, 11]
+    stored = sorted(ids_of(mem))
+    assert step([12, 13], 0, 0, version=1, rescore_all=True) == sorted(stored + [12, 13])
+    # New task: past-task classes 0 and 1 need no score, even under a new version.
+    assert step([20, 21, 22], 2, 1, version=1) == [20, 21, 22]
+    assert mem.class_counts() == {0: 2, 1: 2, 2: 2}
+    kept2 = sorted(ids_of(mem, 2))
+    assert step([23, 24], 2, 1, version=2) == sorted(kept2 + [23, 24])
+    # Cached scores are the ids (scorer = id) with the version they were computed under.
+    s = mem.size
+    scored = mem.score_version[:s] >= 0
+    assert torch.equal(mem.score[:s][scored], mem.x[:s, 0][scored])
+    assert (mem.score_version[:s][mem.task[:s] == 1] == 2).all()
+
+
+def test_balanced_random_and_reservoir_never_score():
+    rec = Recorder()
+    for policy in ("balanced-random", "reservoir"):
+        mem = ReplayMemory(3, (2,), policy)
+        assert mem.update(*batch([0, 1, 2, 3], 0), 0, rec) == 0
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize(
+    ("policy", "selection"),
+    [("balanced-random", "bottom"), ("balanced-score", "step"), ("balanced-score", "top")],
+)
+def test_balanced_invariants_on_an_irregular_stream(policy, selection):
+    g = torch.Generator().manual_seed(7)
+    cap = 17
+    mem = ReplayMemory(cap, (2,), policy, selection=selection, seed=5)
+    scorer = lambda x: torch.sin(x[:, 0])  # noqa: E731 - arbitrary, reproducible scores
+    next_id, offered = 0, set()
+    for task in range(5):
+        classes = [2 * task, 2 * task + 1]
+        for _ in range(6):
+            label = classes[int(torch.randint(2, (1,), generator=g))]
+            b = int(torch.randint(1, 8, (1,), generator=g))
+            ids = list(range(next_id, next_id + b))
+            next_id += b
+            cand = mem.class_counts()
+            cand[label] = cand.get(label, 0) + b
+            before = {c: ids_of(mem, c) for c in cand}
+            mem.update(*batch(ids, label), task, scorer)
+            offered |= set(ids)
+            counts = mem.class_counts()
+            assert mem.size == min(cap, len(offered)) == sum(counts.values())
+            stored = mem.x[: mem.size, 0].long().tolist()
+            assert len(set(stored)) == len(stored) and set(stored) <= offered
+            assert (mem.x[: mem.size, 1].long() == mem.y[: mem.size]).all()
+            if sum(cand.values()) > cap:
+                q = _reference_q(list(cand.values()), cap)
+                for c, n in cand.items():
+                    assert counts.get(c, 0) == n if n <= q else counts[c] in (q, q + 1)
+                over = [counts[c] for c, n in cand.items() if n > q]
+                assert max(over) - min(over) <= 1
+            for c in before:  # a class never gains samples it was not offered
+                if c != label:
+                    assert ids_of(mem, c) <= before[c]
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_sample_excludes_the_current_task():
+    mem = ReplayMemory(10, (2,), "balanced-random", seed=2)
+    mem.update(*batch(range(0, 4), 0), 0)
+    assert mem.sample(3, exclude_task=0) is None
+    assert mem.sample(0) is None
+    mem.update(*batch(range(4, 10), 1), 1)
+    for _ in range(20):
+        x, y = mem.sample(3, exclude_task=1)
+        assert x.shape == (3, 2) and (y == 0).all()
+        assert len(set(x[:, 0].tolist())) == 3  # without replacement
+    x, y = mem.sample(100, exclude_task=1)  # more than eligible: all eligible ones
+    assert sorted(x[:, 0].long().tolist()) == [0, 1, 2, 3]
+    x, y = mem.sample(100)
+    assert sorted(x[:, 0].long().tolist()) == list(range(10))
+    assert (x[:, 1].long() == y).all()
+
+
+def test_sample_is_roughly_uniform():
+    mem = ReplayMemory(10, (2,), "balanced-random", seed=4)
+    mem.update(*batch(range(10), 0), 0)
+    hits = torch.zeros(10)
+    for _ in range(2000):
+        x, _ = mem.sample(1)
+        hits[int(x[0, 0])] += 1
+    assert hits.min() >= 140 and hits.max() <= 260  # expected 200 each
+
+
+def test_empty_memory_samples_nothing():
+    assert ReplayMemory(5, (2,), "reservoir").sample(3) is None
+
+
+# ---------------------------------------------------------------- reservoir
+
+
+def test_reservoir_count_is_min_of_seen_and_capacity():
+    mem = ReplayMemory(25, (2,), "reservoir")
+    for i in range(10):
+        mem.update(*batch(range(7 * i, 7 * i + 7), i % 3), i // 4)
+        assert mem.seen == 7 * (i + 1) and mem.size == min(7 * (i + 1), 25)
+        stored = mem.x[: mem.size, 0].long().tolist()
+        assert len(set(stored)) == len(stored)
+
+
+def test_reservoir_keeps_every_sample_with_equal_probability():
+    # 1000 samples into 50 slots: each kept with p = 0.05, i.e. 5 per block of 100 per run.
+    blocks = torch.zeros(10)
+    runs = 100
+    for seed in range(runs):
+        mem = ReplayMemory(50, (2,), "reservoir", seed=seed)
+        for s in range(0, 1000, 25):
+            mem.update(*batch(range(s, s + 25), 0), 0)
+        blocks += torch.bincount(mem.x[:, 0].long() // 100, minlength=10)
+    assert blocks.sum() == 50 * runs
+    assert ((blocks - 500).abs() <= 100).all(), blocks  # ~5 standard deviations
+
+
+def test_reservoir_later_sample_wins_a_shared_slot():
+    # Capacity 1: sequential reservoir keeps each of 20 samples with p = 1/20. If the first
+    # sample of a batch won a shared slot, early batch positions would be strongly favoured.
+    hits = torch.zeros(20)
+    for seed in range(1500):
+        mem = ReplayMemory(1, (2,), "reservoir", seed=seed)
+        mem.update(*batch(range(10), 0), 0)
+        mem.update(*batch(range(10, 20), 0), 0)
+        hits[int(mem.x[0, 0])] += 1
+    assert hits.min() >= 45 and hits.max() <= 105, hits  # expected 75 each
+
+
+# ---------------------------------------------------------------- determinism, persistence
+
+
+def _state_equal(a: ReplayMemory, b: ReplayMemory) -> bool:
+    s = a.size
+    return (
+        (a.size, a.seen) == (b.size, b.seen)
+        and torch.equal(a.x[:s], b.x[:s])
+        and all(
+            torch.equal(getattr(a, n)[:s], getattr(b, n)[:s])
+            for n in ("y", "task", "score", "score_version")
+        )
+    )
+
+
+def _cos(x: torch.Tensor) -> torch.Tensor:
+    return torch.cos(x[:, 0])
+
+
+@pytest.mark.parametrize("policy", ["reservoir", "balanced-random", "balanced-score"])
+def test_same_seed_same_memory_other_seed_other_memory(policy):
+    def run(seed):
+        mem = ReplayMemory(12, (2,), policy, seed=seed)
+        for i in range(24):
+            task = i // 6
+            mem.update(*batch(range(5 * i, 5 * i + 5), 2 * task + i % 2), task, _cos, i // 4)
+        return mem
+
+    a, b, c = run(0), run(0), run(1)
+    assert _state_equal(a, b)
+    assert not _state_equal(a, c)  # past-class cuts and leftover order depend on the seed
+    x1, _ = a.sample(5)
+    x2, _ = b.sample(5)
+    assert torch.equal(x1, x2)
+
+
+@pytest.mark.parametrize("policy", ["reservoir", "balanced-random", "balanced-score"])
+def test_state_dict_round_trip(policy):
+    def feed(mem, start, stop):
+        for i in range(start, stop):
+            task = i // 6
+            mem.update(*batch(range(5 * i, 5 * i + 5), 2 * task + i % 2), task, _cos, i // 4)
+
+    a = ReplayMemory(12, (2,), policy, seed=0)
+    feed(a, 0, 10)
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = ReplayMemory(12, (2,), policy, seed=123)
+    b.load_state_dict(torch.load(buf))
+    assert _state_equal(a, b) and a.class_counts() == b.class_counts()
+    feed(a, 10, 24)
+    feed(b, 10, 24)
+    assert _state_equal(a, b)
+    assert torch.equal(a.sample(6, exclude_task=3)[0], b.sample(6, exclude_task=3)[0])
+
+
+def test_load_state_dict_rejects_other_layouts():
+    a = ReplayMemory(12, (2,), "balanced-random")
+    with pytest.raises(ConfigError, match="capacity, shape"):
+        ReplayMemory(10, (2,), "balanced-random").load_state_dict(a.state_dict())
+    with pytest.raises(ConfigError, match="capacity, shape"):
+        ReplayMemory(12, (2,), "reservoir").load_state_dict(a.state_dict())
+    with pytest.raises(ConfigError, match="missing"):
+        a.load_state_dict({"capacity": 12})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_memory_keeps_its_invariants():
+    mem = ReplayMemory(8, (2,), "balanced-score", device="cuda", seed=0)
+    mem.update(*batch(range(0, 6), 0), 0, id_score)
+    mem.update(*batch(range(6, 12), 1), 1, id_score)
+    assert mem.x.device.type == "cuda" and mem.class_counts() == {0: 4, 1: 4}
+    assert ids_of(mem, 1) == {6, 7, 8, 9}
+    x, y = mem.sample(10, exclude_task=1)
+    assert x.device.type == "cuda" and (y == 0).all() and x.shape[0] == 4
+    res = ReplayMemory(8, (2,), "reservoir", device="cuda", seed=0)
+    res.update(*batch(range(20), 0), 0)
+    assert res.size == 8 and len(ids_of(res)) == 8
