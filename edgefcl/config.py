@@ -89,6 +89,7 @@ class FedConfig:
     clients: int = opt(3, "number of clients")
     burn_in: int = opt(4, "mini-batches of each task before a client may take part in rounds")
     jump: int = opt(2, "a client takes part every `jump` mini-batches after burn-in (q)")
+    encoding: str = opt("dense", "update encoding on the wire: dense")
     aggregation: str = opt("fedavg", "fedavg (weighted by samples) | class-weighted")
     mix: float = opt(0.5, "weight of the new average against the previous global")
     min_clients: int = opt(2, "eligible updates needed to close a round")
@@ -214,7 +215,6 @@ def validate(cfg: RunConfig) -> None:
         (f.clients >= 1, "clients must be >= 1"),
         (f.burn_in >= 0, "burn_in must be >= 0"),
         (f.jump >= 1, "jump must be >= 1"),
-        (f.aggregation in ("fedavg", "class-weighted"), "aggregation: fedavg or class-weighted"),
         (0 <= f.mix <= 1, "mix must be in [0, 1]"),
         (f.min_clients >= 1, "min_clients must be >= 1"),
         (f.mode in ("sync", "async"), "mode must be sync or async"),

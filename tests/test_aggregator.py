@@ -19,19 +19,22 @@ def test_schedule_burn_in_and_jump():
     assert [b for b in range(1, 6) if eligible(b, 0, 2)] == [2, 4]
 
 
+ZERO = {"w": np.zeros(2, np.float32)}
+
+
 def test_fedavg_weights_by_samples():
-    s = FedAvg()
+    s = FedAvg(mix_weight=1.0)
     s.add(upd("a", 1.0, n=10))
     s.add(upd("b", 4.0, n=30))
-    np.testing.assert_allclose(s.result()["w"], [(10 * 1 + 30 * 4) / 40] * 2)
+    np.testing.assert_allclose(s.result(ZERO)["w"], [(10 * 1 + 30 * 4) / 40] * 2)
 
 
 def test_class_weighted_fedavg_by_hand():
-    s = ClassWeightedFedAvg()
+    s = ClassWeightedFedAvg(mix_weight=1.0)
     s.add(upd("a", 0.0, classes={0: 10, 1: 10}))
     s.add(upd("b", 6.0, classes={1: 30}))
     # class 0: only a -> 0; class 1: (10*0 + 30*6)/40 = 4.5; equal mean of classes -> 2.25
-    np.testing.assert_allclose(s.result()["w"], [2.25, 2.25])
+    np.testing.assert_allclose(s.result(ZERO)["w"], [2.25, 2.25])
 
 
 def test_mix_with_previous_global():

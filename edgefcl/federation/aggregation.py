@@ -1,10 +1,21 @@
-"""Aggregation strategies as running weighted sums (memory independent of the client count)."""
+"""Aggregation strategies: validate one encoding's payload and fold it into running sums
+(memory independent of the client count), then produce the next global.
+
+A strategy is chosen by (encoding, aggregation) through `make_strategy`; new encodings register
+their strategies in `STRATEGIES`. `result(previous)` returns the new global tensors already mixed
+with the previous global.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
 from edgefcl.federation.messages import Tensors, Update
+
+Spec = dict[str, tuple[int, ...]]
+"""Global tensor name -> shape."""
 
 
 class WeightedSum:
@@ -28,28 +39,66 @@ class WeightedSum:
         return {k: v / self.weight for k, v in self.sums.items()}
 
 
-class FedAvg:
+def mix(new: dict[str, np.ndarray], previous: Tensors, weight: float) -> Tensors:
+    """weight * new + (1 - weight) * previous, as float32 (the paper's 0.5/0.5 smoothing)."""
+    return {
+        k: (weight * new[k] + (1.0 - weight) * previous[k].astype(np.float64)).astype(np.float32)
+        for k in previous
+    }
+
+
+def check_dense(tensors: Tensors, spec: Spec) -> str | None:
+    """Reason to reject a dense payload: names, shapes, dtype, finiteness."""
+    if set(tensors) != set(spec):
+        return "names"
+    for k, t in tensors.items():
+        if t.shape != spec[k]:
+            return "shape"
+        if t.dtype != np.float32:
+            return "dtype"
+        if not np.isfinite(t).all():
+            return "nonfinite"
+    return None
+
+
+class Strategy:
+    """Base of all strategies: one instance accumulates one round."""
+
+    encoding = "dense"
+
+    def __init__(self, mix_weight: float = 0.5) -> None:
+        self.mix_weight = mix_weight
+
+    def check(self, update: Update, spec: Spec) -> str | None:
+        return check_dense(update.tensors, spec)
+
+    def add(self, update: Update) -> None:
+        raise NotImplementedError
+
+    def result(self, previous: Tensors) -> Tensors:
+        raise NotImplementedError
+
+
+class FedAvg(Strategy):
     """FedAvg weighted by the samples each client saw in its current task."""
 
-    name = "fedavg"
-
-    def __init__(self) -> None:
+    def __init__(self, mix_weight: float = 0.5) -> None:
+        super().__init__(mix_weight)
         self.acc = WeightedSum()
 
     def add(self, update: Update) -> None:
         self.acc.add(update.tensors, float(max(update.num_samples, 1)))
 
-    def result(self) -> dict[str, np.ndarray]:
-        return self.acc.mean()
+    def result(self, previous: Tensors) -> Tensors:
+        return mix(self.acc.mean(), previous, self.mix_weight)
 
 
-class ClassWeightedFedAvg:
+class ClassWeightedFedAvg(Strategy):
     """'Weighted FedAvg': average the models per class present in the round (weighted by the
     client's samples of that class), then average the class models equally."""
 
-    name = "class-weighted"
-
-    def __init__(self) -> None:
+    def __init__(self, mix_weight: float = 0.5) -> None:
+        super().__init__(mix_weight)
         self.per_class: dict[int, WeightedSum] = {}
 
     def add(self, update: Update) -> None:
@@ -58,28 +107,25 @@ class ClassWeightedFedAvg:
             if n > 0:
                 self.per_class.setdefault(int(c), WeightedSum()).add(update.tensors, float(n))
 
-    def result(self) -> dict[str, np.ndarray]:
+    def result(self, previous: Tensors) -> Tensors:
         if not self.per_class:
             raise ValueError("no contributions to average")
         means = [self.per_class[c].mean() for c in sorted(self.per_class)]
-        return {k: sum(m[k] for m in means) / len(means) for k in means[0]}
+        avg = {k: sum(m[k] for m in means) / len(means) for k in means[0]}
+        return mix(avg, previous, self.mix_weight)
 
 
-STRATEGIES = {"fedavg": FedAvg, "class-weighted": ClassWeightedFedAvg}
+STRATEGIES: dict[tuple[str, str], Callable[[float], Strategy]] = {
+    ("dense", "fedavg"): FedAvg,
+    ("dense", "class-weighted"): ClassWeightedFedAvg,
+}
 
 
-def make_strategy(name: str) -> FedAvg | ClassWeightedFedAvg:
-    """A fresh accumulator for one round."""
+def make_strategy(encoding: str, aggregation: str, mix_weight: float = 0.5) -> Strategy:
+    """A fresh accumulator for one round of `encoding` updates aggregated by `aggregation`."""
     try:
-        return STRATEGIES[name]()
+        return STRATEGIES[(encoding, aggregation)](mix_weight)
     except KeyError:
-        known = ", ".join(sorted(STRATEGIES))
-        raise ValueError(f"unknown aggregation '{name}'; choose from {known}") from None
-
-
-def mix(new: dict[str, np.ndarray], previous: Tensors, weight: float) -> Tensors:
-    """weight * new + (1 - weight) * previous, as float32 (the paper's 0.5/0.5 smoothing)."""
-    return {
-        k: (weight * new[k] + (1.0 - weight) * previous[k].astype(np.float64)).astype(np.float32)
-        for k in previous
-    }
+        known = ", ".join(f"{e}/{a}" for e, a in sorted(STRATEGIES))
+        raise ValueError(f"no aggregation '{aggregation}' for encoding '{encoding}'; "
+                         f"known: {known}") from None

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgefcl.config import FedConfig
-from edgefcl.federation.aggregation import make_strategy, mix
+from edgefcl.federation.aggregation import make_strategy
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.schedule import eligible
 
@@ -61,7 +61,10 @@ class Aggregator:
         self.rounds = 0
         self.counters: Counter[str] = Counter()
         self._round = _Round()
-        self._acc = make_strategy(fed.aggregation)
+        self._acc = self._new_strategy()
+
+    def _new_strategy(self):
+        return make_strategy(self.fed.encoding, self.fed.aggregation, self.fed.mix)
 
     # -- membership -----------------------------------------------------------------------
     def join(self, client: str) -> None:
@@ -82,17 +85,11 @@ class Aggregator:
             return "duplicate"
         if isinstance(msg, Tick):
             return None if self.fed.mode == "sync" else "tick-in-async"
-        if msg.encoding != "dense":
+        if msg.encoding != self._acc.encoding:
             return "encoding"
-        if set(msg.tensors) != set(self.spec):
-            return "names"
-        for k, t in msg.tensors.items():
-            if t.shape != self.spec[k]:
-                return "shape"
-            if t.dtype != np.float32:
-                return "dtype"
-            if not np.isfinite(t).all():
-                return "nonfinite"
+        reason = self._acc.check(msg, self.spec)
+        if reason is not None:
+            return reason
         if msg.num_samples < 1:
             return "samples"
         if not eligible(msg.batch, self.fed.burn_in, self.fed.jump):
@@ -163,11 +160,11 @@ class Aggregator:
 
     def _close_round(self, tick: int | None) -> RoundClosed:
         participants = tuple(sorted(u.client for u in self._round.updates))
-        tensors = mix(self._acc.result(), self.global_.tensors, self.fed.mix)
+        tensors = self._acc.result(self.global_.tensors)
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
         self.rounds += 1
         self._round = _Round()
-        self._acc = make_strategy(self.fed.aggregation)
+        self._acc = self._new_strategy()
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants)

@@ -1,0 +1,167 @@
+"""Models of the online learners: MLP for vectors, small CNN and slim ResNet-18 for images.
+
+Images come in as (N, C, H, W); anything else (vectors, signals) is flattened by the MLP.
+`build_model("auto", ...)` picks the model from the sample shape: vectors -> MLP, images
+smaller than 32 px -> small CNN, images of 32 px and more -> slim ResNet-18 (nf = 20).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from edgefcl.config import ConfigError
+
+MODELS = ("auto", "mlp", "cnn", "resnet18")
+RESNET_NF = 20
+"""Width of the slim ResNet-18 (the GEM / online-CL "reduced ResNet-18")."""
+MIN_CNN_SIZE = 4
+"""Smallest H and W the small CNN accepts (it pools twice by 2)."""
+
+
+class MLP(nn.Module):
+    """Flatten, one hidden layer of `hidden` units with ReLU, linear head."""
+
+    def __init__(self, in_features: int, n_classes: int, hidden: int = 512) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(in_features, hidden),
+            nn.ReLU(inplace=True),
+            nn.Linear(hidden, n_classes),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def _conv_block(c_in: int, c_out: int, pool: bool) -> nn.Sequential:
+    layers: list[nn.Module] = [
+        nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+        nn.BatchNorm2d(c_out),
+        nn.ReLU(inplace=True),
+    ]
+    if pool:
+        layers.append(nn.MaxPool2d(2))
+    return nn.Sequential(*layers)
+
+
+class SmallCNN(nn.Module):
+    """Three 3x3 conv blocks (32, 64, 128 channels; BatchNorm, ReLU; max-pool after the first
+    two), global average pooling and a linear head. Works for any H, W >= 4."""
+
+    def __init__(self, in_channels: int, n_classes: int, width: int = 32) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            _conv_block(in_channels, width, pool=True),
+            _conv_block(width, 2 * width, pool=True),
+            _conv_block(2 * width, 4 * width, pool=False),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.head = nn.Linear(4 * width, n_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x))
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: two 3x3 convs with BatchNorm, identity or 1x1-conv shortcut."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class SlimResNet18(nn.Module):
+    """Reduced ResNet-18 of GEM / online continual learning: BasicBlock x [2, 2, 2, 2] with
+    widths nf, 2nf, 4nf, 8nf, a 3x3 stride-1 stem, global average pooling, linear head."""
+
+    def __init__(self, in_channels: int, n_classes: int, nf: int = RESNET_NF) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, nf, 3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(nf)
+        layers: list[nn.Module] = []
+        c_in = nf
+        for i, stride in enumerate((1, 2, 2, 2)):
+            c_out = nf * 2**i
+            layers += [BasicBlock(c_in, c_out, stride), BasicBlock(c_out, c_out, 1)]
+            c_in = c_out
+        self.layers = nn.Sequential(*layers)
+        self.linear = nn.Linear(c_in, n_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.layers(F.relu(self.bn1(self.conv1(x))))
+        out = F.adaptive_avg_pool2d(out, 1).flatten(1)
+        return self.linear(out)
+
+
+def resolve_model_name(name: str, sample_shape: tuple[int, ...]) -> str:
+    """The concrete model `auto` stands for (other names are returned as they are)."""
+    if name not in MODELS:
+        raise ConfigError(f"unknown model '{name}'; choose from {', '.join(MODELS)}")
+    if name != "auto":
+        return name
+    if len(sample_shape) != 3:
+        return "mlp"
+    return "cnn" if min(sample_shape[1:]) < 32 else "resnet18"
+
+
+def build_model(
+    name: str, sample_shape: tuple[int, ...], n_classes: int, hidden: int = 512
+) -> nn.Module:
+    """Build a fresh model for samples of `sample_shape` and `n_classes` classes.
+
+    name: auto | mlp | cnn | resnet18. Images have sample_shape (C, H, W); the CNN needs
+    H, W >= 4. `hidden` is the MLP's hidden width (ignored by the image models).
+    """
+    shape = tuple(int(s) for s in sample_shape)
+    if not shape or any(s < 1 for s in shape):
+        raise ConfigError(f"sample_shape must be non-empty with positive sizes, got {shape}")
+    if n_classes < 1:
+        raise ConfigError(f"n_classes must be >= 1, got {n_classes}")
+    kind = resolve_model_name(name, shape)
+    if kind == "mlp":
+        if hidden < 1:
+            raise ConfigError(f"hidden must be >= 1, got {hidden}")
+        return MLP(math.prod(shape), n_classes, hidden)
+    if len(shape) != 3:
+        raise ConfigError(
+            f"model '{kind}' needs image samples (C, H, W), got shape {shape}; use model=mlp"
+        )
+    channels, height, width = shape
+    if kind == "cnn":
+        if min(height, width) < MIN_CNN_SIZE:
+            raise ConfigError(
+                f"model 'cnn' needs images of at least {MIN_CNN_SIZE}x{MIN_CNN_SIZE} px, got "
+                f"{height}x{width}; use model=mlp"
+            )
+        return SmallCNN(channels, n_classes)
+    return SlimResNet18(channels, n_classes)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of scalar parameters of `model` (all parameters, trainable or not; no buffers)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Device of the model's first parameter (CPU for a model without parameters)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")

@@ -1,0 +1,98 @@
+"""Model construction, auto-selection, forward shapes and parameter counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edgefcl.config import ConfigError
+from edgefcl.learn.models import (
+    MLP,
+    SlimResNet18,
+    SmallCNN,
+    build_model,
+    count_parameters,
+    resolve_model_name,
+)
+
+
+@pytest.mark.parametrize(
+    ("shape", "expected"),
+    [
+        ((384,), MLP),
+        ((40,), MLP),
+        ((1, 8, 8), SmallCNN),
+        ((1, 28, 28), SmallCNN),
+        ((3, 31, 40), SmallCNN),
+        ((3, 32, 32), SlimResNet18),
+        ((3, 64, 64), SlimResNet18),
+    ],
+)
+def test_auto_selection(shape: tuple[int, ...], expected: type) -> None:
+    assert isinstance(build_model("auto", shape, 10), expected)
+
+
+def test_resolve_model_name() -> None:
+    assert resolve_model_name("auto", (3, 32, 32)) == "resnet18"
+    assert resolve_model_name("auto", (1, 28, 28)) == "cnn"
+    assert resolve_model_name("auto", (10,)) == "mlp"
+    assert resolve_model_name("cnn", (3, 64, 64)) == "cnn"
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("mlp", (384,)),
+        ("mlp", (1, 8, 8)),
+        ("cnn", (1, 8, 8)),
+        ("cnn", (1, 28, 28)),
+        ("cnn", (3, 8, 20)),
+        ("resnet18", (3, 32, 32)),
+        ("resnet18", (1, 48, 40)),
+    ],
+)
+def test_forward_shapes(name: str, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    model = build_model(name, shape, 7)
+    out = model(torch.rand(3, *shape))
+    assert out.shape == (3, 7)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_mlp_structure_and_count() -> None:
+    model = build_model("mlp", (384,), 10, hidden=512)
+    # 384*512 + 512 (hidden) + 512*10 + 10 (head)
+    assert count_parameters(model) == 384 * 512 + 512 + 512 * 10 + 10 == 202_250
+    assert count_parameters(build_model("mlp", (1, 4, 5), 3, hidden=8)) == 20 * 8 + 8 + 8 * 3 + 3
+
+
+def _hand_count_slim_resnet18(c_in: int, n_classes: int, nf: int = 20) -> int:
+    """Conv weights (no bias), BatchNorm weight+bias, linear weight+bias."""
+    total = 9 * c_in * nf + 2 * nf  # stem conv + BN
+    c = nf
+    for i in range(4):
+        c_out = nf * 2**i
+        total += 9 * c * c_out + 2 * c_out + 9 * c_out * c_out + 2 * c_out  # block 1
+        if i > 0:
+            total += c * c_out + 2 * c_out  # 1x1 conv shortcut + BN
+        total += 2 * (9 * c_out * c_out + 2 * c_out)  # block 2
+        c = c_out
+    return total + c * n_classes + n_classes
+
+
+def test_slim_resnet18_parameter_count() -> None:
+    model = build_model("resnet18", (3, 32, 32), 10)
+    assert model.linear.in_features == 160  # widths 20, 40, 80, 160
+    assert count_parameters(model) == _hand_count_slim_resnet18(3, 10) == 1_094_750
+
+
+def test_bad_names_and_shapes() -> None:
+    with pytest.raises(ConfigError, match="unknown model 'vgg'"):
+        build_model("vgg", (3, 32, 32), 10)
+    with pytest.raises(ConfigError, match="needs image samples"):
+        build_model("cnn", (384,), 10)
+    with pytest.raises(ConfigError, match="at least 4x4"):
+        build_model("cnn", (1, 2, 2), 10)
+    with pytest.raises(ConfigError, match="n_classes"):
+        build_model("mlp", (10,), 0)
