@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 from edgefcl.config import FedConfig, LearnConfig
 from edgefcl.data.types import Batch
+from edgefcl.federation.encodings import make_encoder
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.schedule import eligible
 from edgefcl.learn.memory import ReplayMemory
+from edgefcl.learn.objectives import make_hooks
 from edgefcl.learn.params import get_tensors, set_tensors
 from edgefcl.learn.perturb import augment_batch, make_perturber, tta_logits
 from edgefcl.learn.scores import uncertainty
@@ -48,7 +50,8 @@ class Client:
         self.fed = fed
         self.method = learn.method
         self.device = resolve_device(learn.device)
-        self.model = model.to(self.device)
+        self.hooks = make_hooks(self.method, learn)
+        self.model = self.hooks.prepare_model(model).to(self.device)
         self.gen = torch.Generator().manual_seed(seed)
         self.data_kind = data_kind
         params = list(self.model.parameters())
@@ -66,11 +69,13 @@ class Client:
         self.bn = 0
         self.samples_in_task = 0
         self.class_counts: dict[int, int] = {}
-        self.anchor = self._snapshot_params() if self.method == "fedprox" else None
+        self.encoder = make_encoder(fed.encoding)
+        self.base = get_tensors(self.model)  # state of the last global merged
         self.sent: dict[str, np.ndarray] | None = None
         self.scored = 0
         self.batches = 0
         self.timings: Counter[str] = Counter()  # seconds: train, score, memory (excl. score)
+        self.hooks.attach(self)
 
     # -- the online step --------------------------------------------------------------------
     def step(self, batch: Batch) -> Update | None:
@@ -96,10 +101,10 @@ class Client:
         if not eligible(self.bn, self.fed.burn_in, self.fed.jump):
             return None
         self.seq += 1
-        tensors = get_tensors(self.model)
-        self.sent = tensors
+        self.sent = get_tensors(self.model)
+        payload = self.encoder.encode(self.sent, self.base)
         return Update(self.cid, self.version, self.seq, self.task or 0, self.bn,
-                      self.samples_in_task, tensors, "dense", dict(self.class_counts))
+                      self.samples_in_task, payload, self.encoder.name, dict(self.class_counts))
 
     def tick(self) -> Tick:
         """A lock-step report for a mini-batch at which this client is not eligible."""
@@ -111,6 +116,7 @@ class Client:
         self.bn = 0
         self.samples_in_task = 0
         self.class_counts = {}
+        self.hooks.on_task_start(self, task)
 
     def _train(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.model.train()
@@ -123,19 +129,12 @@ class Client:
                     xb = torch.cat([xb, replay[0]])
                     yb = torch.cat([yb, replay[1]])
             loss = F.cross_entropy(self.model(xb), yb)
-            if self.anchor is not None:
-                loss = loss + self._prox()
+            extra = self.hooks.penalty(self)
+            if extra is not None:
+                loss = loss + extra
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
-
-    def _prox(self) -> torch.Tensor:
-        """FedProx: (mu / 2) * ||w - w_global||^2 over the parameters."""
-        terms = [((p - self.anchor[n]) ** 2).sum() for n, p in self.model.named_parameters()]
-        return 0.5 * self.learn.fedprox_mu * torch.stack(terms).sum()
-
-    def _snapshot_params(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
     # -- memory ---------------------------------------------------------------------------
     def _update_memory(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -181,15 +180,14 @@ class Client:
             else:
                 self.score_model.load_state_dict(self.model.state_dict())
             self.score_version += 1
+        now = get_tensors(self.model)
+        merged = self.encoder.decode_global(g.tensors, now)
+        self.base = merged
         if merge == "delta" and self.sent is not None:
-            now = get_tensors(self.model)
-            tensors = {k: g.tensors[k] + (now[k] - self.sent[k]) for k in g.tensors}
-        else:
-            tensors = g.tensors
-        set_tensors(self.model, tensors)
+            merged = {k: merged[k] + (now[k] - self.sent[k]) for k in merged}
+        set_tensors(self.model, merged)
         self.version = g.version
-        if self.anchor is not None:
-            self.anchor = self._snapshot_params()
+        self.hooks.on_global(self, g)
 
     # -- evaluation -----------------------------------------------------------------------
     @torch.no_grad()
