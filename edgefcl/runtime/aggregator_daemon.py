@@ -25,7 +25,7 @@ SENDER = "aggregator"
 
 class AggregatorDaemon:
     """Runs an Aggregator over MQTT until stopped (SIGTERM/SIGINT, `control` stop, or when
-    `exit_when_done` and every client that joined has finished).
+    `exit_when_done` and no client is active any more after at least one finished).
 
     State directory: `global.npz` (the current global), `state.json` (version, tick, rounds,
     last sequence numbers, counters) and `rounds.jsonl` (one line per closed round), all written
@@ -41,7 +41,7 @@ class AggregatorDaemon:
         self.spec_hash = spec_hash(model_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every
-        self.inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[str, bytes | CodecError]] = queue.Queue()
         self.stop_event = threading.Event()
         self.done: set[str] = set()
         self.bytes_in: dict[str, int] = {}
@@ -118,9 +118,12 @@ class AggregatorDaemon:
                       retain=True)
 
     # -- message handling -----------------------------------------------------------------
-    def handle(self, topic: str, payload: bytes) -> None:
-        """Validate and apply one incoming message; never raises on bad input."""
+    def handle(self, topic: str, payload: bytes | CodecError) -> None:
+        """Validate and apply one incoming message (or a transfer the link already rejected);
+        never raises on bad input."""
         try:
+            if isinstance(payload, CodecError):
+                raise payload
             msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload)
         except CodecError as e:
             self.agg.counters[f"rejected_{e.reason}"] += 1
@@ -179,7 +182,8 @@ class AggregatorDaemon:
         will = (self.topics.aggregator_status,
                 encode(Message("status", {"state": "offline"}), fleet=self.cfg.mqtt.fleet,
                        sender=SENDER), 1, True)
-        self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-aggregator", will=will)
+        self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-aggregator", will=will,
+                              on_reject=lambda topic, e: self.inbox.put((topic, e)))
         put = lambda topic, payload: self.inbox.put((topic, payload))  # noqa: E731
         self.link.subscribe(self.topics.updates, put)
         self.link.subscribe(self.topics.statuses, put)
@@ -191,6 +195,7 @@ class AggregatorDaemon:
                  self.cfg.mqtt.fleet, self.cfg.mqtt.broker, self.cfg.fed.mode,
                  self.agg.global_.version)
         next_status = 0.0
+        reconnects = self.link.reconnects
         while not self.stop_event.is_set():
             try:
                 topic, payload = self.inbox.get(timeout=0.1)
@@ -198,14 +203,17 @@ class AggregatorDaemon:
             except queue.Empty:
                 pass
             now = time.monotonic()
+            if self.link.reconnects != reconnects and self.link.is_connected:
+                reconnects = self.link.reconnects  # the broker may have lost retained messages
+                self._publish_config()
+                self._publish_global(self.agg.global_)
             if self.cfg.fed.mode == "async":
                 self._closed(self.agg.poll(now))
             if now >= next_status:
                 self._publish_status()
                 next_status = now + self.status_every
-            if self.exit_when_done and self.done and not self.agg.active and \
-                    len(self.done) >= self.cfg.fed.clients:
-                break
+            if self.exit_when_done and self.done and not self.agg.active:
+                break  # every client that joined finished its stream or went offline
         self._save_state(None)
         self._publish_status("stopped")
         self.link.close()

@@ -153,6 +153,8 @@ class DeviceRunner:
             self.link.subscribe(self.topics.stream(self.cid), self._on_message)
         self.link.connect(self.cfg.mqtt.connect_timeout)
         self._status("online")
+        log.info("%s online on %s (fleet %s, mode %s)", self.cid, self.cfg.mqtt.broker,
+                 self.cfg.mqtt.fleet, self.cfg.fed.mode)
         sync = self.cfg.fed.mode == "sync"
         try:
             for batch in self._stream():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,8 +22,8 @@ from edgefcl.config import RunConfig, dump_toml
 from edgefcl.learn.params import tensors_sha256
 from edgefcl.metrics import CommStats
 from edgefcl.runtime.links import open_link, topics
-from edgefcl.runtime.state import load_json, load_tensors
-from edgefcl.simulate import RunResult, cfg_dict, client_id
+from edgefcl.runtime.state import load_json, load_tensors, save_tensors
+from edgefcl.simulate import RunResult, cfg_dict, client_id, initial_global, prepare
 from edgefcl.transport.broker import EmbeddedBroker
 from edgefcl.transport.codec import CodecError, Message, decode
 
@@ -33,7 +34,7 @@ class FleetError(RuntimeError):
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "edgefcl", *args], stdout=f,
+        return subprocess.Popen([sys.executable, "-m", "edgefcl", "-v", *args], stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
@@ -54,14 +55,19 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
             learn=dataclasses.replace(cfg.learn, method=method))
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgefcl-")))
-        workdir.mkdir(parents=True, exist_ok=True)
+        if workdir.exists():
+            shutil.rmtree(workdir)  # a fresh run: never resume an old aggregator state
+        workdir.mkdir(parents=True)
         conf = workdir / "fleet.toml"
         conf.write_text(dump_toml(run_cfg))
         state_dir, results_dir, logs = workdir / "aggregator", workdir / "clients", workdir / "logs"
         logs.mkdir(exist_ok=True)
         base = ["--config", str(conf)]
+        initial = workdir / "initial.npz"
+        save_tensors(initial, initial_global(run_cfg, prepare(run_cfg, seed)))
         procs = {"aggregator": _spawn(["aggregator", *base, "--state-dir", str(state_dir),
-                                       "--exit-when-done"], logs / "aggregator.log")}
+                                       "--initial", str(initial), "--exit-when-done"],
+                                      logs / "aggregator.log")}
         K = cfg.fed.clients
         for k in range(K):
             procs[client_id(k)] = _spawn(["client", *base, "--index", str(k), "--results",
@@ -107,14 +113,21 @@ def _watch(cfg: RunConfig, procs: dict[str, subprocess.Popen], logs: Path,
         link.subscribe(t.statuses, on_status)
         link.subscribe(t.aggregator_status, on_status)
     deadline = time.monotonic() + timeout
+    orphaned_since: float | None = None
     try:
         while any(p.poll() is None for p in procs.values()):
             for name, p in procs.items():
                 if p.poll() not in (None, 0):
                     tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
                     raise FleetError(f"{name} exited with code {p.returncode}:\n{tail}")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise FleetError(f"fleet did not finish within {timeout:.0f} s")
+            if procs["aggregator"].poll() is not None:
+                orphaned_since = orphaned_since or now
+                if now - orphaned_since > 30:
+                    raise FleetError("the aggregator exited but clients are still running; "
+                                     f"see the logs in {logs}")
             if progress is not None:
                 progress(sum(consumed.values()), 0, f"rounds {agg_status.get('rounds', 0)}")
             time.sleep(0.2)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from edgefcl.config import MqttConfig
+from edgefcl.transport.codec import CodecError
 from edgefcl.transport.mqtt import MqttLink
 from edgefcl.transport.topics import Topics
 
@@ -19,14 +21,15 @@ def wire_dtype(m: MqttConfig) -> str | None:
 
 
 def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, bool] | None = None,
-              clean_start: bool = False, connect: bool = True) -> MqttLink:
+              clean_start: bool = False, connect: bool = True,
+              on_reject: Callable[[str, CodecError], None] | None = None) -> MqttLink:
     """An MqttLink configured from `m` (credentials, TLS, chunking), connected unless asked not."""
     password = m.password or os.environ.get("EDGEFCL_MQTT_PASSWORD", "")
     link = MqttLink(
         m.broker, client_id, username=m.username or None, password=password or None,
         tls_ca=m.tls_ca or None, tls_cert=m.tls_cert or None, tls_key=m.tls_key or None,
         tls_insecure=m.tls_insecure, clean_start=clean_start, will=will,
-        chunk_size=m.chunk_size, max_bytes=m.max_payload,
+        chunk_size=m.chunk_size, max_bytes=m.max_payload, on_reject=on_reject,
     )
     if connect:
         link.connect(m.connect_timeout)

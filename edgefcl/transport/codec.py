@@ -1,0 +1,385 @@
+"""Wire codec: msgpack payloads for every message of the MQTT protocol.
+
+Every payload is a msgpack map with at least `schema` (SCHEMA_VERSION), `kind`, `fleet` and
+`sender`; the other keys depend on the kind. Tensors travel as maps
+`{"dtype": "<f4", "shape": [..], "data": <raw little-endian bytes>}`; with `wire_dtype="<f2"`
+float32 tensors are sent as float16 and carry `"to": "<f4"` so the receiver restores float32.
+
+`decode` validates everything that comes in and raises `CodecError(reason)` with a short
+machine-readable reason (schema, fleet, malformed, kind, dtype, shape, nonfinite, oversized) so
+daemons can log and count rejections instead of crashing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from edgefcl.data.types import Batch
+from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+
+SCHEMA_VERSION = 1
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+"""Largest payload `decode` accepts (matches `max_packet_size` of broker/mosquitto.conf)."""
+
+ALLOWED_DTYPES = frozenset(
+    ["<f2", "<f4", "<f8", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8"]
+)
+FLOAT_DTYPES = frozenset(["<f2", "<f4", "<f8"])
+WIRE_DTYPES = frozenset(["<f4", "<f2"])
+MAX_NDIM = 32
+
+DATACLASS_KINDS = frozenset(["update", "tick", "global"])
+DICT_KINDS = frozenset(["config", "status", "control", "stream", "answer"])
+"""Kinds carried as plain dicts (`Message`): `answer` is the aggregator's lock-step reply."""
+CONTROL_COMMANDS = frozenset(["pause", "resume", "stop"])
+RESERVED_KEYS = frozenset(["schema", "kind", "fleet", "sender"])
+_TENSOR_KEYS = frozenset(["dtype", "shape", "data"])
+
+ModelSpec = dict[str, tuple[tuple[int, ...], str]]
+"""Tensor name -> (shape, dtype string such as '<f4'), in state_dict order."""
+
+
+class CodecError(ValueError):
+    """A payload that cannot be encoded or was rejected on decode.
+
+    `reason` is a short machine-readable tag used for logging and counting rejections.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+@dataclass
+class Message:
+    """A plain-dict message (config, status, control, stream, answer) with its envelope."""
+
+    kind: str
+    body: dict[str, Any]
+    fleet: str = ""
+    sender: str = ""
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def _dtype_str(dt: np.dtype) -> str:
+    le = dt.newbyteorder("<") if dt.byteorder == ">" else dt
+    return le.str
+
+
+def encode_tensor(arr: np.ndarray, wire_dtype: str | None = None) -> dict[str, Any]:
+    """One array as a tensor map; float32 arrays are cast to `wire_dtype` if given."""
+    a = np.asarray(arr)
+    dt = _dtype_str(a.dtype)
+    if dt not in ALLOWED_DTYPES:
+        raise CodecError("dtype", f"cannot send dtype {a.dtype}; allowed: {sorted(ALLOWED_DTYPES)}")
+    out: dict[str, Any] = {}
+    if wire_dtype is not None and wire_dtype != dt and dt == "<f4":
+        if wire_dtype not in WIRE_DTYPES:
+            raise CodecError("dtype", f"wire_dtype must be one of {sorted(WIRE_DTYPES)}")
+        with np.errstate(over="ignore"):
+            cast = a.astype(wire_dtype)
+        if not np.isfinite(cast).all() and np.isfinite(a).all():
+            raise CodecError(
+                "range", f"values beyond ±{np.finfo(np.float16).max:g} overflow float16 on the "
+                "wire; send float32 (wire_dtype=None)"
+            )
+        out["to"] = dt
+        a, dt = cast, wire_dtype
+    a = a.astype(dt, order="C", copy=False)  # little-endian, C order (0-d arrays stay 0-d)
+    out.update(dtype=dt, shape=list(a.shape), data=memoryview(a.reshape(-1)).cast("B"))
+    return out
+
+
+def _is_tensor_map(v: Any) -> bool:
+    if not isinstance(v, dict) or not v.keys() >= _TENSOR_KEYS:
+        return False
+    return len(v) == 3 or (len(v) == 4 and "to" in v)
+
+
+def decode_tensor(m: Any, name: str = "") -> np.ndarray:
+    """A tensor map back to a writable numpy array; raises CodecError on anything invalid."""
+    if not isinstance(m, dict) or not _is_tensor_map(m):
+        raise CodecError("malformed", f"tensor {name!r}: expected a map with dtype, shape, data")
+    dt, shape, data = m["dtype"], m["shape"], m["data"]
+    if not isinstance(dt, str) or dt not in ALLOWED_DTYPES:
+        raise CodecError("dtype", f"tensor {name!r}: dtype {dt!r} not in {sorted(ALLOWED_DTYPES)}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise CodecError("shape", f"tensor {name!r}: shape must be a list of non-negative ints")
+    if not isinstance(data, bytes):
+        raise CodecError("malformed", f"tensor {name!r}: data must be bytes")
+    itemsize = np.dtype(dt).itemsize
+    if len(data) != math.prod(shape) * itemsize:
+        raise CodecError(
+            "shape",
+            f"tensor {name!r}: {len(data)} data bytes but shape {shape} x {itemsize} needs "
+            f"{math.prod(shape) * itemsize}",
+        )
+    try:
+        arr = np.frombuffer(data, dtype=dt).reshape(shape)
+    except (ValueError, OverflowError):  # e.g. a zero dimension next to a huge one
+        raise CodecError("shape", f"tensor {name!r}: shape {shape} cannot be built") from None
+    if dt in FLOAT_DTYPES and not np.isfinite(arr).all():
+        raise CodecError("nonfinite", f"tensor {name!r}: NaN or Inf values")
+    to = m.get("to")
+    if to is not None:
+        if not isinstance(to, str) or to not in FLOAT_DTYPES or dt not in FLOAT_DTYPES:
+            raise CodecError("dtype", f"tensor {name!r}: cannot restore {dt!r} to {to!r}")
+        return arr.astype(to)
+    return arr.copy()
+
+
+def _encode_tensors(tensors: Tensors, wire_dtype: str | None) -> dict[str, Any]:
+    if not isinstance(tensors, dict):
+        raise CodecError("malformed", "tensors must be a dict name -> array")
+    return {str(k): encode_tensor(v, wire_dtype) for k, v in tensors.items()}
+
+
+def _decode_tensors(m: Any) -> Tensors:
+    if not isinstance(m, dict) or not all(isinstance(k, str) for k in m):
+        raise CodecError("malformed", "tensors must be a map of name -> tensor")
+    return {k: decode_tensor(v, k) for k, v in m.items()}
+
+
+# ---------------------------------------------------------------- model spec
+
+
+def model_spec(tensors: Tensors) -> ModelSpec:
+    """Shapes and dtypes of a set of tensors, in their order."""
+    return {k: (tuple(int(d) for d in v.shape), _dtype_str(v.dtype)) for k, v in tensors.items()}
+
+
+def spec_hash(spec: ModelSpec) -> str:
+    """Short (16 hex chars) sha256 of a ModelSpec, independent of the tensor order."""
+    canon = json.dumps(sorted((k, list(s), d) for k, (s, d) in spec.items()), separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def check_tensors(tensors: Tensors, spec: ModelSpec) -> None:
+    """Raise CodecError("names" | "shape" | "dtype") unless `tensors` matches `spec` exactly."""
+    missing = [k for k in spec if k not in tensors]
+    extra = [k for k in tensors if k not in spec]
+    if missing or extra:
+        raise CodecError("names", f"missing tensors {missing[:5]}, unexpected {extra[:5]}")
+    for k, (shape, dt) in spec.items():
+        t = tensors[k]
+        if tuple(t.shape) != tuple(shape):
+            raise CodecError("shape", f"tensor {k!r} has shape {tuple(t.shape)}, expected {shape}")
+        if _dtype_str(t.dtype) != dt:
+            raise CodecError("dtype", f"tensor {k!r} has dtype {t.dtype.str}, expected {dt}")
+
+
+# ---------------------------------------------------------------- encode
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return encode_tensor(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__} in a message")
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True, default=_default)
+    except (TypeError, ValueError, OverflowError) as e:
+        if isinstance(e, CodecError):
+            raise
+        raise CodecError("malformed", f"cannot encode message: {e}") from e
+
+
+def _envelope(kind: str, fleet: str, sender: str) -> dict[str, Any]:
+    if not isinstance(fleet, str) or not fleet:
+        raise CodecError("fleet", "fleet must be a non-empty string")
+    if not isinstance(sender, str) or not sender:
+        raise CodecError("malformed", "sender must be a non-empty string")
+    return {"schema": SCHEMA_VERSION, "kind": kind, "fleet": fleet, "sender": sender}
+
+
+def encode(
+    msg: Update | Tick | GlobalModel | Message,
+    *,
+    fleet: str,
+    sender: str | None = None,
+    wire_dtype: str | None = None,
+) -> bytes:
+    """Encode a message as msgpack bytes.
+
+    `sender` defaults to the update/tick client, "aggregator" for a GlobalModel, and
+    `msg.sender` for a Message. `wire_dtype="<f2"` sends float32 tensors as float16.
+    """
+    if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
+        raise CodecError("dtype", f"wire_dtype must be None or one of {sorted(WIRE_DTYPES)}")
+    if isinstance(msg, Update):
+        m = _envelope("update", fleet, sender or msg.client)
+        m.update(
+            client=msg.client, base_version=int(msg.base_version), seq=int(msg.seq),
+            task=int(msg.task), batch=int(msg.batch), num_samples=int(msg.num_samples),
+            encoding=msg.encoding, tensors=_encode_tensors(msg.tensors, wire_dtype),
+            class_counts=None if msg.class_counts is None
+            else {int(k): int(v) for k, v in msg.class_counts.items()},
+        )
+    elif isinstance(msg, Tick):
+        m = _envelope("tick", fleet, sender or msg.client)
+        m.update(client=msg.client, seq=int(msg.seq), task=int(msg.task), batch=int(msg.batch))
+    elif isinstance(msg, GlobalModel):
+        m = _envelope("global", fleet, sender or "aggregator")
+        m.update(
+            version=int(msg.version), tensors=_encode_tensors(msg.tensors, wire_dtype),
+            participants=[str(p) for p in msg.participants],
+        )
+    elif isinstance(msg, Message):
+        if msg.kind not in DICT_KINDS:
+            raise CodecError("kind", f"unknown kind {msg.kind!r}; known {sorted(DICT_KINDS)}")
+        clash = RESERVED_KEYS & msg.body.keys()
+        if clash:
+            raise CodecError("malformed", f"body keys {sorted(clash)} are reserved")
+        m = _envelope(msg.kind, fleet, sender or msg.sender)
+        for k, v in msg.body.items():
+            m[str(k)] = encode_tensor(v, wire_dtype) if isinstance(v, np.ndarray) else v
+    else:
+        raise CodecError("kind", f"cannot encode {type(msg).__name__}")
+    return _pack(m)
+
+
+def encode_batch(
+    batch: Batch, *, client: str, fleet: str, sender: str = "replayer",
+    wire_dtype: str | None = None,
+) -> bytes:
+    """A stream mini-batch for `client` (kind "stream")."""
+    body = {
+        "client": client, "x": batch.x, "y": batch.y, "task": int(batch.task),
+        "index": int(batch.index), "end_of_task": bool(batch.end_of_task),
+    }
+    return encode(Message("stream", body), fleet=fleet, sender=sender, wire_dtype=wire_dtype)
+
+
+# ---------------------------------------------------------------- decode
+
+
+def _get(m: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
+    v = m.get(key)
+    # bool is an int subclass: never accept it where an int is meant (and vice versa)
+    ok = isinstance(v, typ) and not (isinstance(v, bool) and bool not in _as_tuple(typ))
+    if not ok:
+        names = "/".join(t.__name__ for t in _as_tuple(typ))
+        raise CodecError("malformed", f"field {key!r} must be {names}, got {type(v).__name__}")
+    return v
+
+
+def _as_tuple(typ: type | tuple[type, ...]) -> tuple[type, ...]:
+    return typ if isinstance(typ, tuple) else (typ,)
+
+
+def _decode_update(m: dict[str, Any]) -> Update:
+    counts = m.get("class_counts")
+    valid = isinstance(counts, dict) and all(
+        type(k) is int and type(v) is int and v >= 0 for k, v in counts.items()
+    )
+    if counts is not None and not valid:
+        raise CodecError("malformed", "class_counts must map int class -> non-negative int")
+    n = _get(m, "num_samples", int)
+    if n < 0:
+        raise CodecError("malformed", "num_samples must be >= 0")
+    return Update(
+        client=_get(m, "client", str), base_version=_get(m, "base_version", int),
+        seq=_get(m, "seq", int), task=_get(m, "task", int), batch=_get(m, "batch", int),
+        num_samples=n, tensors=_decode_tensors(m.get("tensors")),
+        encoding=_get(m, "encoding", str), class_counts=counts,
+    )
+
+
+def _decode_value(v: Any, name: str) -> Any:
+    if _is_tensor_map(v):
+        return decode_tensor(v, name)
+    if isinstance(v, dict):
+        return {k: _decode_value(x, f"{name}.{k}") for k, x in v.items()}
+    if isinstance(v, list):
+        return [_decode_value(x, f"{name}[{i}]") for i, x in enumerate(v)]
+    return v
+
+
+def _decode_message(kind: str, m: dict[str, Any]) -> Message:
+    body = {k: _decode_value(v, str(k)) for k, v in m.items() if k not in RESERVED_KEYS}
+    command = body.get("command")
+    if kind == "control" and not (isinstance(command, str) and command in CONTROL_COMMANDS):
+        raise CodecError("malformed", f"control command must be one of {sorted(CONTROL_COMMANDS)}")
+    if kind == "stream":
+        _get(body, "client", str)
+        _get(body, "task", int)
+        _get(body, "index", int)
+        _get(body, "end_of_task", bool)
+        x, y = body.get("x"), body.get("y")
+        if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
+            raise CodecError("malformed", "stream batch needs tensors x and y")
+        if y.ndim != 1 or x.ndim < 1 or len(x) != len(y) or y.dtype.kind not in "iu":
+            raise CodecError("shape", f"stream batch x {x.shape} / y {y.shape} {y.dtype} mismatch")
+    return Message(kind, body, m["fleet"], m["sender"])
+
+
+def decode(
+    payload: bytes, expect_fleet: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> Update | Tick | GlobalModel | Message:
+    """Decode and validate one payload; raise CodecError(reason) if it must be rejected."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise CodecError("malformed", f"payload must be bytes, got {type(payload).__name__}")
+    if len(payload) > max_bytes:
+        raise CodecError("oversized", f"{len(payload)} bytes > limit {max_bytes}")
+    try:
+        m = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except Exception as e:  # msgpack raises many types (ExtraData, FormatError, ValueError...)
+        raise CodecError("malformed", f"not a msgpack payload ({type(e).__name__})") from None
+    if not isinstance(m, dict):
+        raise CodecError("malformed", "payload is not a msgpack map")
+    schema = m.get("schema")
+    if type(schema) is not int or schema != SCHEMA_VERSION:
+        raise CodecError("schema", f"schema {schema!r}, this build speaks {SCHEMA_VERSION}")
+    kind = _get(m, "kind", str)
+    if kind == "chunk":
+        raise CodecError("kind", "chunk payloads must be reassembled first (transport.chunks)")
+    fleet = _get(m, "fleet", str)
+    _get(m, "sender", str)
+    if expect_fleet is not None and fleet != expect_fleet:
+        raise CodecError("fleet", f"payload is for fleet {fleet!r}, expected {expect_fleet!r}")
+    if kind == "update":
+        return _decode_update(m)
+    if kind == "tick":
+        return Tick(
+            client=_get(m, "client", str), seq=_get(m, "seq", int),
+            task=_get(m, "task", int), batch=_get(m, "batch", int),
+        )
+    if kind == "global":
+        parts = m.get("participants")
+        if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+            raise CodecError("malformed", "participants must be a list of strings")
+        return GlobalModel(
+            version=_get(m, "version", int), tensors=_decode_tensors(m.get("tensors")),
+            participants=tuple(parts),
+        )
+    if kind in DICT_KINDS:
+        return _decode_message(kind, m)
+    raise CodecError("kind", f"unknown message kind {kind!r}")
+
+
+def as_batch(msg: Message) -> Batch:
+    """The mini-batch of a decoded stream message."""
+    if msg.kind != "stream":
+        raise CodecError("kind", f"expected a stream message, got {msg.kind!r}")
+    b = msg.body
+    return Batch(x=b["x"], y=b["y"], task=b["task"], index=b["index"], end_of_task=b["end_of_task"])

@@ -1,0 +1,368 @@
+"""A thin MQTT link over paho-mqtt 2.x: connect, publish (chunked), subscribe, reconnect.
+
+Protocol choice: MQTT 3.1.1 is the default because every broker speaks it (the embedded amqtt
+broker speaks nothing else) and a persistent session is simply `clean_session=False`. With
+`protocol="5"` the link asks for `clean_start=False` plus a session expiry interval, which is
+what MQTT 5 needs for the same persistence (and is required for shared subscriptions).
+
+Persistent sessions (`clean_start=False`, the default) make the broker queue QoS 1 messages
+for a subscriber while it is offline; messages published while this link is offline are
+queued by paho and sent after the automatic reconnect.
+
+Callbacks run on paho's network thread: handlers must be quick or hand work to a queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import ssl
+import threading
+from collections.abc import Callable
+from urllib.parse import unquote, urlsplit
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from edgefcl.transport.chunks import DEFAULT_CHUNK_SIZE, Reassembler, is_chunk, split
+from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, bytes], None]
+DEFAULT_PORTS = {"mqtt": 1883, "tcp": 1883, "mqtts": 8883, "ssl": 8883}
+HOW_TO_START = (
+    "start one with `edgefcl broker` (embedded, for a laptop) or "
+    "`mosquitto -c broker/mosquitto.conf` (see broker/README.md)"
+)
+
+
+class TransportError(RuntimeError):
+    """A transport operation that failed; the message says what to check."""
+
+
+class BrokerUnavailable(TransportError):
+    """The broker could not be reached or refused the connection."""
+
+
+def parse_url(url: str) -> tuple[str, int, bool, str | None, str | None]:
+    """`mqtt://[user:pass@]host[:port]` -> (host, port, tls, username, password)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS or not parts.hostname:
+        raise ValueError(
+            f"broker url {url!r} must look like mqtt://host:port or mqtts://host:port"
+        )
+    try:
+        port = parts.port or DEFAULT_PORTS[scheme]
+    except ValueError as e:
+        raise ValueError(f"broker url {url!r} has an invalid port: {e}") from None
+    user = unquote(parts.username) if parts.username else None
+    pw = unquote(parts.password) if parts.password else None
+    return parts.hostname, port, scheme in ("mqtts", "ssl"), user, pw
+
+
+def _match_pattern(pattern: str) -> str:
+    """The topic filter a shared subscription `$share/<group>/<filter>` matches against."""
+    if pattern.startswith("$share/"):
+        return pattern.split("/", 2)[2]
+    return pattern
+
+
+class MqttLink:
+    """One MQTT connection with chunked publish, handler dispatch and automatic reconnect.
+
+    Chunked payloads that fail reassembly (digest mismatch, over `max_bytes`) never reach a
+    handler: they are counted in `rejected` and reported to `on_reject(topic, CodecError)`.
+    """
+
+    def __init__(
+        self,
+        broker_url: str,
+        client_id: str,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_insecure: bool = False,
+        clean_start: bool = False,
+        will: tuple[str, bytes, int, bool] | None = None,
+        keepalive: int = 30,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        protocol: str = "3.1.1",
+        session_expiry: int = 7 * 24 * 3600,
+        reconnect_delay: tuple[int, int] = (1, 30),
+        on_reject: Callable[[str, CodecError], None] | None = None,
+    ) -> None:
+        if protocol not in ("3.1.1", "5"):
+            raise ValueError(f"protocol must be '3.1.1' or '5', got {protocol!r}")
+        if not client_id:
+            raise ValueError("client_id must be a non-empty string")
+        self.host, self.port, tls, url_user, url_pw = parse_url(broker_url)
+        self.url = broker_url
+        self.client_id = client_id
+        self.chunk_size = chunk_size
+        self.protocol = protocol
+        self.clean_start = clean_start
+        self.keepalive = keepalive
+        self.session_expiry = session_expiry
+        v5 = protocol == "5"
+        self._client = paho.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            clean_session=None if v5 else clean_start,
+            protocol=paho.MQTTv5 if v5 else paho.MQTTv311,
+        )
+        self._client.reconnect_delay_set(*reconnect_delay)
+        self._client.max_queued_messages_set(0)
+        user, pw = username or url_user, password or url_pw
+        if user is not None:
+            self._client.username_pw_set(user, pw)
+        if tls or tls_ca or tls_cert:
+            self._client.tls_set(
+                ca_certs=tls_ca, certfile=tls_cert, keyfile=tls_key,
+                cert_reqs=ssl.CERT_NONE if tls_insecure else ssl.CERT_REQUIRED,
+            )
+            self._client.tls_insecure_set(tls_insecure)
+        if will is not None:
+            topic, payload, qos, retain = will
+            self._client.will_set(topic, payload, qos, retain)
+        self._client.on_connect = self._on_connect
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_message = self._on_message
+        self._client.on_subscribe = self._on_subscribe
+        self._handlers: list[tuple[str, str, Handler, int]] = []
+        self._reassembler = Reassembler(max_bytes=max_bytes)
+        self.on_reject = on_reject
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._refused: str | None = None
+        self._answered = threading.Event()
+        self._subacks: dict[int, list] = {}
+        self._suback_cond = threading.Condition()
+        self._connect_mids: list[tuple[int, str]] = []
+        self._ever_connected = False
+        self._started = False
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.messages_sent = 0
+        self.messages_received = 0
+        self.reconnects = 0
+        self.rejected = 0
+        self.handler_errors = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def is_connected(self) -> bool:
+        """True while the broker connection is up."""
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        """Block until the connection is up (e.g. after a reconnect); False on timeout."""
+        return self._connected.wait(timeout)
+
+    def connect(self, timeout: float = 10.0) -> MqttLink:
+        """Connect and start the network thread; raise BrokerUnavailable on failure."""
+        if self._started:
+            return self
+        where = f"{self.host}:{self.port}"
+        self._answered.clear()
+        self._refused = None
+        self._client.connect_timeout = timeout
+        kwargs: dict = {}
+        if self.protocol == "5":
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = 0 if self.clean_start else self.session_expiry
+            kwargs = {"clean_start": self.clean_start, "properties": props}
+        try:
+            self._client.connect(self.host, self.port, self.keepalive, **kwargs)
+        except ssl.SSLError as e:
+            raise BrokerUnavailable(
+                f"TLS handshake with the MQTT broker at {where} failed ({e}); check tls_ca, "
+                "tls_cert and tls_key (tls_insecure=True skips verification, for tests only)"
+            ) from None
+        except OSError as e:
+            raise BrokerUnavailable(
+                f"cannot reach the MQTT broker at {where} ({e}); {HOW_TO_START}"
+            ) from None
+        self._client.loop_start()
+        self._started = True
+        if not self._answered.wait(timeout) or self._refused is not None:
+            reason = self._refused or f"no answer (CONNACK) within {timeout:g} s"
+            self.close()
+            raise BrokerUnavailable(
+                f"MQTT broker at {where} did not accept client {self.client_id!r}: {reason}"
+                + ("; check the username/password and ACL" if self._refused else "")
+            )
+        try:
+            for mid, pattern in self._connect_mids:
+                self._wait_suback(mid, pattern, timeout)
+        except TransportError:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Disconnect cleanly (the will is not sent) and stop the network thread."""
+        if not self._started:
+            return
+        self._started = False
+        # also when offline: moves paho out of its reconnect wait so loop_stop returns at once
+        self._client.disconnect()
+        self._client.loop_stop()
+        self._connected.clear()
+
+    def __enter__(self) -> MqttLink:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ paho callbacks
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self._refused = str(reason_code)
+            log.warning("broker %s:%s refused %s: %s", self.host, self.port, self.client_id,
+                        reason_code)
+            self._answered.set()
+            return
+        self._refused = None
+        if self._ever_connected:
+            with self._lock:
+                self.reconnects += 1
+            log.info("reconnected to %s:%s (session present: %s)", self.host, self.port,
+                     flags.session_present)
+        self._ever_connected = True
+        with self._lock:
+            subs = [(p, q) for p, _, _, q in self._handlers]
+        self._connect_mids = [
+            (client.subscribe(pattern, qos)[1], pattern) for pattern, qos in dict(subs).items()
+        ]
+        self._connected.set()
+        self._answered.set()
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        if any(rc.is_failure for rc in reason_codes):
+            log.warning("broker refused subscription %s of %s: %s (check the ACL)", mid,
+                        self.client_id, [str(rc) for rc in reason_codes])
+        with self._suback_cond:
+            if len(self._subacks) > 1000:  # SUBACKs of reconnects nobody waits for
+                self._subacks.clear()
+            self._subacks[mid] = reason_codes
+            self._suback_cond.notify_all()
+
+    def _wait_suback(self, mid: int, pattern: str, timeout: float) -> None:
+        with self._suback_cond:
+            if not self._suback_cond.wait_for(lambda: mid in self._subacks, timeout):
+                raise TransportError(f"no SUBACK for {pattern!r} within {timeout:g} s")
+            codes = self._subacks.pop(mid)
+        if any(rc.is_failure for rc in codes):
+            raise TransportError(
+                f"broker refused subscription {pattern!r} for {self.client_id!r} "
+                f"({codes[0]}); check the ACL"
+            )
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self._connected.clear()
+        if self._started:
+            log.warning("lost connection to %s:%s (%s); reconnecting", self.host, self.port,
+                        reason_code)
+
+    def _on_message(self, client, userdata, msg: paho.MQTTMessage) -> None:
+        payload = msg.payload
+        with self._lock:
+            self.bytes_received += len(payload)
+            self.messages_received += 1
+        if is_chunk(payload):
+            try:
+                whole = self._reassembler.add(payload, source=msg.topic)
+            except CodecError as e:
+                with self._lock:
+                    self.rejected += 1
+                log.warning("rejected chunked payload on %s: %s", msg.topic, e)
+                if self.on_reject is not None:
+                    try:
+                        self.on_reject(msg.topic, e)
+                    except Exception:
+                        log.exception("on_reject callback failed")
+                return
+            if whole is None:
+                return
+            payload = whole
+        self._dispatch(msg.topic, payload)
+
+    def _dispatch(self, topic: str, payload: bytes) -> None:
+        with self._lock:
+            handlers = [h for _, m, h, _ in self._handlers if paho.topic_matches_sub(m, topic)]
+        for handler in handlers:
+            try:
+                handler(topic, payload)
+            except Exception:
+                with self._lock:
+                    self.handler_errors += 1
+                log.exception("handler for %s failed", topic)
+
+    # ------------------------------------------------------------ publish / subscribe
+
+    def subscribe(
+        self, pattern: str, handler: Handler, qos: int = 1, timeout: float = 10.0
+    ) -> None:
+        """Call `handler(topic, payload)` for every (reassembled) message matching `pattern`.
+
+        May be called before `connect()` (which then waits for the subscription); when
+        connected, returns once the broker acknowledged it, so later messages are not missed.
+        Raises TransportError if the broker refuses it (ACL). Renewed on every reconnect.
+        """
+        with self._lock:
+            self._handlers.append((pattern, _match_pattern(pattern), handler, qos))
+        if self._connected.is_set():
+            rc, mid = self._client.subscribe(pattern, qos)
+            if rc == paho.MQTT_ERR_SUCCESS:
+                self._wait_suback(mid, pattern, timeout)
+
+    def publish(
+        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+        wait: bool = False, timeout: float = 30.0,
+    ) -> int:
+        """Publish `payload`, split into chunks if above `chunk_size`; return bytes handed over.
+
+        Retained payloads are never chunked (a broker retains one message per topic), so the
+        broker's packet limit must admit them. With `wait=True` block until the broker
+        acknowledged every part (QoS >= 1) or raise TransportError after `timeout` seconds.
+        """
+        parts = [payload] if retain else split(payload, self.chunk_size, secrets.token_hex(8))
+        if wait and not self._connected.wait(timeout):
+            raise TransportError(f"not connected to {self.host}:{self.port}; cannot publish")
+        infos = [self._client.publish(topic, p, qos=qos, retain=retain) for p in parts]
+        nbytes = sum(len(p) for p in parts)
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.messages_sent += len(parts)
+        if wait:
+            for info in infos:
+                try:
+                    info.wait_for_publish(timeout)
+                except (RuntimeError, ValueError) as e:
+                    raise TransportError(f"publish to {topic} failed: {e}") from None
+                if not info.is_published():
+                    raise TransportError(
+                        f"publish to {topic} not acknowledged within {timeout:g} s"
+                    )
+        return nbytes
+
+    def counters(self) -> dict[str, int]:
+        """Traffic counters (payload bytes, incl. chunk headers) and reconnects."""
+        with self._lock:
+            return {
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "messages_sent": self.messages_sent,
+                "messages_received": self.messages_received, "reconnects": self.reconnects,
+                "rejected": self.rejected, "handler_errors": self.handler_errors,
+            }

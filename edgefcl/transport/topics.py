@@ -1,0 +1,123 @@
+"""MQTT topic names of one fleet (see the protocol table in ARCHITECTURE.md).
+
+All topics live under `<root>/<fleet>/`:
+
+    config              aggregator -> all       QoS 1, retained
+    global              aggregator -> clients   QoS 1, retained
+    tick                aggregator -> clients   QoS 1 (lock-step answers)
+    update/<client>     client -> aggregator    QoS 1
+    status/<client>     client -> all           QoS 1, retained (last will: offline)
+    stream/<client>     replayer -> client      QoS 1
+    control             operator -> all         QoS 1
+    aggregator/status   aggregator -> all       QoS 1, retained (last will: offline)
+"""
+
+from __future__ import annotations
+
+_FORBIDDEN = ("/", "+", "#", "\x00")
+MAX_ID_LEN = 128
+
+
+def validate_id(value: str, what: str = "client id") -> str:
+    """Return `value` if it can be one MQTT topic level; raise ValueError saying what is wrong."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+    bad = [c for c in _FORBIDDEN if c in value]
+    if bad:
+        raise ValueError(
+            f"{what} {value!r} contains {', '.join(repr(c) for c in bad)}; "
+            "use letters, digits, '-', '_' or '.' (no '/', '+', '#')"
+        )
+    if value.startswith("$"):
+        raise ValueError(f"{what} {value!r} must not start with '$' (reserved by MQTT brokers)")
+    if len(value) > MAX_ID_LEN:
+        raise ValueError(f"{what} {value[:20]!r}... is longer than {MAX_ID_LEN} characters")
+    return value
+
+
+def _validate_root(root: str) -> str:
+    if not isinstance(root, str) or not root or root.startswith("/") or root.endswith("/"):
+        raise ValueError(f"topic root must be non-empty without leading/trailing '/', got {root!r}")
+    for level in root.split("/"):
+        validate_id(level, "topic root level")
+    return root
+
+
+class Topics:
+    """Topic names for fleet `fleet` under `root` (default `edgefcl/<fleet>/...`)."""
+
+    def __init__(self, fleet: str, root: str = "edgefcl") -> None:
+        self.fleet = validate_id(fleet, "fleet id")
+        self.root = _validate_root(root)
+        self.base = f"{self.root}/{self.fleet}"
+
+    def __repr__(self) -> str:
+        return f"Topics(fleet={self.fleet!r}, root={self.root!r})"
+
+    @property
+    def config(self) -> str:
+        """Run configuration (schedule, encoding, model spec hash); retained."""
+        return f"{self.base}/config"
+
+    @property
+    def global_(self) -> str:
+        """The current global model; retained."""
+        return f"{self.base}/global"
+
+    @property
+    def tick(self) -> str:
+        """Lock-step answers from the aggregator to the clients; not retained."""
+        return f"{self.base}/tick"
+
+    @property
+    def control(self) -> str:
+        """Operator commands (pause, resume, stop)."""
+        return f"{self.base}/control"
+
+    @property
+    def aggregator_status(self) -> str:
+        """The aggregator's own status (online/offline last will); retained."""
+        return f"{self.base}/aggregator/status"
+
+    def update(self, client: str) -> str:
+        """Where `client` publishes its updates and lock-step ticks."""
+        return f"{self.base}/update/{validate_id(client)}"
+
+    def status(self, client: str) -> str:
+        """Retained status of `client` (its last will says offline)."""
+        return f"{self.base}/status/{validate_id(client)}"
+
+    def stream(self, client: str) -> str:
+        """Mini-batches replayed to `client`."""
+        return f"{self.base}/stream/{validate_id(client)}"
+
+    @property
+    def updates(self) -> str:
+        """Subscription pattern for every client's updates."""
+        return f"{self.base}/update/+"
+
+    @property
+    def statuses(self) -> str:
+        """Subscription pattern for every client's status."""
+        return f"{self.base}/status/+"
+
+    @property
+    def streams(self) -> str:
+        """Subscription pattern for every client's stream."""
+        return f"{self.base}/stream/+"
+
+    def client_from(self, topic: str) -> str:
+        """The client id of an `update/`, `status/` or `stream/` topic of this fleet.
+
+        Raises ValueError for any other topic (another fleet, another kind, extra levels).
+        """
+        prefix = self.base + "/"
+        if not isinstance(topic, str) or not topic.startswith(prefix):
+            raise ValueError(f"topic {topic!r} is not under {prefix!r}")
+        parts = topic[len(prefix):].split("/")
+        if len(parts) != 2 or parts[0] not in ("update", "status", "stream"):
+            raise ValueError(
+                f"topic {topic!r} is not an update/<client>, status/<client> or "
+                f"stream/<client> topic of fleet {self.fleet!r}"
+            )
+        return validate_id(parts[1])

@@ -1,0 +1,94 @@
+"""The networked runtime over a real broker: the daemon's input validation, and lock-step MQTT
+runs that must reproduce the in-process simulation bit for bit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from edgefcl.config import RunConfig, apply
+from edgefcl.federation.messages import Update
+from edgefcl.learn.params import get_tensors
+from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+from edgefcl.runtime.fleet import simulate_mqtt
+from edgefcl.runtime.links import open_link, topics
+from edgefcl.simulate import prepare, simulate
+from edgefcl.transport.codec import encode
+
+pytestmark = pytest.mark.mqtt
+
+
+def small_config(**over) -> RunConfig:
+    values = {"data": {"tasks": 2, "classes_per_task": 2},
+              "learn": {"memory_size": 40, "local_epochs": 1},
+              "fed": {"clients": 2, "burn_in": 2, "jump": 2}, "quiet": True}
+    for k, v in over.items():
+        values.setdefault(k, {}).update(v) if isinstance(v, dict) else values.update({k: v})
+    return apply(RunConfig(), values)
+
+
+def wait_for(pred, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def daemon(embedded_broker, tmp_path):
+    cfg = small_config(mqtt={"broker": embedded_broker, "fleet": "t1", "max_payload": 4 << 20},
+                       fed={"mode": "async", "min_clients": 2})
+    initial = get_tensors(prepare(cfg, 0).initial)
+    d = AggregatorDaemon(cfg, initial, tmp_path / "state", status_every=0.2)
+    t = threading.Thread(target=d.run, daemon=True)
+    t.start()
+    assert wait_for(lambda: d.link is not None and d.link.is_connected)
+    yield d, cfg, initial
+    d.stop_event.set()
+    t.join(10)
+
+
+def test_daemon_rejects_bad_updates_and_counts_them(daemon):
+    d, cfg, initial = daemon
+    tp = topics(cfg.mqtt)
+    link = open_link(cfg.mqtt, "attacker", clean_start=True)
+    fleet = cfg.mqtt.fleet
+
+    def update(tensors, seq, client="dev"):
+        return encode(Update(client, 0, seq, 0, 2, 20, tensors), fleet=fleet)
+
+    nan = {k: v.copy() for k, v in initial.items()}
+    next(iter(nan.values())).flat[0] = np.nan
+    wrong_shape = {k: np.zeros((3,), np.float32) for k in initial}
+    link.publish(tp.update("dev"), b"\x00garbage", wait=True)
+    link.publish(tp.update("dev"), update(nan, 1), wait=True)
+    link.publish(tp.update("dev"), update(wrong_shape, 2), wait=True)
+    link.publish(tp.update("dev"), update(initial, 3, client="other"), wait=True)
+    link.publish(tp.update("dev"), b"\x81" + b"x" * (5 << 20), wait=True)
+    good = update(initial, 4)
+    link.publish(tp.update("dev"), good, wait=True)
+    link.publish(tp.update("dev"), good, wait=True)  # a QoS 1 redelivery
+    expected = {"rejected_malformed": 1, "rejected_nonfinite": 1, "rejected_shape": 1,
+                "rejected_sender": 1, "rejected_oversized": 1, "rejected_duplicate": 1,
+                "accepted": 1}
+    assert wait_for(lambda: all(d.agg.counters[k] == n for k, n in expected.items())), \
+        dict(d.agg.counters)
+    assert d.agg.global_.version == 0  # nothing bad reached the global model
+    link.close()
+
+
+@pytest.mark.parametrize("broker", ["embedded_broker", "mosquitto"])
+def test_lockstep_mqtt_reproduces_inprocess_bit_for_bit(broker, request, tmp_path):
+    url = request.getfixturevalue(broker)
+    cfg = small_config(mqtt={"broker": url})
+    local = simulate(cfg)
+    remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=tmp_path / "fleet")
+    assert local.rounds > 0
+    assert remote.rounds == local.rounds
+    np.testing.assert_array_equal(remote.acc, local.acc)
+    assert remote.global_sha256 == local.global_sha256
