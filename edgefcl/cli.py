@@ -26,7 +26,10 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
             flag = "--" + f.name.replace("_", "-")
             help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
             dest = f"{section}.{f.name}"
-            if isinstance(f.default, bool):
+            if isinstance(f.default, bool) and f.default:  # on by default: --no-X turns off
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                   default=None, help=help_text)
+            elif isinstance(f.default, bool):
                 group.add_argument(flag, dest=dest, action="store_const", const=True,
                                    default=None, help=help_text)
             else:
@@ -80,6 +83,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from edgefcl.learn.export import export_run
+
+    r = export_run(args.run, args.output, args.exporter)
+    print(f"exported the {r['model']} global model of {args.run} to {r['path']} "
+          f"({r['bytes'] / 1024:.1f} KB, {r['exporter']} exporter, dynamic batch); "
+          f"max |torch - onnxruntime| logit = {r['max_abs_diff']:.2e}")
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from edgefcl.ondevice import predict_file  # numpy + onnxruntime only: no torch
+
+    r = predict_file(args.model, args.input, args.output, args.logits, args.labels,
+                     args.threads)
+    line = f"{r['samples']} predictions"
+    if args.output:
+        line += f" written to {args.output}"
+    if r["accuracy"] is not None:
+        line += f"; accuracy {100 * r['accuracy']:.1f} %"
+    print(line)
+    print("predicted classes: " + ", ".join(f"{c}: {n}" for c, n in r["classes"].items()))
+    return 0
+
+
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
 
 
@@ -92,12 +120,18 @@ def daemon_config(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_aggregator(args: argparse.Namespace) -> int:
-    from edgefcl.learn.params import get_tensors
     from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
-    from edgefcl.simulate import prepare
+    from edgefcl.runtime.state import load_tensors
 
     cfg = daemon_config(args)
-    initial = get_tensors(prepare(cfg, cfg.seed).initial)
+    if args.initial:
+        if not Path(args.initial).is_file():
+            raise ConfigError(f"--initial: no such file {args.initial}")
+        initial = load_tensors(Path(args.initial))
+    else:
+        from edgefcl.simulate import initial_global, prepare
+
+        initial = initial_global(cfg, prepare(cfg, cfg.seed))
     state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
     daemon = AggregatorDaemon(cfg, initial, state_dir, exit_when_done=args.exit_when_done)
     return daemon.run()
@@ -108,6 +142,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     from edgefcl.simulate import client_stream, make_client, prepare
 
     cfg = daemon_config(args)
+    logging.getLogger("edgefcl.client").info("starting: loading data and model")
     setup = prepare(cfg, cfg.seed)
     if not 0 <= args.index < len(setup.tasks):
         raise ConfigError(f"--index must be in [0, {len(setup.tasks)}) for {cfg.fed.clients} "
@@ -118,7 +153,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     client = make_client(cfg, setup, args.index, cfg.learn.method, cfg.seed)
     if args.id:
         client.cid = args.id
-    source = client_stream(cfg, setup, args.index, cfg.seed) if args.source == "local" else None
+    source = (client_stream(cfg, setup.tasks[args.index], args.index, cfg.seed)
+              if args.source == "local" else None)
     runner = DeviceRunner(cfg, client, source, None if args.no_eval else setup.tasks[args.index],
                           Path(args.results) if args.results else None)
     results = runner.run()
@@ -129,12 +165,12 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from edgefcl.data.workload import client_id, client_stream, load_workload
     from edgefcl.runtime.replayer import Replayer
-    from edgefcl.simulate import client_id, client_stream, prepare
 
     cfg = daemon_config(args)
-    setup = prepare(cfg, cfg.seed)
-    streams = {client_id(k): client_stream(cfg, setup, k, cfg.seed)
+    work = load_workload(cfg, cfg.seed)
+    streams = {client_id(k): client_stream(cfg, work.tasks[k], k, cfg.seed)
                for k in range(cfg.fed.clients)}
     sent = Replayer(cfg, streams, rate=args.rate, window=args.window).run()
     print(f"replayed {sum(sent.values())} mini-batches to {len(sent)} clients")
@@ -181,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "version, round log) is written atomically to --state-dir after every "
                        "round and resumed from on restart. SIGTERM/SIGINT stop it gracefully.")
     a.add_argument("--state-dir", help="state directory (default: state/<fleet>)")
+    a.add_argument("--initial", metavar="FILE.npz",
+                   help="initial global model tensors (default: built from the config's model "
+                   "and dataset with --seed)")
     a.add_argument("--exit-when-done", action="store_true",
                    help="exit once every client reported its stream done")
     add_config_flags(a)
@@ -225,6 +264,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="timing repeats")
     add_config_flags(b)
     b.set_defaults(func=cmd_bench)
+
+    e = sub.add_parser("export", help="export a run's global model as ONNX",
+                       description="Rebuild the final global model of a run directory written "
+                       "by `edgefcl simulate --out DIR` and write it as one ONNX file (eval "
+                       "mode, dynamic batch axis), checked against torch.")
+    e.add_argument("--run", required=True, metavar="DIR", help="run directory (one run)")
+    e.add_argument("--output", metavar="FILE", help="ONNX file (default: DIR/model.onnx)")
+    e.add_argument("--exporter", choices=["torchscript", "dynamo"], default="torchscript",
+                   help="torchscript: fast, legacy TorchScript exporter; dynamo: torch.export")
+    e.set_defaults(func=cmd_export)
+
+    d = sub.add_parser("predict", help="predict with an ONNX model (onnxruntime, no torch)",
+                       description="Serve an exported model on a device: read inputs from a "
+                       ".npy array (N, *sample_shape), write the predicted classes.")
+    d.add_argument("--model", required=True, metavar="FILE", help="ONNX model")
+    d.add_argument("--input", required=True, metavar="X.npy", help="inputs")
+    d.add_argument("--output", metavar="PREDS.npy", help="write the predicted classes (int64)")
+    d.add_argument("--logits", metavar="LOGITS.npy", help="also write the logits (float32)")
+    d.add_argument("--labels", metavar="Y.npy", help="true labels: report the accuracy")
+    d.add_argument("--threads", type=int, default=1, help="onnxruntime CPU threads")
+    d.set_defaults(func=cmd_predict)
     return p
 
 

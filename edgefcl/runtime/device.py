@@ -61,6 +61,7 @@ class DeviceRunner:
         self.bytes_down = 0
         self.rounds = 0
         self.rejected = 0
+        self.duplicates = 0
         n_tasks = len(eval_tasks) if eval_tasks else 0
         self.acc = np.full((n_tasks, n_tasks), np.nan)
         self.link = None
@@ -92,10 +93,15 @@ class DeviceRunner:
         if self.source is not None:
             yield from self.source
             return
+        last = (-1, -1)
         while True:
             item = self._wait(lambda: self._get_batch())
             if item is END:
                 return
+            if (item.task, item.index) <= last:
+                self.duplicates += 1  # a QoS 1 redelivery: each batch is consumed once
+                continue
+            last = (item.task, item.index)
             yield item
 
     def _get_batch(self):
@@ -211,8 +217,9 @@ class DeviceRunner:
         out = {"client": self.cid, "accuracy_matrix": np.nan_to_num(self.acc).tolist(),
                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down, "rounds": self.rounds,
                "batches": c.batches, "scored_samples": c.scored, "version": c.version,
+               "seq": c.seq,
                "timings": dict(c.timings), "link": self.link.counters() if self.link else {},
-               "rejected": self.rejected}
+               "rejected": self.rejected, "duplicate_batches": self.duplicates}
         if len(self.acc):
             out["accuracy"] = float(100 * np.nan_to_num(self.acc)[-1].mean())
         return out
