@@ -49,9 +49,9 @@ class Fleet:
                         for k in range(CLIENTS)}
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", "edgefcl", "-v", *args, "--config",
-                              str(self.conf)], stdout=log, stderr=subprocess.STDOUT)
+        with open(self.logs / f"{name}.log", "ab") as log:
+            p = subprocess.Popen([sys.executable, "-m", "edgefcl", "-v", *args, "--config",
+                                  str(self.conf)], stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = p
         return p
 
