@@ -2,42 +2,58 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
-from edgefcl.config import RunConfig
+from edgefcl.config import RunConfig, run_entries
 from edgefcl.simulate import RunResult, simulate
 
 
 def methods_of(cfg: RunConfig) -> list[str]:
-    return [m.strip() for m in cfg.compare.split(",") if m.strip()] or [cfg.learn.method]
+    """The run labels of `--compare` (or `--method`): METHOD[+ENCODING[/AGGREGATION]]."""
+    return [label for label, _, _ in run_entries(cfg)]
 
 
 def run_many(cfg: RunConfig) -> list[RunResult]:
-    """Every method of `--compare` (or `--method`) for `--seeds` seeds starting at `--seed`."""
+    """Every entry of `--compare` (or `--method`) for `--seeds` seeds starting at `--seed`; an
+    entry 'bi+gaussian/conflation' runs method bi with encoding gaussian and aggregation
+    conflation, and its results carry the entry as their method label."""
     results = []
-    for method in methods_of(cfg):
+    for label, method, fed in run_entries(cfg):
+        run_cfg = dataclasses.replace(cfg, fed=fed)
         for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-            results.append(run_one(cfg, method, seed))
+            result = run_one(run_cfg, method, seed, label)
+            result.method = label
+            results.append(result)
     return results
 
 
-def run_one(cfg: RunConfig, method: str, seed: int) -> RunResult:
-    """One run with a progress bar on stderr (unless quiet)."""
+def run_one(cfg: RunConfig, method: str, seed: int, label: str | None = None) -> RunResult:
+    """One run with a progress bar on stderr (unless quiet); `label` names it (default: the
+    method)."""
+    label = label or method
     if cfg.transport == "mqtt":
         from edgefcl.runtime.fleet import simulate_mqtt
 
-        sim = lambda c, m, s, p=None: simulate_mqtt(c, m, s, progress=p)  # noqa: E731
+        def sim(c: RunConfig, m: str, s: int, p=None) -> RunResult:
+            name = label.replace("/", "-")
+            workdir = Path(c.out) / "fleet" / f"{name}-seed{s}" if c.out else None
+            return simulate_mqtt(c, m, s, workdir=workdir, progress=p)
     else:
         sim = simulate
     if cfg.quiet:
         return sim(cfg, method, seed)
-    bar = tqdm(total=0, desc=f"{method} seed {seed}", unit="batch", file=sys.stderr,
-               leave=False, dynamic_ncols=True)
+    bars: list[tqdm] = []  # created on the first tick, so set-up errors print cleanly
 
     def progress(done: int, total: int, status: str) -> None:
-        bar.total = total
+        if not bars:
+            bars.append(tqdm(total=total, desc=f"{label} seed {seed}", unit="batch",
+                             file=sys.stderr, leave=False, dynamic_ncols=True))
+        bar = bars[0]
+        bar.total = total or None
         bar.n = done
         bar.set_postfix_str(status, refresh=False)
         bar.refresh()
@@ -45,4 +61,5 @@ def run_one(cfg: RunConfig, method: str, seed: int) -> RunResult:
     try:
         return sim(cfg, method, seed, progress)
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()

@@ -11,27 +11,35 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgefcl.config import FedConfig, LearnConfig
+import edgefcl.federation.sparse  # noqa: F401  (registers the sparse encoder)
+import edgefcl.learn.apc  # noqa: F401  (registers method apc and its encoder)
+from edgefcl.config import ConfigError, FedConfig, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.federation.encodings import make_encoder
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.schedule import eligible
+from edgefcl.federation.versions import DownlinkState
+from edgefcl.learn.bayes import predict_logits, score_logits
+from edgefcl.learn.drift import make_monitor
+from edgefcl.learn.export import make_client_onnx
 from edgefcl.learn.memory import ReplayMemory
-from edgefcl.learn.objectives import make_hooks
 from edgefcl.learn.params import get_tensors, set_tensors
-from edgefcl.learn.perturb import augment_batch, make_perturber, tta_logits
+from edgefcl.learn.perturb import augment_batch, make_perturber
 from edgefcl.learn.scores import uncertainty
+from edgefcl.learn.variational import client_hooks
 
 SCORED_METHODS = ("bi", "lc", "ms", "rc", "en", "ag")
 MEMORY_POLICY = {**{m: "balanced-score" for m in SCORED_METHODS},
-                 "er": "reservoir", "cbr": "balanced-random"}
+                 "er": "reservoir", "cbr": "balanced-random",
+                 "vfcl": "balanced-score", "fedbnn": "balanced-score",  # Bayesian: BI scores
+                 "apc": "balanced-random"}
 
 
 def resolve_device(name: str) -> torch.device:
     """A torch device, with a clear error when CUDA is asked for but absent."""
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device '{name}' requested but CUDA is not available; use --device cpu")
+        raise ConfigError(f"device '{name}' requested but CUDA is not available; use --device cpu")
     return dev
 
 
@@ -50,7 +58,7 @@ class Client:
         self.fed = fed
         self.method = learn.method
         self.device = resolve_device(learn.device)
-        self.hooks = make_hooks(self.method, learn)
+        self.hooks = client_hooks(self.method, learn, fed)
         self.model = self.hooks.prepare_model(model).to(self.device)
         self.gen = torch.Generator().manual_seed(seed)
         self.data_kind = data_kind
@@ -59,8 +67,9 @@ class Client:
                     else torch.optim.SGD(params, lr=learn.lr))
         self._policy = MEMORY_POLICY.get(self.method) if learn.memory_size > 0 else None
         self.memory: ReplayMemory | None = None  # allocated on the first batch (sample shape)
+        self.score_method = self.method if self.method in SCORED_METHODS else "bi"
         self.perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
-                          if self.method in SCORED_METHODS else None)
+                          if MEMORY_POLICY.get(self.method) == "balanced-score" else None)
         self.score_model: torch.nn.Module | None = None
         self.score_version = 0
         self.version = 0
@@ -70,20 +79,29 @@ class Client:
         self.samples_in_task = 0
         self.class_counts: dict[int, int] = {}
         self.encoder = make_encoder(fed.encoding)
+        if hasattr(self.encoder, "configure"):  # encoders with options (sparse: topk, ...)
+            self.encoder.configure(fed)
         self.base = get_tensors(self.model)  # state of the last global merged
+        self.downlink = DownlinkState(self.base)  # turns delta globals into whole ones
         self.sent: dict[str, np.ndarray] | None = None
         self.scored = 0
         self.batches = 0
         self.timings: Counter[str] = Counter()  # seconds: train, score, memory (excl. score)
+        self.sample_shape: tuple[int, ...] | None = None  # of the last batch
+        self.monitor = make_monitor(learn)  # prequential accuracy, task-free segments
+        self.onnx = make_client_onnx(learn)  # export_onnx, score_backend onnxruntime
         self.hooks.attach(self)
 
     # -- the online step --------------------------------------------------------------------
     def step(self, batch: Batch) -> Update | None:
         """Process one mini-batch once; an Update when this client takes part now."""
-        if batch.task != self.task:
-            self._start_task(batch.task)
         x = torch.from_numpy(batch.x).to(self.device)
         y = torch.from_numpy(batch.y).to(self.device)
+        self.sample_shape = tuple(batch.x.shape[1:])
+        # task-free: the monitor's detected segment stands in for the true task
+        task = batch.task if self.monitor is None else self.monitor.observe(self, batch, x, y)
+        if task != self.task:
+            self._start_task(task)
         t0 = self._clock()
         self._train(x, y)
         t1 = self._clock()
@@ -155,8 +173,11 @@ class Client:
     def _score(self, x: torch.Tensor) -> torch.Tensor:
         t0 = self._clock()
         model = self.score_model if self.score_model is not None else self.model
-        logits = tta_logits(model, x, self.perturber, self.learn.score_chunk)
-        scores = uncertainty(self.method, logits)
+        logits = self.onnx.tta_logits(self, x) if self.onnx is not None else None
+        if logits is None:
+            logits = score_logits(model, x, self.learn.score_source, self.perturber,
+                                  self.learn.score_samples, self.learn.score_chunk)
+        scores = uncertainty(self.score_method, logits)
         self.timings["score"] += self._clock() - t0
         return scores
 
@@ -173,7 +194,9 @@ class Client:
         delta: theta = theta_global + (theta_now - theta_sent), keeping the progress made since
         the update was sent (async).
         The model as it was just before the merge becomes the scoring snapshot.
+        `g` may be a delta from the version this client holds (sparse downlink).
         """
+        g = self.downlink.resolve(g)
         if self.perturber is not None:
             if self.score_model is None:
                 self.score_model = copy.deepcopy(self.model)
@@ -188,6 +211,8 @@ class Client:
         set_tensors(self.model, merged)
         self.version = g.version
         self.hooks.on_global(self, g)
+        if self.onnx is not None:
+            self.onnx.on_global(self)
 
     # -- evaluation -----------------------------------------------------------------------
     @torch.no_grad()
@@ -200,7 +225,7 @@ class Client:
         correct = 0
         for i in range(0, len(y), batch_size):
             xb = torch.from_numpy(x[i:i + batch_size]).to(self.device)
-            pred = self.model(xb).argmax(1).cpu().numpy()
+            pred = predict_logits(self.model, xb, self.learn.eval_samples).argmax(1).cpu().numpy()
             correct += int((pred == y[i:i + batch_size]).sum())
         self.model.train(was_training)
         return correct / len(y)

@@ -1,0 +1,114 @@
+"""The `edgefcl` command end to end on small configurations."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from edgefcl.cli import build_parser, main
+from edgefcl.config import RunConfig, dump_toml, load_toml
+
+SMALL = ["--tasks", "2", "--classes-per-task", "2", "--clients", "2", "--memory-size", "30",
+         "--local-epochs", "1", "--burn-in", "2", "--jump", "2", "--quiet"]
+
+
+def test_simulate_writes_results_and_plots(tmp_path, capsys):
+    assert main(["simulate", *SMALL, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "A = " in out and "F = " in out and "rounds = " in out
+    r = json.loads((tmp_path / "results.json").read_text())
+    for key in ("accuracy", "forgetting", "accuracy_matrix", "rounds", "bytes_up", "bytes_down",
+                "global_sha256", "config"):
+        assert key in r
+    assert len(r["accuracy_matrix"]) == 2 and len(r["accuracy_matrix"][0]) == 2
+    assert r["rounds"] > 0 and r["bytes_up"] > 0
+    assert r["config"]["fed"]["clients"] == 2
+    for png in ("accuracy_matrix.png", "accuracy_over_tasks.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_same_seed_same_global_and_other_seed_differs(tmp_path):
+    hashes = []
+    for seed, d in ((0, "a"), (0, "b"), (1, "c")):
+        main(["simulate", *SMALL, "--seed", str(seed), "--out", str(tmp_path / d)])
+        hashes.append(json.loads((tmp_path / d / "results.json").read_text())["global_sha256"])
+    assert hashes[0] == hashes[1] != hashes[2]
+
+
+def test_compare_prints_mean_and_std(tmp_path, capsys):
+    assert main(["simulate", *SMALL, "--compare", "bi,fedavg", "--seeds", "2",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "±" in out and "bi" in out and "fedavg" in out
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert set(summary) == {"bi", "fedavg"} and summary["bi"]["seeds"] == 2
+    assert (tmp_path / "bi" / "seed1" / "results.json").exists()
+
+
+def test_toml_config_and_flags_override(tmp_path):
+    cfg = RunConfig()
+    cfg.fed.clients = 4
+    cfg.learn.memory_size = 77
+    path = tmp_path / "c.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_toml(path) == cfg
+    args = build_parser().parse_args(["simulate", "--config", str(path), "--clients", "2"])
+    from edgefcl.cli import config_from_args
+
+    got = config_from_args(args)
+    assert got.fed.clients == 2 and got.learn.memory_size == 77
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--dataset", "--method", "--clients", "--tasks", "--batch-size",
+                 "--memory-size", "--burn-in", "--jump", "--seed", "--seeds", "--compare",
+                 "--device", "--out", "--transport", "--broker", "--config"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["simulate", "--method", "nope"], "unknown method"),
+    (["simulate", "--dataset", "npz:/does/not/exist.npz"], "exist.npz"),
+    (["simulate", "--config", "/no/such.toml"], "config file not found"),
+    (["simulate", "--jump", "0"], "jump"),
+    (["simulate", "--device", "cuda:7", "--clients", "1", "--tasks", "1"], "CUDA"),
+])
+def test_bad_input_gives_a_clear_error(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgefcl: error:") and needle in err
+    assert "Traceback" not in err
+
+
+def test_missing_broker_is_a_clear_error(capsys):
+    assert main(["replay", "--broker", "mqtt://127.0.0.1:9", "--connect-timeout", "1",
+                 "--clients", "1", "--tasks", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "127.0.0.1:9" in err and "broker" in err
+
+
+@pytest.mark.mqtt
+def test_aggregator_daemon_stops_gracefully_on_sigterm(embedded_broker, tmp_path):
+    import numpy as np
+
+    from edgefcl.runtime.state import save_tensors
+
+    save_tensors(tmp_path / "init.npz", {"w": np.zeros(3, np.float32)})
+    p = subprocess.Popen([sys.executable, "-m", "edgefcl", "aggregator", "--broker",
+                          embedded_broker, "--fleet", "sig", "--initial",
+                          str(tmp_path / "init.npz"), "--state-dir", str(tmp_path / "st")])
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "st" / "state.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(20) == 0
+    state = json.loads((tmp_path / "st" / "state.json").read_text())
+    assert state["version"] == 0
