@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/edgefcl simulate --out runs/demo
+	$(VENV)/bin/edgefcl simulate --transport mqtt --out runs/demo
 
 test: $(STAMP)
 	$(VENV)/bin/pytest
@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
-	$(VENV)/bin/edgefcl bench client --out runs/bench
+	$(VENV)/bin/edgefcl bench client --seeds 3 --out runs/bench
 	$(VENV)/bin/edgefcl bench transport --out runs/bench
 
 clean:

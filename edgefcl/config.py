@@ -56,7 +56,10 @@ class LearnConfig:
     method: str = opt(
         "bi",
         "bi | lc | ms | rc | en | ag (uncertainty-ranked class-balanced memory), "
-        "er (reservoir), cbr (class-balanced random), fedavg (no memory), fedprox",
+        "er (reservoir), cbr (class-balanced random), fedavg (no memory), fedprox, "
+        "vfcl (Bayesian, mixture prior), fedbnn (Bayesian, likelihood product); vfcl and "
+        "fedbnn keep a BI-ranked memory and imply the gaussian encoding; apc (FedWeIT "
+        "decomposition, class-balanced random memory; implies the apc encoding)",
     )
     model: str = opt("auto", "auto | mlp | cnn | resnet18 (auto: from the data shape)")
     hidden: int = opt(512, "hidden units of the MLP")
@@ -73,13 +76,64 @@ class LearnConfig:
         "on_change: re-score memory only when the scoring model changed (a new global); "
         "always: re-score every candidate every batch (the paper's reference)",
     )
-    score_chunk: int = opt(4096, "max perturbed samples per scoring forward pass")
+    score_chunk: int = opt(
+        0, "max perturbed samples per scoring forward pass (0: auto, 256 on CPU where smaller "
+        "passes stay in cache, 4096 on CUDA)"
+    )
     local_epochs: int = opt(3, "gradient steps per mini-batch (extra steps use an augmented copy)")
     optimizer: str = opt("adam", "adam | sgd")
     lr: float = opt(0.01, "learning rate")
     fedprox_mu: float = opt(0.01, "FedProx proximal weight (method fedprox)")
+    apc_l1: float = opt(1e-4, "apc: L1 weight lambda1 on the masks and task-adaptive parameters")
+    apc_l2: float = opt(100.0, "apc: weight lambda2 of the retroactive term (past-task weights)")
+    apc_prune: float = opt(0.03, "apc: task-adaptive entries below this magnitude are pruned "
+                           "(the authors prune at 1e-3 = 3 x their lr; 0.03 = 3 x lr 0.01)")
+    apc_send: float = opt(0.7, "apc: fraction of units (largest masks) whose base rows are sent")
+    score_source: str = opt(
+        "tta", "logits of the memory scores: tta (P perturbed views), posterior (S weight "
+        "samples of a Bayesian model), both (S x P)"
+    )
+    score_samples: int = opt(8, "posterior weight samples S for score_source posterior|both")
+    eval_samples: int = opt(
+        0, "test-time prediction of Bayesian models: 0 uses the mean weights, S > 0 averages "
+        "the softmax over S posterior samples"
+    )
+    bayes_sigma: float = opt(0.05, "initial sigma of Bayesian layers converted from a model")
+    lambda_p: float = opt(1.0, "weight of the prior term (KL or mixture prior) of Bayesian "
+                          "objectives (VFCL lambda_p)")
+    lambda_k: float = opt(0.5, "vfcl: weight of the global posterior in the mixture prior "
+                          "(1 - lambda_k: the client's own history)")
+    vfcl_samples: int = opt(1, "vfcl: Monte Carlo samples n of the mixture-prior term")
+    kl_scale: str = opt(
+        "params", "normaliser of the prior term: params (mean over the weights, as the FedBNN "
+        "reference code) | samples (per sample of the current task seen so far: the ELBO per "
+        "sample; the prior dominates on small streams)"
+    )
     device: str = opt("cpu", "torch device: cpu | cuda | cuda:N")
     threads: int = opt(1, "torch CPU threads per client (1 keeps runs bit-reproducible)")
+    prequential: bool = opt(
+        True, "count test-then-train accuracy on the stream (one eval forward per batch "
+        "before training on it)"
+    )
+    task_free: bool = opt(
+        False, "ignore the stream's task ids: a drift detector (ADWIN) on drift_signal opens "
+        "a new task segment when the stream shifts (evaluation still uses the true tasks)"
+    )
+    drift_signal: str = opt(
+        "loss", "task-free signal: loss (per-sample loss before training) | features "
+        "(distance of each input to its nearest recent input)"
+    )
+    drift_delta: float = opt(
+        0.0, "ADWIN confidence of the task-free detector (0: 0.002 for loss, 0.05 for features)"
+    )
+    score_backend: str = opt(
+        "torch", "TTA scoring forward passes: torch | onnxruntime (CPU; the scoring snapshot "
+        "is exported to ONNX once per global model)"
+    )
+    export_onnx: str = opt(
+        "", "after every global model write the live model as ONNX to this path ({cid} is "
+        "replaced by the client id; empty: no export)"
+    )
 
 
 @dataclass
@@ -89,13 +143,33 @@ class FedConfig:
     clients: int = opt(3, "number of clients")
     burn_in: int = opt(4, "mini-batches of each task before a client may take part in rounds")
     jump: int = opt(2, "a client takes part every `jump` mini-batches after burn-in (q)")
-    encoding: str = opt("dense", "update encoding on the wire: dense")
-    aggregation: str = opt("fedavg", "fedavg (weighted by samples) | class-weighted")
+    encoding: str = opt(
+        "dense", "update encoding on the wire: dense | gaussian (mu and sigma of Bayesian "
+        "layers; the model is converted to a Bayesian one) | sparse (top-k of the delta to the "
+        "last global, error feedback) | apc (FedWeIT decomposition; implied by method apc)"
+    )
+    aggregation: str = opt(
+        "fedavg", "dense: fedavg (weighted by samples) | class-weighted; gaussian: conflation "
+        "(product, VFCL) | fedbnn (prior times likelihoods) | moments (moment matching)"
+    )
+    bnn_init_rounds: int = opt(
+        0, "gaussian/fedbnn: global versions trained as a standard network (FedAvg of the "
+        "means) before the Bayesian phase (FedBNN r_init)"
+    )
     mix: float = opt(0.5, "weight of the new average against the previous global")
     min_clients: int = opt(2, "eligible updates needed to close a round")
     mode: str = opt("sync", "sync (lock-step, Algorithm 1) | async (deployment default)")
     round_timeout: float = opt(5.0, "async: seconds after which a round closes on quorum")
     max_staleness: int = opt(3, "async: drop updates based on globals this many versions old")
+    topk: float = opt(0.1, "sparse: fraction of each tensor's entries sent (largest deltas; "
+                      "0: no cap, use threshold)")
+    threshold: float = opt(0.0, "sparse: send only entries whose |delta| is at least this")
+    value_dtype: str = opt("float32", "sparse/apc: dtype of the values sent: float32 | float16")
+    downlink: str = opt("auto", "globals to clients: dense (whole) | sparse (only the entries "
+                        "changed since the version the client holds) | auto (sparse for the "
+                        "sparse and apc encodings)")
+    apc_kb_size: int = opt(5, "apc: task-adaptive tensors in the knowledge base the server "
+                           "broadcasts")
 
 
 @dataclass
@@ -168,6 +242,8 @@ def apply(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
                 setattr(section, k, _coerce(SECTIONS[key], k, v))
         else:
             setattr(cfg, key, _coerce(RunConfig, key, value))
+    if not cfg.compare:  # vfcl / fedbnn imply the gaussian encoding
+        cfg.fed = resolve_fed(cfg.learn.method, cfg.fed)
     validate(cfg)
     return cfg
 
@@ -189,16 +265,79 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-METHODS = ("bi", "lc", "ms", "rc", "en", "ag", "er", "cbr", "fedavg", "fedprox")
+METHODS = ("bi", "lc", "ms", "rc", "en", "ag", "er", "cbr", "fedavg", "fedprox", "vfcl", "fedbnn",
+           "apc")
+BAYES_METHODS = {"vfcl": "conflation", "fedbnn": "fedbnn"}
+"""Bayesian methods and the gaussian aggregation each uses unless another is given."""
+GAUSSIAN_AGGREGATIONS = ("conflation", "fedbnn", "moments")
+
+
+def parse_entry(entry: str) -> tuple[str, str | None, str | None]:
+    """A --compare entry 'METHOD[+ENCODING[/AGGREGATION]]' -> (method, encoding, aggregation);
+    e.g. 'bi+gaussian/conflation' -> ('bi', 'gaussian', 'conflation'), 'bi' -> ('bi', None,
+    None)."""
+    method, _, rest = entry.strip().partition("+")
+    encoding, _, aggregation = rest.partition("/")
+    if not method or ("+" in entry and not encoding):
+        raise ConfigError(f"cannot read compare entry '{entry}'; write METHOD, "
+                          "METHOD+ENCODING or METHOD+ENCODING/AGGREGATION")
+    return method, encoding or None, aggregation or None
+
+
+def resolve_fed(method: str, fed: FedConfig, encoding: str | None = None,
+                aggregation: str | None = None) -> FedConfig:
+    """The federation config a run of `method` uses: explicit encoding/aggregation first;
+    vfcl and fedbnn imply the gaussian encoding; a gaussian run whose aggregation is a dense
+    one takes the method's (fedbnn) or conflation."""
+    enc = encoding or fed.encoding
+    if encoding is None and method in BAYES_METHODS and enc == "dense":
+        enc = "gaussian"
+    if encoding is None and method == "apc":
+        enc = "apc"
+    agg = aggregation or fed.aggregation
+    if aggregation is None and enc == "gaussian" and agg not in GAUSSIAN_AGGREGATIONS:
+        agg = BAYES_METHODS.get(method, "conflation")
+    if (enc, agg) == (fed.encoding, fed.aggregation):
+        return fed
+    return dataclasses.replace(fed, encoding=enc, aggregation=agg)
+
+
+def run_entries(cfg: RunConfig) -> list[tuple[str, str, FedConfig]]:
+    """(label, method, federation config) of every run of `--compare` (or `--method`)."""
+    entries = [e.strip() for e in cfg.compare.split(",") if e.strip()] or [cfg.learn.method]
+    out = []
+    for e in entries:
+        method, enc, agg = parse_entry(e)
+        out.append((e, method, resolve_fed(method, cfg.fed, enc, agg)))
+    return out
+
+
+def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
+    if method not in METHODS:
+        raise ConfigError(f"unknown method '{method}'; choose from {', '.join(METHODS)}")
+    if fed.encoding == "gaussian" and fed.aggregation not in GAUSSIAN_AGGREGATIONS:
+        raise ConfigError(f"aggregation '{fed.aggregation}' does not take gaussian updates; "
+                          f"choose from {', '.join(GAUSSIAN_AGGREGATIONS)}")
+    if fed.encoding != "gaussian" and fed.aggregation in GAUSSIAN_AGGREGATIONS:
+        raise ConfigError(f"aggregation '{fed.aggregation}' needs --encoding gaussian")
+    if method in BAYES_METHODS and fed.encoding != "gaussian":
+        raise ConfigError(f"method {method} needs --encoding gaussian")
+    if (method == "apc") != (fed.encoding == "apc"):
+        raise ConfigError("method apc and encoding apc go together (--method apc sets both)")
+    if fed.encoding in ("sparse", "apc") and fed.aggregation != "fedavg":
+        raise ConfigError(f"encoding {fed.encoding} aggregates with fedavg only")
+    if fed.downlink == "sparse" and fed.encoding == "gaussian":
+        raise ConfigError("downlink sparse works with the dense, sparse and apc encodings")
+    if learn.score_source != "tta" and fed.encoding != "gaussian":
+        raise ConfigError(f"score_source {learn.score_source} needs a Bayesian model: use "
+                          "--encoding gaussian or method vfcl/fedbnn")
 
 
 def validate(cfg: RunConfig) -> None:
     """Reject values that cannot work, with a message that says what to fix."""
     d, le, f = cfg.data, cfg.learn, cfg.fed
-    methods = [m for m in cfg.compare.split(",") if m] or [le.method]
-    for m in methods:
-        if m not in METHODS:
-            raise ConfigError(f"unknown method '{m}'; choose from {', '.join(METHODS)}")
+    for _, method, fed in run_entries(cfg):
+        _check_entry(method, fed, le)
     checks = [
         (d.tasks >= 1, "tasks must be >= 1"),
         (d.batch_size >= 1, "batch_size must be >= 1"),
@@ -210,14 +349,42 @@ def validate(cfg: RunConfig) -> None:
         (le.selection in ("bottom", "top", "step"), "selection must be bottom, top or step"),
         (le.rescore in ("on_change", "always"), "rescore must be on_change or always"),
         (le.local_epochs >= 1, "local_epochs must be >= 1"),
+        (le.score_chunk >= 0, "score_chunk must be >= 0 (0: auto)"),
         (le.optimizer in ("adam", "sgd"), "optimizer must be adam or sgd"),
         (le.model in ("auto", "mlp", "cnn", "resnet18"), "model must be auto|mlp|cnn|resnet18"),
+        (le.score_source in ("tta", "posterior", "both"),
+         "score_source must be tta, posterior or both"),
+        (le.score_samples >= 1, "score_samples must be >= 1"),
+        (le.eval_samples >= 0, "eval_samples must be >= 0"),
+        (le.bayes_sigma > 0, "bayes_sigma must be > 0"),
+        (le.lambda_p >= 0, "lambda_p must be >= 0"),
+        (0 <= le.lambda_k <= 1, "lambda_k must be in [0, 1]"),
+        (le.vfcl_samples >= 1, "vfcl_samples must be >= 1"),
+        (le.kl_scale in ("samples", "params"), "kl_scale must be samples or params"),
+        (le.drift_signal in ("loss", "features"), "drift_signal must be loss or features"),
+        (0 <= le.drift_delta < 1, "drift_delta must be in [0, 1)"),
+        (le.score_backend in ("torch", "onnxruntime"), "score_backend must be torch or "
+         "onnxruntime"),
+        (le.score_backend == "torch" or le.score_source == "tta",
+         "score_backend onnxruntime computes TTA logits only; use score_source tta"),
+        (le.score_backend == "torch" or le.device == "cpu",
+         "score_backend onnxruntime runs on the CPU; use it with device cpu"),
+        (f.bnn_init_rounds >= 0, "bnn_init_rounds must be >= 0"),
         (f.clients >= 1, "clients must be >= 1"),
         (f.burn_in >= 0, "burn_in must be >= 0"),
         (f.jump >= 1, "jump must be >= 1"),
         (0 <= f.mix <= 1, "mix must be in [0, 1]"),
         (f.min_clients >= 1, "min_clients must be >= 1"),
         (f.mode in ("sync", "async"), "mode must be sync or async"),
+        (0 <= f.topk <= 1, "topk must be in [0, 1] (fraction of entries sent)"),
+        (f.threshold >= 0, "threshold must be >= 0"),
+        (f.topk > 0 or f.threshold > 0, "topk 0 needs a threshold > 0"),
+        (f.value_dtype in ("float32", "float16"), "value_dtype must be float32 or float16"),
+        (f.downlink in ("auto", "dense", "sparse"), "downlink must be auto, dense or sparse"),
+        (f.apc_kb_size >= 0, "apc_kb_size must be >= 0"),
+        (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,
+         "apc_l1, apc_l2 and apc_prune must be >= 0"),
+        (0 < le.apc_send <= 1, "apc_send must be in (0, 1]"),
         (cfg.seeds >= 1, "seeds must be >= 1"),
         (cfg.transport in ("inprocess", "mqtt"), "transport must be inprocess or mqtt"),
         (cfg.mqtt.wire_dtype in ("float32", "float16"), "wire_dtype must be float32 or float16"),

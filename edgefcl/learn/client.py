@@ -4,6 +4,7 @@ burn-in / jump schedule that decides when it sends an update (NOTES.md §1, Algo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections import Counter
 
@@ -58,6 +59,9 @@ class Client:
         self.fed = fed
         self.method = learn.method
         self.device = resolve_device(learn.device)
+        if learn.score_chunk == 0:
+            self.learn = learn = dataclasses.replace(
+                learn, score_chunk=4096 if self.device.type == "cuda" else 256)
         self.hooks = client_hooks(self.method, learn, fed)
         self.model = self.hooks.prepare_model(model).to(self.device)
         self.gen = torch.Generator().manual_seed(seed)
