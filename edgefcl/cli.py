@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml
+from edgefcl.logs import setup_logging
 
 
 def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -199,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Online federated continual learning on edge devices.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="debug logging (daemons log at info level by default, simulate and "
+                   "bench only warnings)")
+    p.add_argument("--log-json", action="store_true",
+                   help="log one JSON object per line (for log collectors)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("simulate", help="replay a dataset as per-client streams and run the "
@@ -259,8 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that print numbers and write JSON",
                        description="client: per-mini-batch time split (train, perturb+score, "
-                       "memory) and batched vs per-view scoring, cached vs full re-scoring.")
-    b.add_argument("what", choices=["client"], help="what to benchmark")
+                       "memory) and batched vs per-view scoring, cached vs full re-scoring. "
+                       "transport: lock-step MQTT vs in-process wall time, aggregator ingest "
+                       "rate (Mosquitto and embedded broker, 1M-parameter model), aggregation "
+                       "memory for 10 vs 100 updates.")
+    b.add_argument("what", choices=["client", "transport"], help="what to benchmark")
     b.add_argument("--repeats", type=int, default=3, help="timing repeats")
     add_config_flags(b)
     b.set_defaults(func=cmd_bench)
@@ -291,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    daemon = args.command in ("aggregator", "client", "replay", "broker")
+    level = logging.DEBUG if args.verbose else logging.INFO if daemon else logging.WARNING
+    setup_logging(level, args.log_json)
     from edgefcl.data.types import DataError
     from edgefcl.transport.mqtt import TransportError
 

@@ -34,7 +34,7 @@ class FleetError(RuntimeError):
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "edgefcl", "-v", *args], stdout=f,
+        return subprocess.Popen([sys.executable, "-m", "edgefcl", *args], stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 

@@ -1,0 +1,110 @@
+"""The online Client on its own: schedule, replay exclusion, merges, devices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edgefcl.config import FedConfig, LearnConfig
+from edgefcl.data.types import Batch
+from edgefcl.federation.messages import GlobalModel
+from edgefcl.learn.client import Client
+from edgefcl.learn.models import build_model
+from edgefcl.learn.params import get_tensors
+
+
+def make_client(method="bi", burn_in=2, jump=2, memory=20, device="cpu"):
+    torch.manual_seed(0)
+    model = build_model("mlp", (6,), 4, hidden=16)
+    return Client("c0", model, LearnConfig(method=method, memory_size=memory, local_epochs=2,
+                                           device=device),
+                  FedConfig(burn_in=burn_in, jump=jump), "vector", seed=0)
+
+
+def batch(task, index, classes, n=5, seed=0):
+    rng = np.random.default_rng(seed + 100 * task + index)
+    y = rng.choice(classes, n).astype(np.int64)
+    x = (rng.standard_normal((n, 6)) + y[:, None]).astype(np.float32)
+    return Batch(x, y, task, index, False)
+
+
+def test_updates_follow_burn_in_and_jump_and_restart_per_task():
+    c = make_client(burn_in=3, jump=2)
+    sent = [c.step(batch(0, i, [0, 1])) is not None for i in range(1, 8)]
+    assert sent == [False, False, False, True, False, True, False]  # bn 4 and 6
+    sent = [c.step(batch(1, i, [2, 3])) is not None for i in range(1, 5)]
+    assert sent == [False, False, False, True]  # burn-in restarted with the task
+
+
+def test_update_carries_counters_and_class_counts():
+    c = make_client(burn_in=1, jump=1)
+    u = c.step(batch(0, 1, [0, 1]))
+    assert (u.client, u.seq, u.task, u.batch, u.num_samples) == ("c0", 1, 0, 1, 5)
+    assert sum(u.class_counts.values()) == 5
+    assert set(u.tensors) == set(get_tensors(c.model))
+
+
+def test_replay_never_draws_the_current_task():
+    c = make_client(method="er", memory=30)
+    for i in range(1, 6):
+        c.step(batch(0, i, [0, 1]))
+    seen = []
+    real_sample = c.memory.sample
+
+    def spy(n, exclude_task=None):
+        out = real_sample(n, exclude_task)
+        seen.append((exclude_task, None if out is None else out[1].tolist()))
+        return out
+
+    c.memory.sample = spy
+    c.step(batch(1, 1, [2, 3]))
+    assert seen and all(ex == 1 for ex, _ in seen)
+    assert all(set(ys) <= {0, 1} for _, ys in seen if ys is not None)
+
+
+def test_fedavg_method_keeps_no_memory_and_bi_scores():
+    plain = make_client(method="fedavg")
+    plain.step(batch(0, 1, [0, 1]))
+    assert plain.memory is None and plain.scored == 0
+    bi = make_client(method="bi")
+    bi.step(batch(0, 1, [0, 1]))
+    assert bi.memory is not None and bi.scored == 5
+
+
+def test_apply_global_replace_and_delta_merge():
+    c = make_client(burn_in=2, jump=2)
+    c.step(batch(0, 1, [0, 1]))
+    u = c.step(batch(0, 2, [0, 1]))
+    g = GlobalModel(1, {k: np.zeros_like(v) for k, v in u.tensors.items()}, ("c0",))
+    c.apply_global(g, "replace")
+    assert all(np.all(v == 0) for v in get_tensors(c.model).values()) and c.version == 1
+    c.step(batch(0, 3, [0, 1]))
+    u2 = c.step(batch(0, 4, [0, 1]))
+    assert c.step(batch(0, 5, [0, 1])) is None  # progress made after sending u2
+    now = get_tensors(c.model)
+    g2 = GlobalModel(2, {k: np.ones_like(v) for k, v in u2.tensors.items()}, ("c0",))
+    c.apply_global(g2, "delta")
+    merged = get_tensors(c.model)
+    for k in merged:
+        np.testing.assert_allclose(merged[k], 1 + now[k] - u2.tensors[k], atol=1e-6)
+
+
+def test_scoring_snapshot_changes_only_at_a_merge():
+    c = make_client(burn_in=1, jump=1)
+    c.step(batch(0, 1, [0, 1]))
+    assert c.score_model is None  # no merge yet: the live model scores
+    v = c.score_version
+    c.apply_global(GlobalModel(1, get_tensors(c.model), ("c0",)))
+    assert c.score_model is not None and c.score_version == v + 1
+    c.step(batch(0, 2, [0, 1]))
+    assert c.score_version == v + 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_client_trains_on_cuda():
+    c = make_client(device="cuda", burn_in=1, jump=1)
+    u = c.step(batch(0, 1, [0, 1]))
+    assert next(c.model.parameters()).is_cuda and c.memory.x.is_cuda
+    assert u.tensors and all(t.dtype == np.float32 for t in u.tensors.values())
