@@ -292,7 +292,7 @@ def resolve_fed(method: str, fed: FedConfig, encoding: str | None = None,
     enc = encoding or fed.encoding
     if encoding is None and method in BAYES_METHODS and enc == "dense":
         enc = "gaussian"
-    if encoding is None and method == "apc":
+    if encoding is None and method == "apc" and enc == "dense":
         enc = "apc"
     agg = aggregation or fed.aggregation
     if aggregation is None and enc == "gaussian" and agg not in GAUSSIAN_AGGREGATIONS:

@@ -8,7 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefcl.learn.drift import stream_lines
+from edgefcl.learn.export import GLOBAL_FILE
 from edgefcl.metrics import per_task_final
+from edgefcl.runtime.state import save_tensors
 from edgefcl.simulate import RunResult
 
 
@@ -31,6 +34,7 @@ def run_table(r: RunResult) -> str:
         f"  {'':28} {vals}",
         f"  A = {r.accuracy:.1f} %   F = {r.forgetting:.1f} %   rounds = {r.rounds}   "
         f"up = {fmt_bytes(r.comm.bytes_up)}   down = {fmt_bytes(r.comm.bytes_down)}",
+        *stream_lines(r.extra),
     ]
     return "\n".join(lines)
 
@@ -56,11 +60,12 @@ def summarize(results: list[RunResult]) -> dict[str, dict[str, float]]:
 
 def compare_table(summary: dict[str, dict[str, float]]) -> str:
     """Methods side by side as mean ± std, like the paper's tables."""
-    lines = [f"{'method':<10} {'A (%)':>14} {'F (%)':>14} {'rounds':>8} {'bytes up':>10} "
+    w = max([10, *map(len, summary)])
+    lines = [f"{'method':<{w}} {'A (%)':>14} {'F (%)':>14} {'rounds':>8} {'bytes up':>10} "
              f"{'time (s)':>9}"]
     for m, s in summary.items():
         lines.append(
-            f"{m:<10} {s['accuracy_mean']:6.1f} ± {s['accuracy_std']:4.1f} "
+            f"{m:<{w}} {s['accuracy_mean']:6.1f} ± {s['accuracy_std']:4.1f} "
             f"{s['forgetting_mean']:6.1f} ± {s['forgetting_std']:4.1f} "
             f"{s['rounds_mean']:8.0f} {fmt_bytes(s['bytes_up_mean']):>10} "
             f"{s['wall_s_mean']:9.1f}")
@@ -71,6 +76,8 @@ def write_run(r: RunResult, out: Path) -> None:
     """results.json and the plots of one run."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(r.to_dict(), indent=1))
+    if r.global_state is not None:  # rebuilt by `edgefcl export --run` with model_spec
+        save_tensors(out / GLOBAL_FILE, r.global_state)
     plot_accuracy_matrix(r, out / "accuracy_matrix.png")
     plot_accuracy_over_tasks(r, out / "accuracy_over_tasks.png")
 
@@ -78,7 +85,7 @@ def write_run(r: RunResult, out: Path) -> None:
 def write_summary(results: list[RunResult], out: Path) -> dict:
     """Each run in its own folder, plus results.json with the summary and every run."""
     for r in results:
-        write_run(r, out / r.method / f"seed{r.seed}")
+        write_run(r, out / r.method.replace("/", "-") / f"seed{r.seed}")
     summary = summarize(results)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"summary": summary, "runs": [r.to_dict() for r in results]}

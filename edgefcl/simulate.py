@@ -13,17 +13,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edgefcl.config import RunConfig, to_dict
-from edgefcl.data.loaders import load_dataset
-from edgefcl.data.splits import split_tasks
-from edgefcl.data.streams import count_batches, stream_batches
+from edgefcl.config import RunConfig, resolve_fed, to_dict
+from edgefcl.data.streams import count_batches
 from edgefcl.data.types import Dataset, TaskData
+from edgefcl.data.workload import client_id, client_stream, load_workload
 from edgefcl.federation.aggregator import Aggregator
-from edgefcl.federation.messages import GlobalModel, Update, tensors_nbytes
+from edgefcl.federation.gaussian import to_wire
+from edgefcl.federation.messages import GlobalModel, Tensors, Update
+from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_message
+from edgefcl.learn.apc import shared_tensors
 from edgefcl.learn.client import Client
+from edgefcl.learn.drift import stream_report
+from edgefcl.learn.export import global_state, model_spec
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors, tensors_sha256
+from edgefcl.learn.variational import client_hooks
 from edgefcl.metrics import CommStats, forgetting, last_accuracy
+from edgefcl.transport import codec
 
 
 @dataclass
@@ -39,6 +45,7 @@ class RunResult:
     config: dict
     wall_s: float
     extra: dict = field(default_factory=dict)
+    global_state: dict | None = None  # final global as model tensors (saved as global.npz)
 
     @property
     def accuracy(self) -> float:
@@ -66,17 +73,29 @@ class Setup:
     initial: torch.nn.Module
 
 
-def client_id(k: int) -> str:
-    return f"c{k:03d}"
-
-
 def prepare(cfg: RunConfig, seed: int) -> Setup:
     """Load the data, split it into per-client tasks and build the initial model."""
-    ds = load_dataset(cfg.data.dataset, cfg.data, seed)
-    tasks = split_tasks(ds, cfg.data, cfg.fed.clients, seed)
+    work = load_workload(cfg, seed)
+    ds, tasks = work.dataset, work.tasks
     torch.manual_seed(seed)
     model = build_model(cfg.learn.model, ds.sample_shape, ds.n_classes, cfg.learn.hidden)
+    model = client_hooks(cfg.learn.method, cfg.learn, cfg.fed).prepare_model(model)
     return Setup(ds, tasks, model)
+
+
+def initial_global(cfg: RunConfig, setup: Setup) -> Tensors:
+    """Tensors of the first global model, named like the run's updates (gaussian: W::mu,
+    W::sigma)."""
+    tensors = get_tensors(setup.initial)
+    if cfg.fed.encoding == "apc":  # the decomposed layers' local m, A, alpha stay local
+        return shared_tensors(setup.initial, tensors)
+    return to_wire(tensors) if cfg.fed.encoding == "gaussian" else tensors
+
+
+def for_method(cfg: RunConfig, method: str) -> RunConfig:
+    """`cfg` for a run of `method` (vfcl / fedbnn imply the gaussian encoding)."""
+    return dataclasses.replace(cfg, learn=dataclasses.replace(cfg.learn, method=method),
+                               fed=resolve_fed(method, cfg.fed))
 
 
 def make_client(cfg: RunConfig, setup: Setup, k: int, method: str, seed: int) -> Client:
@@ -84,10 +103,6 @@ def make_client(cfg: RunConfig, setup: Setup, k: int, method: str, seed: int) ->
     learn = dataclasses.replace(cfg.learn, method=method)
     return Client(client_id(k), copy.deepcopy(setup.initial), learn, cfg.fed,
                   setup.dataset.kind, seed=seed * 1000 + k)
-
-
-def client_stream(cfg: RunConfig, setup: Setup, k: int, seed: int):
-    return stream_batches(setup.tasks[k], cfg.data.batch_size, seed * 1000 + k)
 
 
 def evaluate_all(client: Client, tasks: list[TaskData]) -> np.ndarray:
@@ -100,13 +115,14 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
     """Run one in-process lock-step simulation and return its result."""
     method = method or cfg.learn.method
     seed = cfg.seed if seed is None else seed
+    cfg = for_method(cfg, method)
     torch.set_num_threads(cfg.learn.threads)
     start = time.perf_counter()
     setup = prepare(cfg, seed)
     K, T = cfg.fed.clients, cfg.data.tasks
     clients = [make_client(cfg, setup, k, method, seed) for k in range(K)]
-    streams = {c.cid: client_stream(cfg, setup, k, seed) for k, c in enumerate(clients)}
-    agg = Aggregator(get_tensors(setup.initial), cfg.fed)
+    streams = {c.cid: client_stream(cfg, setup.tasks[k], k, seed) for k, c in enumerate(clients)}
+    agg = Aggregator(initial_global(cfg, setup), cfg.fed)
     for c in clients:
         agg.join(c.cid)
     acc = np.zeros((K, T, T))
@@ -128,14 +144,15 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
                 continue
             upd = c.step(batch)
             if upd is not None:
-                tick_up += encoded_size(upd)
-                comm.sent(c.cid, encoded_size(upd))
+                size = encoded_size(upd, cfg)
+                tick_up += size
+                comm.sent(c.cid, size)
             closed = agg.submit(upd if upd is not None else c.tick()) or closed
             if batch.end_of_task:
                 finished_tasks.append((k, batch.task))
         if closed is not None and closed.global_ is not None:
             comm.per_round_up.append(tick_up)
-            _deliver(closed.global_, clients, comm)
+            _deliver(closed.global_, clients, comm, cfg, agg.history)
         for k, t in finished_tasks:
             acc[k, t] = evaluate_all(clients[k], setup.tasks[k])
         if progress is not None:
@@ -146,16 +163,31 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
                      {"scored_samples": int(sum(c.scored for c in clients)),
                       "batches": int(sum(c.batches for c in clients)),
                       "timings": dict(sum((c.timings for c in clients), Counter())),
-                      "aggregator": dict(agg.counters)})
+                      "aggregator": dict(agg.counters),
+                      "model_spec": model_spec(cfg.learn.model, setup.dataset.sample_shape,
+                                               setup.dataset.n_classes, cfg.learn.hidden),
+                      **stream_report(clients)},
+                     global_state=global_state(clients[0], g))
 
 
-def _deliver(g: GlobalModel, clients: list[Client], comm: CommStats) -> None:
-    size = encoded_size(g)
-    comm.per_round_down.append(size * len(g.participants))
+def _deliver(g: GlobalModel, clients: list[Client], comm: CommStats, cfg: RunConfig,
+             history: GlobalHistory) -> None:
+    """Send `g` to its participants: whole, or (sparse downlink) as the delta from the version
+    each one holds; counts the bytes of what each one received."""
     by_id = {c.cid: c for c in clients}
+    sent: dict[int, tuple[GlobalModel, int]] = {}  # held version -> (message, size)
+    total = 0
     for cid in g.participants:
-        by_id[cid].apply_global(g)
+        c = by_id[cid]
+        held = c.version if delta_downlink(cfg.fed) else -1
+        if held not in sent:
+            msg = downlink_message(g, history, held) if held >= 0 else g
+            sent[held] = (msg, encoded_size(msg, cfg))
+        msg, size = sent[held]
+        c.apply_global(msg)
         comm.received(cid, size)
+        total += size
+    comm.per_round_down.append(total)
 
 
 def cfg_dict(cfg: RunConfig, method: str, seed: int) -> dict:
@@ -166,6 +198,7 @@ def cfg_dict(cfg: RunConfig, method: str, seed: int) -> dict:
     return d
 
 
-def encoded_size(msg: Update | GlobalModel) -> int:
-    """Bytes the message occupies on the wire."""
-    return tensors_nbytes(msg.tensors)
+def encoded_size(msg: Update | GlobalModel, cfg: RunConfig) -> int:
+    """Bytes the message occupies on the wire: its msgpack payload as the codec encodes it."""
+    wire = "<f2" if cfg.mqtt.wire_dtype == "float16" else None
+    return len(codec.encode(msg, fleet=cfg.mqtt.fleet, wire_dtype=wire))

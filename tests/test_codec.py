@@ -192,6 +192,7 @@ def _update_with(tensor: dict) -> bytes:
     m = msgpack.unpackb(codec.encode(Update("c", 0, 1, 0, 1, 5, {"w": np.zeros(2, np.float32)}),
                                      fleet=FLEET))
     m["tensors"]["w"] = tensor
+    del m["digest"]  # edited by hand: the sealed digest no longer applies
     return msgpack.packb(m, use_bin_type=True)
 
 

@@ -8,10 +8,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import edgefcl.federation.apc  # noqa: F401  (registers the apc strategy)
+import edgefcl.federation.gaussian  # noqa: F401  (registers the gaussian strategies)
+import edgefcl.federation.sparse  # noqa: F401  (registers the sparse strategy)
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregation import make_strategy
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.schedule import eligible
+from edgefcl.federation.versions import GlobalHistory
 
 log = logging.getLogger("edgefcl.aggregator")
 
@@ -54,6 +58,9 @@ class Aggregator:
         self.global_ = GlobalModel(version, {k: np.asarray(v, np.float32) for k, v in
                                              initial.items()})
         self.spec = {k: v.shape for k, v in self.global_.tensors.items()}
+        # the last globals, to rebuild sparse deltas and send delta downlinks (bounded)
+        self.history = GlobalHistory(fed.max_staleness + 1)
+        self.history.push(version, self.global_.tensors)
         self.active: set[str] = set()
         self.roster_complete = fed.mode == "async"
         self.last_seq: dict[str, int] = {}
@@ -64,7 +71,12 @@ class Aggregator:
         self._acc = self._new_strategy()
 
     def _new_strategy(self):
-        return make_strategy(self.fed.encoding, self.fed.aggregation, self.fed.mix)
+        strategy = make_strategy(self.fed.encoding, self.fed.aggregation, self.fed.mix)
+        if hasattr(strategy, "configure"):  # strategies that read more options
+            strategy.configure(self.fed)
+        if hasattr(strategy, "bind"):  # strategies that read the global history or spec
+            strategy.bind(self)
+        return strategy
 
     # -- membership -----------------------------------------------------------------------
     def join(self, client: str) -> None:
@@ -161,7 +173,9 @@ class Aggregator:
     def _close_round(self, tick: int | None) -> RoundClosed:
         participants = tuple(sorted(u.client for u in self._round.updates))
         tensors = self._acc.result(self.global_.tensors)
+        self.counters.update(getattr(self._acc, "counters", {}))
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
+        self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self._round = _Round()
         self._acc = self._new_strategy()
@@ -181,6 +195,8 @@ class Aggregator:
         """Resume from `state()` output."""
         self.global_ = GlobalModel(int(state["version"]), dict(state["tensors"]),
                                    tuple(state.get("participants", ())))
+        self.history.clear()
+        self.history.push(self.global_.version, self.global_.tensors)
         self.tick = int(state.get("tick", 0))
         self.rounds = int(state.get("rounds", 0))
         self.last_seq = {str(k): int(v) for k, v in state.get("last_seq", {}).items()}

@@ -21,6 +21,7 @@ from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import DownlinkState
 from edgefcl.learn.bayes import predict_logits, score_logits
+from edgefcl.learn.checkpoint import client_state, load_client_state
 from edgefcl.learn.drift import make_monitor
 from edgefcl.learn.export import make_client_onnx
 from edgefcl.learn.memory import ReplayMemory
@@ -94,6 +95,7 @@ class Client:
         self.sample_shape: tuple[int, ...] | None = None  # of the last batch
         self.monitor = make_monitor(learn)  # prequential accuracy, task-free segments
         self.onnx = make_client_onnx(learn)  # export_onnx, score_backend onnxruntime
+        self.skip_scoring = False  # set by a device over its compute budget (firmware_sim)
         self.hooks.attach(self)
 
     # -- the online step --------------------------------------------------------------------
@@ -171,8 +173,16 @@ class Client:
         if self.score_model is None:
             # No snapshot yet: the scoring model is the current model, which moved this batch.
             self.score_version += 1
-        self.scored += self.memory.update(x, y, self.task or 0, scorer, self.score_version,
-                                          rescore_all=self.learn.rescore == "always")
+        version = self.score_version
+        if scorer is not None and self.skip_scoring:
+            # over the compute budget: class-balanced random this batch (version -1: stale)
+            scorer, version = self._random_scores, -1
+        scored = self.memory.update(x, y, self.task or 0, scorer, version,
+                                    rescore_all=self.learn.rescore == "always")
+        self.scored += scored if version >= 0 else 0
+
+    def _random_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rand(len(x), generator=self.gen).to(x.device)
 
     def _score(self, x: torch.Tensor) -> torch.Tensor:
         t0 = self._clock()
@@ -189,6 +199,15 @@ class Client:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    # -- persistence ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to resume this client after a reboot (see learn/checkpoint.py)."""
+        return client_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a `state_dict()` into a client built from the same configuration."""
+        load_client_state(self, state)
 
     # -- federation -----------------------------------------------------------------------
     def apply_global(self, g: GlobalModel, merge: str = "replace") -> None:

@@ -85,7 +85,7 @@ class AggregatorDaemon:
 
     def _publish_config(self) -> None:
         f = self.cfg.fed
-        body = {"burn_in": f.burn_in, "jump": f.jump, "mode": f.mode, "encoding": "dense",
+        body = {"burn_in": f.burn_in, "jump": f.jump, "mode": f.mode, "encoding": f.encoding,
                 "aggregation": f.aggregation, "min_clients": f.min_clients,
                 "spec_hash": self.spec_hash, "clients": f.clients}
         self._publish(self.topics.config, encode(Message("config", body), fleet=self.cfg.mqtt.fleet,
@@ -124,7 +124,8 @@ class AggregatorDaemon:
         try:
             if isinstance(payload, CodecError):
                 raise payload
-            msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload)
+            msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+                         require_digest=True)  # a damaged update must never be aggregated
         except CodecError as e:
             self.agg.counters[f"rejected_{e.reason}"] += 1
             log.warning("rejected payload on %s: %s", topic, e)

@@ -6,8 +6,12 @@ Every payload is a msgpack map with at least `schema` (SCHEMA_VERSION), `kind`, 
 float32 tensors are sent as float16 and carry `"to": "<f4"` so the receiver restores float32.
 
 `decode` validates everything that comes in and raises `CodecError(reason)` with a short
-machine-readable reason (schema, fleet, malformed, kind, dtype, shape, nonfinite, oversized) so
-daemons can log and count rejections instead of crashing.
+machine-readable reason (schema, fleet, malformed, kind, dtype, shape, nonfinite, oversized,
+digest) so daemons can log and count rejections instead of crashing.
+
+`encode` seals every payload with a digest of its bytes (`edgefcl.transport.integrity`); `decode`
+rejects a payload whose digest does not match (reason "digest"), and one without a digest when
+called with `require_digest=True` (the aggregator daemon does).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.transport import integrity
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -39,7 +44,7 @@ DATACLASS_KINDS = frozenset(["update", "tick", "global"])
 DICT_KINDS = frozenset(["config", "status", "control", "stream", "answer"])
 """Kinds carried as plain dicts (`Message`): `answer` is the aggregator's lock-step reply."""
 CONTROL_COMMANDS = frozenset(["pause", "resume", "stop"])
-RESERVED_KEYS = frozenset(["schema", "kind", "fleet", "sender"])
+RESERVED_KEYS = frozenset(["schema", "kind", "fleet", "sender", integrity.DIGEST_KEY])
 _TENSOR_KEYS = frozenset(["dtype", "shape", "data"])
 
 ModelSpec = dict[str, tuple[tuple[int, ...], str]]
@@ -255,7 +260,7 @@ def encode(
             m[str(k)] = encode_tensor(v, wire_dtype) if isinstance(v, np.ndarray) else v
     else:
         raise CodecError("kind", f"cannot encode {type(msg).__name__}")
-    return _pack(m)
+    return integrity.seal(m, _pack)
 
 
 def encode_batch(
@@ -334,9 +339,26 @@ def _decode_message(kind: str, m: dict[str, Any]) -> Message:
 
 
 def decode(
-    payload: bytes, expect_fleet: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+    payload: bytes, expect_fleet: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
+    require_digest: bool = False,
 ) -> Update | Tick | GlobalModel | Message:
-    """Decode and validate one payload; raise CodecError(reason) if it must be rejected."""
+    """Decode and validate one payload; raise CodecError(reason) if it must be rejected.
+
+    The digest is checked after the structure, so a malformed payload keeps its specific
+    reason; a well-formed one with a wrong digest (or none, if `require_digest`) is "digest".
+    """
+    msg = _decode(payload, expect_fleet, max_bytes)
+    intact = integrity.check(payload)
+    if intact is False:
+        raise CodecError("digest", "payload digest mismatch: the bytes were damaged after encoding")
+    if intact is None and require_digest:
+        raise CodecError("digest", "payload carries no digest; encode it with edgefcl's codec")
+    return msg
+
+
+def _decode(
+    payload: bytes, expect_fleet: str | None, max_bytes: int
+) -> Update | Tick | GlobalModel | Message:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise CodecError("malformed", f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > max_bytes:

@@ -1,0 +1,376 @@
+"""Sparse updates: index coding, top-k selection, error feedback, per-entry aggregation,
+rejection of bad payloads, sparse downlink deltas and honest byte counts."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgefcl.config import ConfigError, FedConfig, RunConfig, apply
+from edgefcl.federation.aggregation import FedAvg
+from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.federation.sparse import (
+    IDX,
+    VAL,
+    SparseEncoder,
+    SparseError,
+    SparseFedAvg,
+    decode_group,
+    decode_indices,
+    encode_indices,
+    index_dtype,
+    pad_gaps,
+    select,
+)
+from edgefcl.federation.versions import (
+    DELTA_FROM,
+    DownlinkState,
+    GlobalHistory,
+    apply_global_delta,
+    downlink_message,
+    global_delta,
+)
+from edgefcl.transport import codec
+
+# -- index coding ---------------------------------------------------------------------------
+
+
+def test_index_dtype_boundaries():
+    got = [index_dtype(v) for v in (0, 255, 256, 65535, 65536, 2**32 - 1, 2**32)]
+    assert got == [np.uint8, np.uint8, np.uint16, np.uint16, np.uint32, np.uint32, np.uint64]
+
+
+def test_indices_are_gaps_with_the_first_absolute():
+    codes = encode_indices(np.array([3, 5, 300]))
+    assert codes.dtype == np.uint16 and codes.tolist() == [3, 2, 295]
+    codes = encode_indices(np.array([0, 1, 255]))
+    assert codes.dtype == np.uint8 and codes.tolist() == [0, 1, 254]
+    assert decode_indices(codes, 256).tolist() == [0, 1, 255]
+    assert encode_indices(np.array([], np.int64)).dtype == np.uint8
+
+
+@pytest.mark.parametrize("codes,n,reason", [
+    ([3, 0], 10, "index-duplicate"),
+    ([10], 10, "index-range"),
+    ([4, 4, 4], 10, "index-range"),
+    ([1, 1, 1, 1], 3, "index-range"),
+])
+def test_decode_indices_rejects(codes, n, reason):
+    with pytest.raises(SparseError) as e:
+        decode_indices(np.array(codes, np.uint8), n)
+    assert e.value.reason == reason
+
+
+def test_decode_indices_rejects_signed_dtype():
+    with pytest.raises(SparseError) as e:
+        decode_indices(np.array([1, 2], np.int32), 10)
+    assert e.value.reason == "dtype"
+
+
+def test_select_topk_and_threshold():
+    v = np.array([0.1, -5.0, 3.0, 0.2, -4.0])
+    assert select(v, 0.4).tolist() == [1, 4]  # ceil(0.4 * 5) = 2 largest magnitudes
+    assert select(v, 0.0, threshold=0.15).tolist() == [1, 2, 3, 4]
+    assert select(v, 0.6, threshold=3.5).tolist() == [1, 4]  # top 3, then |v| >= 3.5
+    assert select(v, 0.01).tolist() == [1]  # at least one entry
+    assert select(v, 1.0).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_pad_gaps_fills_long_gaps_when_the_narrow_index_is_cheaper():
+    pos = np.concatenate([np.arange(0, 1000, 10), [5000]])
+    padded = pad_gaps(pos, 4)
+    fillers = np.setdiff1d(padded, pos)
+    # gap 990 -> 5000 is 4010 long: fillers every 255 entries, 15 of them
+    assert fillers.tolist() == [990 + 255 * i for i in range(1, 16)]
+    assert encode_indices(padded).dtype == np.uint8
+    # one entry per 300: uint8 would double the entries, uint16 costs one byte more each
+    sparse = np.arange(0, 30000, 300)
+    assert pad_gaps(sparse, 4).tolist() == sparse.tolist()
+    assert pad_gaps(np.array([0, 600], np.int64), 4).tolist() == [0, 600]
+
+
+# -- round trips ----------------------------------------------------------------------------
+
+
+@st.composite
+def sparse_tensors(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 40), min_size=1, max_size=3)))
+    n = math.prod(shape)
+    density = draw(st.floats(0.0, 1.0))
+    seed = draw(st.integers(0, 2**31 - 1))
+    dtype = draw(st.sampled_from(["float32", "float16"]))
+    rng = np.random.default_rng(seed)
+    pos = np.flatnonzero(rng.random(n) < density)
+    vals = rng.normal(0, 100, pos.size).astype(dtype)
+    return shape, pos, vals
+
+
+@settings(max_examples=60, deadline=None)
+@given(sparse_tensors(), st.sampled_from([None, "<f2"]))
+def test_sparse_round_trip_through_the_wire_codec(t, wire):
+    shape, pos, vals = t
+    idx = encode_indices(pos)
+    upd = Update("c1", 0, 1, 0, 4, 10, {"w" + IDX: idx, "w" + VAL: vals}, "sparse")
+    back = codec.decode(codec.encode(upd, fleet="f", wire_dtype=wire))
+    assert back.tensors["w" + IDX].dtype == idx.dtype
+    got_pos, got_vals = decode_group({"idx": back.tensors["w" + IDX],
+                                      "val": back.tensors["w" + VAL]}, shape,
+                                     frozenset({"idx"}))
+    assert got_pos.tolist() == pos.tolist()
+    expect = vals.astype(np.float16) if wire else vals  # float16 on the wire rounds float32
+    np.testing.assert_array_equal(got_vals, expect.astype(np.float64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 10**6), max_size=200, unique=True),
+       st.sampled_from([2, 4]))
+def test_padded_indices_round_trip_and_keep_every_position(positions, value_bytes):
+    pos = np.sort(np.array(positions, np.int64))
+    padded = pad_gaps(pos, value_bytes)
+    assert set(pos.tolist()) <= set(padded.tolist())
+    n = int(padded.max()) + 1 if padded.size else 1
+    assert decode_indices(encode_indices(padded), n).tolist() == padded.tolist()
+
+
+# -- client encoder: selection and error feedback -------------------------------------------
+
+
+def test_encoder_sends_topk_of_delta_and_vectors_whole():
+    enc = SparseEncoder(topk=0.25)
+    base = {"w": np.zeros((2, 2), np.float32), "b": np.zeros(3, np.float32)}
+    cur = {"w": np.array([[1.0, -3.0], [0.5, 2.0]], np.float32),
+           "b": np.array([1, 2, 3], np.float32)}
+    out = enc.encode(cur, base)
+    assert out["w" + IDX].tolist() == [1] and out["w" + VAL].tolist() == [-3.0]
+    np.testing.assert_array_equal(out["b"], cur["b"])  # 1-D: whole
+    np.testing.assert_array_equal(enc.pending["w"], [1.0, 0.0, 0.5, 2.0])
+
+
+def test_error_feedback_keeps_the_delta_to_the_true_global():
+    """After a merge the client holds global + mix * leftover; its next payload is still its
+    exact delta to the global, and the leftover is sent later."""
+    enc = SparseEncoder(topk=0.25, mix=0.5)
+    g0 = {"w": np.zeros((1, 4), np.float32)}
+    x = {"w": np.array([[1.0, -3.0, 0.5, 2.0]], np.float32)}
+    enc.encode(x, g0)  # sends entry 1 (-3), leftover [1, 0, 0.5, 2]
+    g1 = {"w": np.array([[0.0, -1.5, 0.0, 0.0]], np.float32)}  # the aggregator's new global
+    merged = enc.decode_global(g1, x)
+    np.testing.assert_array_equal(merged["w"], [[0.5, -1.5, 0.25, 1.0]])  # g1 + 0.5 * leftover
+    x2 = {"w": merged["w"] + np.array([[0, 0, 0, 0.5]], np.float32)}  # training after the merge
+    out = enc.encode(x2, merged)  # base = what the client merged
+    # p = x2 - g1 = [0.5, 0, 0.25, 1.5]: the largest, entry 3, is sent
+    assert out["w" + IDX].tolist() == [3] and out["w" + VAL].tolist() == [1.5]
+    np.testing.assert_allclose(enc.pending["w"], [0.5, 0.0, 0.25, 0.0])
+
+
+def test_no_merge_between_sends_counts_nothing_twice():
+    enc = SparseEncoder(topk=0.5)
+    g0 = {"w": np.zeros((1, 2), np.float32)}
+    enc.encode({"w": np.array([[1.0, 2.0]], np.float32)}, g0)
+    out = enc.encode({"w": np.array([[1.0, 2.0]], np.float32)}, g0)  # no global came in
+    assert out["w" + VAL].tolist() == [2.0]  # still the plain delta, no residual added
+
+
+def test_float16_values_put_their_rounding_into_the_residual():
+    enc = SparseEncoder(topk=1.0, value_dtype="float16")
+    x = {"w": np.array([[1.0001]], np.float32)}
+    out = enc.encode(x, {"w": np.zeros((1, 1), np.float32)})
+    assert out["w" + VAL].dtype == np.float16
+    sent = float(out["w" + VAL][0])
+    assert enc.pending["w"][0] == pytest.approx(np.float32(1.0001) - np.float32(sent))
+
+
+def test_encoder_rejects_bad_options():
+    with pytest.raises(ValueError):
+        SparseEncoder(topk=0.0, threshold=0.0)
+    with pytest.raises(ValueError):
+        SparseEncoder(value_dtype="int8")
+
+
+# -- aggregation ----------------------------------------------------------------------------
+
+
+def sparse_update(client, pos, vals, n=10, seq=1, base=0, shape=(4,), batch=4, b=None):
+    t = {"w" + IDX: encode_indices(np.array(pos, np.int64)),
+         "w" + VAL: np.array(vals, np.float32)}
+    if b is not None:
+        t["b"] = np.array(b, np.float32)
+    return Update(client, base, seq, 0, batch, n, t, "sparse")
+
+
+def make_agg(initial=None, **kw):
+    fed = FedConfig(clients=2, burn_in=2, jump=2, encoding="sparse", **kw)
+    return Aggregator(initial or {"w": np.zeros(4, np.float32)}, fed)
+
+
+def test_per_entry_average_over_senders_by_hand():
+    agg = make_agg()
+    agg.submit(sparse_update("a", [1], [2.0], n=10))
+    closed = agg.submit(sparse_update("b", [1, 3], [4.0, 8.0], n=30))
+    # entry 1: (10*2 + 30*4)/40 = 3.5, mixed 0.5 -> 1.75; entry 3: only b -> 8 * 0.5 = 4
+    np.testing.assert_allclose(closed.global_.tensors["w"], [0.0, 1.75, 0.0, 4.0])
+
+
+def test_delta_is_rebuilt_on_the_global_the_client_merged():
+    agg = make_agg({"w": np.ones(4, np.float32)})
+    agg.submit(sparse_update("a", [0], [1.0], seq=1))
+    agg.submit(sparse_update("b", [0], [1.0], seq=1))  # v1: w[0] = 0.5*2 + 0.5*1 = 1.5
+    assert agg.global_.tensors["w"][0] == 1.5
+    # a is still based on v0 (w = 1): its value at entry 2 is 1 + 3 = 4
+    agg.submit(sparse_update("a", [2], [3.0], seq=2, base=0, batch=6))
+    closed = agg.submit(sparse_update("b", [2], [-1.0], seq=2, base=1, batch=6))
+    # b based on v1: 1 - 1 = 0; mean (4 + 0)/2 = 2, mixed with 1 -> 1.5
+    np.testing.assert_allclose(closed.global_.tensors["w"], [1.5, 1.0, 1.5, 1.0])
+    assert "sparse_rebased" not in agg.counters
+
+
+def test_base_out_of_history_is_rebased_and_counted():
+    agg = make_agg(max_staleness=0)  # history holds the current global only
+    agg.submit(sparse_update("a", [0], [2.0], seq=1))
+    agg.submit(sparse_update("b", [0], [2.0], seq=1))  # v1: w[0] = 1
+    agg.submit(sparse_update("a", [1], [2.0], seq=2, base=0, batch=6))
+    closed = agg.submit(sparse_update("b", [1], [2.0], seq=2, base=1, batch=6))
+    np.testing.assert_allclose(closed.global_.tensors["w"], [1.0, 1.0, 0.0, 0.0])
+    assert agg.counters["sparse_rebased"] == 1
+
+
+def test_topk_one_reproduces_dense_fedavg():
+    rng = np.random.default_rng(0)
+    g = {"w": rng.normal(size=(3, 5)).astype(np.float32), "b": rng.normal(size=5)
+         .astype(np.float32)}
+    clients = [{k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in g.items()}
+               for _ in range(3)]
+    dense, sparse = FedAvg(0.5), SparseFedAvg(0.5)
+    sparse.bind(Aggregator(g, FedConfig(encoding="sparse")))
+    for i, x in enumerate(clients):
+        dense.add(Update(f"c{i}", 0, 1, 0, 4, 10 * (i + 1), x))
+        payload = SparseEncoder(topk=1.0).encode(x, g)
+        sparse.add(Update(f"c{i}", 0, 1, 0, 4, 10 * (i + 1), payload, "sparse"))
+    want, got = dense.result(g), sparse.result(g)
+    for k in g:
+        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tensors,reason", [
+    ({"w::idx": np.array([4], np.uint8), "w::val": np.array([1.0], np.float32)}, "index-range"),
+    ({"w::idx": np.array([1, 0], np.uint8), "w::val": np.array([1, 2], np.float32)},
+     "index-duplicate"),
+    ({"w::idx": np.array([1, 1], np.uint8), "w::val": np.array([1.0], np.float32)}, "length"),
+    ({"w::idx": np.array([1], np.uint8), "w::val": np.array([np.nan], np.float32)},
+     "nonfinite"),
+    ({"w::idx": np.array([1], np.int16), "w::val": np.array([1.0], np.float32)}, "dtype"),
+    ({"w::idx": np.array([1], np.uint8)}, "names"),
+    ({"v::idx": np.array([1], np.uint8), "v::val": np.array([1.0], np.float32)}, "names"),
+    ({"w::idx": np.array([1], np.uint8), "w::val": np.array([1.0], np.float32),
+      "x": np.zeros(1, np.float32)}, "names"),
+])
+def test_aggregator_rejects_bad_sparse_payloads(tensors, reason):
+    agg = make_agg()
+    assert agg.submit(Update("a", 0, 1, 0, 4, 10, tensors, "sparse")) is None
+    assert agg.counters[f"rejected_{reason}"] == 1 and agg.counters["accepted"] == 0
+
+
+def test_aggregator_rejects_a_base_from_the_future():
+    agg = make_agg()
+    agg.submit(sparse_update("a", [1], [1.0], base=5))
+    assert agg.counters["rejected_base"] == 1
+
+
+# -- sparse downlink ------------------------------------------------------------------------
+
+
+def test_global_delta_is_bit_exact_and_skips_unchanged_tensors():
+    old = {"w": np.zeros(1000, np.float32), "b": np.ones(3, np.float32),
+           "z": np.zeros(4, np.float32)}
+    new = {"w": old["w"].copy(), "b": np.array([1.0, 2.0, 3.0], np.float32),
+           "z": np.array([-0.0, 0, 0, 0], np.float32)}
+    new["w"][[5, 700]] = [1.5, -2.0]
+    delta = global_delta(new, old, 7)
+    assert int(delta[DELTA_FROM]) == 7
+    assert delta["w" + IDX].tolist() == [5, 695] and delta["w" + VAL].tolist() == [1.5, -2.0]
+    assert "b" in delta  # 2 of 3 changed: whole tensor is smaller than idx + values
+    out = apply_global_delta(delta, old)
+    for k in new:
+        assert out[k].tobytes() == new[k].tobytes()  # -0.0 included
+    assert global_delta({"w": new["w"]}, old, 7) is None  # a name disappeared
+
+
+def test_downlink_through_the_codec_and_the_client_state():
+    hist = GlobalHistory(3)
+    g0 = {"w": np.arange(600, dtype=np.float32)}
+    g1 = {"w": g0["w"].copy()}
+    g1["w"][[3, 599]] = [-1.0, 7.5]
+    hist.push(0, g0)
+    hist.push(1, g1)
+    msg = downlink_message(GlobalModel(1, g1, ("a",)), hist, held_version=0)
+    assert DELTA_FROM in msg.tensors
+    back = codec.decode(codec.encode(msg, fleet="f"))
+    assert len(codec.encode(msg, fleet="f")) < 0.1 * len(codec.encode(GlobalModel(1, g1),
+                                                                     fleet="f"))
+    state = DownlinkState(g0, 0)
+    got = state.resolve(back)
+    assert got.version == 1 and got.tensors["w"].tobytes() == g1["w"].tobytes()
+    with pytest.raises(ValueError, match="holds v1"):
+        state.resolve(back)  # a delta from v0 to a client that holds v1
+    assert downlink_message(GlobalModel(2, g1), hist, held_version=-5).tensors is g1
+
+
+def test_history_is_bounded():
+    hist = GlobalHistory(2)
+    for v in range(5):
+        hist.push(v, {"w": np.full(1, v, np.float32)})
+    assert hist.versions() == [3, 4] and hist.get(2) is None
+
+
+# -- configuration and whole runs -----------------------------------------------------------
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="topk"):
+        apply(RunConfig(), {"fed": {"encoding": "sparse", "topk": 1.5}})
+    with pytest.raises(ConfigError, match="threshold"):
+        apply(RunConfig(), {"fed": {"encoding": "sparse", "topk": 0.0}})
+    with pytest.raises(ConfigError, match="fedavg"):
+        apply(RunConfig(), {"fed": {"encoding": "sparse", "aggregation": "class-weighted"}})
+
+
+def tiny(**fed):
+    return apply(RunConfig(), {
+        "quiet": True, "data": {"tasks": 2}, "fed": {"clients": 2, **fed},
+        "learn": {"method": "er", "local_epochs": 1, "hidden": 32, "model": "mlp",
+                  "memory_size": 20}})
+
+
+def test_sparse_downlink_run_is_identical_to_dense_downlink_and_bytes_are_real():
+    from edgefcl.learn.models import build_model
+    from edgefcl.learn.params import get_tensors
+    from edgefcl.simulate import encoded_size, simulate
+
+    dense = simulate(tiny(encoding="sparse", topk=0.2, downlink="dense"))
+    delta = simulate(tiny(encoding="sparse", topk=0.2, downlink="sparse"))
+    assert dense.rounds > 5 and dense.global_sha256 == delta.global_sha256
+    np.testing.assert_array_equal(dense.acc, delta.acc)
+    assert dense.comm.bytes_up == delta.comm.bytes_up
+    assert sum(delta.comm.per_round_down) == delta.comm.bytes_down
+    assert set(delta.comm.down) == set(delta.comm.up) == {"c000", "c001"}
+    # MLP 64-32-10 (2410 parameters): what a dense update or global would cost on the wire
+    model = get_tensors(build_model("mlp", (64,), 10, 32))
+    full = encoded_size(Update("c000", 0, 1, 0, 4, 10, model, class_counts={0: 5}), tiny())
+    assert 2410 * 4 < full < 2410 * 4 + 600
+    updates = dense.extra["aggregator"]["accepted"]
+    assert dense.comm.bytes_up < 0.35 * updates * full  # 20% of entries + 1-byte indices
+    assert sum(dense.comm.per_round_down) == dense.comm.bytes_down
+    assert delta.comm.bytes_down < 0.6 * dense.comm.bytes_down
+    upd = Update("c000", 0, 1, 0, 4, 10, {"w": np.zeros(3, np.float32)})
+    assert encoded_size(upd, tiny()) == len(codec.encode(upd, fleet="demo"))
+
+
+def test_tick_is_not_counted_as_an_update():
+    agg = make_agg()
+    agg.submit(Tick("a", 1, 0, 3))
+    assert agg.counters["ticks"] == 1
