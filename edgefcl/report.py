@@ -33,7 +33,9 @@ def run_table(r: RunResult) -> str:
         f"  final accuracy per task (%): {head}",
         f"  {'':28} {vals}",
         f"  A = {r.accuracy:.1f} %   F = {r.forgetting:.1f} %   rounds = {r.rounds}   "
-        f"up = {fmt_bytes(r.comm.bytes_up)}   down = {fmt_bytes(r.comm.bytes_down)}",
+        f"up = {fmt_bytes(r.comm.bytes_up)}   down = {fmt_bytes(r.comm.bytes_down)}   "
+        f"per round: up {fmt_bytes(r.comm.bytes_up / max(r.rounds, 1))}, "
+        f"down {fmt_bytes(r.comm.bytes_down / max(r.rounds, 1))}",
         *stream_lines(r.extra),
     ]
     return "\n".join(lines)

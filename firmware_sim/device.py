@@ -192,9 +192,9 @@ class Firmware(DeviceRunner):
     def save(self) -> None:
         """Write the state file (a safe point)."""
         t0 = time.perf_counter()
+        self.fw["saves"] += 1
         self.flash.save({"format": STATE_FORMAT, "device": self.device_state(),
                          "client": self.client.state_dict()})
-        self.fw["saves"] += 1
         self.fw["save_s"] += time.perf_counter() - t0
 
     # -- inbound: the write-ahead inbox ---------------------------------------------------

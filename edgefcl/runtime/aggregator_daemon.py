@@ -46,6 +46,8 @@ class AggregatorDaemon:
         self.done: set[str] = set()
         self.bytes_in: dict[str, int] = {}
         self.bytes_out = 0
+        self.round_bytes_in = 0
+        self.rounds_log: list[dict] = []  # the last rounds, for the status
         self.last_answer: bytes | None = None
         self.resumed = self._load_state()
         self.link = None
@@ -63,7 +65,7 @@ class AggregatorDaemon:
                  self.agg.global_.version, self.agg.rounds)
         return True
 
-    def _save_state(self, closed: RoundClosed | None) -> None:
+    def _save_state(self, closed: RoundClosed | None, global_bytes: int = 0) -> None:
         state = self.agg.state()
         tensors = state.pop("tensors")
         state["done"] = sorted(self.done)
@@ -72,7 +74,10 @@ class AggregatorDaemon:
             save_tensors(self.state_dir / "global.npz", tensors)
             line = {"round": self.agg.rounds, "version": closed.global_.version,
                     "tick": closed.tick, "participants": list(closed.participants),
+                    "bytes_in": self.round_bytes_in, "global_bytes": global_bytes,
                     "time": round(time.time(), 3)}
+            self.rounds_log.append(line)
+            del self.rounds_log[:-20]
             with open(self.state_dir / "rounds.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
         elif not (self.state_dir / "global.npz").exists():
@@ -91,10 +96,12 @@ class AggregatorDaemon:
         self._publish(self.topics.config, encode(Message("config", body), fleet=self.cfg.mqtt.fleet,
                                                  sender=SENDER), retain=True)
 
-    def _publish_global(self, g: GlobalModel) -> None:
-        payload = encode(g, fleet=self.cfg.mqtt.fleet, sender=SENDER,
-                         wire_dtype=wire_dtype(self.cfg.mqtt))
-        self._publish(self.topics.global_, payload, retain=True)
+    def _encode_global(self, g: GlobalModel) -> bytes:
+        return encode(g, fleet=self.cfg.mqtt.fleet, sender=SENDER,
+                      wire_dtype=wire_dtype(self.cfg.mqtt))
+
+    def _publish_global(self, g: GlobalModel, payload: bytes | None = None) -> None:
+        self._publish(self.topics.global_, payload or self._encode_global(g), retain=True)
 
     def _answer(self, closed: RoundClosed) -> None:
         body = {"tick": closed.tick or 0, "version": self.agg.global_.version,
@@ -109,7 +116,7 @@ class AggregatorDaemon:
                 "rounds": self.agg.rounds, "tick": self.agg.tick,
                 "active": sorted(self.agg.active), "done": sorted(self.done),
                 "counters": dict(self.agg.counters), "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out}
+                "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]}
 
     def _publish_status(self, state: str = "online") -> None:
         body = self.status() | {"state": state}
@@ -142,6 +149,7 @@ class AggregatorDaemon:
                             topic)
                 return
             self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + len(payload)
+            self.round_bytes_in += len(payload)
             if (self.cfg.fed.mode == "sync" and msg.seq <= self.agg.last_seq.get(msg.client, -1)
                     and self.last_answer is not None):
                 self._publish(self.topics.tick, self.last_answer)  # a client retransmitted
@@ -168,9 +176,11 @@ class AggregatorDaemon:
     def _closed(self, closed: RoundClosed | None) -> None:
         if closed is None:
             return
-        self._save_state(closed)
+        payload = self._encode_global(closed.global_) if closed.global_ is not None else None
+        self._save_state(closed, len(payload) if payload else 0)  # saved before it is announced
         if closed.global_ is not None:
-            self._publish_global(closed.global_)
+            self.round_bytes_in = 0
+            self._publish_global(closed.global_, payload)
         if self.cfg.fed.mode == "sync":
             self._answer(closed)
 
