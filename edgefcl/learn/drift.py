@@ -233,19 +233,25 @@ def drift_report(detectors: dict[str, DriftDetector],
     """True vs detected boundaries per client, matched within `tolerance` batches, and
     precision / recall / mean delay (batches) over all clients."""
     per_client: dict[str, Any] = {}
-    n_true = n_det = 0
-    delays: list[int] = []
     for cid, d in detectors.items():
         true, det = boundaries(d.true_tasks), boundaries(d.segments)
         pairs = match_boundaries(true, det, tolerance)
-        lag = [b - a for a, b in pairs]
         per_client[cid] = {"true": true, "detected": det, "matched": [list(p) for p in pairs],
-                           **_scores(len(true), len(det), lag)}
-        n_true, n_det = n_true + len(true), n_det + len(det)
-        delays += lag
-    return {"signal": next(iter(detectors.values())).signal if detectors else None,
-            "tolerance": tolerance, "true_boundaries": n_true, "detected_boundaries": n_det,
-            "matched": len(delays), **_scores(n_true, n_det, delays), "per_client": per_client}
+                           **_scores(len(true), len(det), [b - a for a, b in pairs])}
+    signal = next(iter(detectors.values())).signal if detectors else None
+    return summarize_drift(per_client, signal, tolerance)
+
+
+def summarize_drift(per_client: dict[str, Any], signal: str | None,
+                    tolerance: int = TOLERANCE) -> dict[str, Any]:
+    """Totals over the per-client entries of `drift_report` (also used to merge the reports
+    of devices that ran in separate processes)."""
+    n_true = sum(len(c["true"]) for c in per_client.values())
+    n_det = sum(len(c["detected"]) for c in per_client.values())
+    delays = [b - a for c in per_client.values() for a, b in c["matched"]]
+    return {"signal": signal, "tolerance": tolerance, "true_boundaries": n_true,
+            "detected_boundaries": n_det, "matched": len(delays),
+            **_scores(n_true, n_det, delays), "per_client": per_client}
 
 
 def stream_report(clients: Sequence[Client]) -> dict[str, Any]:

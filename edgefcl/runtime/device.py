@@ -16,6 +16,7 @@ from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch, TaskData
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.learn.client import Client
+from edgefcl.learn.drift import stream_report
 from edgefcl.runtime.links import open_link, topics, wire_dtype
 from edgefcl.runtime.state import save_json
 from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode
@@ -222,4 +223,4 @@ class DeviceRunner:
                "rejected": self.rejected, "duplicate_batches": self.duplicates}
         if len(self.acc):
             out["accuracy"] = float(100 * np.nan_to_num(self.acc)[-1].mean())
-        return out
+        return out | stream_report([c])

@@ -19,11 +19,22 @@ from pathlib import Path
 import numpy as np
 
 from edgefcl.config import RunConfig, dump_toml
+from edgefcl.federation.messages import GlobalModel
+from edgefcl.learn.drift import summarize_drift
+from edgefcl.learn.export import global_state, model_spec
 from edgefcl.learn.params import tensors_sha256
 from edgefcl.metrics import CommStats
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.runtime.state import load_json, load_tensors, save_tensors
-from edgefcl.simulate import RunResult, cfg_dict, client_id, initial_global, prepare
+from edgefcl.simulate import (
+    RunResult,
+    Setup,
+    cfg_dict,
+    client_id,
+    initial_global,
+    make_client,
+    prepare,
+)
 from edgefcl.transport.broker import EmbeddedBroker
 from edgefcl.transport.codec import CodecError, Message, decode
 
@@ -64,7 +75,8 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
         logs.mkdir(exist_ok=True)
         base = ["--config", str(conf)]
         initial = workdir / "initial.npz"
-        save_tensors(initial, initial_global(run_cfg, prepare(run_cfg, seed)))
+        setup = prepare(run_cfg, seed)
+        save_tensors(initial, initial_global(run_cfg, setup))
         procs = {"aggregator": _spawn(["aggregator", *base, "--state-dir", str(state_dir),
                                        "--initial", str(initial), "--exit-when-done"],
                                       logs / "aggregator.log")}
@@ -85,7 +97,7 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
                 except subprocess.TimeoutExpired:
                     p.kill()
         return _collect(run_cfg, method, seed, state_dir, results_dir,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, setup)
 
 
 def _watch(cfg: RunConfig, procs: dict[str, subprocess.Popen], logs: Path,
@@ -141,11 +153,15 @@ def _watch(cfg: RunConfig, procs: dict[str, subprocess.Popen], logs: Path,
 
 
 def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_dir: Path,
-             wall: float) -> RunResult:
+             wall: float, setup: Setup) -> RunResult:
     K, T = cfg.fed.clients, cfg.data.tasks
+    client0 = make_client(cfg, setup, 0, method, seed)  # decodes the global as a client would
+    setup_spec = model_spec(cfg.learn.model, setup.dataset.sample_shape, setup.dataset.n_classes,
+                            cfg.learn.hidden)
     acc = np.zeros((K, T, T))
     comm = CommStats()
     extra = {"scored_samples": 0, "batches": 0, "timings": {}}
+    prequential, drift = {}, {}
     for k in range(K):
         r = json.loads((results_dir / f"{client_id(k)}.json").read_text())
         acc[k] = np.asarray(r["accuracy_matrix"])
@@ -155,8 +171,24 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
         extra["batches"] += r["batches"]
         for key, v in r["timings"].items():
             extra["timings"][key] = extra["timings"].get(key, 0.0) + v
+        prequential.update(r.get("prequential_per_client", {}))
+        if "drift" in r:
+            drift[r["client"]] = r["drift"]
+    if prequential:
+        extra["prequential_accuracy"] = float(np.mean(list(prequential.values())))
+        extra["prequential_per_client"] = prequential
+    if drift:
+        per_client = {cid: d["per_client"][cid] for cid, d in drift.items()}
+        extra["drift"] = summarize_drift(per_client, next(iter(drift.values()))["signal"])
     state = load_json(state_dir / "state.json")
     tensors = load_tensors(state_dir / "global.npz")
     extra["aggregator"] = state.get("counters", {})
+    rounds_log = state_dir / "rounds.jsonl"
+    for line in rounds_log.read_text().splitlines() if rounds_log.exists() else []:
+        entry = json.loads(line)
+        comm.per_round_up.append(entry["bytes_in"])
+        comm.per_round_down.append(entry["global_bytes"] * K)  # every client receives it
+    extra["model_spec"] = setup_spec
     return RunResult(method, seed, acc, int(state["rounds"]), comm, tensors_sha256(tensors),
-                     cfg_dict(cfg, method, seed), wall, extra)
+                     cfg_dict(cfg, method, seed), wall, extra,
+                     global_state=global_state(client0, GlobalModel(state["version"], tensors)))

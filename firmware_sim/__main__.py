@@ -1,0 +1,169 @@
+"""`python -m firmware_sim`: run a simulated fleet (`fleet`) or a host of devices (`device`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from edgefcl.config import ConfigError
+from edgefcl.data.types import DataError
+from edgefcl.transport.mqtt import TransportError
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from firmware_sim.faults import FaultPlan
+    from firmware_sim.fleet import Fleet, FleetError, FleetOptions, format_report
+
+    opts = FleetOptions(devices=args.devices, config=args.config, broker=args.broker,
+                        per_process=args.per_process, rate=args.rate, seed=args.seed,
+                        timeout=args.timeout)
+    if args.profile:
+        opts.profiles = [Path(p) for p in args.profile]
+    plan = FaultPlan(kill=args.kill, kill_at=args.kill_at, kill_down_s=args.kill_down_s,
+                     broker_restart_at=args.broker_restart_at,
+                     broker_down_s=args.broker_down_s, corrupt=args.corrupt, cut=args.cut,
+                     cut_at=args.cut_at, cut_s=args.cut_s, skew_s=args.skew_s)
+    plan.validate()
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="firmware-sim-"))
+    runs = [("baseline", FaultPlan())] if args.baseline else []
+    runs.append(("faults" if args.baseline else "run", plan))
+    reports = {}
+    try:
+        for name, p in runs:
+            workdir = out / name
+            if workdir.exists():
+                shutil.rmtree(workdir)
+            print(f"== {name}: {workdir}", flush=True)
+            reports[name] = Fleet(opts, p, workdir, echo=not args.quiet).run()
+            print(format_report(reports[name]), flush=True)
+    except FleetError as e:
+        print(f"firmware_sim: fleet failed: {e}", file=sys.stderr)
+        return 1
+    final = reports[runs[-1][0]]
+    if args.baseline:
+        delta = final["A"] - reports["baseline"]["A"]
+        final["A_fault_free"] = reports["baseline"]["A"]
+        final["A_delta"] = delta
+        print(f"\nA with faults {final['A']:.1f} % vs fault-free {reports['baseline']['A']:.1f} % "
+              f"(difference {delta:+.1f} points)")
+    (out / "report.json").write_text(json.dumps(reports, indent=1))
+    print(f"report written to {out / 'report.json'}")
+    failed = [k for k, ok in final["checks"].items() if not ok]
+    if failed:
+        print(f"firmware_sim: checks failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _device(args: argparse.Namespace) -> int:
+    from edgefcl.config import load_toml
+    from firmware_sim.host import DeviceSpec, SkewFilter, run_host
+    from firmware_sim.profile import DeviceProfile, load_profile
+
+    for h in logging.getLogger().handlers:
+        h.addFilter(SkewFilter())
+    cfg = load_toml(args.config) if args.config else None
+    if cfg is None:
+        raise ConfigError("--config is required: the fleet's edgefcl run configuration")
+    if args.broker:
+        cfg.mqtt.broker = args.broker
+    if not cfg.mqtt.broker:
+        raise ConfigError("no broker: give --broker mqtt://HOST:PORT or [mqtt] broker")
+    specs: list[DeviceSpec] = []
+    if args.devices_file:
+        for d in json.loads(Path(args.devices_file).read_text()):
+            specs.append(DeviceSpec(int(d["index"]), load_profile(d["profile"]),
+                                    float(d.get("skew_s", 0.0))))
+    profile = load_profile(args.profile) if args.profile else DeviceProfile()
+    specs += [DeviceSpec(k, profile, args.skew_s) for k in args.index]
+    if not specs:
+        raise ConfigError("no devices: give --index K (repeatable) or --devices-file FILE")
+    bad = [s.index for s in specs if not 0 <= s.index < cfg.fed.clients]
+    if bad:
+        raise ConfigError(f"device indices {bad} out of range for [fed] clients = "
+                          f"{cfg.fed.clients}")
+    return run_host(cfg, specs, Path(args.state_dir),
+                    Path(args.results) if args.results else None,
+                    sys.stdin if args.commands else None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m firmware_sim",
+                                description="Simulated edge devices running the edgefcl client "
+                                "inside device limits, and a fleet launcher with fault injection.")
+    p.add_argument("-v", "--verbose", action="store_true", help="info logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    f = sub.add_parser("fleet", help="run a fleet against a broker and an aggregator, inject "
+                       "faults, print a report", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    f.add_argument("--devices", type=int, default=20, help="number of devices")
+    f.add_argument("--profile", action="append", metavar="TOML",
+                   help="device profile (repeatable: assigned round-robin; default "
+                   "firmware_sim/profiles/sensor-node.toml)")
+    f.add_argument("--config", type=Path, help="edgefcl run configuration (default "
+                   "firmware_sim/fleet.toml)")
+    f.add_argument("--broker", default="mosquitto", help="'mosquitto' (start a local one, "
+                   "needed for broker restarts) or mqtt://HOST:PORT")
+    f.add_argument("--per-process", type=int, default=4, help="devices per host process")
+    f.add_argument("--rate", type=float, default=2.0, help="stream mini-batches per second per "
+                   "device (0: as fast as they consume)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--out", help="run directory (default: a temporary one)")
+    f.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
+    f.add_argument("--baseline", action="store_true",
+                   help="first run the same fleet without faults and compare A")
+    f.add_argument("--quiet", action="store_true", help="no progress lines")
+    g = f.add_argument_group("faults (progress thresholds are fractions of all streams)")
+    g.add_argument("--kill", type=float, default=0.0, help="fraction of devices killed -9 "
+                   "(whole host processes) and restarted")
+    g.add_argument("--kill-at", type=float, default=0.3)
+    g.add_argument("--kill-down-s", type=float, default=2.0)
+    g.add_argument("--broker-restart-at", type=float, default=-1.0,
+                   help="restart the broker at this progress (negative: never)")
+    g.add_argument("--broker-down-s", type=float, default=1.0)
+    g.add_argument("--corrupt", type=float, default=0.0,
+                   help="fraction of updates that get a damaged copy (flipped bits or truncated)")
+    g.add_argument("--cut", type=float, default=0.0, help="fraction of devices whose link is cut")
+    g.add_argument("--cut-at", type=float, default=0.5)
+    g.add_argument("--cut-s", type=float, default=3.0)
+    g.add_argument("--skew-s", type=float, default=0.0,
+                   help="device clocks are offset by up to this many seconds")
+    f.set_defaults(func=_fleet)
+
+    d = sub.add_parser("device", help="run one or more simulated devices in this process",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d.add_argument("--config", type=Path, help="edgefcl run configuration of the fleet")
+    d.add_argument("--broker", help="broker URL (default: [mqtt] broker of the config)")
+    d.add_argument("--profile", help="device profile for the --index devices")
+    d.add_argument("--index", type=int, action="append", default=[],
+                   help="which device (its share of the data; repeatable)")
+    d.add_argument("--skew-s", type=float, default=0.0, help="clock skew of the --index devices")
+    d.add_argument("--devices-file", help="JSON list of {index, profile, skew_s}")
+    d.add_argument("--state-dir", default="flash", help="flash directory (one folder per device)")
+    d.add_argument("--results", help="write <device>.json results here")
+    d.add_argument("--commands", action="store_true",
+                   help="read fault commands on stdin (cut <device> <s>, reboot <device>)")
+    d.set_defaults(func=_device)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, TransportError) as e:
+        print(f"firmware_sim: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
