@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -17,11 +17,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/edgefcl simulate --transport mqtt --out runs/demo
 
+# Everything, including the slow fault-injection and fleet tests over real brokers (what CI runs).
 test: $(STAMP)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -m "not cuda or cuda"
 
-test-all: $(STAMP)
-	$(VENV)/bin/pytest -m ''
+# The quick loop: unit and fast integration tests (slow ones deselected in pyproject.toml).
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
