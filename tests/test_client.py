@@ -108,3 +108,28 @@ def test_client_trains_on_cuda():
     u = c.step(batch(0, 1, [0, 1]))
     assert next(c.model.parameters()).is_cuda and c.memory.x.is_cuda
     assert u.tensors and all(t.dtype == np.float32 for t in u.tensors.values())
+
+
+def test_delta_merge_never_moves_batchnorm_statistics_below_zero():
+    torch.manual_seed(0)
+    model = build_model("cnn", (1, 8, 8), 4)
+    c = Client("c0", model, LearnConfig(method="er", memory_size=10, local_epochs=1),
+               FedConfig(burn_in=1, jump=1), "image", seed=0)
+    rng = np.random.default_rng(0)
+
+    def img_batch(i):
+        y = rng.integers(0, 4, 5)
+        return Batch(rng.random((5, 1, 8, 8), dtype=np.float32), y.astype(np.int64), 0, i,
+                     False)
+
+    u = c.step(img_batch(1))
+    c.step(img_batch(2))
+    # a global whose running variances are far below what the client sent
+    g = {k: (v * 1e-3 if "running_var" in k else v) for k, v in u.tensors.items()}
+    c.sent = u.tensors
+    c.apply_global(GlobalModel(1, g, ("c0",)), "delta")
+    state = get_tensors(c.model)
+    for k in state:
+        if "running_var" in k:
+            np.testing.assert_array_equal(state[k], g[k])
+            assert (state[k] >= 0).all()

@@ -214,8 +214,9 @@ class Client:
         """Merge a global model this client took part in.
 
         replace: theta = theta_global (lock-step, Algorithm 1).
-        delta: theta = theta_global + (theta_now - theta_sent), keeping the progress made since
-        the update was sent (async).
+        delta: theta = theta_global + (theta_now - theta_sent) for the learned parameters,
+        keeping the progress made since the update was sent (async); statistics buffers
+        (BatchNorm) take the global's value.
         The model as it was just before the merge becomes the scoring snapshot.
         `g` may be a delta from the version this client holds (sparse downlink).
         """
@@ -230,7 +231,11 @@ class Client:
         merged = self.encoder.decode_global(g.tensors, now)
         self.base = merged
         if merge == "delta" and self.sent is not None:
-            merged = {k: merged[k] + (now[k] - self.sent[k]) for k in merged}
+            # Only learned parameters are additive: BatchNorm statistics take the global's
+            # value (a running variance moved by a delta can turn negative: NaN in eval mode).
+            params = dict(self.model.named_parameters())
+            merged = {k: merged[k] + (now[k] - self.sent[k]) if k in params else merged[k]
+                      for k in merged}
         set_tensors(self.model, merged)
         self.version = g.version
         self.hooks.on_global(self, g)
