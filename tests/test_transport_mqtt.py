@@ -319,3 +319,29 @@ def test_tls_listener_round_trip(tmp_path: Path, make_link) -> None:
         tx.close()
     finally:
         proc.stop()
+
+
+def test_suback_wait_follows_a_reconnect():
+    """A connection lost while waiting for a SUBACK takes the packet with it: the wait must
+    follow the subscription the reconnect renewed (the embedded broker drops connections under
+    concurrent connects)."""
+    import threading
+    import time
+
+    from edgefcl.transport.mqtt import MqttLink
+
+    link = MqttLink("mqtt://127.0.0.1:1", "t")
+    link._connect_mids = [(7, "a/b")]
+    link._generation = 1
+
+    def reconnect():
+        time.sleep(0.1)
+        with link._suback_cond:  # what _on_connect does: renew, then the broker acks
+            link._connect_mids = [(42, "a/b")]
+            link._generation += 1
+            link._suback_cond.notify_all()
+        time.sleep(0.1)
+        link._on_subscribe(None, None, 42, [type("RC", (), {"is_failure": False})()], None)
+
+    threading.Thread(target=reconnect).start()
+    link._wait_suback("a/b", timeout=5, mid=7, generation=1)  # returns: no timeout

@@ -176,11 +176,13 @@ class AggregatorDaemon:
     def _closed(self, closed: RoundClosed | None) -> None:
         if closed is None:
             return
-        payload = self._encode_global(closed.global_) if closed.global_ is not None else None
-        self._save_state(closed, len(payload) if payload else 0)  # saved before it is announced
         if closed.global_ is not None:
+            payload = self._encode_global(closed.global_)
+            self._save_state(closed, len(payload))  # saved before it is announced
             self.round_bytes_in = 0
             self._publish_global(closed.global_, payload)
+        # A lock-step tick without a new global is not saved: after a crash the clients
+        # re-send their unanswered reports and the tick is collected again.
         if self.cfg.fed.mode == "sync":
             self._answer(closed)
 

@@ -18,6 +18,7 @@ import logging
 import secrets
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
 
@@ -146,6 +147,7 @@ class MqttLink:
         self._subacks: dict[int, list] = {}
         self._suback_cond = threading.Condition()
         self._connect_mids: list[tuple[int, str]] = []
+        self._generation = 0  # connections so far: a SUBACK wait follows a reconnect
         self._ever_connected = False
         self._started = False
         self.bytes_sent = 0
@@ -201,8 +203,10 @@ class MqttLink:
                 + ("; check the username/password and ACL" if self._refused else "")
             )
         try:
-            for mid, pattern in self._connect_mids:
-                self._wait_suback(mid, pattern, timeout)
+            with self._suback_cond:
+                patterns = [p for _, p in self._connect_mids]
+            for pattern in patterns:
+                self._wait_suback(pattern, timeout)
         except TransportError:
             self.close()
             raise
@@ -242,9 +246,11 @@ class MqttLink:
         self._ever_connected = True
         with self._lock:
             subs = [(p, q) for p, _, _, q in self._handlers]
-        self._connect_mids = [
-            (client.subscribe(pattern, qos)[1], pattern) for pattern, qos in dict(subs).items()
-        ]
+        mids = [(client.subscribe(pattern, qos)[1], pattern) for pattern, qos in dict(subs).items()]
+        with self._suback_cond:
+            self._connect_mids = mids
+            self._generation += 1
+            self._suback_cond.notify_all()
         self._connected.set()
         self._answered.set()
 
@@ -258,10 +264,25 @@ class MqttLink:
             self._subacks[mid] = reason_codes
             self._suback_cond.notify_all()
 
-    def _wait_suback(self, mid: int, pattern: str, timeout: float) -> None:
+    def _wait_suback(self, pattern: str, timeout: float, mid: int | None = None,
+                     generation: int | None = None) -> None:
+        """Wait for the broker to acknowledge the subscription of `pattern` (packet `mid`,
+        sent on connection `generation`; default: the one `_on_connect` sent). If the link
+        reconnects meanwhile, the old SUBACK is lost with the connection: wait for the
+        subscription `_on_connect` renewed instead."""
+        deadline = time.monotonic() + timeout
         with self._suback_cond:
-            if not self._suback_cond.wait_for(lambda: mid in self._subacks, timeout):
-                raise TransportError(f"no SUBACK for {pattern!r} within {timeout:g} s")
+            if mid is None or generation != self._generation:
+                generation = -1  # look the pattern up among the current connection's
+            while mid is None or mid not in self._subacks:
+                if self._generation != generation:
+                    generation = self._generation
+                    mid = dict((p, m) for m, p in self._connect_mids).get(pattern, mid)
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportError(f"no SUBACK for {pattern!r} within {timeout:g} s")
+                self._suback_cond.wait(remaining)
             codes = self._subacks.pop(mid)
         if any(rc.is_failure for rc in codes):
             raise TransportError(
@@ -323,9 +344,11 @@ class MqttLink:
         with self._lock:
             self._handlers.append((pattern, _match_pattern(pattern), handler, qos))
         if self._connected.is_set():
+            with self._suback_cond:
+                generation = self._generation
             rc, mid = self._client.subscribe(pattern, qos)
             if rc == paho.MQTT_ERR_SUCCESS:
-                self._wait_suback(mid, pattern, timeout)
+                self._wait_suback(pattern, timeout, mid, generation)
 
     def publish(
         self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
