@@ -2,4 +2,5 @@ import sys
 
 from edgefcl.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # fleet processes re-import the main module (forkserver)
+    sys.exit(main())

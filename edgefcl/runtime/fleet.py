@@ -8,8 +8,6 @@ import dataclasses
 import json
 import secrets
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,6 +22,7 @@ from edgefcl.learn.drift import summarize_drift
 from edgefcl.learn.export import global_state, model_spec
 from edgefcl.learn.params import tensors_sha256
 from edgefcl.metrics import CommStats
+from edgefcl.runtime.launcher import Role, start_role, warm_up
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.runtime.state import load_json, load_tensors, save_tensors
 from edgefcl.simulate import (
@@ -43,17 +42,15 @@ class FleetError(RuntimeError):
     """A fleet process failed; the message carries the tail of its log."""
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, "-m", "edgefcl", *args], stdout=f,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
 def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None = None,
                   progress: Callable[[int, int, str], None] | None = None,
                   timeout: float = 3600.0) -> RunResult:
-    """Run one simulation as a real fleet of processes over MQTT."""
+    """Run one simulation as a real fleet of processes over MQTT.
+
+    The roles are forked from a forkserver (runtime/launcher.py): a script that calls this
+    needs the usual `if __name__ == "__main__":` guard."""
     start = time.perf_counter()
+    warm_up()
     with ExitStack() as stack:
         mqtt = cfg.mqtt
         if not mqtt.broker:
@@ -77,14 +74,14 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
         initial = workdir / "initial.npz"
         setup = prepare(run_cfg, seed)
         save_tensors(initial, initial_global(run_cfg, setup))
-        procs = {"aggregator": _spawn(["aggregator", *base, "--state-dir", str(state_dir),
+        procs = {"aggregator": start_role(["aggregator", *base, "--state-dir", str(state_dir),
                                        "--initial", str(initial), "--exit-when-done"],
                                       logs / "aggregator.log")}
         K = cfg.fed.clients
         for k in range(K):
-            procs[client_id(k)] = _spawn(["client", *base, "--index", str(k), "--results",
+            procs[client_id(k)] = start_role(["client", *base, "--index", str(k), "--results",
                                           str(results_dir)], logs / f"{client_id(k)}.log")
-        procs["replayer"] = _spawn(["replay", *base], logs / "replayer.log")
+        procs["replayer"] = start_role(["replay", *base], logs / "replayer.log")
         try:
             _watch(run_cfg, procs, logs, progress, timeout)
         finally:
@@ -94,13 +91,13 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
             for p in procs.values():
                 try:
                     p.wait(10)
-                except subprocess.TimeoutExpired:
+                except TimeoutError:
                     p.kill()
         return _collect(run_cfg, method, seed, state_dir, results_dir,
                         time.perf_counter() - start, setup)
 
 
-def _watch(cfg: RunConfig, procs: dict[str, subprocess.Popen], logs: Path,
+def _watch(cfg: RunConfig, procs: dict[str, Role], logs: Path,
            progress: Callable[[int, int, str], None] | None, timeout: float) -> None:
     """Wait for every process to exit, reporting progress from the clients' status."""
     t = topics(cfg.mqtt)

@@ -1,0 +1,13 @@
+"""Imported once by the fleet launcher's forkserver (see launcher.py): everything a role needs
+before it can start work."""
+
+import kornia.augmentation  # noqa: F401
+import sklearn.datasets  # noqa: F401
+import torch  # noqa: F401
+import torch._dynamo  # noqa: F401  (the first torch.optim optimizer imports it: ~2 s)
+
+import edgefcl.cli  # noqa: F401
+import edgefcl.runtime.aggregator_daemon  # noqa: F401
+import edgefcl.runtime.device  # noqa: F401
+import edgefcl.runtime.replayer  # noqa: F401
+import edgefcl.simulate  # noqa: F401
