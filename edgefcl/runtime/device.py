@@ -61,6 +61,7 @@ class DeviceRunner:
         self.bytes_up = 0
         self.bytes_down = 0
         self.rounds = 0
+        self.catch_ups = 0  # globals merged without taking part (see _merge_async)
         self.rejected = 0
         self.duplicates = 0
         n_tasks = len(eval_tasks) if eval_tasks else 0
@@ -153,7 +154,10 @@ class DeviceRunner:
         self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-{self.cid}",
                               will=(self.topics.status(self.cid), offline, 1, True),
                               connect=False)
-        self.link.subscribe(self.topics.global_, self._on_message)
+        # QoS 0: only the newest global matters. It is retained, so every (re)subscription on
+        # (re)connect delivers it; with QoS 1 the broker would queue every global published
+        # while the device was offline and replay them all over its (slow) link first.
+        self.link.subscribe(self.topics.global_, self._on_message, qos=0)
         self.link.subscribe(self.topics.tick, self._on_message)
         self.link.subscribe(self.topics.control, self._on_message)
         if self.source is None:
@@ -209,9 +213,16 @@ class DeviceRunner:
     def _merge_async(self) -> None:
         with self.cond:
             g = self.latest
-        if g is not None and g.version > self.client.version and self.cid in g.participants:
+        if g is None or g.version <= self.client.version:
+            return
+        if self.cid in g.participants:
             self.client.apply_global(g, "delta")
             self.rounds += 1
+        elif g.version - self.client.version > self.cfg.fed.max_staleness:
+            # back from a reboot or a long outage: its updates would all be rejected as stale
+            # and it would never take part (and merge) again, so it catches up
+            self.client.apply_global(g, "delta")
+            self.catch_ups += 1
 
     def results(self) -> dict:
         c = self.client
@@ -220,7 +231,8 @@ class DeviceRunner:
                "batches": c.batches, "scored_samples": c.scored, "version": c.version,
                "seq": c.seq,
                "timings": dict(c.timings), "link": self.link.counters() if self.link else {},
-               "rejected": self.rejected, "duplicate_batches": self.duplicates}
+               "rejected": self.rejected, "duplicate_batches": self.duplicates,
+               "catch_ups": self.catch_ups}
         if len(self.acc):
             out["accuracy"] = float(100 * np.nan_to_num(self.acc)[-1].mean())
         return out | stream_report([c])

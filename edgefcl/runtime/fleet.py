@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefcl.config import RunConfig, dump_toml
+from edgefcl.data.streams import count_batches
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.drift import summarize_drift
 from edgefcl.learn.export import global_state, model_spec
@@ -83,7 +84,8 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
                                           str(results_dir)], logs / f"{client_id(k)}.log")
         procs["replayer"] = start_role(["replay", *base], logs / "replayer.log")
         try:
-            _watch(run_cfg, procs, logs, progress, timeout)
+            total = sum(sum(count_batches(t, cfg.data.batch_size)) for t in setup.tasks)
+            _watch(run_cfg, procs, logs, progress, timeout, total)
         finally:
             for p in procs.values():
                 if p.poll() is None:
@@ -98,7 +100,8 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
 
 
 def _watch(cfg: RunConfig, procs: dict[str, Role], logs: Path,
-           progress: Callable[[int, int, str], None] | None, timeout: float) -> None:
+           progress: Callable[[int, int, str], None] | None, timeout: float,
+           total: int) -> None:
     """Wait for every process to exit, reporting progress from the clients' status."""
     t = topics(cfg.mqtt)
     consumed: dict[str, int] = {}
@@ -138,7 +141,8 @@ def _watch(cfg: RunConfig, procs: dict[str, Role], logs: Path,
                     raise FleetError("the aggregator exited but clients are still running; "
                                      f"see the logs in {logs}")
             if progress is not None:
-                progress(sum(consumed.values()), 0, f"rounds {agg_status.get('rounds', 0)}")
+                progress(sum(consumed.values()), total,
+                         f"rounds {agg_status.get('rounds', 0)}")
             time.sleep(0.2)
         for name, p in procs.items():
             if p.returncode != 0:
