@@ -18,9 +18,22 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at emit time (it may be replaced after set-up, e.g.
+    by a test's capture), never to a stream that has since been closed."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging(level: int, as_json: bool = False) -> None:
     """Configure the root logger on stderr."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if as_json else logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()

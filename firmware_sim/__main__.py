@@ -17,7 +17,7 @@ from edgefcl.transport.mqtt import TransportError
 
 def _fleet(args: argparse.Namespace) -> int:
     from firmware_sim.faults import FaultPlan
-    from firmware_sim.fleet import Fleet, FleetError, FleetOptions, format_report
+    from firmware_sim.fleet import Fleet, FleetError, FleetOptions, fleet_config, format_report
 
     opts = FleetOptions(devices=args.devices, config=args.config, broker=args.broker,
                         per_process=args.per_process, rate=args.rate, seed=args.seed,
@@ -29,6 +29,7 @@ def _fleet(args: argparse.Namespace) -> int:
                      broker_down_s=args.broker_down_s, corrupt=args.corrupt, cut=args.cut,
                      cut_at=args.cut_at, cut_s=args.cut_s, skew_s=args.skew_s)
     plan.validate()
+    fleet_config(opts)  # refuse bad options before creating anything
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="firmware-sim-"))
     runs = [("baseline", FaultPlan())] if args.baseline else []
     runs.append(("faults" if args.baseline else "run", plan))
@@ -100,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     f = sub.add_parser("fleet", help="run a fleet against a broker and an aggregator, inject "
-                       "faults, print a report", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "faults, print a report",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     f.add_argument("--devices", type=int, default=20, help="number of devices")
     f.add_argument("--profile", action="append", metavar="TOML",
                    help="device profile (repeatable: assigned round-robin; default "

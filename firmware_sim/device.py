@@ -18,7 +18,10 @@ Exactly-once consumption of the stream across crashes (write-ahead inbox):
 
 Updates: the last update is kept in the state file with its sequence number until a newer
 one replaces it and is published again (same seq) after every boot; the aggregator drops the
-copy if it already had it (duplicate counter), so no update is aggregated twice.
+copy if it already had it (duplicate counter), so no update is aggregated twice. An update is
+handed to the MQTT client only while the link is up and the radio has finished sending the
+previous one (`tx_ready`); a newer update replaces one still waiting (counted as superseded),
+so a slow or intermittent link carries the freshest update instead of a growing queue.
 
 Compute: after every mini-batch the device sleeps (slowdown - 1) x its measured compute time;
 when the predicted device time of the next batch exceeds the budget, it skips TTA scoring for
@@ -48,10 +51,9 @@ from edgefcl.learn.client import Client
 from edgefcl.runtime.device import END, DeviceRunner
 from edgefcl.runtime.links import wire_dtype
 from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode
-from edgefcl.transport.mqtt import BrokerUnavailable, TransportError
+from edgefcl.transport.mqtt import TransportError
 from firmware_sim.flash import Flash
-from firmware_sim.profile import DeviceProfile, check_memory_budget
-from firmware_sim.radio import Radio, RadioLoop
+from firmware_sim.profile import DeviceProfile
 
 log = logging.getLogger("firmware_sim.device")
 
@@ -107,7 +109,8 @@ class Firmware(DeviceRunner):
 
     def __init__(self, cfg: RunConfig, client: Client, profile: DeviceProfile, flash: Flash,
                  eval_tasks: list[TaskData] | None, out: Path | None,
-                 skew_s: float = 0.0, crash: threading.Event | None = None) -> None:
+                 skew_s: float = 0.0, crash: threading.Event | None = None,
+                 tx_ready: Callable[[], bool] | None = None) -> None:
         if cfg.fed.mode != "async":
             raise ConfigError("firmware_sim devices run the deployment mode: set [fed] mode = "
                               "\"async\" (lock-step rounds would wait for crashed devices)")
@@ -116,6 +119,8 @@ class Firmware(DeviceRunner):
         self.flash = flash
         self.skew_s = skew_s
         self.crash = crash or threading.Event()
+        self.tx_ready = tx_ready or (lambda: True)
+        self._held: tuple[int, bytes] | None = None  # waiting for the radio
         self.position: tuple[int, int] = (-1, -1)  # last batch whose effects are in flash
         self.trained = TrainedLog()
         self.pending: tuple[int, bytes] | None = None  # the last update: (seq, payload)
@@ -126,7 +131,7 @@ class Firmware(DeviceRunner):
         self._recv_lock = threading.Lock()
         self._received: tuple[int, int] = (-1, -1)  # newest batch position held in flash
         self._got_end = False
-        self._inbox_ids: dict[tuple[int, int], int] = {}
+        self._inbox_ids: dict[tuple[int, int] | None, int] = {}  # None: the end-of-stream
         self._ema_train = 0.0
         self._ema_score = 0.0
         self._timing0: dict[str, float] = {}
@@ -140,7 +145,7 @@ class Firmware(DeviceRunner):
                 raise ConfigError(f"{self.flash.state_path}: unknown state format; delete it")
             self.client.load_state_dict(state["client"])
             d = state["device"]
-            self.consumed, self.rounds = d["consumed"], d["rounds"]
+            self.consumed, self.rounds, self.catch_ups = d["consumed"], d["rounds"], d["catch_ups"]
             self.bytes_up, self.bytes_down = d["bytes_up"], d["bytes_down"]
             self.rejected, self.duplicates = d["rejected"], d["duplicates"]
             self.acc = np.array(d["acc"], dtype=np.float64)
@@ -153,6 +158,7 @@ class Firmware(DeviceRunner):
             self._ema_train, self._ema_score = d["ema"]
         self.fw["boots"] += 1
         self._received = self.position
+        self._got_end = self.done
         for n, payload in self.flash.inbox():
             self._replay_inbox(n, payload)
 
@@ -168,6 +174,7 @@ class Firmware(DeviceRunner):
             return
         if msg.body.get("end_of_stream"):
             self._got_end = True
+            self._inbox_ids[None] = n
             self.batches.put(END)
             return
         key = (msg.body["task"], msg.body["index"])
@@ -182,7 +189,8 @@ class Firmware(DeviceRunner):
     def device_state(self) -> dict[str, Any]:
         """The device-level part of the state file."""
         link = self.link_totals + Counter(self.link.counters() if self.link else {})
-        return {"consumed": self.consumed, "rounds": self.rounds, "bytes_up": self.bytes_up,
+        return {"consumed": self.consumed, "rounds": self.rounds, "catch_ups": self.catch_ups,
+                "bytes_up": self.bytes_up,
                 "bytes_down": self.bytes_down, "rejected": self.rejected,
                 "duplicates": self.duplicates, "acc": self.acc.tolist(),
                 "position": list(self.position), "trained": dataclasses.asdict(self.trained),
@@ -216,7 +224,7 @@ class Firmware(DeviceRunner):
                 if self._got_end:
                     return False
                 self._got_end = True
-                self.flash.inbox_put(payload)
+                self._inbox_ids[None] = self.flash.inbox_put(payload)
                 return True
             key = (msg.body["task"], msg.body["index"])
             if key <= self._received:
@@ -247,14 +255,42 @@ class Firmware(DeviceRunner):
                 raise Crash
             self._safe_point(batch)
             self._after_batch()
+        self._drain()
 
     def _resend_pending(self) -> None:
-        if self.pending is not None and self.fw["boots"] > 1:
-            seq, payload = self.pending
-            self.link.publish(self.topics.update(self.cid), payload, qos=1)
-            self.bytes_up += len(payload)
+        if self.pending is not None:  # restored from flash: it may never have left
             self.fw["resent_updates"] += 1
-            log.info("%s: re-sent update seq %d after boot", self.cid, seq)
+            log.info("%s: re-sending update seq %d after boot", self.cid, self.pending[0])
+            self._offer(self.pending)
+
+    def _offer(self, update: tuple[int, bytes]) -> None:
+        """Queue an update for the radio; it replaces one that is still waiting."""
+        if self._held is not None:
+            self.fw["superseded"] += 1
+        self._held = update
+        self._flush()
+
+    def _flush(self) -> None:
+        """Publish the waiting update if the link is up and the radio is free."""
+        held = self._held
+        if held is None or not self.link.is_connected or not self.tx_ready():
+            return
+        self._held = None
+        self.link.publish(self.topics.update(self.cid), held[1], qos=1)
+        self.bytes_up += len(held[1])
+        self.fw["updates_sent"] += 1
+
+    def _get_batch(self):
+        self._flush()  # polled every 50 ms while the device waits for data
+        return super()._get_batch()
+
+    def _drain(self) -> None:
+        """End of stream: wait (bounded) until the last update went out."""
+        deadline = time.monotonic() + FINAL_WAIT_S
+        while self._held is not None and time.monotonic() < deadline:
+            self._flush()
+            if self.crash.wait(0.05):
+                raise Crash
 
     def _send(self, msg: Update | Tick) -> bytes:
         if not isinstance(msg, Update):
@@ -275,9 +311,9 @@ class Firmware(DeviceRunner):
         if n is not None:
             self.flash.inbox_drop(n)
         if update is not None:
-            self.link.publish(self.topics.update(self.cid), update[1], qos=1)
-            self.bytes_up += len(update[1])
-            self.fw["updates_sent"] += 1
+            self._offer(update)
+        else:
+            self._flush()
 
     # -- compute budget -------------------------------------------------------------------
     def _before_batch(self) -> None:
@@ -325,6 +361,9 @@ class Firmware(DeviceRunner):
         if not self.stop.is_set():
             self.done = True
             self.save()
+            n = self._inbox_ids.pop(None, None)
+            if n is not None:
+                self.flash.inbox_drop(n)
         return results
 
     def results(self) -> dict:

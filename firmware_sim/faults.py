@@ -115,13 +115,14 @@ class Corruptor:
         self.worker.start()
 
     def _on_update(self, topic: str, payload: bytes) -> None:
-        self.counters["updates_seen"] += 1
-        if self.paused.is_set() or self.rng.random() >= self.fraction:
-            return
-        try:  # damage only real updates, not copies of our own damaged ones
+        try:  # damage only real updates, not our own damaged copies coming back
             decode(payload, self.mqtt.fleet, max_bytes=self.mqtt.max_payload,
                    require_digest=True)
         except CodecError:
+            self.counters["damaged_seen"] += 1
+            return
+        self.counters["updates_seen"] += 1
+        if self.paused.is_set() or self.rng.random() >= self.fraction:
             return
         bad, mode = damage(payload, self.rng)
         try:

@@ -9,38 +9,17 @@ from __future__ import annotations
 
 import io
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from edgefcl.runtime.state import atomic_write
+
 log = logging.getLogger("firmware_sim.flash")
 
 STATE = "state.pt"
 INBOX = "inbox"
-
-
-def write_atomic(path: Path, data: bytes, fsync: bool = True) -> None:
-    """Replace `path` with `data` atomically (temporary file + rename)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if fsync:  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 class Flash:
@@ -77,7 +56,7 @@ class Flash:
         buf = io.BytesIO()
         torch.save(state, buf)
         data = buf.getvalue()
-        write_atomic(self.state_path, data, self.fsync)
+        atomic_write(self.state_path, data, self.fsync)
         self.writes += 1
         self.bytes_written += len(data)
         return len(data)
@@ -87,7 +66,7 @@ class Flash:
         """Store one received payload; returns its inbox number (increasing)."""
         n = self._next
         self._next += 1
-        write_atomic(self.inbox_dir / f"{n:010d}.msg", bytes(payload), self.fsync)
+        atomic_write(self.inbox_dir / f"{n:010d}.msg", bytes(payload), self.fsync)
         self.writes += 1
         self.bytes_written += len(payload)
         return n

@@ -48,15 +48,15 @@ from firmware_sim.faults import (
     pick,
     restart_broker,
 )
-from firmware_sim.profile import DeviceProfile, check_memory_budget, load_profile
+from firmware_sim.profile import check_memory_budget, load_profile
 
 log = logging.getLogger("firmware_sim.fleet")
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = PACKAGE_DIR / "fleet.toml"
 DEFAULT_PROFILE = PACKAGE_DIR / "profiles" / "sensor-node.toml"
-QUIET_S = 2.5
-"""The aggregator is considered idle once its counters did not move for this long."""
+QUIET_STATUSES = 2
+"""The aggregator is idle once this many of its periodic statuses showed the same counters."""
 
 
 class FleetError(RuntimeError):
@@ -110,6 +110,7 @@ class Fleet:
         self.events: list[dict[str, Any]] = []
         self.consumed: dict[str, int] = {}
         self.agg_status: dict[str, Any] = {}
+        self.agg_statuses = 0  # aggregator status messages received
         self.mosq = None
         self.t0 = time.monotonic()
 
@@ -198,6 +199,7 @@ class Fleet:
             return
         if topic == self.topics.aggregator_status:
             self.agg_status = msg.body
+            self.agg_statuses += 1
         elif "consumed" in msg.body:
             cid = self.topics.client_from(topic)
             self.consumed[cid] = max(self.consumed.get(cid, 0), int(msg.body["consumed"]))
@@ -242,7 +244,9 @@ class Fleet:
                         broker=self.cfg.mqtt.broker)
             self._supervise()
             self._finish()
-            return self._report()
+            report = self._report()
+            (w / "report.json").write_text(json.dumps(report, indent=1))
+            return report
 
     def _start_broker(self) -> None:
         if self.opts.broker == "mosquitto":
@@ -283,7 +287,7 @@ class Fleet:
                     running = True
                 elif code is None:
                     running = running or name in self.hosts
-                elif code != 0 and name in self.hosts or name == "aggregator":
+                elif name == "aggregator" or code != 0:  # hosts and the replayer exit with 0
                     raise FleetError(f"{name} exited with code {code}:\n{self._tail(name)}")
             if not running:
                 return
@@ -334,13 +338,13 @@ class Fleet:
         """Let the aggregator take in the last messages, then stop it (it saves its state)."""
         if self.corruptor is not None:
             self.corruptor.drain()
-        last, since = None, time.monotonic()
+        last, since = None, self.agg_statuses
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             counters = json.dumps(self.agg_status.get("counters", {}), sort_keys=True)
             if counters != last:
-                last, since = counters, time.monotonic()
-            elif time.monotonic() - since >= QUIET_S:
+                last, since = counters, self.agg_statuses
+            elif self.agg_statuses - since >= QUIET_STATUSES:
                 break
             time.sleep(0.2)
         agg = self.procs["aggregator"]
@@ -382,7 +386,7 @@ class Fleet:
                                  and trained["digest"] == exp["digest"]
                                  and trained["out_of_order"] == 0),
                 "A": 100 * float(acc[-1].mean()), "F": 100 * forgetting(acc[None]),
-                "rounds": r["rounds"], "seq": r["seq"],
+                "rounds": r["rounds"], "catch_ups": r.get("catch_ups", 0), "seq": r["seq"],
                 "aggregator_last_seq": state.get("last_seq", {}).get(cid, 0),
                 "reconnects": link.get("reconnects", 0), "boots": fw.get("boots", 1),
                 "inbox_replayed": fw.get("inbox_replayed", 0),
@@ -432,7 +436,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"fleet: {r['devices']} devices on {r['hosts']} host processes, profiles "
         f"{', '.join(r['profiles'])}, broker {r['broker']}, seed {r['seed']}, "
         f"{r['wall_s']:.0f} s",
-        f"faults: " + ("; ".join(f"{e['what']} at {e['t']:.0f} s" for e in faults) or "none"),
+        "faults: " + ("; ".join(f"{e['what']} at {e['t']:.0f} s" for e in faults) or "none"),
         f"rounds {r['rounds']} (global version {r['version']}); updates: created {u['created']}, "
         f"accepted {u['accepted']}, duplicates dropped {u['duplicates']}, stale {u['stale']}, "
         f"corrupted rejected {u['corrupted_rejected']}",
@@ -447,14 +451,14 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append("checks: " + ", ".join(f"{k} {'yes' if v else 'NO'}"
                                         for k, v in r["checks"].items()))
     head = (f"{'device':7} {'profile':14} {'batches':>7} {'once':>4} {'A %':>6} {'F %':>6} "
-            f"{'rounds':>6} {'seq':>4} {'reconn':>6} {'boots':>5} {'inbox':>5} {'resent':>6} "
-            f"{'skip':>4} {'skew s':>8}")
+            f"{'rounds':>6} {'catch':>5} {'seq':>4} {'reconn':>6} {'boots':>5} {'inbox':>5} "
+            f"{'resent':>6} {'skip':>4} {'skew s':>8}")
     lines += ["", head]
     for cid, d in r["per_device"].items():
         lines.append(
             f"{cid:7} {d['profile'][:14]:14} {d['batches']:>3}/{d['expected']:<3} "
             f"{'yes' if d['exactly_once'] else 'NO':>4} {d['A']:6.1f} {d['F']:6.1f} "
-            f"{d['rounds']:6d} {d['seq']:4d} {d['reconnects']:6d} {d['boots']:5d} "
-            f"{d['inbox_replayed']:5d} {d['resent_updates']:6d} {d['skipped_scoring']:4d} "
-            f"{d['clock_skew_s']:8.1f}")
+            f"{d['rounds']:6d} {d['catch_ups']:5d} {d['seq']:4d} {d['reconnects']:6d} "
+            f"{d['boots']:5d} {d['inbox_replayed']:5d} {d['resent_updates']:6d} "
+            f"{d['skipped_scoring']:4d} {d['clock_skew_s']:8.1f}")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from typing import IO
 from edgefcl.config import RunConfig
 from edgefcl.data.workload import client_id
 from edgefcl.simulate import Setup, make_client, prepare
-from edgefcl.transport.mqtt import BrokerUnavailable
+from edgefcl.transport.mqtt import TransportError
 from firmware_sim.device import Crash, Firmware
 from firmware_sim.flash import Flash
 from firmware_sim.profile import DeviceProfile, ProfileError, check_memory_budget
@@ -35,6 +35,7 @@ from firmware_sim.radio import Radio, RadioLoop
 log = logging.getLogger("firmware_sim.host")
 
 RETRY_BOOT_S = 1.0
+CONNECT_TIMEOUT_S = 30.0
 _SKEW: dict[int, float] = {}
 """Thread id -> clock skew of the device that thread runs (for log timestamps)."""
 
@@ -76,8 +77,10 @@ class DeviceSupervisor:
         seed = cfg.seed * 1000 + spec.index
         self.rng = random.Random(seed)
         self.radio = Radio(loop, cfg.mqtt.broker, spec.profile.link, seed=seed).start()
-        self.dev_cfg = dataclasses.replace(
-            cfg, mqtt=dataclasses.replace(cfg.mqtt, broker=self.radio.url))
+        # a slow link may carry a backlog of queued messages before the SUBACKs: be patient
+        self.dev_cfg = dataclasses.replace(cfg, mqtt=dataclasses.replace(
+            cfg.mqtt, broker=self.radio.url,
+            connect_timeout=max(cfg.mqtt.connect_timeout, CONNECT_TIMEOUT_S)))
         self.flash = Flash(state_root / self.cid, spec.profile.flash.fsync)
         self.crash = threading.Event()
         self.result: dict | None = None
@@ -97,7 +100,8 @@ class DeviceSupervisor:
         client = make_client(cfg, self.setup, k, cfg.learn.method, cfg.seed)
         check_memory_budget(self.spec.profile, client, self.setup.dataset.sample_shape)
         return Firmware(self.dev_cfg, client, self.spec.profile, self.flash,
-                        self.setup.tasks[k], self.results_dir, self.spec.skew_s, self.crash)
+                        self.setup.tasks[k], self.results_dir, self.spec.skew_s, self.crash,
+                        self.radio.tx_idle)
 
     def run(self) -> None:
         _SKEW[threading.get_ident()] = self.spec.skew_s
@@ -125,8 +129,10 @@ class DeviceSupervisor:
             except Crash:
                 self.crashes += 1
                 self._power_off(fw)
-            except BrokerUnavailable as e:
-                log.info("%s: no link at boot (%s); retrying", self.cid, e)
+            except TransportError as e:  # the link failed while connecting: boot again
+                log.info("%s: link failed (%s); rebooting", self.cid, e)
+                if fw.link is not None:
+                    fw.link.close()
                 time.sleep(RETRY_BOOT_S)
             finally:
                 if timer is not None:

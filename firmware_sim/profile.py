@@ -122,18 +122,19 @@ SECTIONS: dict[str, type] = {"memory": MemoryProfile, "compute": ComputeProfile,
                              "link": LinkProfile, "flash": FlashProfile, "reboot": RebootProfile}
 
 
-def _coerce(section: str, cls: type, key: str, value: Any) -> Any:
+def _coerce(where: str, section: str, cls: type, key: str, value: Any) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     if key not in fields:
-        raise ProfileError(f"unknown key '{key}' in [{section}]; known: {', '.join(fields)}")
+        raise ProfileError(f"{where}: unknown key '{key}' in [{section}]; known: "
+                           + ", ".join(fields))
     default = fields[key].default
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ProfileError(f"[{section}] {key} must be true or false, got {value!r}")
+            raise ProfileError(f"{where}: [{section}] {key} must be true or false, got {value!r}")
         return value
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProfileError(f"[{section}] {key} must be a number, got {value!r}")
+            raise ProfileError(f"{where}: [{section}] {key} must be a number, got {value!r}")
         return float(value)
     return value
 
@@ -151,7 +152,7 @@ def profile_from_dict(values: dict[str, Any], where: str = "profile") -> DeviceP
                 raise ProfileError(f"{where}: [{key}] must be a table")
             section = getattr(p, key)
             for k, v in value.items():
-                setattr(section, k, _coerce(key, SECTIONS[key], k, v))
+                setattr(section, k, _coerce(where, key, SECTIONS[key], k, v))
         else:
             raise ProfileError(f"{where}: unknown key or table '{key}'; known: name, "
                                + ", ".join(f"[{s}]" for s in SECTIONS))

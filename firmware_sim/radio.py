@@ -31,6 +31,11 @@ log = logging.getLogger("firmware_sim.radio")
 
 CHUNK = 16384
 POLL_S = 0.05
+WINDOW = 32768
+"""Bytes a shaped direction buffers before it stops reading (TCP flow control then pushes
+back on the sender, as on a real slow link)."""
+IDLE_BYTES = 1024
+"""Uplink backlog under which the radio counts as idle (`tx_idle`)."""
 
 
 def transfer_s(nbytes: int, kbps: float) -> float:
@@ -105,6 +110,10 @@ class RadioLoop:
                                        daemon=True)
         self.thread.start()
 
+    def stop(self) -> None:
+        """Stop the loop (its radios must be closed first)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
     def call(self, coro, timeout: float = 10.0):
         """Run a coroutine on the loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -124,6 +133,7 @@ class Radio:
         self.model = LinkModel(profile, random.Random(seed), time.monotonic())
         self.conns: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self.counters: Counter[str] = Counter()
+        self.backlog: Counter[str] = Counter()  # bytes read but not yet delivered, per direction
         self.server: asyncio.AbstractServer | None = None
         self._watch: asyncio.Task | None = None
         self.listen_port = 0
@@ -140,6 +150,11 @@ class Radio:
         self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.listen_port = self.server.sockets[0].getsockname()[1]
         self._watch = asyncio.get_running_loop().create_task(self._watchdog())
+
+    def tx_idle(self) -> bool:
+        """Whether the link is up and has (almost) nothing left to send upstream: the
+        firmware's 'radio ready' flag."""
+        return bool(self.conns) and self.backlog["bytes_up"] < IDLE_BYTES
 
     def cut(self, seconds: float) -> None:
         """Force the link down for `seconds`; live connections are reset before it returns."""
@@ -166,6 +181,7 @@ class Radio:
             up.transport.abort()
             self.counters[f"dropped_{why}"] += 1
         self.conns.clear()
+        self.backlog.clear()
 
     async def _watchdog(self) -> None:
         was_up = True
@@ -198,6 +214,8 @@ class Radio:
                              self._pump(ureader, writer, Pipe(lat, kbps), "bytes_down", pair),
                              return_exceptions=True)
         self.conns.discard(pair)
+        if not self.conns:
+            self.backlog.clear()
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, pipe: Pipe,
                     counter: str, pair: tuple) -> None:
@@ -216,6 +234,7 @@ class Radio:
                 dst.write(data)
                 await dst.drain()
                 self.counters[counter] += len(data)
+                self.backlog[counter] -= len(data)
 
         writer_task = asyncio.get_running_loop().create_task(deliver()) if shaped else None
         try:
@@ -225,7 +244,10 @@ class Radio:
                     await dst.drain()
                     self.counters[counter] += len(data)
                 else:
+                    self.backlog[counter] += len(data)
                     queue.put_nowait((pipe.schedule(time.monotonic(), len(data)), data))
+                    while self.backlog[counter] > WINDOW and pair in self.conns:
+                        await asyncio.sleep(POLL_S / 5)
             if writer_task is not None:
                 queue.put_nowait((0.0, b""))
                 await writer_task

@@ -44,7 +44,7 @@ _ATOMS = (type(None), bool, int, float, str, bytes, np.ndarray, np.generic, torc
 
 def _is_data(v: Any) -> bool:
     """Plain data: atoms, torch generators and containers of them (no modules, no objects)."""
-    if isinstance(v, _ATOMS) or isinstance(v, torch.Generator):
+    if isinstance(v, (*_ATOMS, torch.Generator)):
         return True
     if isinstance(v, (list, tuple, set, frozenset)):
         return all(_is_data(x) for x in v)

@@ -218,9 +218,9 @@ class DeviceRunner:
         if self.cid in g.participants:
             self.client.apply_global(g, "delta")
             self.rounds += 1
-        elif g.version - self.client.version > self.cfg.fed.max_staleness:
-            # back from a reboot or a long outage: its updates would all be rejected as stale
-            # and it would never take part (and merge) again, so it catches up
+        elif g.version - self.client.version > self.cfg.fed.max_staleness // 2:
+            # back from a reboot or a long outage: its updates would soon all be rejected as
+            # stale and it would never take part (and merge) again, so it catches up
             self.client.apply_global(g, "delta")
             self.catch_ups += 1
 

@@ -14,19 +14,27 @@ import numpy as np
 from edgefcl.federation.messages import Tensors
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that readers see the old or the new file, never a mix."""
+def atomic_write(path: Path, data: bytes, fsync: bool = True) -> None:
+    """Replace `path` with `data` so that readers see the old or the new file, never a mix
+    (temporary file + rename); with `fsync` the data and the rename survive a power cut."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if fsync:
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def save_json(path: Path, obj: Any) -> None:
