@@ -92,3 +92,15 @@ def test_lockstep_mqtt_reproduces_inprocess_bit_for_bit(broker, request, tmp_pat
     assert remote.rounds == local.rounds
     np.testing.assert_array_equal(remote.acc, local.acc)
     assert remote.global_sha256 == local.global_sha256
+
+
+def test_sparse_downlink_over_mqtt_reproduces_inprocess_and_sends_less(embedded_broker,
+                                                                        tmp_path):
+    cfg = small_config(mqtt={"broker": embedded_broker}, fed={"encoding": "sparse"})
+    local = simulate(cfg)
+    remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=tmp_path / "fleet")
+    assert remote.global_sha256 == local.global_sha256
+    np.testing.assert_array_equal(remote.acc, local.acc)
+    whole = len((tmp_path / "fleet" / "aggregator" / "global.npz").read_bytes())
+    per_client_rounds = remote.rounds  # every device receives every change
+    assert remote.comm.bytes_down < 0.8 * whole * per_client_rounds * cfg.fed.clients

@@ -14,6 +14,7 @@ from pathlib import Path
 from edgefcl.config import RunConfig
 from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.runtime.links import open_link, topics, wire_dtype
 from edgefcl.runtime.state import load_json, load_tensors, save_json, save_tensors
 from edgefcl.transport.codec import CodecError, Message, decode, encode, model_spec, spec_hash
@@ -181,6 +182,11 @@ class AggregatorDaemon:
             self._save_state(closed, len(payload))  # saved before it is announced
             self.round_bytes_in = 0
             self._publish_global(closed.global_, payload)
+            if delta_downlink(self.cfg.fed):  # devices at the previous version take the change
+                delta = downlink_message(closed.global_, self.agg.history,
+                                         closed.global_.version - 1)
+                if delta is not closed.global_:
+                    self._publish(self.topics.global_delta, self._encode_global(delta))
         # A lock-step tick without a new global is not saved: after a crash the clients
         # re-send their unanswered reports and the tick is collected again.
         if self.cfg.fed.mode == "sync":

@@ -15,6 +15,7 @@ import numpy as np
 from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch, TaskData
 from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.federation.versions import DELTA_FROM, DownlinkState, delta_downlink
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.runtime.links import open_link, topics, wire_dtype
@@ -54,6 +55,9 @@ class DeviceRunner:
         self.batches: queue.Queue = queue.Queue()
         self.answers: dict[int, dict] = {}
         self.latest: GlobalModel | None = None
+        # sparse downlink: this device's copy of the global, which the deltas update
+        self.tracker = (DownlinkState(client.base, client.version)
+                        if delta_downlink(cfg.fed) else None)
         self.cond = threading.Condition()
         self.paused = False
         self.stop = threading.Event()
@@ -79,7 +83,7 @@ class DeviceRunner:
         with self.cond:
             if isinstance(msg, GlobalModel):
                 self.bytes_down += len(payload)
-                self.latest = msg  # the retained global: the newest the aggregator published
+                self._on_global(topic, msg)
             elif isinstance(msg, Message) and msg.kind == "answer":
                 self.answers[int(msg.body["tick"])] = msg.body
             elif isinstance(msg, Message) and msg.kind == "control":
@@ -90,6 +94,28 @@ class DeviceRunner:
             elif isinstance(msg, Message) and msg.kind == "stream":
                 self.batches.put(END if msg.body.get("end_of_stream") else as_batch(msg))
             self.cond.notify_all()
+
+    def _on_global(self, topic: str, g: GlobalModel) -> None:
+        """A whole global (the retained one) or, with a sparse downlink, the change from the
+        previous version, applied to this device's copy of the global (under self.cond)."""
+        if self.tracker is None:
+            self.latest = g  # the retained global: the newest the aggregator published
+        elif topic == self.topics.global_delta:
+            if int(g.tensors[DELTA_FROM]) == self.tracker.version:
+                self.latest = self.tracker.resolve(g)
+            else:
+                self._fetch_whole()  # missed a change (reboot, resumed aggregator)
+        else:
+            self.tracker = DownlinkState(g.tensors, g.version)
+            self.latest = g
+            self.link.unsubscribe(self.topics.global_)  # back on deltas only
+
+    def _fetch_whole(self) -> None:
+        """(Re)subscribe to the retained whole global, which the broker then delivers: a
+        sparse-downlink device that missed a change, or a global lost at QoS 0."""
+        log.info("%s: fetching the whole global", self.cid)
+        self.link.unsubscribe(self.topics.global_)
+        self.link.subscribe(self.topics.global_, self._on_message, qos=0, wait=False)
 
     def _stream(self) -> Iterator[Batch]:
         if self.source is not None:
@@ -157,7 +183,10 @@ class DeviceRunner:
         # QoS 0: only the newest global matters. It is retained, so every (re)subscription on
         # (re)connect delivers it; with QoS 1 the broker would queue every global published
         # while the device was offline and replay them all over its (slow) link first.
-        self.link.subscribe(self.topics.global_, self._on_message, qos=0)
+        if self.tracker is None:
+            self.link.subscribe(self.topics.global_, self._on_message, qos=0)
+        else:  # sparse downlink: the changes, in order (QoS 1, queued while offline)
+            self.link.subscribe(self.topics.global_delta, self._on_message)
         self.link.subscribe(self.topics.tick, self._on_message)
         self.link.subscribe(self.topics.control, self._on_message)
         if self.source is None:
@@ -206,7 +235,8 @@ class DeviceRunner:
         version = int(answer["version"])
         if self.cid in answer["participants"] and version > self.client.version:
             g = self._wait(lambda: self.latest if self.latest is not None and
-                           self.latest.version >= version else None)
+                           self.latest.version >= version else None,
+                           self.answer_timeout, self._fetch_whole)
             self.client.apply_global(g, "replace")
             self.rounds += 1
 

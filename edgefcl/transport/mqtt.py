@@ -333,13 +333,16 @@ class MqttLink:
     # ------------------------------------------------------------ publish / subscribe
 
     def subscribe(
-        self, pattern: str, handler: Handler, qos: int = 1, timeout: float = 10.0
+        self, pattern: str, handler: Handler, qos: int = 1, timeout: float = 10.0,
+        wait: bool = True,
     ) -> None:
         """Call `handler(topic, payload)` for every (reassembled) message matching `pattern`.
 
         May be called before `connect()` (which then waits for the subscription); when
-        connected, returns once the broker acknowledged it, so later messages are not missed.
-        Raises TransportError if the broker refuses it (ACL). Renewed on every reconnect.
+        connected, returns once the broker acknowledged it, so later messages are not missed
+        (`wait=False` returns at once: required inside a handler, which runs on the network
+        thread that receives the acknowledgement). Raises TransportError if the broker refuses
+        it (ACL). Renewed on every reconnect.
         """
         with self._lock:
             self._handlers.append((pattern, _match_pattern(pattern), handler, qos))
@@ -347,8 +350,15 @@ class MqttLink:
             with self._suback_cond:
                 generation = self._generation
             rc, mid = self._client.subscribe(pattern, qos)
-            if rc == paho.MQTT_ERR_SUCCESS:
+            if rc == paho.MQTT_ERR_SUCCESS and wait:
                 self._wait_suback(pattern, timeout, mid, generation)
+
+    def unsubscribe(self, pattern: str) -> None:
+        """Stop delivering `pattern` (its handlers are dropped; not renewed on reconnect)."""
+        with self._lock:
+            self._handlers = [h for h in self._handlers if h[0] != pattern]
+        if self._connected.is_set():
+            self._client.unsubscribe(pattern)
 
     def publish(
         self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,

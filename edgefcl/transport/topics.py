@@ -65,6 +65,12 @@ class Topics:
         return f"{self.base}/global"
 
     @property
+    def global_delta(self) -> str:
+        """The change from the previous global version to the new one (sparse downlink); not
+        retained."""
+        return f"{self.base}/global/delta"
+
+    @property
     def tick(self) -> str:
         """Lock-step answers from the aggregator to the clients; not retained."""
         return f"{self.base}/tick"
