@@ -12,11 +12,6 @@ from edgefcl.config import RunConfig, run_entries
 from edgefcl.simulate import RunResult, simulate
 
 
-def methods_of(cfg: RunConfig) -> list[str]:
-    """The run labels of `--compare` (or `--method`): METHOD[+ENCODING[/AGGREGATION]]."""
-    return [label for label, _, _ in run_entries(cfg)]
-
-
 def run_many(cfg: RunConfig) -> list[RunResult]:
     """Every entry of `--compare` (or `--method`) for `--seeds` seeds starting at `--seed`; an
     entry 'bi+gaussian/conflation' runs method bi with encoding gaussian and aggregation

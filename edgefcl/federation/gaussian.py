@@ -114,15 +114,6 @@ def likelihood(mu_q: np.ndarray, s_q: np.ndarray, mu_p: np.ndarray, s_p: np.ndar
     return m, sigma, invalid
 
 
-def product(prior: tuple[np.ndarray, np.ndarray] | None, factors) -> tuple[np.ndarray, np.ndarray]:
-    """Normalised product of Gaussians: 1/s^2 = sum 1/s_i^2, mu = s^2 sum mu_i/s_i^2
-    (`factors`: iterable of (mu, sigma); `prior` is one more factor)."""
-    items = ([prior] if prior is not None else []) + list(factors)
-    prec = sum(1.0 / np.square(s, dtype=np.float64) for _, s in items)
-    eta = sum(np.asarray(m, np.float64) / np.square(s, dtype=np.float64) for m, s in items)
-    return eta / prec, 1.0 / np.sqrt(prec)
-
-
 def mix_gaussian(mu_new: np.ndarray, s_new: np.ndarray, mu_prev: np.ndarray, s_prev: np.ndarray,
                  weight: float) -> tuple[np.ndarray, np.ndarray]:
     """Moment-matched mixture weight * N(new) + (1 - weight) * N(prev):

@@ -56,8 +56,3 @@ class GlobalModel:
     version: int
     tensors: Tensors
     participants: tuple[str, ...] = field(default_factory=tuple)
-
-
-def tensors_nbytes(tensors: Tensors) -> int:
-    """Raw tensor bytes (what a dense float32 encoding puts on the wire, headers aside)."""
-    return int(sum(t.nbytes for t in tensors.values()))

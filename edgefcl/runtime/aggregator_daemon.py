@@ -50,7 +50,7 @@ class AggregatorDaemon:
         self.round_bytes_in = 0
         self.rounds_log: list[dict] = []  # the last rounds, for the status
         self.last_answer: bytes | None = None
-        self.resumed = self._load_state()
+        self._load_state()
         self.link = None
 
     # -- persistence ----------------------------------------------------------------------

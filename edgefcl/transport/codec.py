@@ -40,7 +40,6 @@ FLOAT_DTYPES = frozenset(["<f2", "<f4", "<f8"])
 WIRE_DTYPES = frozenset(["<f4", "<f2"])
 MAX_NDIM = 32
 
-DATACLASS_KINDS = frozenset(["update", "tick", "global"])
 DICT_KINDS = frozenset(["config", "status", "control", "stream", "answer"])
 """Kinds carried as plain dicts (`Message`): `answer` is the aggregator's lock-step reply."""
 CONTROL_COMMANDS = frozenset(["pause", "resume", "stop"])
