@@ -248,16 +248,21 @@ def apply(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     return cfg
 
 
-def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
-    """Load a TOML config file over the defaults (or over `cfg`)."""
+def read_toml(path: str | Path, what: str = "config file",
+              error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """The tables of a TOML file; `error` says what is missing or malformed."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        raise error(f"{what} not found: {p}")
     try:
-        values = tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: invalid TOML: {e}") from e
-    return apply(cfg or RunConfig(), values)
+        raise error(f"{p}: invalid TOML: {e}") from e
+
+
+def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
+    """Load a TOML config file over the defaults (or over `cfg`)."""
+    return apply(cfg or RunConfig(), read_toml(path))
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgefcl.config import ConfigError
+from edgefcl.config import ConfigError, read_toml
 from edgefcl.learn.client import MEMORY_POLICY
 
 if TYPE_CHECKING:
@@ -163,12 +162,7 @@ def profile_from_dict(values: dict[str, Any], where: str = "profile") -> DeviceP
 def load_profile(path: str | Path) -> DeviceProfile:
     """Read a profile TOML file; the profile's name defaults to the file's stem."""
     path = Path(path)
-    if not path.is_file():
-        raise ProfileError(f"device profile not found: {path}")
-    try:
-        values = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ProfileError(f"{path}: invalid TOML: {e}") from e
+    values = read_toml(path, "device profile", ProfileError)
     values.setdefault("name", path.stem)
     return profile_from_dict(values, str(path))
 

@@ -101,3 +101,14 @@ def make_link() -> Iterator[Callable[..., MqttLink]]:
     yield make
     for link in links:
         link.close()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models: one torch thread is fastest and immune to a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

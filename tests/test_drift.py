@@ -33,13 +33,7 @@ def _loss_batch(losses: np.ndarray, task: int, index: int) -> tuple[Batch, torch
     return Batch(np.zeros((len(losses), 3), np.float32), y, task, index, False), logits
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one torch thread is fastest and immune to a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_loss_signal_segments_abrupt_shifts():

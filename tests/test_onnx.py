@@ -34,13 +34,7 @@ def digits() -> tuple[np.ndarray, np.ndarray]:
     return (d.images / 16.0).astype(np.float32)[:, None], d.target.astype(np.int64)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one torch thread is fastest and immune to a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
