@@ -302,16 +302,22 @@ def main(argv: list[str] | None = None) -> int:
     daemon = args.command in ("aggregator", "client", "replay", "broker")
     level = logging.DEBUG if args.verbose else logging.INFO if daemon else logging.WARNING
     setup_logging(level, args.log_json)
+    return run_command(args, "edgefcl")
+
+
+def run_command(args: argparse.Namespace, prog: str) -> int:
+    """Run `args.func(args)`: bad input, bad data and an unreachable broker end with one clear
+    line and exit code 2 (never a traceback), Ctrl-C with 130."""
     from edgefcl.data.types import DataError
     from edgefcl.transport.mqtt import TransportError
 
     try:
         return args.func(args)
     except (ConfigError, DataError, TransportError) as e:
-        print(f"edgefcl: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("edgefcl: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

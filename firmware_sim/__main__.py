@@ -10,9 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from edgefcl.cli import run_command
 from edgefcl.config import ConfigError
-from edgefcl.data.types import DataError
-from edgefcl.transport.mqtt import TransportError
 
 
 def _fleet(args: argparse.Namespace) -> int:
@@ -158,13 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except (ConfigError, DataError, TransportError) as e:
-        print(f"firmware_sim: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(args, "firmware_sim")
 
 
 if __name__ == "__main__":
