@@ -1,0 +1,65 @@
+"""Golden results: the final global model's sha256 for one small run of every method, encoding
+and aggregation rule. A change that moves any of them changes what a run learns: deliberate
+changes regenerate the file (`EDGEFCL_REGOLD=1 pytest tests/test_golden.py`) and say why in the
+commit; refactors keep them identical."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from edgefcl.config import RunConfig, apply
+from edgefcl.simulate import simulate
+
+GOLDEN = Path(__file__).parent / "data" / "golden_sha256.json"
+
+SMALL = {"data": {"dataset": "digits", "tasks": 2, "batch_size": 10},
+         "learn": {"memory_size": 20, "local_epochs": 1},
+         "fed": {"clients": 2, "burn_in": 2, "jump": 2}}
+
+# name -> overrides on SMALL; together they cover every method, encoding and aggregation rule
+CASES: dict[str, dict] = {
+    **{m: {"learn": {"method": m}} for m in
+       ("bi", "lc", "ms", "rc", "en", "ag", "er", "cbr", "fedavg", "fedprox")},
+    "bi-top": {"learn": {"selection": "top"}},
+    "bi-step": {"learn": {"selection": "step"}},
+    "bi-rescore-always": {"learn": {"rescore": "always"}},
+    "bi-class-weighted": {"fed": {"aggregation": "class-weighted"}},
+    "bi-sparse": {"fed": {"encoding": "sparse", "topk": 0.1}},
+    "bi-sparse-f16": {"fed": {"encoding": "sparse", "topk": 0.1, "value_dtype": "float16"}},
+    "bi-gaussian-conflation": {"fed": {"encoding": "gaussian", "aggregation": "conflation"}},
+    "bi-gaussian-moments": {"fed": {"encoding": "gaussian", "aggregation": "moments"}},
+    "vfcl": {"learn": {"method": "vfcl"}},
+    "fedbnn": {"learn": {"method": "fedbnn"}},
+    "fedbnn-init": {"learn": {"method": "fedbnn"}, "fed": {"bnn_init_rounds": 1}},
+    "apc": {"learn": {"method": "apc"}},
+    "bi-task-free": {"learn": {"task_free": True}},
+    "bi-mlp-mnist1d": {"data": {"dataset": "mnist1d"}, "learn": {"model": "mlp", "hidden": 32}},
+}
+
+
+def _config(overrides: dict) -> RunConfig:
+    values = {k: dict(v) for k, v in SMALL.items()}
+    for section, table in overrides.items():
+        values.setdefault(section, {}).update(table)
+    return apply(RunConfig(), values)
+
+
+def _golden() -> dict[str, str]:
+    return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_global_sha256_unchanged(name: str, one_thread) -> None:
+    sha = simulate(_config(CASES[name]), seed=0).global_sha256
+    if os.environ.get("EDGEFCL_REGOLD"):
+        golden = _golden()
+        golden[name] = sha
+        GOLDEN.write_text(json.dumps(dict(sorted(golden.items())), indent=1) + "\n")
+        return
+    assert name in _golden(), f"no golden value for {name}: run with EDGEFCL_REGOLD=1"
+    assert sha == _golden()[name]
