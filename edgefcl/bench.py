@@ -11,12 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgefcl.build import prepare
 from edgefcl.config import RunConfig
 from edgefcl.learn.export import export_onnx
 from edgefcl.learn.models import build_model
 from edgefcl.learn.perturb import make_perturber, tta_logits, tta_logits_looped
 from edgefcl.ondevice import OnnxModel
-from edgefcl.simulate import prepare, simulate
+from edgefcl.simulate import simulate
 
 
 def _time(fn, repeats: int) -> float:

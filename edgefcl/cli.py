@@ -130,7 +130,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
             raise ConfigError(f"--initial: no such file {args.initial}")
         initial = load_tensors(Path(args.initial))
     else:
-        from edgefcl.simulate import initial_global, prepare
+        from edgefcl.build import initial_global, prepare
 
         initial = initial_global(cfg, prepare(cfg, cfg.seed))
     state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
@@ -139,8 +139,9 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
+    from edgefcl.build import make_client, prepare
+    from edgefcl.data.workload import client_stream
     from edgefcl.runtime.device import DeviceRunner
-    from edgefcl.simulate import client_stream, make_client, prepare
 
     cfg = daemon_config(args)
     logging.getLogger("edgefcl.client").info("starting: loading data and model")

@@ -3,8 +3,6 @@ for a seed. The networked runtime (`edgefcl.runtime`) drives the same objects ov
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -13,21 +11,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edgefcl.config import RunConfig, resolve_fed, to_dict
+from edgefcl.build import for_method, initial_global, make_client, prepare
+from edgefcl.config import RunConfig, to_dict
 from edgefcl.data.streams import count_batches
-from edgefcl.data.types import Dataset, TaskData
-from edgefcl.data.workload import client_id, client_stream, load_workload
+from edgefcl.data.types import TaskData
+from edgefcl.data.workload import client_stream
 from edgefcl.federation.aggregator import Aggregator
-from edgefcl.federation.gaussian import to_wire
-from edgefcl.federation.messages import GlobalModel, Tensors, Update
+from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_message
-from edgefcl.learn.apc import shared_tensors
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.export import global_state, model_spec
-from edgefcl.learn.models import build_model
-from edgefcl.learn.params import get_tensors, tensors_sha256
-from edgefcl.learn.variational import client_hooks
+from edgefcl.learn.params import tensors_sha256
 from edgefcl.metrics import CommStats, forgetting, last_accuracy
 from edgefcl.transport import codec
 
@@ -62,47 +57,6 @@ class RunResult:
                 "rounds": self.rounds, **self.comm.to_dict(),
                 "global_sha256": self.global_sha256, "wall_s": round(self.wall_s, 3),
                 "config": self.config, **self.extra}
-
-
-@dataclass
-class Setup:
-    """Everything a run is built from, shared by the in-process and MQTT drivers."""
-
-    dataset: Dataset
-    tasks: list[list[TaskData]]  # [client][task]
-    initial: torch.nn.Module
-
-
-def prepare(cfg: RunConfig, seed: int) -> Setup:
-    """Load the data, split it into per-client tasks and build the initial model."""
-    work = load_workload(cfg, seed)
-    ds, tasks = work.dataset, work.tasks
-    torch.manual_seed(seed)
-    model = build_model(cfg.learn.model, ds.sample_shape, ds.n_classes, cfg.learn.hidden)
-    model = client_hooks(cfg.learn.method, cfg.learn, cfg.fed).prepare_model(model)
-    return Setup(ds, tasks, model)
-
-
-def initial_global(cfg: RunConfig, setup: Setup) -> Tensors:
-    """Tensors of the first global model, named like the run's updates (gaussian: W::mu,
-    W::sigma)."""
-    tensors = get_tensors(setup.initial)
-    if cfg.fed.encoding == "apc":  # the decomposed layers' local m, A, alpha stay local
-        return shared_tensors(setup.initial, tensors)
-    return to_wire(tensors) if cfg.fed.encoding == "gaussian" else tensors
-
-
-def for_method(cfg: RunConfig, method: str) -> RunConfig:
-    """`cfg` for a run of `method` (vfcl / fedbnn imply the gaussian encoding)."""
-    return dataclasses.replace(cfg, learn=dataclasses.replace(cfg.learn, method=method),
-                               fed=resolve_fed(method, cfg.fed))
-
-
-def make_client(cfg: RunConfig, setup: Setup, k: int, method: str, seed: int) -> Client:
-    """Client k of a run, starting from the shared initial model."""
-    learn = dataclasses.replace(cfg.learn, method=method)
-    return Client(client_id(k), copy.deepcopy(setup.initial), learn, cfg.fed,
-                  setup.dataset.kind, seed=seed * 1000 + k)
 
 
 def evaluate_all(client: Client, tasks: list[TaskData]) -> np.ndarray:

@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from edgefcl.build import initial_global, make_client, prepare
 from edgefcl.config import ConfigError, RunConfig, dump_toml, load_toml
 from edgefcl.data.streams import stream_batches
 from edgefcl.data.workload import client_id
 from edgefcl.metrics import forgetting
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.runtime.state import load_json, save_tensors
-from edgefcl.simulate import initial_global, make_client, prepare
 from edgefcl.transport.broker import start_mosquitto
 from edgefcl.transport.codec import CodecError, Message, decode
 from firmware_sim.device import expected_digest

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from edgefcl.build import Setup, make_client, prepare
 from edgefcl.config import RunConfig
 from edgefcl.data.workload import client_id
-from edgefcl.simulate import Setup, make_client, prepare
 from edgefcl.transport.mqtt import TransportError
 from firmware_sim.device import Crash, Firmware
 from firmware_sim.flash import Flash

@@ -9,13 +9,14 @@ import time
 import numpy as np
 import pytest
 
+from edgefcl.build import prepare
 from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import Update
 from edgefcl.learn.params import get_tensors
 from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
 from edgefcl.runtime.fleet import simulate_mqtt
 from edgefcl.runtime.links import open_link, topics
-from edgefcl.simulate import prepare, simulate
+from edgefcl.simulate import simulate
 from edgefcl.transport.codec import encode
 
 pytestmark = pytest.mark.mqtt

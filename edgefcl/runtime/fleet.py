@@ -16,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefcl.build import Setup, initial_global, make_client, prepare
 from edgefcl.config import RunConfig, dump_toml
 from edgefcl.data.streams import count_batches
+from edgefcl.data.workload import client_id
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.drift import summarize_drift
 from edgefcl.learn.export import global_state, model_spec
@@ -26,15 +28,7 @@ from edgefcl.metrics import CommStats
 from edgefcl.runtime.launcher import Role, start_role, warm_up
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.runtime.state import load_json, load_tensors, save_tensors
-from edgefcl.simulate import (
-    RunResult,
-    Setup,
-    cfg_dict,
-    client_id,
-    initial_global,
-    make_client,
-    prepare,
-)
+from edgefcl.simulate import RunResult, cfg_dict
 from edgefcl.transport.broker import EmbeddedBroker
 from edgefcl.transport.codec import CodecError, Message, decode
 

@@ -1,0 +1,63 @@
+"""The factory every driver builds a run from: the in-process simulation, the networked runtime
+(`edgefcl client`, `edgefcl aggregator`, the MQTT fleet) and firmware_sim. It sits below the
+drivers: nothing here knows how a run is driven."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from edgefcl.config import RunConfig, resolve_fed
+from edgefcl.data.types import Dataset, TaskData
+from edgefcl.data.workload import client_id, load_workload
+from edgefcl.federation.gaussian import to_wire
+from edgefcl.federation.messages import Tensors
+from edgefcl.learn.apc import shared_tensors
+from edgefcl.learn.client import Client
+from edgefcl.learn.models import build_model
+from edgefcl.learn.params import get_tensors
+from edgefcl.learn.variational import client_hooks
+
+
+@dataclass
+class Setup:
+    """Everything a run is built from, shared by the in-process and MQTT drivers."""
+
+    dataset: Dataset
+    tasks: list[list[TaskData]]  # [client][task]
+    initial: torch.nn.Module
+
+
+def prepare(cfg: RunConfig, seed: int) -> Setup:
+    """Load the data, split it into per-client tasks and build the initial model."""
+    work = load_workload(cfg, seed)
+    ds, tasks = work.dataset, work.tasks
+    torch.manual_seed(seed)
+    model = build_model(cfg.learn.model, ds.sample_shape, ds.n_classes, cfg.learn.hidden)
+    model = client_hooks(cfg.learn.method, cfg.learn, cfg.fed).prepare_model(model)
+    return Setup(ds, tasks, model)
+
+
+def initial_global(cfg: RunConfig, setup: Setup) -> Tensors:
+    """Tensors of the first global model, named like the run's updates (gaussian: W::mu,
+    W::sigma)."""
+    tensors = get_tensors(setup.initial)
+    if cfg.fed.encoding == "apc":  # the decomposed layers' local m, A, alpha stay local
+        return shared_tensors(setup.initial, tensors)
+    return to_wire(tensors) if cfg.fed.encoding == "gaussian" else tensors
+
+
+def for_method(cfg: RunConfig, method: str) -> RunConfig:
+    """`cfg` for a run of `method` (vfcl / fedbnn imply the gaussian encoding)."""
+    return dataclasses.replace(cfg, learn=dataclasses.replace(cfg.learn, method=method),
+                               fed=resolve_fed(method, cfg.fed))
+
+
+def make_client(cfg: RunConfig, setup: Setup, k: int, method: str, seed: int) -> Client:
+    """Client k of a run, starting from the shared initial model."""
+    learn = dataclasses.replace(cfg.learn, method=method)
+    return Client(client_id(k), copy.deepcopy(setup.initial), learn, cfg.fed,
+                  setup.dataset.kind, seed=seed * 1000 + k)
