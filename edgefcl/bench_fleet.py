@@ -332,6 +332,9 @@ def plot(runs: list[dict], path: Path) -> None:
     for ax in (a, b):
         if len(set(n)) > 1:
             ax.set_xscale("log")
+        ax.set_xticks(n, [str(x) for x in n])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

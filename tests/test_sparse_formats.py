@@ -181,3 +181,29 @@ def test_encoder_honours_a_fixed_index_format(index_format):
     out = enc.encode({"w": np.arange(40, dtype=np.float32).reshape(5, 8)},
                      {"w": np.zeros((5, 8), np.float32)})
     assert f"w::{index_format}" in out
+
+
+def test_auto_value_dtype_is_float16_below_topk_one_and_float32_at_one():
+    g = {"w": np.zeros((4, 5), np.float32)}
+    cur = {"w": np.arange(20, dtype=np.float32).reshape(4, 5) / 7}
+    assert SparseEncoder(topk=0.5).encode(cur, g)["w::val"].dtype == np.float16
+    exact = SparseEncoder(topk=1.0).encode(cur, g)
+    assert exact["w::val"].dtype == np.float32
+    np.testing.assert_array_equal(np.sort(exact["w::val"]), np.sort(cur["w"].ravel()))
+
+
+def test_downlink_delta_uses_the_cheapest_format_and_stays_bit_exact():
+    from edgefcl.federation.versions import apply_global_delta, global_delta
+
+    rng = np.random.default_rng(1)
+    old = {"w": rng.normal(size=(50, 40)).astype(np.float32)}
+    new = {"w": old["w"].copy()}
+    new["w"].ravel()[rng.random(2000) < 0.3] += 1.0  # 30% changed: a bitmap beats gaps
+    delta = global_delta(new, old, 3)
+    assert {k.split("::")[1] for k in delta if k.startswith("w::")} <= {"bits", "zbits", "val"}
+    assert apply_global_delta(delta, old)["w"].tobytes() == new["w"].tobytes()
+    bad = dict(delta)
+    key = next(k for k in delta if k.endswith("bits"))
+    bad[key] = np.zeros(3, np.uint8)
+    with pytest.raises(SparseError):
+        apply_global_delta(bad, old)
