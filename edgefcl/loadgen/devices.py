@@ -136,8 +136,10 @@ def run_devices(spec: DeviceSpec, counters, go, stop) -> None:
         if going:
             published = lagged = skipped = 0
             for d in devices:
-                if d.due > now or not d.connected:
-                    timeout = min(timeout, max(d.due - now, 0.0))
+                if not d.connected:
+                    continue
+                if d.due > now:
+                    timeout = min(timeout, d.due - now)
                     continue
                 d.seq += 1
                 info = d.client.publish(d.topic, template.payload(d.cid, version[0], d.seq), qos=1)
