@@ -220,7 +220,13 @@ def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_n
                "--state-dir", str(state), "--topk", str(cfg.fed.topk)]
         daemon = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status")
-        wait_until(watcher.online, 60, "the aggregator daemon")
+        def daemon_up() -> bool:
+            if daemon.poll() is not None:
+                raise ConfigError(f"bench fleet: the aggregator exited with {daemon.returncode}"
+                                  f"; see {workdir / f'aggregator-{n}.log'}")
+            return watcher.online()
+
+        wait_until(daemon_up, 60, "the aggregator daemon")
         print(f"{n} devices: aggregator, {opts.duration:.0f} s...", flush=True)
         peak = [0.0, 0.0]  # highest and latest RSS in the window
 
