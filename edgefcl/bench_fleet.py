@@ -222,8 +222,10 @@ def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_n
         watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status")
         def daemon_up() -> bool:
             if daemon.poll() is not None:
+                log.flush()
+                lines = (workdir / f"aggregator-{n}.log").read_text().strip().splitlines()
                 raise ConfigError(f"bench fleet: the aggregator exited with {daemon.returncode}"
-                                  f"; see {workdir / f'aggregator-{n}.log'}")
+                                  f": {lines[-1] if lines else 'no output'}")
             return watcher.online()
 
         wait_until(daemon_up, 60, "the aggregator daemon")
