@@ -32,7 +32,6 @@ from edgefcl.loadgen.counter import run_counter
 from edgefcl.loadgen.devices import COUNTERS, DeviceSpec, raise_fd_limit, run_devices
 from edgefcl.loadgen.options import FleetOptions
 
-WARMUP_S = 3.0
 DRAIN_S = 2.0
 
 
@@ -163,7 +162,7 @@ def measure_window(opts: FleetOptions, fleet: Fleet, go, sample=None) -> tuple[f
                                                                                 float]:
     """Publish for warm-up + duration; returns (t0, t1, published/s in the window)."""
     go.set()
-    time.sleep(WARMUP_S)
+    time.sleep(opts.warmup)
     t0, p0 = time.monotonic(), fleet.total("published")
     while time.monotonic() - t0 < opts.duration:
         if sample is not None:
@@ -201,7 +200,7 @@ def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_n
         wait_until(ready.is_set, 30, "the counting subscriber")
         print(f"{n} devices: raw broker rate, {opts.duration:.0f} s...", flush=True)
         go.set()
-        time.sleep(WARMUP_S)
+        time.sleep(opts.warmup)
         t0, c0, b0 = time.monotonic(), count.value, cpu_seconds(broker.pid)
         time.sleep(opts.duration)
         t1, c1, b1 = time.monotonic(), count.value, cpu_seconds(broker.pid)
@@ -252,7 +251,7 @@ def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_n
             daemon.kill()
             daemon.wait(10)
         log.close()
-        rounds = read_rounds(state / "rounds.jsonl", wall0 + WARMUP_S, wall1)
+        rounds = read_rounds(state / "rounds.jsonl", wall0 + opts.warmup, wall1)
         intervals = list(np.diff([t for t, _ in rounds])) if len(rounds) > 1 else []
         if intervals:  # updates folded into the rounds that closed in the window, per second
             rate = sum(n for _, n in rounds[1:]) / (rounds[-1][0] - rounds[0][0])

@@ -74,8 +74,8 @@ def test_a_small_fleet_run_over_mosquitto(tmp_path):
     from edgefcl.bench_fleet import bench_fleet
 
     cfg = RunConfig()
-    report = bench_fleet(FleetOptions([6], payload="sparse", rate=2.0, duration=3.0), cfg,
-                         tmp_path)
+    opts = FleetOptions([6], payload="sparse", rate=2.0, duration=3.0, warmup=1.5)
+    report = bench_fleet(opts, cfg, tmp_path)
     saved = json.loads((tmp_path / "bench_fleet.json").read_text())
     (run,) = saved["runs"]
     assert run == json.loads(json.dumps(report["runs"][0]))

@@ -41,6 +41,8 @@ class FleetOptions:
     rate: float = 1.0
     duration: float = 20.0
     device_procs: int = 0
+    warmup: float = 3.0
+    """Seconds of publishing before each measured window (not a flag; tests shorten it)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FleetOptions:
