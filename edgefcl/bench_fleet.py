@@ -173,109 +173,130 @@ def measure_window(opts: FleetOptions, fleet: Fleet, go, sample=None) -> tuple[f
     return t0, t1, (p1 - p0) / (t1 - t0)
 
 
-def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_npz: Path,
-            workdir: Path) -> dict:
-    from edgefcl.transport.broker import start_mosquitto
-
-    encoding = "sparse" if opts.payload == "sparse" else "dense"
-    fleet_name = f"bench-{secrets.token_hex(3)}"
-    root = cfg.mqtt.topic_root
-    ctx = mp.get_context("spawn")
-    broker = start_mosquitto(allow_anonymous=True, config_dir=workdir / f"mosquitto-{n}")
-    go, stop = ctx.Event(), ctx.Event()
-    fleet = None
-    daemon = None
+def raw_phase(ctx, opts: FleetOptions, broker, pattern: str, go) -> dict:
+    """The rate at which the broker delivers the fleet's updates to a subscriber that only
+    counts them (its own process, like the daemon)."""
+    count, ready, stop = ctx.Value("q", 0, lock=False), ctx.Event(), ctx.Event()
+    counter = ctx.Process(target=run_counter, daemon=True,
+                          args=(broker.host, broker.port, pattern, count, ready, stop))
+    counter.start()
     try:
-        print(f"{n} devices: connecting ({opts.procs(n)} processes)...", flush=True)
-        fleet = start_fleet(ctx, opts, n, broker.host, broker.port, fleet_name, root, encoding,
-                            tensors, go, stop)
-        wait_until(lambda: fleet.total("connected") >= n, 60 + n / 20, f"{n} connections")
-
-        # phase 1: the raw broker rate to a subscriber that only counts
-        count, ready, stop_counter = ctx.Value("q", 0, lock=False), ctx.Event(), ctx.Event()
-        counter = ctx.Process(target=run_counter, daemon=True, args=(
-            broker.host, broker.port, f"{root}/{fleet_name}/update/+", count, ready,
-            stop_counter))
-        counter.start()
         wait_until(ready.is_set, 30, "the counting subscriber")
-        print(f"{n} devices: raw broker rate, {opts.duration:.0f} s...", flush=True)
         go.set()
         time.sleep(opts.warmup)
         t0, c0, b0 = time.monotonic(), count.value, cpu_seconds(broker.pid)
         time.sleep(opts.duration)
         t1, c1, b1 = time.monotonic(), count.value, cpu_seconds(broker.pid)
         go.clear()
-        raw_rate = (c1 - c0) / (t1 - t0)
         time.sleep(DRAIN_S)
-        stop_counter.set()
-        counter.join(10)
-
-        # phase 2: the aggregator daemon
-        state = workdir / f"state-{n}"
-        log = open(workdir / f"aggregator-{n}.log", "wb")  # noqa: SIM115  (the daemon's)
-        cmd = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", broker.url,
-               "--fleet", fleet_name, "--topic-root", root, "--mode", "async",
-               "--encoding", encoding, "--clients", str(n), "--initial", str(initial_npz),
-               "--state-dir", str(state), "--topk", str(cfg.fed.topk)]
-        daemon = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status")
-        def daemon_up() -> bool:
-            if daemon.poll() is not None:
-                log.flush()
-                lines = (workdir / f"aggregator-{n}.log").read_text().strip().splitlines()
-                raise ConfigError(f"bench fleet: the aggregator exited with {daemon.returncode}"
-                                  f": {lines[-1] if lines else 'no output'}")
-            return watcher.online()
-
-        wait_until(daemon_up, 60, "the aggregator daemon")
-        print(f"{n} devices: aggregator, {opts.duration:.0f} s...", flush=True)
-        peak = [0.0, 0.0]  # highest and latest RSS in the window
-
-        def sample() -> None:
-            peak[0] = max(peak[0], rss_mb(daemon.pid))
-            peak[1] = rss_mb(daemon.pid)
-
-        pub0 = fleet.total("published")
-        bc0 = cpu_seconds(broker.pid)
-        wall0 = time.time()
-        t0, t1, published = measure_window(opts, fleet, go, sample)
-        wall1 = time.time()
-        bc1 = cpu_seconds(broker.pid)
-        time.sleep(2.5)  # one more status after the window
-        rate, last = watcher.accepted_rate(t0, t1 + 2.5)  # a fallback: statuses every 2 s
-        watcher.close()
-        daemon.terminate()
-        try:
-            daemon.wait(20)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait(10)
-        log.close()
-        rounds = read_rounds(state / "rounds.jsonl", wall0 + opts.warmup, wall1)
-        intervals = list(np.diff([t for t, _ in rounds])) if len(rounds) > 1 else []
-        if intervals:  # updates folded into the rounds that closed in the window, per second
-            rate = sum(n for _, n in rounds[1:]) / (rounds[-1][0] - rounds[0][0])
-        counters = last.get("counters", {})
-        return {
-            "devices": n, "workers": opts.workers, "payload": opts.payload,
-            "payload_bytes": len_payload(tensors, encoding, fleet_name),
-            "offered_per_s": n * opts.rate, "published_per_s": published,
-            "updates_per_s": rate, "raw_broker_updates_per_s": raw_rate,
-            "round_latency_p50_s": percentile(intervals, 50),
-            "round_latency_p99_s": percentile(intervals, 99),
-            "rounds_in_window": len(intervals),
-            "aggregator_rss_mb": peak[0], "aggregator_rss_end_mb": peak[1],
-            "broker_cpu_s": bc1 - bc0, "raw_broker_cpu_s": b1 - b0,
-            "seconds": t1 - t0, "device_processes": opts.procs(n),
-            "skipped": fleet.total("skipped"), "lagged": fleet.total("lagged"),
-            "dropped_connections": fleet.total("dropped"),
-            "published_total": fleet.total("published") - pub0,
-            "aggregator_counters": counters,
-        }
     finally:
         stop.set()
-        if daemon is not None and daemon.poll() is None:
-            daemon.kill()
+        counter.join(10)
+        if counter.is_alive():
+            counter.terminate()
+    return {"raw_broker_updates_per_s": (c1 - c0) / (t1 - t0), "raw_broker_cpu_s": b1 - b0}
+
+
+def start_daemon(cmd: list[str], log_path: Path, watcher: StatusWatcher) -> subprocess.Popen:
+    """Start `edgefcl aggregator` and wait for its first status; one clear error if it exits."""
+    with open(log_path, "wb") as log:
+        daemon = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+
+    def up() -> bool:
+        if daemon.poll() is not None:
+            lines = log_path.read_text().strip().splitlines()
+            raise ConfigError(f"bench fleet: the aggregator exited with {daemon.returncode}: "
+                              f"{lines[-1] if lines else 'no output'}")
+        return watcher.online()
+
+    try:
+        wait_until(up, 60, "the aggregator daemon")
+    except BaseException:
+        daemon.kill()
+        raise
+    return daemon
+
+
+def stop_daemon(daemon: subprocess.Popen) -> None:
+    daemon.terminate()
+    try:
+        daemon.wait(20)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait(10)
+
+
+def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: Fleet,
+                     fleet_name: str, encoding: str, initial_npz: Path, workdir: Path,
+                     go) -> dict:
+    """The same fleet against the `edgefcl aggregator` daemon (async mode, its own process)."""
+    root = cfg.mqtt.topic_root
+    state = workdir / f"state-{n}"
+    cmd = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", broker.url,
+           "--fleet", fleet_name, "--topic-root", root, "--mode", "async",
+           "--encoding", encoding, "--clients", str(n), "--initial", str(initial_npz),
+           "--state-dir", str(state), "--topk", str(cfg.fed.topk)]
+    watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status")
+    try:
+        daemon = start_daemon(cmd, workdir / f"aggregator-{n}.log", watcher)
+        print(f"{n} devices: aggregator, {opts.duration:.0f} s...", flush=True)
+        rss = [0.0, 0.0]  # highest and latest RSS in the window
+
+        def sample() -> None:
+            rss[1] = rss_mb(daemon.pid)
+            rss[0] = max(rss[0], rss[1])
+
+        before = {k: fleet.total(k) for k in ("published", "skipped", "lagged")}
+        bc0, wall0 = cpu_seconds(broker.pid), time.time()
+        t0, t1, published = measure_window(opts, fleet, go, sample)
+        wall1, bc1 = time.time(), cpu_seconds(broker.pid)
+        time.sleep(2.5)  # one more status after the window
+        rate, last = watcher.accepted_rate(t0, t1 + 2.5)  # a fallback: statuses every 2 s
+        stop_daemon(daemon)
+    finally:
+        watcher.close()
+    rounds = read_rounds(state / "rounds.jsonl", wall0 + opts.warmup, wall1)
+    intervals = list(np.diff([t for t, _ in rounds])) if len(rounds) > 1 else []
+    if intervals:  # updates folded into the rounds that closed in the window, per second
+        rate = sum(k for _, k in rounds[1:]) / (rounds[-1][0] - rounds[0][0])
+    return {
+        "published_per_s": published, "updates_per_s": rate,
+        "round_latency_p50_s": percentile(intervals, 50),
+        "round_latency_p99_s": percentile(intervals, 99), "rounds_in_window": len(intervals),
+        "aggregator_rss_mb": rss[0], "aggregator_rss_end_mb": rss[1],
+        "broker_cpu_s": bc1 - bc0, "seconds": t1 - t0,
+        **{k: fleet.total(k) - v for k, v in before.items()},
+        "dropped_connections": fleet.total("dropped"),
+        "aggregator_counters": last.get("counters", {}),
+    }
+
+
+def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_npz: Path,
+            workdir: Path) -> dict:
+    """Both phases for `n` devices against a fresh Mosquitto."""
+    from edgefcl.transport.broker import start_mosquitto
+
+    encoding = "sparse" if opts.payload == "sparse" else "dense"
+    fleet_name = f"bench-{secrets.token_hex(3)}"
+    ctx = mp.get_context("spawn")
+    broker = start_mosquitto(allow_anonymous=True, config_dir=workdir / f"mosquitto-{n}")
+    go, stop = ctx.Event(), ctx.Event()
+    fleet = None
+    try:
+        print(f"{n} devices: connecting ({opts.procs(n)} processes)...", flush=True)
+        fleet = start_fleet(ctx, opts, n, broker.host, broker.port, fleet_name,
+                            cfg.mqtt.topic_root, encoding, tensors, go, stop)
+        wait_until(lambda: fleet.total("connected") >= n, 60 + n / 20, f"{n} connections")
+        print(f"{n} devices: raw broker rate, {opts.duration:.0f} s...", flush=True)
+        raw = raw_phase(ctx, opts, broker, f"{cfg.mqtt.topic_root}/{fleet_name}/update/+", go)
+        agg = aggregator_phase(opts, n, cfg, broker, fleet, fleet_name, encoding, initial_npz,
+                               workdir, go)
+        return {"devices": n, "workers": opts.workers, "payload": opts.payload,
+                "payload_bytes": len_payload(tensors, encoding, fleet_name),
+                "offered_per_s": n * opts.rate, **raw, **agg,
+                "device_processes": opts.procs(n)}
+    finally:
+        stop.set()
         if fleet is not None:
             for p in fleet.procs:
                 p.join(10)
