@@ -81,6 +81,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from edgefcl.bench import run_bench
 
     cfg = config_from_args(args)
+    if args.what == "fleet":
+        from edgefcl.bench_fleet import run_from_args
+
+        return run_from_args(args, cfg, Path(cfg.out or "runs/bench"))
     return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats)
 
 
@@ -268,9 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "memory) and batched vs per-view scoring, cached vs full re-scoring. "
                        "transport: lock-step MQTT vs in-process wall time, aggregator ingest "
                        "rate (Mosquitto and embedded broker, 1M-parameter model), aggregation "
-                       "memory for 10 vs 100 updates.")
-    b.add_argument("what", choices=["client", "transport"], help="what to benchmark")
+                       "memory for 10 vs 100 updates. fleet: lightweight devices (one MQTT "
+                       "connection each) against Mosquitto and the aggregator daemon, vs the "
+                       "raw broker rate (see bench fleet options).")
+    b.add_argument("what", choices=["client", "transport", "fleet"], help="what to benchmark")
     b.add_argument("--repeats", type=int, default=3, help="timing repeats")
+    from edgefcl.loadgen.options import add_fleet_arguments
+
+    add_fleet_arguments(b)
     add_config_flags(b)
     b.set_defaults(func=cmd_bench)
 

@@ -164,7 +164,11 @@ class FedConfig:
     topk: float = opt(0.1, "sparse: fraction of each tensor's entries sent (largest deltas; "
                       "0: no cap, use threshold)")
     threshold: float = opt(0.0, "sparse: send only entries whose |delta| is at least this")
-    value_dtype: str = opt("float32", "sparse/apc: dtype of the values sent: float32 | float16")
+    value_dtype: str = opt("auto", "sparse/apc: dtype of the values sent: float32 | float16 | "
+                           "bfloat16 (sparse only) | auto (sparse: float16 below topk 1, else "
+                           "float32; apc: float32); the rounding goes into the residual")
+    index_format: str = opt("auto", "sparse: index format of each tensor: auto (the cheapest "
+                            "per tensor) | idx (gaps) | bits (bitmap) | zidx | zbits (zlib)")
     downlink: str = opt("auto", "globals to clients: dense (whole) | sparse (only the entries "
                         "changed since the version the client holds) | auto (sparse for the "
                         "sparse and apc encodings)")
@@ -384,7 +388,12 @@ def validate(cfg: RunConfig) -> None:
         (0 <= f.topk <= 1, "topk must be in [0, 1] (fraction of entries sent)"),
         (f.threshold >= 0, "threshold must be >= 0"),
         (f.topk > 0 or f.threshold > 0, "topk 0 needs a threshold > 0"),
-        (f.value_dtype in ("float32", "float16"), "value_dtype must be float32 or float16"),
+        (f.value_dtype in ("auto", "float32", "float16", "bfloat16"),
+         "value_dtype must be auto, float32, float16 or bfloat16"),
+        (f.value_dtype != "bfloat16" or f.encoding != "apc",
+         "value_dtype bfloat16 is for the sparse encoding; apc sends float32 or float16"),
+        (f.index_format in ("auto", "idx", "bits", "zidx", "zbits"),
+         "index_format must be auto, idx, bits, zidx or zbits"),
         (f.downlink in ("auto", "dense", "sparse"), "downlink must be auto, dense or sparse"),
         (f.apc_kb_size >= 0, "apc_kb_size must be >= 0"),
         (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,

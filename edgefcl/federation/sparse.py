@@ -1,11 +1,15 @@
 """Sparse parameter updates (NOTES.md §2): top-k / threshold selection of the delta to the base
-global with error feedback, delta-coded indices, validation, and per-entry aggregation.
+global with error feedback, compact indices and 16-bit values, validation, and per-entry
+aggregation.
 
-Wire format of one sparse tensor `w` (any float tensor of the global spec):
-- `w::idx`: positions in the flattened tensor, delta-coded (the first one absolute, then the
-  gaps to the previous one), in the smallest unsigned dtype that holds the largest gap;
-- `w::rows`: the same for whole rows (first axis) instead of single entries;
-- `w::val`: the values, float32 or float16; one per index, or one row each for `::rows`.
+Wire format of one sparse tensor `w` (any float tensor of the global spec): one index part and
+one value part.
+- index: `w::<format>`, the positions in the flattened tensor in one of the registered index
+  formats (`edgefcl.federation.indexing`: `idx` delta-coded gaps, `bits` packed bitmap, `zidx`
+  / `zbits` the same compressed with zlib); the encoder picks the cheapest per tensor;
+- `w::rows`: delta-coded gaps of whole rows (first axis) instead of single entries (APC);
+- values: `w::val` (float32 or float16) or `w::bf16` (bfloat16 as uint16 bits); one per index,
+  or one row each for `::rows`.
 The entry count comes from the global spec, so it is never sent.
 
 Encoding `sparse` sends, per weight tensor (2 or more axes), the delta to the global the
@@ -32,65 +36,28 @@ import numpy as np
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregation import STRATEGIES, Spec, Strategy
 from edgefcl.federation.encodings import ENCODERS
+from edgefcl.federation.indexing import INDEX_FORMATS, decode_positions, encode_cheapest
+from edgefcl.federation.indexing.base import SparseError
+from edgefcl.federation.indexing.gaps import (  # noqa: F401  (re-exported)
+    INDEX_DTYPES,
+    decode_indices,
+    encode_indices,
+    index_dtype,
+    pad_gaps,
+)
 from edgefcl.federation.messages import Tensors, Update
 
 if TYPE_CHECKING:
     from edgefcl.federation.aggregator import Aggregator
 
-IDX, ROWS, VAL = "::idx", "::rows", "::val"
-SUFFIXES = {IDX: "idx", ROWS: "rows", VAL: "val"}
-INDEX_DTYPES = (np.uint8, np.uint16, np.uint32, np.uint64)
-VALUE_DTYPES = {"float32": np.float32, "float16": np.float16}
+IDX, ROWS, VAL, BF16 = "::idx", "::rows", "::val", "::bf16"
+VALUE_SUFFIXES = ("val", "bf16")
+SUFFIXES = {"::" + s: s for s in (*INDEX_FORMATS, "rows", *VALUE_SUFFIXES)}
+VALUE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+"""Value dtypes a client may send; bfloat16 travels as its raw 16 bits (`w::bf16`, uint16)."""
 F16_MAX = float(np.finfo(np.float16).max)
-
-
-class SparseError(ValueError):
-    """A sparse payload that cannot be used; `reason` is the short tag the aggregator counts
-    (names, dtype, shape, length, index-range, index-duplicate, nonfinite, base)."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        self.reason = reason
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-
-
-# -- indices ------------------------------------------------------------------------------------
-def index_dtype(largest: int) -> np.dtype:
-    """The smallest unsigned integer dtype that holds `largest` (>= 0)."""
-    for dt in INDEX_DTYPES:
-        if largest <= np.iinfo(dt).max:
-            return np.dtype(dt)
-    raise ValueError(f"index {largest} does not fit in 64 bits")
-
-
-def encode_indices(positions: np.ndarray) -> np.ndarray:
-    """Strictly increasing positions -> gaps (first one absolute) in the smallest uint dtype."""
-    pos = np.asarray(positions, np.int64).ravel()
-    gaps = np.diff(pos, prepend=0)
-    if pos.size and (pos[0] < 0 or (gaps[1:] <= 0).any()):
-        raise ValueError("positions must be non-negative and strictly increasing")
-    return gaps.astype(index_dtype(int(gaps.max()) if gaps.size else 0))
-
-
-def decode_indices(codes: np.ndarray, n: int) -> np.ndarray:
-    """Gaps -> positions (int64), checked: every position in [0, n), strictly increasing.
-
-    Raises SparseError("dtype" | "shape" | "index-range" | "index-duplicate").
-    """
-    if codes.dtype.kind != "u":
-        raise SparseError("dtype", f"indices must be unsigned integers, got {codes.dtype}")
-    if codes.ndim != 1:
-        raise SparseError("shape", f"indices must be 1-D, got shape {codes.shape}")
-    if codes.size == 0:
-        return np.zeros(0, np.int64)
-    if codes.size > n or int(codes.max()) >= n:
-        raise SparseError("index-range", f"{codes.size} indices into {n} entries")
-    # every gap < n and at most n gaps: the running sum stays below n * n (no overflow)
-    pos = np.cumsum(codes, dtype=np.int64)
-    if (codes[1:] == 0).any():
-        raise SparseError("index-duplicate", "an index repeats (zero gap)")
-    if pos[-1] >= n:
-        raise SparseError("index-range", f"index {int(pos[-1])} >= {n} entries")
-    return pos
+BF16_MAX_BITS = 0x7F7F
+"""Largest finite bfloat16 magnitude, as bits."""
 
 
 # -- selection ----------------------------------------------------------------------------------
@@ -110,42 +77,43 @@ def select(values: np.ndarray, topk: float, threshold: float = 0.0) -> np.ndarra
     return idx.astype(np.int64)
 
 
-def pad_gaps(positions: np.ndarray, value_bytes: int) -> np.ndarray:
-    """`positions` plus filler positions (every M-th entry inside gaps longer than M) so that
-    the gaps fit a narrower index dtype, when that makes idx + values smaller.
-
-    Fillers are real entries: the caller sends their true values. For a uint8 index
-    (M = 255) a gap of 600 gets fillers 255 and 510 after its start.
-    """
-    pos = np.asarray(positions, np.int64)
-    if pos.size == 0:
-        return pos
-    starts = np.concatenate([[0], pos[:-1]])
-    gaps = pos - starts
-    best, best_cost = pos, None
-    for dt in INDEX_DTYPES:
-        m = int(np.iinfo(dt).max)
-        fill = np.maximum((gaps - 1) // m, 0)
-        total = int(fill.sum())
-        cost = (pos.size + total) * (np.dtype(dt).itemsize + value_bytes)
-        if best_cost is None or cost < best_cost:
-            if total:
-                step = np.arange(total) - np.repeat(np.cumsum(fill) - fill, fill) + 1
-                fillers = np.repeat(starts, fill) + step * m
-                best = np.sort(np.concatenate([pos, fillers]))
-            else:
-                best = pos
-            best_cost = cost
-        if total == 0:
-            break  # wider dtypes only cost more
-    return best
+def resolve_value_dtype(value_dtype: str, topk: float) -> str:
+    """`auto` -> float16 when only a fraction of the entries is sent (topk < 1), float32 when
+    every entry is (topk 1 reproduces dense FedAvg exactly); other names stay."""
+    if value_dtype != "auto":
+        return value_dtype
+    return "float16" if 0 < topk < 1 else "float32"
 
 
 def to_values(x: np.ndarray, value_dtype: str) -> np.ndarray:
-    """Values as sent: float32, or float16 clipped to its finite range."""
+    """Values as sent under `w::val`: float16 clipped to its finite range, else float32
+    (`auto` included: APC sends float32 unless told float16)."""
     if value_dtype == "float16":
         return np.clip(x, -F16_MAX, F16_MAX).astype(np.float16)
     return x.astype(np.float32)
+
+
+def to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 values -> bfloat16 bits (uint16), rounded to nearest even, clipped to the finite
+    range (inputs must be finite)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    mag, sign = rounded & 0x7FFF, rounded & 0x8000
+    return np.where(mag > BF16_MAX_BITS, sign | BF16_MAX_BITS, rounded).astype(np.uint16)
+
+
+def from_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def value_part(x: np.ndarray, value_dtype: str) -> tuple[str, np.ndarray, np.ndarray]:
+    """(wire suffix, wire array, the float32 values the receiver will read) for float32 `x`."""
+    if value_dtype == "bfloat16":
+        bits = to_bfloat16(x)
+        return "bf16", bits, from_bfloat16(bits)
+    vals = to_values(x, value_dtype)
+    return "val", vals, vals.astype(np.float32)
 
 
 # -- client side ---------------------------------------------------------------------------------
@@ -153,8 +121,10 @@ class SparseEncoder:
     """Client encoder of the `sparse` encoding, with error feedback.
 
     `encode(current, base)` sends, per weight tensor, p = (current - base) + residual at the
-    selected entries (see `select` and `pad_gaps`) and remembers the leftover l (p minus what
-    was sent, float16 rounding included); vectors are sent whole.
+    selected entries (see `select`), with the index in the cheapest registered format
+    (`edgefcl.federation.indexing`; `index_format` restricts the choice to one) and the values
+    in `value_dtype`, and remembers the leftover l (p minus what the receiver will read:
+    float16 / bfloat16 rounding included); vectors are sent whole.
 
     Merging a global (`decode_global`) returns global + mix * l, and mix * l becomes the
     residual. The aggregator moves every entry it received to mix * mean + (1 - mix) *
@@ -170,27 +140,35 @@ class SparseEncoder:
     name = "sparse"
 
     def __init__(self, topk: float = 0.1, threshold: float = 0.0,
-                 value_dtype: str = "float32", mix: float = 0.5) -> None:
+                 value_dtype: str = "auto", mix: float = 0.5,
+                 index_format: str = "auto") -> None:
         self.residual: Tensors = {}
         self.pending: Tensors = {}
-        self._set(topk, threshold, value_dtype, mix)
+        self._set(topk, threshold, value_dtype, mix, index_format)
 
-    def _set(self, topk: float, threshold: float, value_dtype: str, mix: float) -> None:
+    def _set(self, topk: float, threshold: float, value_dtype: str, mix: float,
+             index_format: str = "auto") -> None:
         if not 0 <= topk <= 1 or threshold < 0 or (topk == 0 and threshold == 0):
             raise ValueError("sparse encoding needs 0 < topk <= 1, or topk 0 and threshold > 0")
+        value_dtype = resolve_value_dtype(value_dtype, topk)
         if value_dtype not in VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}")
+            raise ValueError(f"value_dtype must be auto or one of {sorted(VALUE_DTYPES)}")
         if not 0 <= mix <= 1:
             raise ValueError("mix must be in [0, 1]")
+        if index_format != "auto" and index_format not in INDEX_FORMATS:
+            raise ValueError(f"index_format must be auto or one of {sorted(INDEX_FORMATS)}")
         self.topk, self.threshold, self.value_dtype, self.mix = topk, threshold, value_dtype, mix
+        self.allowed = None if index_format == "auto" else (index_format,)
 
     def configure(self, fed: FedConfig) -> None:
-        """Take topk, threshold, value dtype and the aggregator's mix from the config."""
-        self._set(fed.topk, fed.threshold, fed.value_dtype, fed.mix)
+        """Take topk, threshold, value dtype, index format and the aggregator's mix from the
+        config."""
+        self._set(fed.topk, fed.threshold, fed.value_dtype, fed.mix, fed.index_format)
 
     def encode(self, current: Tensors, base: Tensors) -> Tensors:
         out: Tensors = {}
         pending: Tensors = {}
+        value_bytes = np.dtype(VALUE_DTYPES[self.value_dtype]).itemsize
         for k, cur in current.items():
             if cur.ndim < 2:
                 out[k] = np.asarray(cur, np.float32)
@@ -199,13 +177,13 @@ class SparseEncoder:
             r = self.residual.get(k)
             if r is not None:
                 p = p + r
-            idx = pad_gaps(select(p, self.topk, self.threshold),
-                           np.dtype(VALUE_DTYPES[self.value_dtype]).itemsize)
-            vals = to_values(p[idx], self.value_dtype)
-            p[idx] -= vals.astype(np.float32)  # what was not sent, rounding included
+            fmt, index, pos = encode_cheapest(select(p, self.topk, self.threshold), p.size,
+                                              value_bytes, self.allowed)
+            vsuffix, vals, received = value_part(p[pos], self.value_dtype)
+            p[pos] -= received  # what was not sent, rounding included
             pending[k] = p
-            out[k + IDX] = encode_indices(idx)
-            out[k + VAL] = vals
+            out[f"{k}::{fmt}"] = index
+            out[f"{k}::{vsuffix}"] = vals
         self.pending = pending
         return out
 
@@ -242,13 +220,18 @@ def group_wire(tensors: Tensors) -> dict[str, dict[str, np.ndarray]]:
     return groups
 
 
-def _values(v: np.ndarray, count: int) -> np.ndarray:
-    if v.dtype not in (np.float32, np.float16):
+def _values(v: np.ndarray, count: int, suffix: str = "val") -> np.ndarray:
+    if suffix == "bf16":
+        if v.dtype != np.uint16:
+            raise SparseError("dtype", f"bfloat16 values travel as uint16 bits, got {v.dtype}")
+    elif v.dtype not in (np.float32, np.float16):
         raise SparseError("dtype", f"values must be float32 or float16, got {v.dtype}")
     if v.ndim != 1:
         raise SparseError("shape", f"values must be 1-D, got shape {v.shape}")
     if v.size != count:
         raise SparseError("length", f"{v.size} values for {count} entries")
+    if suffix == "bf16":
+        v = from_bfloat16(v)
     if not np.isfinite(v).all():
         raise SparseError("nonfinite", "NaN or Inf values")
     return v.astype(np.float64)
@@ -258,7 +241,8 @@ def decode_group(parts: dict[str, np.ndarray], shape: tuple[int, ...],
                  forms: frozenset[str]) -> tuple[np.ndarray, np.ndarray] | np.ndarray:
     """One tensor's wire parts -> (positions, float64 values), or the dense array.
 
-    `forms` lists what is accepted: "dense", "idx", "rows". Raises SparseError.
+    `forms` lists what is accepted: "dense", "rows" and index formats ("idx", "bits", ...).
+    Raises SparseError.
     """
     keys = frozenset(parts)
     if keys == {"dense"} and "dense" in forms:
@@ -271,15 +255,19 @@ def decode_group(parts: dict[str, np.ndarray], shape: tuple[int, ...],
             raise SparseError("nonfinite", "NaN or Inf values")
         return t
     n = math.prod(shape)
-    if keys == {"idx", "val"} and "idx" in forms:
-        pos = decode_indices(parts["idx"], n)
-        return pos, _values(parts["val"], pos.size)
-    if keys == {"rows", "val"} and "rows" in forms and len(shape) >= 1:
-        rows = decode_indices(parts["rows"], shape[0])
-        row_len = math.prod(shape[1:])
-        vals = _values(parts["val"], rows.size * row_len)
-        pos = (rows[:, None] * row_len + np.arange(row_len)[None, :]).ravel()
-        return pos, vals
+    vkeys = keys & set(VALUE_SUFFIXES)
+    index = keys - vkeys
+    if len(vkeys) == 1 and len(index) == 1:
+        (vkey,), (ikey,) = vkeys, index
+        if ikey in INDEX_FORMATS and ikey in forms:
+            pos = decode_positions(ikey, parts[ikey], n)
+            return pos, _values(parts[vkey], pos.size, vkey)
+        if ikey == "rows" and "rows" in forms and len(shape) >= 1:
+            rows = decode_indices(parts["rows"], shape[0])
+            row_len = math.prod(shape[1:])
+            vals = _values(parts[vkey], rows.size * row_len, vkey)
+            pos = (rows[:, None] * row_len + np.arange(row_len)[None, :]).ravel()
+            return pos, vals
     raise SparseError("names", f"parts {sorted(keys)} are not a valid form of {sorted(forms)}")
 
 
@@ -374,7 +362,7 @@ class SparseFedAvg(Strategy):
     """
 
     encoding = "sparse"
-    forms = frozenset({"idx", "dense"})
+    forms = frozenset({*INDEX_FORMATS, "dense"})
 
     def __init__(self, mix_weight: float = 0.5) -> None:
         super().__init__(mix_weight)

@@ -1,8 +1,9 @@
 """Global model versions: a bounded history on the aggregator, and sparse downlink deltas.
 
 A client that holds global version v can receive version v' as a delta: only the tensors that
-changed, each either whole (when that is smaller) or as `w::idx` / `w::val` pairs holding the NEW
-values of the changed entries (not differences), so applying a delta is bit-exact. The payload
+changed, each either whole (when that is smaller) or as an index (`w::idx`, `w::bits`, ... the
+cheapest registered format) and `w::val` holding the NEW values of the changed entries (not
+differences), so applying a delta is bit-exact. The payload
 carries `::delta_from` (int64 scalar) = v. Tensor names are never removed between versions; a
 version that drops a name is sent whole.
 """
@@ -14,15 +15,9 @@ from collections import OrderedDict
 import numpy as np
 
 from edgefcl.config import FedConfig
+from edgefcl.federation.indexing import INDEX_FORMATS, decode_positions, encode_cheapest
 from edgefcl.federation.messages import GlobalModel, Tensors
-from edgefcl.federation.sparse import (
-    IDX,
-    VAL,
-    SparseError,
-    decode_indices,
-    encode_indices,
-    pad_gaps,
-)
+from edgefcl.federation.sparse import VAL, SparseError
 
 DELTA_FROM = "::delta_from"
 PAIR_OVERHEAD = 32
@@ -73,13 +68,13 @@ def global_delta(new: Tensors, old: Tensors, old_version: int) -> Tensors | None
         changed = np.flatnonzero(_bits(t) != _bits(o))
         if changed.size == 0:
             continue
-        changed = pad_gaps(changed, t.dtype.itemsize)  # fillers carry their (same) values
-        idx = encode_indices(changed)
-        if idx.nbytes + changed.size * t.dtype.itemsize + PAIR_OVERHEAD >= t.nbytes:
+        # the cheapest index format; fillers (`idx`) carry their unchanged values
+        fmt, index, covered = encode_cheapest(changed, t.size, t.dtype.itemsize)
+        if index.nbytes + covered.size * t.dtype.itemsize + PAIR_OVERHEAD >= t.nbytes:
             out[k] = t
         else:
-            out[k + IDX] = idx
-            out[k + VAL] = np.ascontiguousarray(t).ravel()[changed]
+            out[f"{k}::{fmt}"] = index
+            out[k + VAL] = np.ascontiguousarray(t).ravel()[covered]
     out[DELTA_FROM] = np.array(old_version, np.int64)
     return out
 
@@ -91,15 +86,18 @@ def apply_global_delta(delta: Tensors, held: Tensors) -> Tensors:
     for k, t in delta.items():
         if k == DELTA_FROM:
             continue
-        if k.endswith((IDX, VAL)):
-            pairs.setdefault(k[:-5], {})[k[-3:]] = t
+        name, sep, part = k.rpartition("::")
+        if sep and (part in INDEX_FORMATS or part == "val"):
+            pairs.setdefault(name, {})[part] = t
         else:
             out[k] = t
     for name, p in pairs.items():
-        if name not in held or set(p) != {"idx", "val"}:
+        index = set(p) - {"val"}
+        if name not in held or len(p) != 2 or "val" not in p:
             raise SparseError("names", f"delta for {name!r} does not match the held global")
         arr = np.array(held[name], copy=True)
-        pos = decode_indices(p["idx"], arr.size)
+        (fmt,) = index
+        pos = decode_positions(fmt, p[fmt], arr.size)
         if p["val"].dtype != arr.dtype or p["val"].shape != pos.shape:
             raise SparseError("length", f"delta values for {name!r} do not match its indices")
         arr.reshape(-1)[pos] = p["val"]

@@ -1,0 +1,421 @@
+"""`edgefcl bench fleet`: how many devices one aggregator serves.
+
+For each device count N, against a Mosquitto started from `broker/` on a free loopback port:
+1. raw broker: N lightweight devices (`edgefcl.loadgen.devices`, one MQTT connection each, many
+   per process) publish pre-made valid updates at `--rate` per device to a plain subscriber that
+   only counts them (`edgefcl.loadgen.counter`);
+2. aggregator: the same devices and payloads to the real `edgefcl aggregator` daemon (its own
+   process, async mode), which validates and folds them.
+Each phase is measured over `--duration` seconds after a warm-up. Writes DIR/bench_fleet.json,
+prints a table and plots updates/s and round-interval p99 against N (DIR/bench_fleet.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from edgefcl.config import ConfigError, RunConfig
+from edgefcl.loadgen.counter import run_counter
+from edgefcl.loadgen.devices import COUNTERS, DeviceSpec, raise_fd_limit, run_devices
+from edgefcl.loadgen.options import FleetOptions
+
+DRAIN_S = 2.0
+
+
+# -- payloads -------------------------------------------------------------------------------
+def demo_tensors(cfg: RunConfig) -> dict[str, np.ndarray]:
+    """The initial global of the configured model and dataset (the demo's small CNN)."""
+    from edgefcl.simulate import initial_global, prepare
+
+    return initial_global(cfg, prepare(cfg, cfg.seed))
+
+
+def update_tensors(initial: dict[str, np.ndarray], payload: str, cfg: RunConfig,
+                   seed: int = 0) -> dict[str, np.ndarray]:
+    """A valid update: the global plus noise, dense or sparse-encoded (as a client sends)."""
+    from edgefcl.federation.sparse import SparseEncoder
+
+    rng = np.random.default_rng(seed)
+    moved = {k: (v + rng.normal(0, 0.01, v.shape)).astype(np.float32) for k, v in
+             initial.items()}
+    if payload == "dense":
+        return moved
+    enc = SparseEncoder(topk=cfg.fed.topk, value_dtype=cfg.fed.value_dtype,
+                        index_format=cfg.fed.index_format)
+    return enc.encode(moved, initial)
+
+
+# -- measuring helpers ----------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int, key: str = "VmRSS") -> float:
+    """Resident memory (or its peak, key VmHWM) of a process in MB; 0 if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+class StatusWatcher:
+    """Follows the aggregator's retained status: (arrival time, status body) pairs."""
+
+    def __init__(self, host: str, port: int, topic: str) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.seen: list[tuple[float, dict]] = []
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-status",
+                                  protocol=mqtt.MQTTv311, clean_session=True)
+        self.client.on_connect = lambda c, *a: c.subscribe(topic, qos=0)
+        self.client.on_message = self._on_message
+        self.client.connect(host, port, keepalive=60)
+        self.client.loop_start()
+
+    def _on_message(self, client, userdata, msg) -> None:
+        try:
+            body = msgpack.unpackb(msg.payload, raw=False)
+        except Exception:  # noqa: BLE001  (not ours to judge; the bench only reads counters)
+            return
+        if isinstance(body, dict) and body.get("kind") == "status":
+            self.seen.append((time.monotonic(), body))
+
+    def online(self) -> bool:
+        return any(b.get("state") == "online" for _, b in self.seen)
+
+    def accepted_rate(self, t0: float, t1: float) -> tuple[float, dict]:
+        """Accepted updates per second between the first and last status inside [t0, t1]."""
+        inside = [(t, b) for t, b in self.seen if t0 <= t <= t1 and b.get("state") == "online"]
+        if len(inside) < 2:
+            return 0.0, inside[-1][1] if inside else {}
+        (ta, a), (tb, b) = inside[0], inside[-1]
+        acc = lambda s: s.get("counters", {}).get("accepted", 0)  # noqa: E731
+        return (acc(b) - acc(a)) / (tb - ta), b
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+# -- one run --------------------------------------------------------------------------------
+@dataclass
+class Fleet:
+    """Device processes and their shared counters."""
+
+    ctx: mp.context.BaseContext
+    procs: list = field(default_factory=list)
+    counters: dict = field(default_factory=dict)
+
+    def total(self, name: str) -> int:
+        return sum(c[name].value for c in self.counters.values())
+
+
+def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: str, root: str,
+                encoding: str, tensors: dict, go, stop) -> Fleet:
+    f = Fleet(ctx)
+    procs = opts.procs(n)
+    bounds = np.linspace(0, n, procs + 1).astype(int)
+    for j in range(procs):
+        spec = DeviceSpec(host, port, fleet, root, int(bounds[j]), int(bounds[j + 1] - bounds[j]),
+                          opts.rate, encoding, tensors, seed=j)
+        counters = {name: ctx.Value("q", 0) for name in COUNTERS}
+        p = ctx.Process(target=run_devices, args=(spec, counters, go, stop), daemon=True,
+                        name=f"devices-{j}")
+        p.start()
+        f.procs.append(p)
+        f.counters[j] = counters
+    return f
+
+
+def wait_until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise ConfigError(f"bench fleet: timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def measure_window(opts: FleetOptions, fleet: Fleet, go, sample=None) -> tuple[float, float,
+                                                                                float]:
+    """Publish for warm-up + duration; returns (t0, t1, published/s in the window)."""
+    go.set()
+    time.sleep(opts.warmup)
+    t0, p0 = time.monotonic(), fleet.total("published")
+    while time.monotonic() - t0 < opts.duration:
+        if sample is not None:
+            sample()
+        time.sleep(0.5)
+    t1, p1 = time.monotonic(), fleet.total("published")
+    go.clear()
+    return t0, t1, (p1 - p0) / (t1 - t0)
+
+
+def raw_phase(ctx, opts: FleetOptions, broker, pattern: str, go) -> dict:
+    """The rate at which the broker delivers the fleet's updates to a subscriber that only
+    counts them (its own process, like the daemon)."""
+    count, ready, stop = ctx.Value("q", 0, lock=False), ctx.Event(), ctx.Event()
+    counter = ctx.Process(target=run_counter, daemon=True,
+                          args=(broker.host, broker.port, pattern, count, ready, stop))
+    counter.start()
+    try:
+        wait_until(ready.is_set, 30, "the counting subscriber")
+        go.set()
+        time.sleep(opts.warmup)
+        t0, c0, b0 = time.monotonic(), count.value, cpu_seconds(broker.pid)
+        time.sleep(opts.duration)
+        t1, c1, b1 = time.monotonic(), count.value, cpu_seconds(broker.pid)
+        go.clear()
+        time.sleep(DRAIN_S)
+    finally:
+        stop.set()
+        counter.join(10)
+        if counter.is_alive():
+            counter.terminate()
+    return {"raw_broker_updates_per_s": (c1 - c0) / (t1 - t0), "raw_broker_cpu_s": b1 - b0}
+
+
+def start_daemon(cmd: list[str], log_path: Path, watcher: StatusWatcher) -> subprocess.Popen:
+    """Start `edgefcl aggregator` and wait for its first status; one clear error if it exits."""
+    with open(log_path, "wb") as log:
+        daemon = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+
+    def up() -> bool:
+        if daemon.poll() is not None:
+            lines = log_path.read_text().strip().splitlines()
+            raise ConfigError(f"bench fleet: the aggregator exited with {daemon.returncode}: "
+                              f"{lines[-1] if lines else 'no output'}")
+        return watcher.online()
+
+    try:
+        wait_until(up, 60, "the aggregator daemon")
+    except BaseException:
+        daemon.kill()
+        raise
+    return daemon
+
+
+def stop_daemon(daemon: subprocess.Popen) -> None:
+    daemon.terminate()
+    try:
+        daemon.wait(20)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait(10)
+
+
+def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: Fleet,
+                     fleet_name: str, encoding: str, initial_npz: Path, workdir: Path,
+                     go) -> dict:
+    """The same fleet against the `edgefcl aggregator` daemon (async mode, its own process)."""
+    root = cfg.mqtt.topic_root
+    state = workdir / f"state-{n}"
+    cmd = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", broker.url,
+           "--fleet", fleet_name, "--topic-root", root, "--mode", "async",
+           "--encoding", encoding, "--clients", str(n), "--initial", str(initial_npz),
+           "--state-dir", str(state), "--topk", str(cfg.fed.topk)]
+    watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status")
+    try:
+        daemon = start_daemon(cmd, workdir / f"aggregator-{n}.log", watcher)
+        print(f"{n} devices: aggregator, {opts.duration:.0f} s...", flush=True)
+        rss = [0.0, 0.0]  # highest and latest RSS in the window
+
+        def sample() -> None:
+            rss[1] = rss_mb(daemon.pid)
+            rss[0] = max(rss[0], rss[1])
+
+        before = {k: fleet.total(k) for k in ("published", "skipped", "lagged")}
+        bc0, wall0 = cpu_seconds(broker.pid), time.time()
+        t0, t1, published = measure_window(opts, fleet, go, sample)
+        wall1, bc1 = time.time(), cpu_seconds(broker.pid)
+        time.sleep(2.5)  # one more status after the window
+        rate, last = watcher.accepted_rate(t0, t1 + 2.5)  # a fallback: statuses every 2 s
+        stop_daemon(daemon)
+    finally:
+        watcher.close()
+    rounds = read_rounds(state / "rounds.jsonl", wall0 + opts.warmup, wall1)
+    intervals = list(np.diff([t for t, _ in rounds])) if len(rounds) > 1 else []
+    if intervals:  # updates folded into the rounds that closed in the window, per second
+        rate = sum(k for _, k in rounds[1:]) / (rounds[-1][0] - rounds[0][0])
+    return {
+        "published_per_s": published, "updates_per_s": rate,
+        "round_latency_p50_s": percentile(intervals, 50),
+        "round_latency_p99_s": percentile(intervals, 99), "rounds_in_window": len(intervals),
+        "aggregator_rss_mb": rss[0], "aggregator_rss_end_mb": rss[1],
+        "broker_cpu_s": bc1 - bc0, "seconds": t1 - t0,
+        **{k: fleet.total(k) - v for k, v in before.items()},
+        "dropped_connections": fleet.total("dropped"),
+        "aggregator_counters": last.get("counters", {}),
+    }
+
+
+def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_npz: Path,
+            workdir: Path) -> dict:
+    """Both phases for `n` devices against a fresh Mosquitto."""
+    from edgefcl.transport.broker import start_mosquitto
+
+    encoding = "sparse" if opts.payload == "sparse" else "dense"
+    fleet_name = f"bench-{secrets.token_hex(3)}"
+    ctx = mp.get_context("spawn")
+    broker = start_mosquitto(allow_anonymous=True, config_dir=workdir / f"mosquitto-{n}")
+    go, stop = ctx.Event(), ctx.Event()
+    fleet = None
+    try:
+        print(f"{n} devices: connecting ({opts.procs(n)} processes)...", flush=True)
+        fleet = start_fleet(ctx, opts, n, broker.host, broker.port, fleet_name,
+                            cfg.mqtt.topic_root, encoding, tensors, go, stop)
+        wait_until(lambda: fleet.total("connected") >= n, 60 + n / 20, f"{n} connections")
+        print(f"{n} devices: raw broker rate, {opts.duration:.0f} s...", flush=True)
+        raw = raw_phase(ctx, opts, broker, f"{cfg.mqtt.topic_root}/{fleet_name}/update/+", go)
+        agg = aggregator_phase(opts, n, cfg, broker, fleet, fleet_name, encoding, initial_npz,
+                               workdir, go)
+        return {"devices": n, "workers": opts.workers, "payload": opts.payload,
+                "payload_bytes": len_payload(tensors, encoding, fleet_name),
+                "offered_per_s": n * opts.rate, **raw, **agg,
+                "device_processes": opts.procs(n)}
+    finally:
+        stop.set()
+        if fleet is not None:
+            for p in fleet.procs:
+                p.join(10)
+                if p.is_alive():
+                    p.terminate()
+        broker.stop()
+
+
+def read_rounds(path: Path, t0: float, t1: float) -> list[tuple[float, int]]:
+    """(close time, updates folded) of the rounds in the daemon's round log closed in
+    [t0, t1] (wall clock)."""
+    import json
+
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["time"], len(r["participants"])) for r in rows if t0 <= r["time"] <= t1]
+
+
+def len_payload(tensors: dict, encoding: str, fleet: str) -> int:
+    from edgefcl.loadgen.template import UpdateTemplate
+
+    return len(UpdateTemplate(tensors, encoding, fleet))
+
+
+# -- report ---------------------------------------------------------------------------------
+def table(runs: list[dict]) -> str:
+    head = (f"{'devices':>7} {'payload':>7} {'bytes':>7} {'offered/s':>9} {'sent/s':>8} "
+            f"{'agg/s':>8} {'raw/s':>8} {'agg/raw':>7} {'round p50':>9} {'p99 s':>7} "
+            f"{'agg RSS MB':>10} {'broker cpu s':>12}")
+    lines = [head]
+    for r in runs:
+        ratio = r["updates_per_s"] / r["raw_broker_updates_per_s"] if r[
+            "raw_broker_updates_per_s"] else float("nan")
+        p50, p99 = r["round_latency_p50_s"], r["round_latency_p99_s"]
+        lines.append(
+            f"{r['devices']:7d} {r['payload']:>7} {r['payload_bytes']:7d} "
+            f"{r['offered_per_s']:9.0f} {r['published_per_s']:8.1f} {r['updates_per_s']:8.1f} "
+            f"{r['raw_broker_updates_per_s']:8.1f} {ratio:7.2f} "
+            f"{p50 if p50 is not None else float('nan'):9.2f} "
+            f"{p99 if p99 is not None else float('nan'):7.2f} "
+            f"{r['aggregator_rss_mb']:10.0f} {r['broker_cpu_s']:12.1f}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["devices"] for r in runs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(n, [r["offered_per_s"] for r in runs], "k--", label="offered")
+    a.plot(n, [r["raw_broker_updates_per_s"] for r in runs], "o-", label="raw broker")
+    a.plot(n, [r["updates_per_s"] for r in runs], "s-", label="aggregator")
+    a.set(xlabel="devices", ylabel="updates / s", title=f"ingest ({runs[0]['payload']})")
+    b.plot(n, [r["round_latency_p99_s"] or np.nan for r in runs], "s-", label="p99")
+    b.plot(n, [r["round_latency_p50_s"] or np.nan for r in runs], "o--", label="p50")
+    b.set(xlabel="devices", ylabel="round interval (s)", title="round interval")
+    for ax in (a, b):
+        if len(set(n)) > 1:
+            ax.set_xscale("log")
+        ax.set_xticks(n, [str(x) for x in n])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def bench_fleet(opts: FleetOptions, cfg: RunConfig, out: Path) -> dict:
+    """Run every device count; write DIR/bench_fleet.json and DIR/bench_fleet.png."""
+    import json
+
+    from edgefcl.runtime.state import save_tensors
+
+    if not (shutil.which("mosquitto") or Path("/usr/sbin/mosquitto").exists()):
+        raise ConfigError("bench fleet needs the mosquitto binary (apt-get install mosquitto)")
+    limit = raise_fd_limit()  # Mosquitto and the daemon inherit it
+    need = max(opts.devices) + 64
+    if limit < need:
+        raise ConfigError(f"bench fleet: {max(opts.devices)} devices need more than {limit} "
+                          "open files (ulimit -n)")
+    out.mkdir(parents=True, exist_ok=True)
+    initial = demo_tensors(cfg)
+    tensors = update_tensors(initial, opts.payload, cfg)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="edgefcl-fleet-") as tmp:
+        work = Path(tmp)
+        initial_npz = work / "initial.npz"
+        save_tensors(initial_npz, initial)
+        for n in opts.devices:
+            runs.append(run_one(opts, n, cfg, tensors, initial_npz, work))
+            print(table(runs[-1:]).splitlines()[1], flush=True)
+        for n in opts.devices:
+            keep = work / f"aggregator-{n}.log"
+            if keep.exists():
+                shutil.copy(keep, out / f"bench_fleet_aggregator-{n}.log")
+    report = {"runs": runs, "rate": opts.rate, "duration_s": opts.duration,
+              "cpus": os.cpu_count()}
+    (out / "bench_fleet.json").write_text(json.dumps(report, indent=1, default=_jsonable))
+    print()
+    print(table(runs))
+    plot(runs, out / "bench_fleet.png")
+    print(f"\nwritten {out / 'bench_fleet.json'} and {out / 'bench_fleet.png'}")
+    return report
+
+
+def _jsonable(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(type(o))
+
+
+def run_from_args(args: argparse.Namespace, cfg: RunConfig, out: Path) -> int:
+    """`edgefcl bench fleet` entry point."""
+    bench_fleet(FleetOptions.from_args(args), cfg, out)
+    return 0
+

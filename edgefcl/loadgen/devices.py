@@ -1,0 +1,185 @@
+"""A process of lightweight devices: each device is one paho-mqtt client (one connection)
+publishing a pre-made update at a fixed rate with QoS 1; all of the process's clients share one
+selector loop (paho's external-loop API: loop_read / loop_write / loop_misc), so a process
+serves hundreds of devices without a thread each.
+
+A device keeps at most one update in flight and one waiting (paho's queue); an update due
+while both are taken is skipped and counted, as a real device keeps only its freshest update.
+One more connection per process follows the retained global to learn the current version,
+which the devices put in their updates as their base (so they are not stale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import resource
+import selectors
+import time
+from dataclasses import dataclass
+
+import msgpack
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+
+from edgefcl.loadgen.template import UpdateTemplate
+
+log = logging.getLogger("edgefcl.loadgen")
+
+COUNTERS = ("connected", "published", "acked", "skipped", "lagged", "dropped")
+
+
+@dataclass
+class DeviceSpec:
+    """What one device process runs."""
+
+    host: str
+    port: int
+    fleet: str
+    topic_root: str
+    first: int
+    count: int
+    rate: float
+    encoding: str
+    tensors: dict
+    seed: int = 0
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (at most 1M); returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if want > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def device_id(i: int) -> str:
+    return f"d{i:05d}"
+
+
+class _Device:
+    __slots__ = ("cid", "client", "topic", "seq", "due", "events", "connected")
+
+    def __init__(self, cid: str, client: mqtt.Client, topic: str) -> None:
+        self.cid, self.client, self.topic = cid, client, topic
+        self.seq, self.due, self.events, self.connected = 0, 0.0, 0, False
+
+
+def _new_client(cid: str, host: str, port: int) -> mqtt.Client:
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=cid, protocol=mqtt.MQTTv311,
+                    clean_session=True)
+    c.max_inflight_messages_set(1)
+    c.max_queued_messages_set(2)
+    c.connect(host, port, keepalive=60)
+    return c
+
+
+def run_devices(spec: DeviceSpec, counters, go, stop) -> None:
+    """Process main: connect `spec.count` devices, publish while `go` is set, until `stop`.
+
+    `counters` maps the names in COUNTERS to shared integers (multiprocessing.Value).
+    """
+    raise_fd_limit()
+    template = UpdateTemplate(spec.tensors, spec.encoding, spec.fleet)
+    base = f"{spec.topic_root}/{spec.fleet}"
+    sel = selectors.DefaultSelector()
+    version = [0]
+
+    def on_global(client, userdata, msg) -> None:
+        with contextlib.suppress(Exception):  # a global we cannot read leaves the version
+            v = msgpack.unpackb(msg.payload, raw=False).get("version")
+            if isinstance(v, int):
+                version[0] = max(version[0], v)
+
+    watcher = _new_client(f"{spec.fleet}-watch{spec.first}", spec.host, spec.port)
+    watcher.on_message = on_global
+    watcher.on_connect = lambda c, *a: c.subscribe(f"{base}/global", qos=0)
+    devices: list[_Device] = []
+
+    def on_connect(client, userdata, flags, reason, properties) -> None:
+        userdata.connected = not reason.is_failure
+        if userdata.connected:
+            with counters["connected"].get_lock():
+                counters["connected"].value += 1
+
+    def on_publish(client, userdata, mid, reason, properties) -> None:
+        with counters["acked"].get_lock():
+            counters["acked"].value += 1
+
+    for i in range(spec.first, spec.first + spec.count):
+        cid = device_id(i)
+        c = _new_client(cid, spec.host, spec.port)
+        d = _Device(cid, c, f"{base}/update/{cid}")
+        c.user_data_set(d)
+        c.on_connect, c.on_publish = on_connect, on_publish
+        devices.append(d)
+    watch = _Device("watch", watcher, "")
+    for d in [watch, *devices]:
+        d.events = selectors.EVENT_READ
+        sel.register(d.client.socket(), d.events, d)
+
+    period = 1.0 / spec.rate
+    rng = random.Random(spec.seed + spec.first)
+    was_going = False
+    next_misc = 0.0
+    while not stop.is_set():
+        now = time.monotonic()
+        going = go.is_set()
+        if going and not was_going:  # spread the devices over one period
+            for d in devices:
+                d.due = now + rng.random() * period
+        was_going = going
+        timeout = 0.05
+        if going:
+            published = lagged = skipped = 0
+            for d in devices:
+                if not d.connected:
+                    continue
+                if d.due > now:
+                    timeout = min(timeout, d.due - now)
+                    continue
+                d.seq += 1
+                info = d.client.publish(d.topic, template.payload(d.cid, version[0], d.seq), qos=1)
+                if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    published += 1
+                else:
+                    skipped += 1
+                d.due += period
+                if d.due < now - period:  # this loop cannot keep up: do not burst later
+                    lagged += 1
+                    d.due = now + period
+            for name, n in (("published", published), ("skipped", skipped), ("lagged", lagged)):
+                if n:
+                    with counters[name].get_lock():
+                        counters[name].value += n
+        for key, mask in sel.select(timeout):
+            d = key.data
+            if mask & selectors.EVENT_READ:
+                d.client.loop_read()
+            if mask & selectors.EVENT_WRITE and d.client.socket() is not None:
+                d.client.loop_write()
+            if d.client.socket() is None:  # the broker closed the connection
+                sel.unregister(key.fileobj)
+                d.connected, d.events = False, 0
+                with counters["dropped"].get_lock():
+                    counters["dropped"].value += 1
+        for d in [watch, *devices]:
+            if not d.events:
+                continue
+            want = selectors.EVENT_READ | (selectors.EVENT_WRITE if d.client.want_write() else 0)
+            if want != d.events:
+                d.events = want
+                sel.modify(d.client.socket(), want, d)
+        if now >= next_misc:
+            for d in [watch, *devices]:
+                if d.events:
+                    d.client.loop_misc()
+            next_misc = now + 1.0
+    for d in devices:
+        with contextlib.suppress(Exception):
+            d.client.disconnect()
+    with contextlib.suppress(Exception):
+        watcher.disconnect()

@@ -1,0 +1,68 @@
+"""Options of `edgefcl bench fleet` (kept free of heavy imports: the CLI parser loads them)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from edgefcl.config import ConfigError
+
+DEVICES_PER_PROC = 250
+
+
+def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `bench fleet` options (ignored by the other bench kinds)."""
+    g = parser.add_argument_group("bench fleet options")
+    g.add_argument("--devices", default="100", metavar="N[,N...]",
+                   help="device counts to measure, one run each (default: 100)")
+    g.add_argument("--workers", type=int, default=1, metavar="W",
+                   help="aggregator workers (default: 1); W > 1 needs the aggregator worker "
+                   "role of sharded aggregation, which is not built yet: exits with an error")
+    g.add_argument("--payload", choices=["dense", "sparse"], default="dense",
+                   help="update payload: the demo model's dense update, or its sparse update "
+                   "at --topk (default: dense)")
+    g.add_argument("--rate", type=float, default=1.0,
+                   help="updates per second per device (default: 1.0)")
+    g.add_argument("--duration", type=float, default=20.0,
+                   help="seconds measured per phase, after a 3 s warm-up (default: 20)")
+    g.add_argument("--device-procs", type=int, default=0, metavar="P",
+                   help=f"device processes (default 0: one per {DEVICES_PER_PROC} devices, "
+                   "at least 2)")
+
+
+@dataclass
+class FleetOptions:
+    """One `bench fleet` invocation."""
+
+    devices: list[int]
+    workers: int = 1
+    payload: str = "dense"
+    rate: float = 1.0
+    duration: float = 20.0
+    device_procs: int = 0
+    warmup: float = 3.0
+    """Seconds of publishing before each measured window (not a flag; tests shorten it)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FleetOptions:
+        try:
+            devices = [int(x) for x in str(args.devices).split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--devices must be N[,N...], got {args.devices!r}") from None
+        opts = cls(devices, args.workers, args.payload, args.rate, args.duration,
+                   args.device_procs)
+        opts.check()
+        return opts
+
+    def check(self) -> None:
+        if self.workers > 1:
+            raise ConfigError("--workers > 1 needs the aggregator worker role (sharded "
+                              "aggregation over MQTT 5 shared subscriptions), not built yet")
+        if self.workers < 1 or not self.devices or min(self.devices) < 1:
+            raise ConfigError("--workers and every --devices count must be >= 1")
+        if not self.rate > 0 or not self.duration > 0 or self.device_procs < 0:
+            raise ConfigError("--rate and --duration must be > 0, --device-procs >= 0")
+
+    def procs(self, n: int) -> int:
+        return self.device_procs or max(2, math.ceil(n / DEVICES_PER_PROC))

@@ -1,0 +1,105 @@
+"""`edgefcl bench fleet`: pre-made payloads are real updates, the options, and a short run of the
+whole harness (devices, raw counter, aggregator daemon) over a real Mosquitto."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgefcl.config import ConfigError, FedConfig, RunConfig
+from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.messages import Update
+from edgefcl.federation.sparse import SparseEncoder
+from edgefcl.loadgen.options import FleetOptions
+from edgefcl.loadgen.template import UpdateTemplate
+from edgefcl.transport import codec
+
+HAVE_MOSQUITTO = bool(shutil.which("mosquitto") or Path("/usr/sbin/mosquitto").exists())
+
+
+def tensors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"w": rng.normal(size=(20, 30)).astype(np.float32),
+            "b": rng.normal(size=20).astype(np.float32)}
+
+
+@pytest.mark.parametrize("encoding", ["dense", "sparse"])
+def test_template_payloads_are_updates_the_codec_and_aggregator_accept(encoding):
+    g = tensors()
+    t = g if encoding == "dense" else SparseEncoder(topk=0.1).encode(
+        {k: v + 1 for k, v in g.items()}, g)
+    tpl = UpdateTemplate(t, encoding, "f")
+    agg = Aggregator(g, FedConfig(encoding=encoding, mode="async", min_clients=2))
+    for seq, cid in enumerate(["d00001", "d00002"], start=1):
+        raw = tpl.payload(cid, 0, seq)
+        msg = codec.decode(raw, "f", require_digest=True)
+        want = Update(cid, 0, seq, 0, 4, 10, t, encoding)
+        assert (msg.client, msg.base_version, msg.seq, msg.batch, msg.num_samples,
+                msg.encoding) == (want.client, 0, seq, 4, 10, encoding)
+        assert all(np.array_equal(msg.tensors[k], t[k]) for k in t)
+        assert len(raw) == len(codec.encode(want, fleet="f"))  # same fields, other key order
+        agg.submit(msg, now=0.0)
+    assert agg.counters["accepted"] == 2
+    damaged = bytearray(tpl.payload("d00003", 0, 9))
+    damaged[bytes(damaged).index(t["b"].tobytes()) + 5] ^= 1  # a bit of the bias values
+    with pytest.raises(codec.CodecError) as e:
+        codec.decode(bytes(damaged), "f", require_digest=True)
+    assert e.value.reason == "digest"
+
+
+def test_options_are_checked():
+    assert FleetOptions([100, 1000]).procs(1000) == 4
+    assert FleetOptions([5]).procs(5) == 2
+    for bad in (FleetOptions([10], workers=2), FleetOptions([0]), FleetOptions([5], rate=0)):
+        with pytest.raises(ConfigError):
+            bad.check()
+
+
+def test_workers_above_one_exit_2_with_one_line():
+    r = subprocess.run([sys.executable, "-m", "edgefcl", "bench", "fleet", "--workers", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "worker role" in r.stderr
+
+
+@pytest.mark.mqtt
+@pytest.mark.skipif(not HAVE_MOSQUITTO, reason="mosquitto is not installed")
+def test_a_small_fleet_run_over_mosquitto(tmp_path):
+    from edgefcl.bench_fleet import bench_fleet
+
+    cfg = RunConfig()
+    opts = FleetOptions([6], payload="sparse", rate=2.0, duration=3.0, warmup=1.5)
+    report = bench_fleet(opts, cfg, tmp_path)
+    saved = json.loads((tmp_path / "bench_fleet.json").read_text())
+    (run,) = saved["runs"]
+    assert run == json.loads(json.dumps(report["runs"][0]))
+    for key in ("devices", "workers", "payload", "offered_per_s", "updates_per_s",
+                "raw_broker_updates_per_s", "round_latency_p50_s", "round_latency_p99_s",
+                "aggregator_rss_mb", "broker_cpu_s"):
+        assert key in run
+    assert run["devices"] == 6 and run["offered_per_s"] == 12.0
+    # 12 updates/s offered: the counter and the daemon see them (loose: a shared machine)
+    assert run["raw_broker_updates_per_s"] > 6 and run["updates_per_s"] > 6
+    assert run["aggregator_counters"]["accepted"] > 0
+    assert not any(k.startswith("rejected") for k in run["aggregator_counters"])
+    assert run["round_latency_p50_s"] is not None and run["aggregator_rss_mb"] > 10
+    assert (tmp_path / "bench_fleet.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.mqtt
+@pytest.mark.skipif(not HAVE_MOSQUITTO, reason="mosquitto is not installed")
+def test_hundreds_of_devices_connect_and_are_served(tmp_path):
+    from edgefcl.bench_fleet import bench_fleet
+
+    report = bench_fleet(FleetOptions([300], payload="sparse", rate=0.5, duration=5.0),
+                         RunConfig(), tmp_path)
+    (run,) = report["runs"]
+    assert run["device_processes"] == 2 and run["dropped_connections"] == 0
+    assert run["raw_broker_updates_per_s"] > 75 and run["updates_per_s"] > 75  # of 150 offered
