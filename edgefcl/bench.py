@@ -124,8 +124,20 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
     return report
 
 
-def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int) -> int:
+def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
+              study: dict | None = None) -> int:
+    """Run benchmark `what` (client, transport, memory); JSON goes to out/bench_<what>.json."""
     out.mkdir(parents=True, exist_ok=True)
+    if what == "memory":
+        from edgefcl.bench_memory import DEFAULT_DATASETS, DEFAULT_PER_CLASS, bench_memory
+
+        study = study or {}
+        datasets = _csv(study.get("datasets")) or list(DEFAULT_DATASETS)
+        sizes = [int(v) for v in _csv(study.get("per_class"))] or list(DEFAULT_PER_CLASS)
+        rules = _csv(study.get("rules")) or ["er", "cbr", "bi"]
+        bench_memory(cfg, out, datasets, sizes, rules)
+        print(f"\nwritten {out / 'bench_memory.json'}")
+        return 0
     from edgefcl.bench_transport import bench_transport
 
     report = {"client": bench_client, "transport": bench_transport}[what](cfg, out, repeats)
@@ -135,6 +147,10 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int) -> int:
     path.write_text(json.dumps(report, indent=1, default=_jsonable))
     print(f"\nwritten {path}")
     return 0
+
+
+def _csv(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
 def _jsonable(o):

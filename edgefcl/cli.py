@@ -81,7 +81,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from edgefcl.bench import run_bench
 
     cfg = config_from_args(args)
-    return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats)
+    return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats,
+                     study={"datasets": args.datasets, "per_class": args.per_class,
+                            "rules": args.rules})
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -267,8 +269,19 @@ def build_parser() -> argparse.ArgumentParser:
                        "memory) and batched vs per-view scoring, cached vs full re-scoring. "
                        "transport: lock-step MQTT vs in-process wall time, aggregator ingest "
                        "rate (Mosquitto and embedded broker, 1M-parameter model), aggregation "
-                       "memory for 10 vs 100 updates.")
-    b.add_argument("what", choices=["client", "transport"], help="what to benchmark")
+                       "memory for 10 vs 100 updates. memory: the memory study, selection rules "
+                       "x datasets x memory sizes x seeds (A, F as mean ± sample std, wall time "
+                       "per run; table, JSON and plot).")
+    b.add_argument("what", choices=["client", "transport", "memory"], help="what to benchmark")
+    b.add_argument("--datasets", default="digits,mnist1d,digits28",
+                   help="memory: comma-separated datasets (digits28: digits upscaled to 28x28 "
+                   "images; any --dataset spec such as npz:PATH) (default: %(default)s)")
+    b.add_argument("--per-class", default="5,10,20,50",
+                   help="memory: memory sizes in samples per class (default: %(default)s)")
+    b.add_argument("--rules", default="er,cbr,bi:bottom,bi:top,bi:step,bi:mix,bi:kcenter,"
+                   "bi:step+past,bi:step@never",
+                   help="memory: rules METHOD[:SELECTION][+past][@RESCORE] (default: "
+                   "%(default)s)")
     b.add_argument("--repeats", type=int, default=3, help="timing repeats")
     add_config_flags(b)
     b.set_defaults(func=cmd_bench)
