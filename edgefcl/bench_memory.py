@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefcl.config import ConfigError, RunConfig
+from edgefcl.config import METHODS, ConfigError, RunConfig
+from edgefcl.learn.selection import get_selection
 from edgefcl.simulate import simulate
 
 DEFAULT_DATASETS = ("digits", "mnist1d", "digits28")
@@ -51,6 +52,12 @@ def parse_rule(spec: str) -> RuleSpec:
     method, _, selection = rest.partition(":")
     if not method or (plus and past != "past"):
         raise ConfigError(f"bad rule '{spec}': use METHOD[:SELECTION][+past][@RESCORE]")
+    if method not in METHODS:
+        raise ConfigError(f"rule '{spec}': unknown method '{method}'")
+    if selection:
+        get_selection(selection)
+    if rescore and rescore not in ("on_change", "always", "never"):
+        raise ConfigError(f"rule '{spec}': rescore must be on_change, always or never")
     return RuleSpec(s, method, selection or None, bool(plus), rescore or None)
 
 

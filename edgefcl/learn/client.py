@@ -101,6 +101,7 @@ class Client:
         self.onnx = make_client_onnx(learn)  # export_onnx, score_backend onnxruntime
         self.skip_scoring = False  # set by a device over its compute budget (firmware_sim)
         self._pool: ThreadPoolExecutor | None = None  # scores ahead while training
+        self.scored_ahead = 0  # batches whose scores were computed while training
         self.hooks.attach(self)
 
     # -- the online step --------------------------------------------------------------------
@@ -120,6 +121,7 @@ class Client:
         scores = None
         if ahead is not None:
             scores = ahead.result()
+            self.scored_ahead += 1
         t_mem = self._clock()
         score_before = self.timings["score"]
         self._update_memory(x, y, scores)
