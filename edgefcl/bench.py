@@ -69,8 +69,13 @@ def inference_speed(model: torch.nn.Module, sample_shape: tuple[int, ...], threa
 
 
 def _per_batch_ms(r) -> dict:
+    """Per mini-batch ms: the client thread's parts, `step` (their sum without the
+    prequential monitor) and `score_thread` (scoring done on the second thread)."""
     n = max(r.extra["batches"], 1)
-    return {k: 1000 * v / n for k, v in r.extra["timings"].items()}
+    t = {k: 1000 * v / n for k, v in r.extra["timings"].items()}
+    t["step"] = sum(t.get(k, 0.0) for k in ("train", "score", "score_wait", "memory"))
+    t["score_thread"] = 1000 * r.extra.get("background_timings", {}).get("score", 0.0) / n
+    return t
 
 
 def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
@@ -83,9 +88,10 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
     report: dict = {}
     print(f"\n{cfg.learn.method} (selection {cfg.learn.selection}, rescore {cfg.learn.rescore}, "
           f"overlap {cfg.learn.score_overlap}) vs cbr, per mini-batch ms and wall s, "
-          f"mean over {cfg.seeds} seed(s):")
+          f"mean over {cfg.seeds} seed(s). step = train + score + wait + memory on the "
+          f"client's thread; thread = scoring done on the second thread while training:")
     print(f"{'config':<7} {'method':<6} {'step':>7} {'train':>7} {'score':>7} {'wait':>6} "
-          f"{'memory':>7} {'wall s':>7}")
+          f"{'memory':>7} {'thread':>7} {'wall s':>7}")
     for name, spec in configs:
         run_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=spec))
         runs: dict[str, list] = {"cbr": [], cfg.learn.method: []}
@@ -97,12 +103,13 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
         for m, rs in runs.items():
             ms = [_per_batch_ms(r) for r in rs]
             row = {k: float(np.mean([t.get(k, 0.0) for t in ms]))
-                   for k in ("step", "train", "score", "score_wait", "memory")}
+                   for k in ("step", "train", "score", "score_wait", "memory", "score_thread")}
             row["wall_s"] = float(np.mean([r.wall_s for r in rs]))
             row["wall_each"] = [r.wall_s for r in rs]
             rows[m] = row
             print(f"{name:<7} {m:<6} {row['step']:7.2f} {row['train']:7.2f} {row['score']:7.2f} "
-                  f"{row['score_wait']:6.2f} {row['memory']:7.2f} {row['wall_s']:7.2f}")
+                  f"{row['score_wait']:6.2f} {row['memory']:7.2f} {row['score_thread']:7.2f} "
+                  f"{row['wall_s']:7.2f}")
         bi, cbr = rows[cfg.learn.method], rows["cbr"]
         ratios = {"wall": bi["wall_s"] / cbr["wall_s"],
                   "step_vs_train": bi["step"] / cbr["train"],
@@ -121,21 +128,23 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
     print(f"client benchmark on {cfg.data.dataset}, {cfg.fed.clients} clients, "
           f"method {cfg.learn.method}, device {cfg.learn.device}")
     print(f"per mini-batch, mean over {cfg.seeds} seed(s):")
-    print(f"{'rescore':<10} {'train ms':>9} {'score ms':>9} {'memory ms':>10} "
-          f"{'scored/batch':>13} {'A %':>12} {'F %':>12} {'wall s':>7}")
+    print(f"{'rescore':<10} {'train ms':>9} {'score ms':>9} {'wait ms':>8} {'thread ms':>10} "
+          f"{'memory ms':>10} {'scored/batch':>13} {'A %':>12} {'F %':>12} {'wall s':>7}")
     for rescore in ("on_change", "never", "always"):
         run_cfg = dataclasses.replace(cfg, learn=dataclasses.replace(cfg.learn, rescore=rescore))
         runs = [simulate(run_cfg, seed=s) for s in range(cfg.seed, cfg.seed + cfg.seeds)]
         n = max(sum(r.extra["batches"] for r in runs), 1)
-        row = {k: 1000 * sum(r.extra["timings"].get(k, 0.0) for r in runs) / n
-               for k in ("train", "score", "memory")}
+        ms = [_per_batch_ms(r) for r in runs]
+        row = {k: float(np.mean([t.get(k, 0.0) for t in ms]))
+               for k in ("train", "score", "score_wait", "score_thread", "memory")}
         acc, fgt = [r.accuracy for r in runs], [r.forgetting for r in runs]
         row.update(scored_per_batch=sum(r.extra["scored_samples"] for r in runs) / n,
                    accuracy=float(np.mean(acc)), accuracy_std=_sd(acc),
                    forgetting=float(np.mean(fgt)), forgetting_std=_sd(fgt),
                    wall_s=float(np.mean([r.wall_s for r in runs])))
         report["runs"][rescore] = row
-        print(f"{rescore:<10} {row['train']:9.2f} {row['score']:9.2f} {row['memory']:10.2f} "
+        print(f"{rescore:<10} {row['train']:9.2f} {row['score']:9.2f} {row['score_wait']:8.2f} "
+              f"{row['score_thread']:10.2f} {row['memory']:10.2f} "
               f"{row['scored_per_batch']:13.1f} {row['accuracy']:5.1f} ± {row['accuracy_std']:4.1f}"
               f" {row['forgetting']:5.1f} ± {row['forgetting_std']:4.1f} {row['wall_s']:7.1f}")
     setup = prepare(cfg, cfg.seed)

@@ -95,7 +95,10 @@ class Client:
         self.sent: dict[str, np.ndarray] | None = None
         self.scored = 0
         self.batches = 0
-        self.timings: Counter[str] = Counter()  # seconds: train, score, memory (excl. score)
+        # seconds on the client's thread, additive: train, score, score_wait (waiting for the
+        # scores computed while training), memory (excl. score), monitor
+        self.timings: Counter[str] = Counter()
+        self.background: Counter[str] = Counter()  # seconds on the scoring thread: score
         self.sample_shape: tuple[int, ...] | None = None  # of the last batch
         self.monitor = make_monitor(learn)  # prequential accuracy, task-free segments
         self.onnx = make_client_onnx(learn)  # export_onnx, score_backend onnxruntime
@@ -129,7 +132,6 @@ class Client:
         self.timings["train"] += t1 - t0
         self.timings["score_wait"] += t_mem - t1
         self.timings["memory"] += (t2 - t_mem) - (self.timings["score"] - score_before)
-        self.timings["step"] += t2 - t0
         self.batches += 1
         self.bn += 1
         self.samples_in_task += len(batch.y)
@@ -191,7 +193,7 @@ class Client:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"score-{self.cid}")
-        return self._pool.submit(self._score, cands)
+        return self._pool.submit(self._score, cands, self.background)
 
     def _update_memory(self, x: torch.Tensor, y: torch.Tensor,
                        scores: torch.Tensor | None = None) -> None:
@@ -221,7 +223,7 @@ class Client:
     def _random_scores(self, x: torch.Tensor) -> torch.Tensor:
         return torch.rand(len(x), generator=self.gen).to(x.device)
 
-    def _score(self, x: torch.Tensor) -> torch.Tensor:
+    def _score(self, x: torch.Tensor, timings: Counter | None = None) -> torch.Tensor:
         t0 = self._clock()
         model = self.score_model if self.score_model is not None else self.model
         logits = self.onnx.tta_logits(self, x) if self.onnx is not None else None
@@ -229,7 +231,7 @@ class Client:
             logits = score_logits(model, x, self.learn.score_source, self.perturber,
                                   self.learn.score_samples, self.learn.score_chunk)
         scores = uncertainty(self.score_method, logits)
-        self.timings["score"] += self._clock() - t0
+        (self.timings if timings is None else timings)["score"] += self._clock() - t0
         return scores
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
