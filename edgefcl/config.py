@@ -67,7 +67,8 @@ class LearnConfig:
     selection: str = opt(
         "bottom", "which samples an over-quota class keeps: bottom (least uncertain, the "
         "paper's), top (most uncertain), step (evenly spaced uncertainty ranks), mix (half "
-        "least uncertain, half random), kcenter (diverse in feature space)"
+        "least uncertain, half random), kcenter (diverse in feature space), herding (kept "
+        "mean closest to the class mean in feature space)"
     )
     rank_past: bool = opt(
         False, "apply the selection rule to over-quota past-task classes too (cached scores) "

@@ -291,7 +291,8 @@ def test_balanced_random_and_reservoir_never_score():
 @pytest.mark.parametrize(
     ("policy", "selection"),
     [("balanced-random", "bottom"), ("balanced-score", "step"), ("balanced-score", "top"),
-     ("balanced-score", "mix"), ("balanced-score", "kcenter"), ("balanced-score", "bottom+past"),
+     ("balanced-score", "mix"), ("balanced-score", "kcenter"), ("balanced-score", "herding"),
+     ("balanced-score", "bottom+past"),
      ("balanced-score", "kcenter+past")],
 )
 def test_balanced_invariants_on_an_irregular_stream(policy, selection):

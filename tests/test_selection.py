@@ -94,3 +94,18 @@ def test_every_rule_keeps_exactly_its_allotment(name):
                    torch.Generator().manual_seed(2))
     mask = get_selection(name).select(c)
     assert torch.equal(torch.bincount(cls[mask], minlength=5), keep)
+
+
+def test_herding_keeps_the_mean_closest_to_the_class_mean():
+    # unit vectors a = (1, 0), b = (0, 1), c = (-1, 0): class mean (0, 1/3).
+    # 1 pick: distances |mean - x| = 1.054, 0.667, 1.054 -> b.
+    # 2 picks: mean of {b, a} = (0.5, 0.5) and of {b, c} = (-0.5, 0.5) are both 0.527 away
+    # -> the lower index, a.
+    feats = [[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]
+    rule = get_selection("herding")
+    assert not rule.needs_scores and rule.needs_features
+    assert kept(rule.select(cands([0, 0, 0], [1], features=feats))) == [1]
+    assert kept(rule.select(cands([0, 0, 0], [2], features=feats))) == [0, 1]
+    # features are L2-normalised first: a scaled copy of b is the same point
+    feats = [[3.0, 0.0], [0.0, 7.0], [-1.0, 0.0]]
+    assert kept(rule.select(cands([0, 0, 0], [1], features=feats))) == [1]

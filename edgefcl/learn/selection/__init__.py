@@ -1,6 +1,13 @@
 """Memory selection rules, one per file, registered by name (see `base`)."""
 
-from edgefcl.learn.selection import bottom, kcenter, mix, step, top  # noqa: F401 (register)
+from edgefcl.learn.selection import (  # noqa: F401 (register the rules)
+    bottom,
+    herding,
+    kcenter,
+    mix,
+    step,
+    top,
+)
 from edgefcl.learn.selection.base import (
     SELECTIONS,
     Candidates,
