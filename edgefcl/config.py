@@ -65,7 +65,7 @@ class LearnConfig:
     hidden: int = opt(512, "hidden units of the MLP")
     memory_size: int = opt(100, "replay memory capacity (samples) per client")
     selection: str = opt(
-        "bottom", "which samples an over-quota class keeps: bottom (least uncertain, the "
+        "step", "which samples an over-quota class keeps: bottom (least uncertain, the "
         "paper's), top (most uncertain), step (evenly spaced uncertainty ranks), mix (half "
         "least uncertain, half random), kcenter (diverse in feature space), herding (kept "
         "mean closest to the class mean in feature space)"
@@ -79,10 +79,11 @@ class LearnConfig:
     )
     noise_std: float = opt(0.1, "std of the Gaussian noise perturbation for vector data")
     rescore: str = opt(
-        "on_change",
-        "on_change: re-score memory only when the scoring model changed (a new global); "
-        "always: re-score every candidate every batch (the paper's reference); "
-        "never: a sample keeps the score it got when first needed",
+        "never",
+        "never: a sample is scored once, when its keep/drop first depends on a score; "
+        "on_change: stored samples of ranked current-task classes are re-scored when the "
+        "scoring model changed (a new global); always: every ranked candidate every batch "
+        "(the paper's reference)",
     )
     score_overlap: bool = opt(
         True, "score a batch's candidates on a second thread while the client trains on it "
