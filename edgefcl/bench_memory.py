@@ -162,30 +162,40 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    datasets = sorted({r["dataset"] for r in rows})
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     rules = list(dict.fromkeys(r["rule"] for r in rows))
-    fig, axes = plt.subplots(2, len(datasets), figsize=(4.5 * len(datasets), 7), squeeze=False)
+    sizes = sorted({r["per_class"] for r in rows})
+    fig, axes = plt.subplots(2, len(datasets), figsize=(4.5 * len(datasets), 7.5),
+                             squeeze=False)
+    handles: dict[str, object] = {}
     for j, ds in enumerate(datasets):
-        for rule in rules:
+        for ri, rule in enumerate(rules):
             rs = sorted((r for r in rows if r["dataset"] == ds and r["rule"] == rule),
                         key=lambda r: r["per_class"])
             if not rs:
                 continue
-            x = [r["per_class"] for r in rs]
+            # one slot per memory size, rules side by side inside it
+            x = [sizes.index(r["per_class"]) + 0.6 * (ri / max(len(rules) - 1, 1) - 0.5)
+                 for r in rs]
             style = "--" if rule in ("er", "cbr") else "-"
-            for i, (k, name) in enumerate((("accuracy", "A (%)"), ("forgetting", "F (%)"))):
+            for i, k in enumerate(("accuracy", "forgetting")):
                 sd = [0.0 if math.isnan(r[k + "_std"]) else r[k + "_std"] for r in rs]
-                axes[i][j].errorbar(x, [r[k] for r in rs], yerr=sd, label=rule, ls=style,
-                                    marker="o", capsize=2, lw=1)
-                axes[i][j].set_ylabel(name)
+                h = axes[i][j].errorbar(x, [r[k] for r in rs], yerr=sd, label=rule, ls=style,
+                                        marker="o", capsize=2, lw=1, ms=4,
+                                        color=f"C{ri % 10}")
+                handles.setdefault(rule, h)
         axes[0][j].set_title(ds)
+        axes[0][j].set_ylabel("A (%)")
+        axes[1][j].set_ylabel("F (%)")
         axes[1][j].set_xlabel("memory per class")
         for i in range(2):
-            axes[i][j].set_xscale("log")
+            axes[i][j].set_xticks(range(len(sizes)), [str(v) for v in sizes])
+            axes[i][j].set_xlim(-0.5, len(sizes) - 0.5)
             axes[i][j].grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.legend(list(handles.values()), list(handles), loc="lower center", fontsize=8,
+               ncol=min(len(handles), 6))
     fig.suptitle("memory study: mean ± sample std over seeds")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
