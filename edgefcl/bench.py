@@ -185,7 +185,12 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
     """Run benchmark `what` (client, transport, memory); JSON goes to out/bench_<what>.json."""
     out.mkdir(parents=True, exist_ok=True)
     if what == "memory":
-        from edgefcl.bench_memory import DEFAULT_DATASETS, DEFAULT_PER_CLASS, bench_memory
+        from edgefcl.bench_memory import (
+            DEFAULT_DATASETS,
+            DEFAULT_PER_CLASS,
+            DEFAULT_RULES,
+            bench_memory,
+        )
 
         study = study or {}
         datasets = _csv(study.get("datasets")) or list(DEFAULT_DATASETS)
@@ -193,7 +198,7 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
             sizes = [int(v) for v in _csv(study.get("per_class"))] or list(DEFAULT_PER_CLASS)
         except ValueError as e:
             raise ConfigError(f"--per-class takes whole numbers, e.g. 5,10,20: {e}") from None
-        rules = _csv(study.get("rules")) or ["er", "cbr", "bi"]
+        rules = _csv(study.get("rules")) or list(DEFAULT_RULES)
         bench_memory(cfg, out, datasets, sizes, rules)
         print(f"\nwritten {out / 'bench_memory.json'}")
         return 0

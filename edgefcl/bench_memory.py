@@ -27,8 +27,10 @@ from edgefcl.simulate import simulate
 
 DEFAULT_DATASETS = ("digits", "mnist1d", "digits28")
 DEFAULT_PER_CLASS = (5, 10, 20, 50)
-DEFAULT_RULES = ("er", "cbr", "bi:bottom", "bi:top", "bi:step", "bi:mix", "bi:kcenter",
-                 "bi:step+past", "bi:kcenter+past")
+DEFAULT_RULES = ("er", "cbr", "bi", "bi:bottom@on_change", "bi:top", "bi:step@on_change",
+                 "bi:mix", "bi:kcenter", "bi:herding", "bi:step+past")
+"""The rules of the default grid (`bi` is the default memory; `bi:bottom@on_change` the
+paper's)."""
 DIGITS28 = "digits28"
 """scikit-learn's 8x8 digits upscaled (bilinear) to 28x28 images: a small image workload."""
 

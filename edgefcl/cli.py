@@ -278,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "images; any --dataset spec such as npz:PATH) (default: %(default)s)")
     b.add_argument("--per-class", default="5,10,20,50",
                    help="memory: memory sizes in samples per class (default: %(default)s)")
-    b.add_argument("--rules", default="er,cbr,bi:bottom,bi:top,bi:step,bi:mix,bi:kcenter,"
-                   "bi:step+past,bi:step@never",
+    b.add_argument("--rules", default="er,cbr,bi,bi:bottom@on_change,bi:top,bi:step@on_change,"
+                   "bi:mix,bi:kcenter,bi:herding,bi:step+past",
                    help="memory: rules METHOD[:SELECTION][+past][@RESCORE] (default: "
                    "%(default)s)")
     b.add_argument("--repeats", type=int, default=3, help="timing repeats")
