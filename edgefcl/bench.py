@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from edgefcl.build import prepare
-from edgefcl.config import RunConfig
+from edgefcl.config import ConfigError, RunConfig
 from edgefcl.learn.export import export_onnx
 from edgefcl.learn.models import build_model
 from edgefcl.learn.perturb import make_perturber, tta_logits, tta_logits_looped
@@ -69,27 +69,83 @@ def inference_speed(model: torch.nn.Module, sample_shape: tuple[int, ...], threa
             "speedup": t_batch / o_batch, "max_abs_diff": diff}
 
 
+def _per_batch_ms(r) -> dict:
+    """Per mini-batch ms: the client thread's parts, `step` (their sum without the
+    prequential monitor) and `score_thread` (scoring done on the second thread)."""
+    n = max(r.extra["batches"], 1)
+    t = {k: 1000 * v / n for k, v in r.extra["timings"].items()}
+    t["step"] = sum(t.get(k, 0.0) for k in ("train", "score", "score_wait", "memory"))
+    t["score_thread"] = 1000 * r.extra.get("background_timings", {}).get("score", 0.0) / n
+    return t
+
+
+def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
+    """Wall time of the configured BI run against CBR on the same stream, on the run's
+    configuration and on digits upscaled to 28x28 images, interleaved seed by seed (the order
+    alternates) so that other load hits both alike; per-batch time split of each."""
+    from edgefcl.bench_memory import dataset_spec
+
+    configs = [("demo", cfg.data.dataset), ("28x28", dataset_spec("digits28", out))]
+    report: dict = {}
+    print(f"\n{cfg.learn.method} (selection {cfg.learn.selection}, rescore {cfg.learn.rescore}, "
+          f"overlap {cfg.learn.score_overlap}) vs cbr, per mini-batch ms and wall s, "
+          f"mean over {cfg.seeds} seed(s). step = train + score + wait + memory on the "
+          f"client's thread; thread = scoring done on the second thread while training:")
+    print(f"{'config':<7} {'method':<6} {'step':>7} {'train':>7} {'score':>7} {'wait':>6} "
+          f"{'memory':>7} {'thread':>7} {'wall s':>7}")
+    for name, spec in configs:
+        run_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=spec))
+        runs: dict[str, list] = {"cbr": [], cfg.learn.method: []}
+        for i, seed in enumerate(range(cfg.seed, cfg.seed + cfg.seeds)):
+            order = ["cbr", cfg.learn.method][:: 1 if i % 2 == 0 else -1]
+            for m in order:
+                runs[m].append(simulate(run_cfg, method=m, seed=seed))
+        rows = {}
+        for m, rs in runs.items():
+            ms = [_per_batch_ms(r) for r in rs]
+            row = {k: float(np.mean([t.get(k, 0.0) for t in ms]))
+                   for k in ("step", "train", "score", "score_wait", "memory", "score_thread")}
+            row["wall_s"] = float(np.mean([r.wall_s for r in rs]))
+            row["wall_each"] = [r.wall_s for r in rs]
+            rows[m] = row
+            print(f"{name:<7} {m:<6} {row['step']:7.2f} {row['train']:7.2f} {row['score']:7.2f} "
+                  f"{row['score_wait']:6.2f} {row['memory']:7.2f} {row['score_thread']:7.2f} "
+                  f"{row['wall_s']:7.2f}")
+        bi, cbr = rows[cfg.learn.method], rows["cbr"]
+        ratios = {"wall": bi["wall_s"] / cbr["wall_s"],
+                  "step_vs_train": bi["step"] / cbr["train"],
+                  "step_vs_cbr_step": bi["step"] / cbr["step"]}
+        report[name] = {"dataset": spec, "runs": rows, "ratios": ratios}
+        print(f"{name:<7} ratios: wall {ratios['wall']:.2f}x, per-batch step / bare train step "
+              f"{ratios['step_vs_train']:.2f}x, step / cbr step {ratios['step_vs_cbr_step']:.2f}x")
+    return report
+
+
 def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
-    """Per-mini-batch time split and A/F for cached vs full re-scoring; scoring speed."""
+    """Per-mini-batch time split and A/F for cached vs full re-scoring; cost against CBR;
+    scoring speed."""
     report: dict = {"config": dataclasses.asdict(cfg), "runs": {}, "scoring": {}}
+    report["vs_cbr"] = cost_vs_cbr(cfg, out)
     print(f"client benchmark on {cfg.data.dataset}, {cfg.fed.clients} clients, "
           f"method {cfg.learn.method}, device {cfg.learn.device}")
     print(f"per mini-batch, mean over {cfg.seeds} seed(s):")
-    print(f"{'rescore':<10} {'train ms':>9} {'score ms':>9} {'memory ms':>10} "
-          f"{'scored/batch':>13} {'A %':>12} {'F %':>12} {'wall s':>7}")
-    for rescore in ("on_change", "always"):
+    print(f"{'rescore':<10} {'train ms':>9} {'score ms':>9} {'wait ms':>8} {'thread ms':>10} "
+          f"{'memory ms':>10} {'scored/batch':>13} {'A %':>12} {'F %':>12} {'wall s':>7}")
+    for rescore in ("on_change", "never", "always"):
         run_cfg = dataclasses.replace(cfg, learn=dataclasses.replace(cfg.learn, rescore=rescore))
         runs = [simulate(run_cfg, seed=s) for s in range(cfg.seed, cfg.seed + cfg.seeds)]
         n = max(sum(r.extra["batches"] for r in runs), 1)
-        row = {k: 1000 * sum(r.extra["timings"].get(k, 0.0) for r in runs) / n
-               for k in ("train", "score", "memory")}
+        ms = [_per_batch_ms(r) for r in runs]
+        row = {k: float(np.mean([t.get(k, 0.0) for t in ms]))
+               for k in ("train", "score", "score_wait", "score_thread", "memory")}
         acc, fgt = [r.accuracy for r in runs], [r.forgetting for r in runs]
         row.update(scored_per_batch=sum(r.extra["scored_samples"] for r in runs) / n,
-                   accuracy=float(np.mean(acc)), accuracy_std=float(np.std(acc)),
-                   forgetting=float(np.mean(fgt)), forgetting_std=float(np.std(fgt)),
+                   accuracy=float(np.mean(acc)), accuracy_std=_sd(acc),
+                   forgetting=float(np.mean(fgt)), forgetting_std=_sd(fgt),
                    wall_s=float(np.mean([r.wall_s for r in runs])))
         report["runs"][rescore] = row
-        print(f"{rescore:<10} {row['train']:9.2f} {row['score']:9.2f} {row['memory']:10.2f} "
+        print(f"{rescore:<10} {row['train']:9.2f} {row['score']:9.2f} {row['score_wait']:8.2f} "
+              f"{row['score_thread']:10.2f} {row['memory']:10.2f} "
               f"{row['scored_per_batch']:13.1f} {row['accuracy']:5.1f} ± {row['accuracy_std']:4.1f}"
               f" {row['forgetting']:5.1f} ± {row['forgetting_std']:4.1f} {row['wall_s']:7.1f}")
     setup = prepare(cfg, cfg.seed)
@@ -125,8 +181,28 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
     return report
 
 
-def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int) -> int:
+def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
+              study: dict | None = None) -> int:
+    """Run benchmark `what` (client, transport, memory); JSON goes to out/bench_<what>.json."""
     out.mkdir(parents=True, exist_ok=True)
+    if what == "memory":
+        from edgefcl.bench_memory import (
+            DEFAULT_DATASETS,
+            DEFAULT_PER_CLASS,
+            DEFAULT_RULES,
+            bench_memory,
+        )
+
+        study = study or {}
+        datasets = _csv(study.get("datasets")) or list(DEFAULT_DATASETS)
+        try:
+            sizes = [int(v) for v in _csv(study.get("per_class"))] or list(DEFAULT_PER_CLASS)
+        except ValueError as e:
+            raise ConfigError(f"--per-class takes whole numbers, e.g. 5,10,20: {e}") from None
+        rules = _csv(study.get("rules")) or list(DEFAULT_RULES)
+        bench_memory(cfg, out, datasets, sizes, rules)
+        print(f"\nwritten {out / 'bench_memory.json'}")
+        return 0
     from edgefcl.bench_transport import bench_transport
 
     report = {"client": bench_client, "transport": bench_transport}[what](cfg, out, repeats)
@@ -136,6 +212,15 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int) -> int:
     path.write_text(json.dumps(report, indent=1, default=_jsonable))
     print(f"\nwritten {path}")
     return 0
+
+
+def _sd(values: list[float]) -> float:
+    """Sample standard deviation (ddof=1; 0 for one value)."""
+    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def _csv(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
 def _jsonable(o):

@@ -85,7 +85,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from edgefcl.bench_fleet import run_from_args
 
         return run_from_args(args, cfg, Path(cfg.out or "runs/bench"))
-    return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats)
+    return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats,
+                     study={"datasets": args.datasets, "per_class": args.per_class,
+                            "rules": args.rules})
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -274,8 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
                        "rate (Mosquitto and embedded broker, 1M-parameter model), aggregation "
                        "memory for 10 vs 100 updates. fleet: lightweight devices (one MQTT "
                        "connection each) against Mosquitto and the aggregator daemon, vs the "
-                       "raw broker rate (see bench fleet options).")
-    b.add_argument("what", choices=["client", "transport", "fleet"], help="what to benchmark")
+                       "raw broker rate (see bench fleet options). memory: the memory study, "
+                       "selection rules x datasets x memory sizes x seeds (A, F as mean ± sample "
+                       "std, wall time per run; table, JSON and plot).")
+    b.add_argument("what", choices=["client", "transport", "fleet", "memory"],
+                   help="what to benchmark")
+    b.add_argument("--datasets", default="digits,mnist1d,digits28",
+                   help="memory: comma-separated datasets (digits28: digits upscaled to 28x28 "
+                   "images; any --dataset spec such as npz:PATH) (default: %(default)s)")
+    b.add_argument("--per-class", default="5,10,20,50",
+                   help="memory: memory sizes in samples per class (default: %(default)s)")
+    b.add_argument("--rules", default="er,cbr,bi,bi:bottom@on_change,bi:top,bi:step@on_change,"
+                   "bi:mix,bi:kcenter,bi:herding,bi:step+past",
+                   help="memory: rules METHOD[:SELECTION][+past][@RESCORE] (default: "
+                   "%(default)s)")
     b.add_argument("--repeats", type=int, default=3, help="timing repeats")
     from edgefcl.loadgen.options import add_fleet_arguments
 

@@ -65,16 +65,29 @@ class LearnConfig:
     hidden: int = opt(512, "hidden units of the MLP")
     memory_size: int = opt(100, "replay memory capacity (samples) per client")
     selection: str = opt(
-        "bottom", "which samples an over-quota class keeps: bottom (least uncertain), top, step"
+        "step", "which samples an over-quota class keeps: bottom (least uncertain, the "
+        "paper's), top (most uncertain), step (evenly spaced uncertainty ranks), mix (half "
+        "least uncertain, half random), kcenter (diverse in feature space), herding (kept "
+        "mean closest to the class mean in feature space)"
+    )
+    rank_past: bool = opt(
+        False, "apply the selection rule to over-quota past-task classes too (cached scores) "
+        "instead of cutting them at random"
     )
     perturbations: int = opt(
         0, "TTA views per sample (0: all 12 image augmentations, or 5 noise draws for vectors)"
     )
     noise_std: float = opt(0.1, "std of the Gaussian noise perturbation for vector data")
     rescore: str = opt(
-        "on_change",
-        "on_change: re-score memory only when the scoring model changed (a new global); "
-        "always: re-score every candidate every batch (the paper's reference)",
+        "never",
+        "never: a sample is scored once, when its keep/drop first depends on a score; "
+        "on_change: stored samples of ranked current-task classes are re-scored when the "
+        "scoring model changed (a new global); always: every ranked candidate every batch "
+        "(the paper's reference)",
+    )
+    score_overlap: bool = opt(
+        True, "score a batch's candidates on a second thread while the client trains on it "
+        "(once a frozen scoring snapshot exists; same results either way)"
     )
     score_chunk: int = opt(
         0, "max perturbed samples per scoring forward pass (0: auto, 256 on CPU where smaller "
@@ -355,8 +368,8 @@ def validate(cfg: RunConfig) -> None:
         (0 < d.test_fraction < 1, "test_fraction must be in (0, 1)"),
         (d.split in ("overlap", "non-overlap"), "split must be overlap or non-overlap"),
         (le.memory_size >= 0, "memory_size must be >= 0"),
-        (le.selection in ("bottom", "top", "step"), "selection must be bottom, top or step"),
-        (le.rescore in ("on_change", "always"), "rescore must be on_change or always"),
+        (le.rescore in ("on_change", "always", "never"),
+         "rescore must be on_change, always or never"),
         (le.local_epochs >= 1, "local_epochs must be >= 1"),
         (le.score_chunk >= 0, "score_chunk must be >= 0 (0: auto)"),
         (le.optimizer in ("adam", "sgd"), "optimizer must be adam or sgd"),

@@ -154,8 +154,8 @@ def test_posterior_score_logits_shapes_and_bn_untouched() -> None:
 
 def _client(method: str, learn: dict | None = None, fed: dict | None = None) -> Client:
     torch.manual_seed(0)
-    learn_cfg = LearnConfig(method=method, memory_size=20, perturbations=3, local_epochs=1,
-                            **(learn or {}))
+    learn_cfg = LearnConfig(**{"method": method, "memory_size": 20, "perturbations": 3,
+                               "local_epochs": 1, **(learn or {})})
     fed_cfg = FedConfig(encoding="gaussian", burn_in=0, jump=1,
                         aggregation={"vfcl": "conflation"}.get(method, "fedbnn"), **(fed or {}))
     return Client("c0", MLP(8, 4, hidden=6), learn_cfg, fed_cfg, "vector", seed=0)
@@ -168,7 +168,8 @@ def _batch(task: int, seed: int = 0) -> Batch:
 
 
 def test_vfcl_client_sends_gaussians_and_keeps_history() -> None:
-    c = _client("vfcl", {"score_source": "both", "score_samples": 2})
+    # memory 8 < the 12 samples offered: the second task's batch makes the memory rank
+    c = _client("vfcl", {"score_source": "both", "score_samples": 2, "memory_size": 8})
     assert is_bayesian(c.model) and isinstance(c.hooks, VFCLHooks)
     upd = c.step(_batch(0))
     assert upd is not None and upd.encoding == "gaussian"

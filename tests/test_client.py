@@ -69,7 +69,10 @@ def test_fedavg_method_keeps_no_memory_and_bi_scores():
     assert plain.memory is None and plain.scored == 0
     bi = make_client(method="bi")
     bi.step(batch(0, 1, [0, 1]))
-    assert bi.memory is not None and bi.scored == 5
+    assert bi.memory is not None and bi.scored == 0  # filling: no score decides anything
+    small = make_client(method="bi", memory=2)
+    small.step(batch(0, 1, [0, 1]))
+    assert small.memory.size == 2 and small.scored > 0
 
 
 def test_apply_global_replace_and_delta_merge():
@@ -133,3 +136,32 @@ def test_delta_merge_never_moves_batchnorm_statistics_below_zero():
         if "running_var" in k:
             np.testing.assert_array_equal(state[k], g[k])
             assert (state[k] >= 0).all()
+
+
+def _image_client(overlap: bool, selection: str) -> Client:
+    torch.manual_seed(0)
+    model = build_model("cnn", (1, 8, 8), 4)
+    learn = LearnConfig(method="bi", memory_size=8, local_epochs=2, score_overlap=overlap,
+                        selection=selection, perturbations=4)
+    return Client("c0", model, learn, FedConfig(burn_in=1, jump=2), "image", seed=0)
+
+
+@pytest.mark.parametrize("selection", ["step", "bottom"])
+def test_scoring_while_training_changes_nothing(selection):
+    """Scores computed on a second thread during training (frozen snapshot) give the same
+    model, memory and scores as scoring after training."""
+    clients = [_image_client(overlap, selection) for overlap in (False, True)]
+    rng = np.random.default_rng(0)
+    for i in range(12):
+        task = i // 6
+        y = rng.choice([2 * task, 2 * task + 1], 5).astype(np.int64)
+        x = rng.random((5, 1, 8, 8)).astype(np.float32)
+        for c in clients:
+            if c.step(Batch(x, y, task, i, False)) is not None:
+                c.apply_global(GlobalModel(c.version + 1, get_tensors(c.model), ("c0",)))
+    off, on = clients
+    assert on.scored_ahead > 0 and off.scored_ahead == 0
+    for k, v in get_tensors(off.model).items():
+        np.testing.assert_array_equal(v, get_tensors(on.model)[k])
+    assert torch.equal(off.memory.x, on.memory.x) and torch.equal(off.memory.score, on.memory.score)
+    assert off.scored == on.scored > 0

@@ -92,11 +92,12 @@ def test_bad_batches_are_rejected():
         mem.update(x, -y - 1, 0, id_score)
     with pytest.raises(ConfigError, match="scorer"):
         mem.update(x, y, 0)
-    with pytest.raises(DataError, match="scorer must return"):
-        mem.update(x, y, 0, lambda t: t[:1, 0])
-    with pytest.raises(DataError, match="NaN"):
-        mem.update(x, y, 0, lambda t: torch.full((t.shape[0],), float("nan")))
     assert mem.size == 0
+    full = ReplayMemory(1, (2,), "balanced-score")  # 2 candidates for 1 slot: scores decide
+    with pytest.raises(DataError, match="scorer must return"):
+        full.update(x, y, 0, lambda t: t[:1, 0])
+    with pytest.raises(DataError, match="NaN"):
+        full.update(x, y, 0, lambda t: torch.full((t.shape[0],), float("nan")))
 
 
 def test_zero_capacity_stores_nothing():
@@ -196,26 +197,35 @@ def test_past_classes_are_random_not_ranked():
     assert kept == set(range(100, 105))
 
 
-def test_scores_are_cached_and_scorer_called_once_with_what_needs_a_score():
+def test_only_candidates_whose_fate_depends_on_a_score_are_scored():
     mem = ReplayMemory(6, (2,), "balanced-score", seed=0)
     rec = Recorder()
 
     def step(ids, label, task, version=0, rescore_all=False):
         before = len(rec.calls)
         n = mem.update(*batch(ids, label), task, rec, version, rescore_all)
-        assert len(rec.calls) == before + 1
-        assert n == len(rec.calls[-1])
+        if n == 0:
+            assert len(rec.calls) == before
+            return []
+        assert len(rec.calls) == before + 1 and n == len(rec.calls[-1])
         return rec.calls[-1]
 
-    assert step([0, 1, 2], 0, 0) == [0, 1, 2]
-    assert step([3, 4, 5], 1, 0) == [3, 4, 5]
-    assert step([6, 7], 1, 0) == [6, 7]  # same version: memory not re-scored
-    stored = sorted(ids_of(mem))
-    assert step([8, 9], 0, 0, version=1) == sorted(stored + [8, 9])  # new version
-    assert step([10, 11], 1, 0, version=1) == [10, 11]
-    stored = sorted(ids_of(mem))
-    assert step([12, 13], 0, 0, version=1, rescore_all=True) == sorted(stored + [12, 13])
-    # New task: past-task classes 0 and 1 need no score, even under a new version.
+    # While the memory fills nothing is dropped: no score is needed.
+    assert step([0, 1, 2], 0, 0) == []
+    assert step([3, 4, 5], 1, 0) == []
+    # counts 3, 5 for 6 slots -> allotments 3, 3: only class 1 is over quota and ranked.
+    assert step([6, 7], 1, 0) == [3, 4, 5, 6, 7]
+    assert ids_of(mem, 1) == {3, 4, 5}  # bottom: the lowest scores
+    # class 0 (never scored) is now over quota: all its candidates, class 1 untouched.
+    assert step([8, 9], 0, 0, version=1) == [0, 1, 2, 8, 9]
+    # class 1's cached scores are from version 0: re-scored under version 1.
+    assert step([10, 11], 1, 0, version=1) == [3, 4, 5, 10, 11]
+    # same version: only the new samples.
+    assert step([14, 15], 1, 0, version=1) == [14, 15]
+    # rescore_all re-scores the ranked class only; class 1 is at its allotment.
+    assert step([12, 13], 0, 0, version=1, rescore_all=True) == [0, 1, 2, 12, 13]
+    # New task: counts 3, 3, 3 -> allotments 2 each; past classes are cut at random (no
+    # score), the current class 2 is ranked.
     assert step([20, 21, 22], 2, 1, version=1) == [20, 21, 22]
     assert mem.class_counts() == {0: 2, 1: 2, 2: 2}
     kept2 = sorted(ids_of(mem, 2))
@@ -225,6 +235,49 @@ def test_scores_are_cached_and_scorer_called_once_with_what_needs_a_score():
     scored = mem.score_version[:s] >= 0
     assert torch.equal(mem.score[:s][scored], mem.x[:s, 0][scored])
     assert (mem.score_version[:s][mem.task[:s] == 1] == 2).all()
+
+
+def test_keep_stale_scores_each_sample_once():
+    mem = ReplayMemory(4, (2,), "balanced-score", seed=0)
+    rec = Recorder()
+    mem.update(*batch([0, 1, 2, 3], 0), 0, rec)
+    assert mem.update(*batch([4], 0), 0, rec, version=1, keep_stale=True) == 5
+    assert mem.update(*batch([5], 0), 0, rec, version=2, keep_stale=True) == 1
+    assert rec.calls == [[0, 1, 2, 3, 4], [5]]
+
+
+def test_rank_past_ranks_past_classes_by_their_cached_scores():
+    # Past classes 0 and 1 were scored while current (ids = scores); under a new task they
+    # are cut by the rule on those cached scores (bottom: the lowest ids), never re-scored.
+    mem = ReplayMemory(6, (2,), "balanced-score", seed=3, rank_past=True)
+    rec = Recorder()
+    mem.update(*batch([105, 101, 103], 0), 0, rec)
+    mem.update(*batch([204, 202, 206, 200], 1), 0, rec)  # class 1 over quota: scored
+    mem.update(*batch([104, 100], 0), 0, rec)  # class 0 over quota: scored
+    assert ids_of(mem, 0) == {100, 101, 103} and ids_of(mem, 1) == {200, 202, 204}
+    calls = len(rec.calls)
+    mem.update(*batch([0, 1, 2], 2), 1, rec, version=5)  # 3+3+3 -> 2 each
+    assert rec.calls[calls:] == [[0, 1, 2]]  # cached past scores reused under version 5
+    assert ids_of(mem, 0) == {100, 101} and ids_of(mem, 1) == {200, 202}
+    assert ids_of(mem, 2) == {0, 1}
+
+
+def test_pending_scores_are_what_update_scores():
+    mem = ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0)
+    rec = Recorder()
+    mem.update(*batch([0, 1, 2], 0), 0, rec)
+    mem.update(*batch([3, 4, 5], 1), 0, rec)
+    x, y = batch([6, 7], 1)
+    assert mem.pending_scores(*batch([9], 3), 0, 0) is None  # a new label: decided in update
+    ahead = mem.pending_scores(x, y, 0, 0)
+    assert sorted(ahead[:, 0].long().tolist()) == [3, 4, 5, 6, 7]
+    assert mem.size == 6 and rec.calls == []  # nothing changed, nothing scored
+    twin = ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0)
+    twin.load_state_dict(mem.state_dict())
+    assert mem.update(x, y, 0, rec, scores=ahead[:, 0].clone()) == 5
+    assert rec.calls == []  # the scores given were used
+    assert twin.update(x, y, 0, id_score) == 5
+    assert torch.equal(mem.x, twin.x) and torch.equal(mem.score, twin.score)
 
 
 def test_balanced_random_and_reservoir_never_score():
@@ -237,12 +290,16 @@ def test_balanced_random_and_reservoir_never_score():
 
 @pytest.mark.parametrize(
     ("policy", "selection"),
-    [("balanced-random", "bottom"), ("balanced-score", "step"), ("balanced-score", "top")],
+    [("balanced-random", "bottom"), ("balanced-score", "step"), ("balanced-score", "top"),
+     ("balanced-score", "mix"), ("balanced-score", "kcenter"), ("balanced-score", "herding"),
+     ("balanced-score", "bottom+past"),
+     ("balanced-score", "kcenter+past")],
 )
 def test_balanced_invariants_on_an_irregular_stream(policy, selection):
     g = torch.Generator().manual_seed(7)
     cap = 17
-    mem = ReplayMemory(cap, (2,), policy, selection=selection, seed=5)
+    rule, _, past = selection.partition("+")
+    mem = ReplayMemory(cap, (2,), policy, selection=rule, seed=5, rank_past=bool(past))
     scorer = lambda x: torch.sin(x[:, 0])  # noqa: E731 - arbitrary, reproducible scores
     next_id, offered = 0, set()
     for task in range(5):
@@ -255,7 +312,7 @@ def test_balanced_invariants_on_an_irregular_stream(policy, selection):
             cand = mem.class_counts()
             cand[label] = cand.get(label, 0) + b
             before = {c: ids_of(mem, c) for c in cand}
-            mem.update(*batch(ids, label), task, scorer)
+            mem.update(*batch(ids, label), task, scorer, featurizer=lambda x: x)
             offered |= set(ids)
             counts = mem.class_counts()
             assert mem.size == min(cap, len(offered)) == sum(counts.values())

@@ -179,7 +179,8 @@ def load_client_state(client: Client, state: dict[str, Any]) -> None:
     client.memory = None
     if mem is not None:
         client.memory = ReplayMemory(int(mem["capacity"]), tuple(mem["sample_shape"]),
-                                     mem["policy"], mem["selection"], dev)
+                                     mem["policy"], mem["selection"], dev,
+                                     rank_past=bool(mem.get("rank_past", False)))
         client.memory.load_state_dict(mem)
     if state["perturber"] is not None and client.perturber is not None:
         client.perturber.load_state_dict(state["perturber"])

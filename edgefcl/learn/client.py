@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -25,9 +26,11 @@ from edgefcl.learn.checkpoint import client_state, load_client_state
 from edgefcl.learn.drift import make_monitor
 from edgefcl.learn.export import make_client_onnx
 from edgefcl.learn.memory import ReplayMemory
+from edgefcl.learn.models import penultimate
 from edgefcl.learn.params import get_tensors, set_tensors
-from edgefcl.learn.perturb import augment_batch, make_perturber
+from edgefcl.learn.perturb import augment_batch, eval_mode, make_perturber
 from edgefcl.learn.scores import uncertainty
+from edgefcl.learn.selection import get_selection
 from edgefcl.learn.variational import client_hooks
 
 SCORED_METHODS = ("bi", "lc", "ms", "rc", "en", "ag")
@@ -71,6 +74,7 @@ class Client:
         self.opt = (torch.optim.Adam(params, lr=learn.lr) if learn.optimizer == "adam"
                     else torch.optim.SGD(params, lr=learn.lr))
         self._policy = MEMORY_POLICY.get(self.method) if learn.memory_size > 0 else None
+        self.selection = get_selection(learn.selection)  # unknown names fail here, early
         self.memory: ReplayMemory | None = None  # allocated on the first batch (sample shape)
         self.score_method = self.method if self.method in SCORED_METHODS else "bi"
         self.perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
@@ -91,11 +95,16 @@ class Client:
         self.sent: dict[str, np.ndarray] | None = None
         self.scored = 0
         self.batches = 0
-        self.timings: Counter[str] = Counter()  # seconds: train, score, memory (excl. score)
+        # seconds on the client's thread, additive: train, score, score_wait (waiting for the
+        # scores computed while training), memory (excl. score), monitor
+        self.timings: Counter[str] = Counter()
+        self.background: Counter[str] = Counter()  # seconds on the scoring thread: score
         self.sample_shape: tuple[int, ...] | None = None  # of the last batch
         self.monitor = make_monitor(learn)  # prequential accuracy, task-free segments
         self.onnx = make_client_onnx(learn)  # export_onnx, score_backend onnxruntime
         self.skip_scoring = False  # set by a device over its compute budget (firmware_sim)
+        self._pool: ThreadPoolExecutor | None = None  # scores ahead while training
+        self.scored_ahead = 0  # batches whose scores were computed while training
         self.hooks.attach(self)
 
     # -- the online step --------------------------------------------------------------------
@@ -109,13 +118,20 @@ class Client:
         if task != self.task:
             self._start_task(task)
         t0 = self._clock()
+        ahead = self._score_ahead(x, y)
         self._train(x, y)
         t1 = self._clock()
+        scores = None
+        if ahead is not None:
+            scores = ahead.result()
+            self.scored_ahead += 1
+        t_mem = self._clock()
         score_before = self.timings["score"]
-        self._update_memory(x, y)
+        self._update_memory(x, y, scores)
         t2 = self._clock()
         self.timings["train"] += t1 - t0
-        self.timings["memory"] += (t2 - t1) - (self.timings["score"] - score_before)
+        self.timings["score_wait"] += t_mem - t1
+        self.timings["memory"] += (t2 - t_mem) - (self.timings["score"] - score_before)
         self.batches += 1
         self.bn += 1
         self.samples_in_task += len(batch.y)
@@ -161,14 +177,34 @@ class Client:
             self.opt.step()
 
     # -- memory ---------------------------------------------------------------------------
-    def _update_memory(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor) -> Future | None:
+        """Start scoring, on a second thread, the candidates the memory update after this
+        batch will need, when they are known before training: the scoring model must be the
+        frozen snapshot (not the model being trained). The scores are identical to scoring
+        after training; the perturber is only used by one thread at a time."""
+        if (not self.learn.score_overlap or self.learn.score_backend != "torch"
+                or self.memory is None or self.score_model is None
+                or self._policy != "balanced-score" or self.skip_scoring):
+            return None
+        cands = self.memory.pending_scores(x, y, self.task or 0, self.score_version,
+                                           rescore_all=self.learn.rescore == "always",
+                                           keep_stale=self.learn.rescore == "never")
+        if cands is None:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"score-{self.cid}")
+        return self._pool.submit(self._score, cands, self.background)
+
+    def _update_memory(self, x: torch.Tensor, y: torch.Tensor,
+                       scores: torch.Tensor | None = None) -> None:
         if self._policy is None:
             return
         if self.memory is None:
             self.memory = ReplayMemory(self.learn.memory_size, tuple(x.shape[1:]), self._policy,
                                        self.learn.selection, self.device,
                                        int(torch.randint(0, 2**31 - 1, (1,),
-                                                         generator=self.gen)))
+                                                         generator=self.gen)),
+                                       rank_past=self.learn.rank_past)
         scorer = self._score if self._policy == "balanced-score" else None
         if self.score_model is None:
             # No snapshot yet: the scoring model is the current model, which moved this batch.
@@ -177,14 +213,17 @@ class Client:
         if scorer is not None and self.skip_scoring:
             # over the compute budget: class-balanced random this batch (version -1: stale)
             scorer, version = self._random_scores, -1
+        featurizer = self._features if self.selection.needs_features else None
         scored = self.memory.update(x, y, self.task or 0, scorer, version,
-                                    rescore_all=self.learn.rescore == "always")
+                                    rescore_all=self.learn.rescore == "always",
+                                    featurizer=featurizer,
+                                    keep_stale=self.learn.rescore == "never", scores=scores)
         self.scored += scored if version >= 0 else 0
 
     def _random_scores(self, x: torch.Tensor) -> torch.Tensor:
         return torch.rand(len(x), generator=self.gen).to(x.device)
 
-    def _score(self, x: torch.Tensor) -> torch.Tensor:
+    def _score(self, x: torch.Tensor, timings: Counter | None = None) -> torch.Tensor:
         t0 = self._clock()
         model = self.score_model if self.score_model is not None else self.model
         logits = self.onnx.tta_logits(self, x) if self.onnx is not None else None
@@ -192,8 +231,18 @@ class Client:
             logits = score_logits(model, x, self.learn.score_source, self.perturber,
                                   self.learn.score_samples, self.learn.score_chunk)
         scores = uncertainty(self.score_method, logits)
-        self.timings["score"] += self._clock() - t0
+        (self.timings if timings is None else timings)["score"] += self._clock() - t0
         return scores
+
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
+        """Penultimate features of the scoring model (eval mode, no grad), for rules that
+        select by features."""
+        t0 = self._clock()
+        model = self.score_model if self.score_model is not None else self.model
+        with eval_mode(model), torch.inference_mode():
+            f = penultimate(model, x)
+        self.timings["score"] += self._clock() - t0
+        return f.clone()
 
     def _clock(self) -> float:
         if self.device.type == "cuda":

@@ -11,13 +11,21 @@ candidates = memory + batch. The per-class allotment is water-filling: the large
 with sum_c min(n_c, q) <= capacity; classes with n_c <= q keep all their candidates, over-quota
 classes keep q each and the leftover slots go one each to over-quota classes in a fixed random
 priority order (drawn once per class, when its label is first offered), so the memory stays
-exactly full. Which candidates an over-quota class keeps: for classes of the current task under
-"balanced-score", the `selection` rule on the uncertainty scores; otherwise uniformly at random.
+exactly full. Which candidates an over-quota class keeps: under "balanced-score", for the
+over-quota classes of the current task (and of past tasks too with `rank_past`), the
+`selection` rule (`edgefcl.learn.selection`); otherwise uniformly at random.
+
+Only candidates whose keep/drop depends on a score are scored: those of ranked over-quota
+classes (never while the memory fills, never a class at or under its allotment). A cached score
+is reused when it came from the current scoring `version` (past-task classes reuse any cached
+score: their samples were scored while their task was current), or from any version with
+`keep_stale`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,9 +33,9 @@ from torch import Tensor
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
+from edgefcl.learn.selection import Candidates, get_selection, grouped_rank
 
 POLICIES = ("reservoir", "balanced-random", "balanced-score")
-SELECTIONS = ("bottom", "top", "step")
 _STATE_KEYS = (
     "capacity",
     "sample_shape",
@@ -44,9 +52,12 @@ _STATE_KEYS = (
     "priority",
     "generator",
 )
+_OPTIONAL_STATE = {"rank_past": False}
 
 Scorer = Callable[[Tensor], Tensor]
 """Maps a stacked batch of samples (m, *sample_shape) to m uncertainty scores."""
+Featurizer = Callable[[Tensor], Tensor]
+"""Maps a stacked batch of samples (m, *sample_shape) to (m, d) features."""
 
 
 def water_fill(counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
@@ -73,12 +84,22 @@ def water_fill(counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
     return keep + (over & (rank < leftover)).to(keep.dtype)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    inv: Tensor  # (n,) class index of every candidate
+    counts: Tensor  # (m,) candidates per class
+    keep_n: Tensor  # (m,) allotment per class
+    ranked: Tensor  # (m,) classes the selection rule decides
+    need: Tensor  # candidates (memory slots, then batch rows) that need a score
+
+
 class ReplayMemory:
     """A replay memory of `capacity` samples of shape `sample_shape` on `device`.
 
     policy: "reservoir" (ER), "balanced-random" (CBR) or "balanced-score" (uncertainty
-    ranked). selection (balanced-score only): "bottom" keeps the lowest scores of an
-    over-quota current-task class, "top" the highest, "step" evenly spaced ranks.
+    ranked). selection (balanced-score only): the name of a rule in
+    `edgefcl.learn.selection.SELECTIONS` (bottom, top, step, mix, kcenter) applied to the
+    over-quota classes of the current task, and of past tasks too when `rank_past`.
     Filled slots are [0, size): x, y, task, score and score_version (-1: no score) hold them.
     """
 
@@ -91,13 +112,14 @@ class ReplayMemory:
         device: str | torch.device = "cpu",
         seed: int = 0,
         x_dtype: torch.dtype = torch.float32,
+        rank_past: bool = False,
     ) -> None:
         if capacity < 0:
             raise ConfigError(f"memory capacity must be >= 0, got {capacity}")
         if policy not in POLICIES:
             raise ConfigError(f"unknown memory policy '{policy}'; choose from {POLICIES}")
-        if selection not in SELECTIONS:
-            raise ConfigError(f"unknown selection '{selection}'; choose from {SELECTIONS}")
+        self.rule = get_selection(selection)
+        self.rank_past = bool(rank_past)
         self.capacity = int(capacity)
         self.sample_shape = tuple(int(s) for s in sample_shape)
         self.policy = policy
@@ -148,12 +170,19 @@ class ReplayMemory:
         scorer: Scorer | None = None,
         version: int = 0,
         rescore_all: bool = False,
+        featurizer: Featurizer | None = None,
+        keep_stale: bool = False,
+        scores: Tensor | None = None,
     ) -> int:
         """Offer a mini-batch (x, y) of `task`; returns the number of samples scored.
 
-        For "balanced-score", `scorer` is called at most once, on the stacked candidates that
-        need a score: the new samples plus the stored current-task samples whose cached score
-        is from another `version` (all of them if `rescore_all`). x is stored as x_dtype.
+        For "balanced-score", `scorer` is called at most once, on the stacked candidates of
+        ranked over-quota classes that need a score: those without a cached score, or with one
+        from another `version` for current-task classes (every one if `rescore_all`; none
+        with a cached score if `keep_stale`). `scores`, when given, are the scores of
+        `pending_scores(...)` with the same arguments, computed ahead; the scorer is then not
+        called. `featurizer` (rules that need features) is called at most once, on the
+        candidates of ranked classes. x is stored as x_dtype.
         """
         x, y = self._check_batch(x, y)
         b = y.numel()
@@ -170,17 +199,12 @@ class ReplayMemory:
             sl = slice(self.size, self.size + b)
             self.x[sl], self.y[sl], self.task[sl] = x, y, task
             self.score[sl], self.score_version[sl] = 0.0, -1
-            scored = 0
-            if self.policy == "balanced-score":
-                assert scorer is not None
-                self.score[sl] = self._call_scorer(scorer, x)
-                self.score_version[sl] = version
-                scored = b
             self.size += b
-            return scored
+            return 0  # nothing is dropped: no score decides anything
         if self.capacity == 0:
             return 0
-        return self._balanced(x, y, task, scorer, version, rescore_all)
+        return self._balanced(x, y, task, scorer, version, rescore_all, featurizer, keep_stale,
+                              scores)
 
     def _check_batch(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         if not isinstance(x, Tensor) or not isinstance(y, Tensor):
@@ -211,11 +235,10 @@ class ReplayMemory:
         self._classes = classes[order]
         self._priority = torch.cat([self._priority, prio])[order]
 
-    def _call_scorer(self, scorer: Scorer, x: Tensor) -> Tensor:
-        s = scorer(x)
-        if not isinstance(s, Tensor) or tuple(s.shape) != (x.shape[0],):
+    def _checked_scores(self, s: Tensor, n: int) -> Tensor:
+        if not isinstance(s, Tensor) or tuple(s.shape) != (n,):
             shape = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
-            raise DataError(f"scorer must return a tensor of shape ({x.shape[0]},), got {shape}")
+            raise DataError(f"scorer must return a tensor of shape ({n},), got {shape}")
         s = s.detach().to(self.device, torch.float32)
         if not bool(torch.isfinite(s).all()):
             raise DataError("scorer returned NaN or Inf scores; check the scoring model")
@@ -242,6 +265,57 @@ class ReplayMemory:
         self.x[slots], self.y[slots], self.task[slots] = x[rows], y[rows], task
         self.size = min(self.seen, self.capacity)
 
+    def pending_scores(
+        self,
+        x: Tensor,
+        y: Tensor,
+        task: int,
+        version: int,
+        rescore_all: bool = False,
+        keep_stale: bool = False,
+    ) -> Tensor | None:
+        """The stacked candidates that `update` with these arguments will score (None when it
+        scores none), computed without changing the memory or drawing random numbers: a
+        caller can score them ahead (e.g. while it trains) and pass the scores to `update`."""
+        if self.policy != "balanced-score" or not self.rule.needs_scores:
+            return None
+        x, y = self._check_batch(x, y)
+        if self.capacity == 0 or self.size + y.numel() <= self.capacity or y.numel() == 0:
+            return None
+        if not bool(torch.isin(y, self._classes).all()):
+            return None  # a new label's leftover priority is drawn in update(): score there
+        plan = self._plan(y, task, version, rescore_all, keep_stale)
+        return self._stack(x, plan.need, self.size) if plan.need.numel() else None
+
+    def _plan(self, y: Tensor, task: int, version: int, rescore_all: bool,
+              keep_stale: bool) -> _Plan:
+        """Classes, allotments, ranked classes and the candidates needing a score."""
+        dev, size, b = self.device, self.size, y.numel()
+        n = size + b
+        yc = torch.cat([self.y[:size], y])
+        tc = torch.cat([self.task[:size], torch.full((b,), task, dtype=torch.int64, device=dev)])
+        vc = torch.cat([self.score_version[:size], torch.full_like(y, -1)])
+        labels, inv, counts = torch.unique(yc, return_inverse=True, return_counts=True)
+        m = labels.numel()
+        prio = self._priority[torch.searchsorted(self._classes, labels)]
+        keep_n = water_fill(counts, prio, self.capacity)
+        # A class of the current task: any of its candidates belongs to `task`.
+        current = torch.zeros(m, dtype=torch.bool, device=dev)
+        current[inv[tc == task]] = True
+        ranked = torch.zeros(m, dtype=torch.bool, device=dev)
+        need = torch.zeros(0, dtype=torch.int64, device=dev)
+        if self.policy == "balanced-score":
+            ranked = (counts > keep_n) & (current | self.rank_past)
+            if self.rule.needs_scores:
+                if rescore_all:
+                    valid = torch.zeros(n, dtype=torch.bool, device=dev)
+                elif keep_stale:
+                    valid = vc >= 0
+                else:
+                    valid = (vc == version) | (~current[inv] & (vc >= 0))
+                need = torch.nonzero(ranked[inv] & ~valid).squeeze(1)
+        return _Plan(inv, counts, keep_n, ranked, need)
+
     def _balanced(
         self,
         x: Tensor,
@@ -250,58 +324,45 @@ class ReplayMemory:
         scorer: Scorer | None,
         version: int,
         rescore_all: bool,
+        featurizer: Featurizer | None,
+        keep_stale: bool,
+        scores: Tensor | None = None,
     ) -> int:
         """Class-balanced selection over memory + batch; writes kept new samples into the
         evicted slots (and the free tail), so [0, capacity) is filled afterwards."""
         dev, size, cap, b = self.device, self.size, self.capacity, y.numel()
         n = size + b
-        yc = torch.cat([self.y[:size], y])
-        tc = torch.cat([self.task[:size], torch.full((b,), task, dtype=torch.int64, device=dev)])
         sc = torch.cat([self.score[:size], torch.zeros(b, device=dev)])
         vc = torch.cat([self.score_version[:size], torch.full_like(y, -1)])
-        labels, inv, counts = torch.unique(yc, return_inverse=True, return_counts=True)
-        m = labels.numel()
-        # A class of the current task: any of its candidates belongs to `task`.
-        current = torch.zeros(m, dtype=torch.bool, device=dev)
-        current[inv[tc == task]] = True
+        plan = self._plan(y, task, version, rescore_all, keep_stale)
+        inv, counts, keep_n, ranked = plan.inv, plan.counts, plan.keep_n, plan.ranked
 
-        scored = 0
-        ranked = torch.zeros(m, dtype=torch.bool, device=dev)
-        if self.policy == "balanced-score":
-            assert scorer is not None
-            ranked = current
-            is_new = torch.arange(n, device=dev) >= size
-            stale = torch.ones_like(is_new) if rescore_all else vc != version
-            need = current[inv] & (is_new | stale)
-            idx = torch.nonzero(need).squeeze(1)
-            scored = idx.numel()
-            if scored:
-                mem_idx, new_idx = idx[idx < size], idx[idx >= size] - size
-                s = self._call_scorer(scorer, torch.cat([self.x[mem_idx], x[new_idx]]))
-                sc[idx], vc[idx] = s, version
-                self.score[:size], self.score_version[:size] = sc[:size], vc[:size]
+        scored = plan.need.numel()
+        feats = None
+        if scored:
+            if scores is None:
+                if scorer is None:
+                    raise ConfigError("a 'balanced-score' memory needs a scorer in update()")
+                scores = scorer(self._stack(x, plan.need, size))
+            sc[plan.need] = self._checked_scores(scores, scored)
+            vc[plan.need] = version
+            self.score[:size], self.score_version[:size] = sc[:size], vc[:size]
+        if self.policy == "balanced-score" and self.rule.needs_features:
+            in_ranked = ranked[inv]
+            if bool(in_ranked.any()):
+                if featurizer is None:
+                    raise ConfigError(f"selection '{self.rule.name}' needs a featurizer")
+                idx = torch.nonzero(in_ranked).squeeze(1)
+                f = featurizer(self._stack(x, idx, size)).detach().to(dev, torch.float32)
+                feats = torch.zeros((n, *f.shape[1:]), device=dev)
+                feats[idx] = f
 
-        # Sort key within a class: scores for ranked classes, random otherwise.
+        # Uniform choice for unranked classes (random key, then the keep_n lowest keys).
         key = torch.rand(n, generator=self._gen, device=dev)
-        score_key = -sc if self.selection == "top" else sc
-        key = torch.where(ranked[inv], score_key, key)
-        pos = torch.searchsorted(self._classes, labels)
-        keep_n = water_fill(counts, self._priority[pos], cap)
-
-        # Sort by (class, key): stable sort by key, then stable sort by class.
-        order = torch.argsort(key, stable=True)
-        order = order[torch.argsort(inv[order], stable=True)]
-        cls = inv[order]
-        start = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(n, device=dev) - start[cls]
-        k, cnt = keep_n[cls], counts[cls]
-        keep_sorted = rank < k
-        if self.policy == "balanced-score" and self.selection == "step":
-            # rank r of cnt kept iff floor(r*k/cnt) steps up at r: k evenly spaced picks.
-            spread = torch.remainder(rank * k, cnt) < k
-            keep_sorted = torch.where(ranked[cls], spread, keep_sorted)
-        keep = torch.zeros(n, dtype=torch.bool, device=dev)
-        keep[order] = keep_sorted
+        keep = grouped_rank(inv, key, counts) < keep_n[inv]
+        if bool(ranked.any()):
+            rule_keep = self.rule.select(Candidates(inv, counts, keep_n, sc, feats, self._gen))
+            keep = torch.where(ranked[inv], rule_keep, keep)
 
         free = torch.cat(
             [torch.nonzero(~keep[:size]).squeeze(1), torch.arange(size, cap, device=dev)]
@@ -311,6 +372,11 @@ class ReplayMemory:
         self.score[free], self.score_version[free] = sc[size + rows], vc[size + rows]
         self.size = cap
         return scored
+
+    def _stack(self, x: Tensor, idx: Tensor, size: int) -> Tensor:
+        """Candidates `idx` (memory slots below `size`, then batch rows) stacked."""
+        mem_idx, new_idx = idx[idx < size], idx[idx >= size] - size
+        return torch.cat([self.x[mem_idx], x[new_idx]])
 
     # ------------------------------------------------------------------ persistence
 
@@ -326,6 +392,7 @@ class ReplayMemory:
             "sample_shape": self.sample_shape,
             "policy": self.policy,
             "selection": self.selection,
+            "rank_past": self.rank_past,
             "size": s,
             "seen": self.seen,
             "x": cpu(self.x[:s]),
@@ -343,11 +410,12 @@ class ReplayMemory:
         missing = [k for k in _STATE_KEYS if k not in d]
         if missing:
             raise ConfigError(f"not a ReplayMemory state: missing {missing}")
-        mine = (self.capacity, self.sample_shape, self.policy, self.selection)
-        theirs = (int(d["capacity"]), tuple(d["sample_shape"]), d["policy"], d["selection"])
+        mine = (self.capacity, self.sample_shape, self.policy, self.selection, self.rank_past)
+        theirs = (int(d["capacity"]), tuple(d["sample_shape"]), d["policy"], d["selection"],
+                  bool(d.get("rank_past", _OPTIONAL_STATE["rank_past"])))
         if mine != theirs:
             raise ConfigError(
-                f"memory state is for (capacity, shape, policy, selection) = {theirs}, "
+                f"memory state is for (capacity, shape, policy, selection, rank_past) = {theirs}, "
                 f"this memory is {mine}"
             )
         s = int(d["size"])

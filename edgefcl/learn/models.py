@@ -165,3 +165,17 @@ def model_device(model: nn.Module) -> torch.device:
     """Device of the model's first parameter (CPU for a model without parameters)."""
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def penultimate(model: nn.Module, x: Tensor) -> Tensor:
+    """Features of `x` before the model's last linear layer, shape (N, d): the pooled
+    features of the CNN and ResNet, the hidden layer of the MLP; the logits for any other
+    model. Runs as called (the caller chooses eval mode and no-grad)."""
+    if isinstance(model, SmallCNN):
+        return model.features(x)
+    if isinstance(model, MLP) and isinstance(model.net[-1], nn.Linear):
+        return model.net[:-1](x)
+    if isinstance(model, SlimResNet18):
+        out = model.layers(F.relu(model.bn1(model.conv1(x))))
+        return F.adaptive_avg_pool2d(out, 1).flatten(1)
+    return model(x)

@@ -1,0 +1,273 @@
+"""The memory study (`edgefcl bench memory`): selection rules x datasets x memory sizes x seeds.
+
+Every run is one in-process lock-step simulation of the run configuration with the memory of
+one rule. Runs go one after another in this process, interleaved (for each dataset, size and
+seed, every rule in turn), so that other load on the machine hits every rule alike. Results are
+written to JSON after every run and reused by a later call with the same out folder (a grid can
+be extended without re-running what is there). The table gives A and F as mean ± sample std
+(ddof=1) over seeds and the wall time per run.
+
+A rule spec is `METHOD[:SELECTION][+past][@RESCORE]`: `er`, `cbr`, `bi:step`,
+`bi:step+past` (past-task classes ranked by their cached scores too), `bi:bottom@on_change`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgefcl.config import METHODS, ConfigError, RunConfig
+from edgefcl.learn.selection import get_selection
+from edgefcl.simulate import simulate
+
+DEFAULT_DATASETS = ("digits", "mnist1d", "digits28")
+DEFAULT_PER_CLASS = (5, 10, 20, 50)
+DEFAULT_RULES = ("er", "cbr", "bi", "bi:bottom@on_change", "bi:top", "bi:step@on_change",
+                 "bi:mix", "bi:kcenter", "bi:herding", "bi:step+past")
+"""The rules of the default grid (`bi` is the default memory; `bi:bottom@on_change` the
+paper's)."""
+DIGITS28 = "digits28"
+"""scikit-learn's 8x8 digits upscaled (bilinear) to 28x28 images: a small image workload."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSpec:
+    """One memory rule of the study."""
+
+    label: str
+    method: str
+    selection: str | None
+    rank_past: bool
+    rescore: str | None
+
+
+def parse_rule(spec: str) -> RuleSpec:
+    """`METHOD[:SELECTION][+past][@RESCORE]` -> RuleSpec (ConfigError when malformed)."""
+    s = spec.strip()
+    rest, _, rescore = s.partition("@")
+    rest, plus, past = rest.partition("+")
+    method, _, selection = rest.partition(":")
+    if not method or (plus and past != "past"):
+        raise ConfigError(f"bad rule '{spec}': use METHOD[:SELECTION][+past][@RESCORE]")
+    if method not in METHODS:
+        raise ConfigError(f"rule '{spec}': unknown method '{method}'")
+    if selection:
+        get_selection(selection)
+    if rescore and rescore not in ("on_change", "always", "never"):
+        raise ConfigError(f"rule '{spec}': rescore must be on_change, always or never")
+    return RuleSpec(s, method, selection or None, bool(plus), rescore or None)
+
+
+def digits28_npz(folder: Path) -> Path:
+    """Write (once) scikit-learn's digits upscaled to 28x28 as an npz the loader reads."""
+    path = folder / "digits28.npz"
+    if path.exists():
+        return path
+    import torch
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.from_numpy(d.images.astype(np.float32) / 16.0).unsqueeze(1)
+    x = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False).clamp(0, 1)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, x=x.numpy(), y=d.target.astype(np.int64))
+    return path
+
+
+def dataset_spec(name: str, folder: Path) -> str:
+    """The `--dataset` value of a study dataset name (digits28 is generated)."""
+    return f"npz:{digits28_npz(folder)}" if name == DIGITS28 else name
+
+
+def run_config(base: RunConfig, dataset: str, memory_size: int, rule: RuleSpec) -> RunConfig:
+    """`base` with one study cell's dataset, memory size and rule."""
+    learn = dataclasses.replace(base.learn, method=rule.method, memory_size=memory_size,
+                                rank_past=rule.rank_past)
+    if rule.selection:
+        learn = dataclasses.replace(learn, selection=rule.selection)
+    if rule.rescore:
+        learn = dataclasses.replace(learn, rescore=rule.rescore)
+    data = dataclasses.replace(base.data, dataset=dataset)
+    return dataclasses.replace(base, data=data, learn=learn, compare="", quiet=True)
+
+
+def _key(dataset: str, per_class: int, rule: str, seed: int) -> str:
+    return f"{dataset}|{per_class}|{rule}|{seed}"
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof=1; nan for one value)."""
+    a = np.asarray(values, dtype=float)
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else math.nan
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (dataset, per_class, rule): A, F (mean ± sample std), wall s, n."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in runs:
+        cells.setdefault((r["dataset"], r["per_class"], r["rule"]), []).append(r)
+    rows = []
+    for (ds, pc, rule), rs in cells.items():
+        a, a_sd = mean_std([r["accuracy"] for r in rs])
+        f, f_sd = mean_std([r["forgetting"] for r in rs])
+        w, _ = mean_std([r["wall_s"] for r in rs])
+        rows.append({"dataset": ds, "per_class": pc, "rule": rule, "n": len(rs),
+                     "accuracy": a, "accuracy_std": a_sd, "forgetting": f, "forgetting_std": f_sd,
+                     "wall_s": w, "scored_per_batch": float(np.mean([r["scored_per_batch"]
+                                                                    for r in rs]))})
+    return rows
+
+
+def bar_check(rows: list[dict]) -> list[dict]:
+    """Per (dataset, per_class) and BI rule: does it meet F <= min(F_er, F_cbr) and
+    A >= max(A_er, A_cbr) - 1 (on the means)?"""
+    out = []
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["dataset"], r["per_class"]), {})[r["rule"]] = r
+    for (ds, pc), by_rule in cells.items():
+        if "er" not in by_rule or "cbr" not in by_rule:
+            continue
+        f_ref = min(by_rule["er"]["forgetting"], by_rule["cbr"]["forgetting"])
+        a_ref = max(by_rule["er"]["accuracy"], by_rule["cbr"]["accuracy"])
+        for rule, r in by_rule.items():
+            if rule in ("er", "cbr"):
+                continue
+            out.append({"dataset": ds, "per_class": pc, "rule": rule,
+                        "f_ok": r["forgetting"] <= f_ref, "a_ok": r["accuracy"] >= a_ref - 1,
+                        "dA": r["accuracy"] - a_ref, "dF": r["forgetting"] - f_ref})
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of `summarize` rows."""
+    lines = ["| data | M/class | rule | A (%) | F (%) | wall s/run | scored/batch | seeds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dataset']} | {r['per_class']} | {r['rule']} | "
+                     f"{r['accuracy']:.1f} ± {r['accuracy_std']:.1f} | "
+                     f"{r['forgetting']:.1f} ± {r['forgetting_std']:.1f} | {r['wall_s']:.1f} | "
+                     f"{r['scored_per_batch']:.1f} | {r['n']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """A and F per rule, one panel pair per dataset, x = memory per class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    rules = list(dict.fromkeys(r["rule"] for r in rows))
+    sizes = sorted({r["per_class"] for r in rows})
+    fig, axes = plt.subplots(2, len(datasets), figsize=(4.5 * len(datasets), 7.5),
+                             squeeze=False)
+    handles: dict[str, object] = {}
+    for j, ds in enumerate(datasets):
+        for ri, rule in enumerate(rules):
+            rs = sorted((r for r in rows if r["dataset"] == ds and r["rule"] == rule),
+                        key=lambda r: r["per_class"])
+            if not rs:
+                continue
+            # one slot per memory size, rules side by side inside it
+            x = [sizes.index(r["per_class"]) + 0.6 * (ri / max(len(rules) - 1, 1) - 0.5)
+                 for r in rs]
+            style = "--" if rule in ("er", "cbr") else "-"
+            for i, k in enumerate(("accuracy", "forgetting")):
+                sd = [0.0 if math.isnan(r[k + "_std"]) else r[k + "_std"] for r in rs]
+                h = axes[i][j].errorbar(x, [r[k] for r in rs], yerr=sd, label=rule, ls=style,
+                                        marker="o", capsize=2, lw=1, ms=4,
+                                        color=f"C{ri % 10}")
+                handles.setdefault(rule, h)
+        axes[0][j].set_title(ds)
+        axes[0][j].set_ylabel("A (%)")
+        axes[1][j].set_ylabel("F (%)")
+        axes[1][j].set_xlabel("memory per class")
+        for i in range(2):
+            axes[i][j].set_xticks(range(len(sizes)), [str(v) for v in sizes])
+            axes[i][j].set_xlim(-0.5, len(sizes) - 0.5)
+            axes[i][j].grid(alpha=0.3)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", fontsize=8,
+               ncol=min(len(handles), 6))
+    fig.suptitle("memory study: mean ± sample std over seeds")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench_memory(cfg: RunConfig, out: Path, datasets: list[str], per_class: list[int],
+                 rules: list[str]) -> dict:
+    """Run the grid (reusing runs already in out/bench_memory.json), print the table, write
+    JSON, the markdown table and the plot."""
+    specs = [parse_rule(r) for r in rules]
+    path = out / "bench_memory.json"
+    done: dict[str, dict] = {}
+    if path.exists():
+        for r in json.loads(path.read_text()).get("runs", []):
+            done[_key(r["dataset"], r["per_class"], r["rule"], r["seed"])] = r
+    seeds = list(range(cfg.seed, cfg.seed + cfg.seeds))
+    cells = [(ds, pc, seed, spec) for ds in datasets for pc in per_class for seed in seeds
+             for spec in specs]
+    todo = [c for c in cells if _key(c[0], c[1], c[3].label, c[2]) not in done]
+    print(f"memory study: {len(datasets)} dataset(s) x {len(per_class)} size(s) x "
+          f"{len(specs)} rule(s) x {len(seeds)} seed(s); {len(todo)} run(s) to do, "
+          f"{len(cells) - len(todo)} reused")
+    t_start = time.perf_counter()
+    for i, (ds, pc, seed, spec) in enumerate(todo):
+        spec_ds = dataset_spec(ds, out)
+        n_classes = 10 if ds in DEFAULT_DATASETS else _n_classes(spec_ds)
+        run_cfg = run_config(cfg, spec_ds, pc * n_classes, spec)
+        r = simulate(run_cfg, seed=seed)
+        n = max(r.extra["batches"], 1)
+        done[_key(ds, pc, spec.label, seed)] = {
+            "dataset": ds, "per_class": pc, "memory_size": pc * n_classes, "rule": spec.label,
+            "seed": seed, "accuracy": r.accuracy, "forgetting": r.forgetting,
+            "wall_s": r.wall_s, "scored_per_batch": r.extra["scored_samples"] / n,
+            "timings_ms": {k: 1000 * v / n for k, v in r.extra["timings"].items()},
+            "global_sha256": r.global_sha256}
+        elapsed = time.perf_counter() - t_start
+        print(f"[{i + 1}/{len(todo)}] {ds} M/class {pc} {spec.label} seed {seed}: "
+              f"A {r.accuracy:.1f} F {r.forgetting:.1f} ({r.wall_s:.1f} s; "
+              f"{elapsed / 60:.1f} min so far)", flush=True)
+        _write(path, cfg, done)
+    wanted = {_key(ds, pc, s.label, seed) for ds, pc, seed, s in cells}
+    rows = summarize([r for k, r in done.items() if k in wanted])
+    report = _write(path, cfg, done, rows)
+    table = format_table(rows)
+    print("\nA and F: mean ± sample std (ddof=1) over seeds\n" + table)
+    misses = [b for b in report["bar"] if not (b["f_ok"] and b["a_ok"])]
+    print("\nbar (F <= min(F_er, F_cbr), A >= max(A_er, A_cbr) - 1) met by rule:")
+    for rule in dict.fromkeys(b["rule"] for b in report["bar"]):
+        mine = [b for b in report["bar"] if b["rule"] == rule]
+        miss = [f"{b['dataset']}/{b['per_class']}" for b in misses if b["rule"] == rule]
+        print(f"  {rule:<18} {len(mine) - len(miss)}/{len(mine)} cells"
+              + (f"  (missed: {', '.join(miss)})" if miss else ""))
+    (out / "bench_memory.md").write_text(table + "\n")
+    if rows:
+        plot(rows, out / "bench_memory.png")
+        print(f"plot: {out / 'bench_memory.png'}")
+    return report
+
+
+def _n_classes(spec: str) -> int:
+    from edgefcl.data.loaders import load_dataset
+
+    return int(load_dataset(spec).n_classes)
+
+
+def _write(path: Path, cfg: RunConfig, done: dict[str, dict],
+           rows: list[dict] | None = None) -> dict:
+    report = {"config": dataclasses.asdict(cfg), "runs": list(done.values()),
+              "rows": rows or [], "bar": bar_check(rows or []),
+              "note": "A, F in %; mean ± sample std (ddof=1) over seeds"}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)
+    return report

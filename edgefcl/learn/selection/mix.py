@@ -1,0 +1,21 @@
+"""mix: half of a class's allotment are its least uncertain candidates (rounded down), the
+rest is drawn uniformly from the other candidates."""
+
+import torch
+from torch import Tensor
+
+from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank, register
+
+
+@register
+class Mix(Selection):
+    name = "mix"
+    low_fraction = 0.5
+
+    def select(self, c: Candidates) -> Tensor:
+        k = c.keep[c.cls]
+        low = grouped_rank(c.cls, c.score, c.counts) < torch.div(
+            k, round(1 / self.low_fraction), rounding_mode="floor")
+        # the low ones sort first (key -1), the others in a random order
+        u = torch.rand(c.cls.numel(), generator=c.generator, device=c.cls.device)
+        return grouped_rank(c.cls, torch.where(low, -1.0, u), c.counts) < k

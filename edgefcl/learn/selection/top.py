@@ -1,0 +1,13 @@
+"""top: keep the most uncertain candidates of a class."""
+
+from torch import Tensor
+
+from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank, register
+
+
+@register
+class Top(Selection):
+    name = "top"
+
+    def select(self, c: Candidates) -> Tensor:
+        return grouped_rank(c.cls, -c.score, c.counts) < c.keep[c.cls]

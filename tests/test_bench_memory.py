@@ -1,0 +1,57 @@
+"""The memory study's rule specs, statistics and bar check (edgefcl.bench_memory)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from edgefcl.bench_memory import bar_check, bench_memory, parse_rule, summarize
+from edgefcl.config import ConfigError, RunConfig
+
+
+def test_parse_rule():
+    r = parse_rule("bi:step+past@never")
+    assert (r.method, r.selection, r.rank_past, r.rescore) == ("bi", "step", True, "never")
+    r = parse_rule("cbr")
+    assert (r.method, r.selection, r.rank_past, r.rescore) == ("cbr", None, False, None)
+    for bad in ("bi:nope", "bi+x", "nomethod", "bi@sometimes", ""):
+        with pytest.raises(ConfigError):
+            parse_rule(bad)
+
+
+def _run(rule, seed, a, f, ds="d", pc=10):
+    return {"dataset": ds, "per_class": pc, "rule": rule, "seed": seed, "accuracy": a,
+            "forgetting": f, "wall_s": 1.0, "scored_per_batch": 0.0}
+
+
+def test_summarize_uses_the_sample_std():
+    rows = summarize([_run("er", 0, 80.0, 10.0), _run("er", 1, 84.0, 14.0),
+                      _run("cbr", 0, 90.0, 5.0)])
+    er = next(r for r in rows if r["rule"] == "er")
+    assert er["accuracy"] == 82.0 and er["accuracy_std"] == pytest.approx(math.sqrt(8.0))
+    assert er["forgetting_std"] == pytest.approx(math.sqrt(8.0)) and er["n"] == 2
+    assert math.isnan(next(r for r in rows if r["rule"] == "cbr")["accuracy_std"])
+
+
+def test_bar_check():
+    rows = summarize([_run("er", 0, 80.0, 10.0), _run("cbr", 0, 85.0, 6.0),
+                      _run("bi:a", 0, 84.0, 6.0), _run("bi:b", 0, 83.9, 5.0),
+                      _run("bi:c", 0, 90.0, 6.1)])
+    got = {b["rule"]: (b["a_ok"], b["f_ok"]) for b in bar_check(rows)}
+    # A >= max(80, 85) - 1 = 84; F <= min(10, 6) = 6
+    assert got == {"bi:a": (True, True), "bi:b": (False, True), "bi:c": (True, False)}
+
+
+@pytest.mark.slow
+def test_study_runs_writes_and_reuses(tmp_path, capsys):
+    cfg = RunConfig()
+    cfg.data.tasks, cfg.fed.clients = 2, 2
+    bench_memory(cfg, tmp_path, ["digits"], [2], ["cbr", "bi:step"])
+    report = json.loads((tmp_path / "bench_memory.json").read_text())
+    assert {r["rule"] for r in report["runs"]} == {"cbr", "bi:step"}
+    assert (tmp_path / "bench_memory.png").stat().st_size > 0
+    assert "bi:step" in (tmp_path / "bench_memory.md").read_text()
+    bench_memory(cfg, tmp_path, ["digits"], [2], ["cbr", "bi:step"])
+    assert "0 run(s) to do, 2 reused" in capsys.readouterr().out
