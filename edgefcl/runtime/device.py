@@ -18,6 +18,8 @@ from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.versions import DELTA_FROM, DownlinkState, delta_downlink
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
+from edgefcl.metrics import forgetting
+from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, topics, wire_dtype
 from edgefcl.runtime.state import save_json
 from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode
@@ -71,6 +73,9 @@ class DeviceRunner:
         n_tasks = len(eval_tasks) if eval_tasks else 0
         self.acc = np.full((n_tasks, n_tasks), np.nan)
         self.link = None
+        # join check (runtime/join.py): this device's profile against the retained config
+        self.profile: dict | None = None
+        self.fleet_config: dict | None = None
 
     # -- inbound --------------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -84,6 +89,8 @@ class DeviceRunner:
             if isinstance(msg, GlobalModel):
                 self.bytes_down += len(payload)
                 self._on_global(topic, msg)
+            elif isinstance(msg, Message) and msg.kind == "config":
+                self.fleet_config = msg.body
             elif isinstance(msg, Message) and msg.kind == "answer":
                 self.answers[int(msg.body["tick"])] = msg.body
             elif isinstance(msg, Message) and msg.kind == "control":
@@ -167,10 +174,33 @@ class DeviceRunner:
         c = self.client
         body = {"state": state, "task": c.task if c.task is not None else -1, "batch": c.bn,
                 "version": c.version, "consumed": self.consumed, "rounds": self.rounds,
-                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down, **extra}
+                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
+                "rejected": self.rejected, "time": round(time.time(), 3),
+                "prequential": self._prequential(), **extra}
         self.link.publish(self.topics.status(self.cid),
                           encode(Message("status", body), fleet=self.cfg.mqtt.fleet,
                                  sender=self.cid), qos=1, retain=True, wait=wait)
+
+    def _prequential(self) -> float | None:
+        monitor = getattr(self.client, "monitor", None)
+        preq = getattr(monitor, "prequential", None)
+        if preq is None or not preq.samples:
+            return None
+        return round(100.0 * float(preq.accuracy), 2)
+
+    def _join(self) -> None:
+        """Wait for the fleet's retained config and refuse to train on a mismatch."""
+        def waiting() -> None:
+            log.info("%s: waiting for the aggregator's config on %s", self.cid,
+                     self.topics.config)
+
+        fleet = self._wait(lambda: self.fleet_config, 10.0, waiting)
+        try:
+            check_join(self.cid, self.cfg.mqtt.fleet, self.profile, fleet)
+        except JoinRefused as e:
+            self._status("refused", wait=True, reason=str(e))
+            self.link.close()
+            raise
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> dict:
@@ -189,9 +219,13 @@ class DeviceRunner:
             self.link.subscribe(self.topics.global_delta, self._on_message)
         self.link.subscribe(self.topics.tick, self._on_message)
         self.link.subscribe(self.topics.control, self._on_message)
+        if self.profile is not None:
+            self.link.subscribe(self.topics.config, self._on_message)
         if self.source is None:
             self.link.subscribe(self.topics.stream(self.cid), self._on_message)
         self.link.connect(self.cfg.mqtt.connect_timeout)
+        if self.profile is not None:
+            self._join()
         self._status("online")
         log.info("%s online on %s (fleet %s, mode %s)", self.cid, self.cfg.mqtt.broker,
                  self.cfg.mqtt.fleet, self.cfg.fed.mode)
@@ -216,7 +250,9 @@ class DeviceRunner:
         except Stopped:
             state = "stopped"
         results = self.results()
-        self._status(state, wait=True, accuracy=results.get("accuracy"))
+        self._status(state, wait=True, accuracy=results.get("accuracy"),
+                     forgetting=results.get("forgetting"),
+                     accuracy_matrix=results["accuracy_matrix"])
         self.link.close()
         if self.out is not None:
             save_json(self.out / f"{self.cid}.json", results)
@@ -264,5 +300,7 @@ class DeviceRunner:
                "rejected": self.rejected, "duplicate_batches": self.duplicates,
                "catch_ups": self.catch_ups}
         if len(self.acc):
-            out["accuracy"] = float(100 * np.nan_to_num(self.acc)[-1].mean())
+            acc = np.nan_to_num(self.acc)
+            out["accuracy"] = float(100 * acc[-1].mean())
+            out["forgetting"] = float(100 * forgetting(acc[None]))
         return out | stream_report([c])
