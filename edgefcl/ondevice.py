@@ -9,7 +9,6 @@ float32 inputs of shape (batch, *sample_shape) with a dynamic batch axis and ret
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 from typing import Any
 

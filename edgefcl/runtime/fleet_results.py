@@ -116,9 +116,9 @@ class FleetResults:
             out.update(accuracy=float(np.mean(per_a)), forgetting=float(np.mean(per_f)),
                        accuracy_matrix=np.round(100 * acc, 4).tolist(),
                        matrix_clients=sorted(mats))
-            parts.append(f"A = {np.mean(per_a):.1f} ± {sample_std(per_a):.1f} %, F = "
-                         f"{np.mean(per_f):.1f} ± {sample_std(per_f):.1f} % (mean ± sample std over "
-                         f"{len(mats)} clients)")
+            parts.append(f"A = {np.mean(per_a):.1f} ± {sample_std(per_a):.1f} %, "
+                         f"F = {np.mean(per_f):.1f} ± {sample_std(per_f):.1f} % "
+                         f"(mean ± sample std over {len(mats)} clients)")
         parts.append(f"updates accepted {out['accepted']}, rejected {sum(rejected.values())}")
         if self.accuracy is not None:
             parts.append(f"global accuracy on held-out data {self.accuracy:.1f} %")
