@@ -230,6 +230,12 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     from edgefcl.report import make_dir
 
     make_dir(state_dir, "--state-dir")
+    from edgefcl.runtime.fleet_results import announce_refusal, finished_run
+
+    refusal = finished_run(state_dir)
+    if refusal:
+        announce_refusal(cfg, refusal)
+        raise UserError(refusal)
     setup = None
     if args.initial:
         if not Path(args.initial).is_file():
@@ -255,8 +261,8 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from edgefcl.runtime.device import DeviceRunner
-    from edgefcl.simulate import client_stream, make_client, prepare
+    from edgefcl.runtime.join import fleet_profile, preflight
+    from edgefcl.simulate import initial_global, prepare
 
     cfg = daemon_config(args)
     check_runs(cfg)
@@ -269,20 +275,24 @@ def cmd_client(args: argparse.Namespace) -> int:
     if not 0 <= args.index < len(setup.tasks):
         raise ConfigError(f"--index must be in [0, {len(setup.tasks)}) for {cfg.fed.clients} "
                           "clients")
+    from edgefcl.data.workload import client_id
+
+    cid = args.id or client_id(args.index)
+    profile = fleet_profile(cfg, initial_global(cfg, setup), setup.dataset)
+    preflight(cfg, cid, profile)  # a device that does not match its fleet stops here
     import torch
+
+    from edgefcl.runtime.device import DeviceRunner
+    from edgefcl.simulate import client_stream, make_client
 
     torch.set_num_threads(cfg.learn.threads)
     client = make_client(cfg, setup, args.index, cfg.learn.method, cfg.seed)
-    if args.id:
-        client.cid = args.id
+    client.cid = cid
     source = (client_stream(cfg, setup.tasks[args.index], args.index, cfg.seed)
               if args.source == "local" else None)
     runner = DeviceRunner(cfg, client, source, None if args.no_eval else setup.tasks[args.index],
                           Path(args.results) if args.results else None)
-    from edgefcl.runtime.join import fleet_profile
-    from edgefcl.simulate import initial_global
-
-    runner.profile = fleet_profile(cfg, initial_global(cfg, setup), setup.dataset)
+    runner.profile = profile
     results = runner.run()
     acc = results.get("accuracy")
     print(f"{client.cid}: {results['batches']} batches, {results['rounds']} rounds"
@@ -291,6 +301,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     if results["rounds"] == 0 and results["batches"] > 0:
         log.warning("%s never took part in a round (rounds = 0): it trained alone; check the "
                     "aggregator's log and `edgefcl status`", client.cid)
+        return 1 if cfg.fed.clients >= cfg.fed.min_clients else 0
     return 0
 
 

@@ -328,6 +328,7 @@ def report_dir(path: Path) -> str:
     directory; (re)writes its plots. Raises DataError for anything else."""
     if not path.is_dir():
         raise DataError(f"{path}: no such directory")
+    parts = []
     results = path / RESULTS
     if results.is_file():
         d = json.loads(results.read_text())
@@ -335,20 +336,20 @@ def report_dir(path: Path) -> str:
             runs = [result_from_dict(r) for r in d["runs"]]
             summary = summarize(runs)
             plot_comparison(summary, path / "comparison.png")
-            return "\n".join([*(run_table(r) for r in runs), "", compare_table(summary),
-                              f"plots written to {path}/"])
-        if "accuracy_matrix" in d:
+            parts += [*(run_table(r) for r in runs), "", compare_table(summary)]
+        elif "accuracy_matrix" in d:
             r = result_from_dict(d)
             plot_run(r, path)
-            return run_table(r) + f"\nplots written to {path}/"
-    if (path / ROUNDS).is_file() or (path / "state.json").is_file() or (path / "fleet.json") \
-            .is_file():
+            parts.append(run_table(r))
+    if (path / ROUNDS).is_file() or (path / "state.json").is_file():
         from edgefcl.runtime.fleet_results import fleet_table
 
         rounds = read_rounds(path / ROUNDS)
         if rounds:
-            plot_rounds(rounds, path / "rounds.png", f"fleet {path.name}: per round")
-        return fleet_table(path, rounds) + (f"\nplot written to {path / 'rounds.png'}"
-                                            if rounds else "")
-    raise DataError(f"{path} is neither a run directory (results.json) nor an aggregator state "
-                    f"directory ({ROUNDS})")
+            plot_rounds(rounds, path / "rounds.png", f"fleet state {path.name}: bytes and "
+                        "held-out accuracy of the global per round")
+        parts.append(fleet_table(path, rounds))
+    if not parts:
+        raise DataError(f"{path} is neither a run directory ({RESULTS}) nor an aggregator "
+                        f"state directory ({ROUNDS})")
+    return "\n".join(parts + [f"plots written to {path}/"])

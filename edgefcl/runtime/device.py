@@ -76,6 +76,8 @@ class DeviceRunner:
         # join check (runtime/join.py): this device's profile against the retained config
         self.profile: dict | None = None
         self.fleet_config: dict | None = None
+        self.aggregator_state: dict | None = None
+        self.join_timeout = 60.0
 
     # -- inbound --------------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -91,6 +93,8 @@ class DeviceRunner:
                 self._on_global(topic, msg)
             elif isinstance(msg, Message) and msg.kind == "config":
                 self.fleet_config = msg.body
+            elif isinstance(msg, Message) and msg.kind == "status":
+                self.aggregator_state = msg.body
             elif isinstance(msg, Message) and msg.kind == "answer":
                 self.answers[int(msg.body["tick"])] = msg.body
             elif isinstance(msg, Message) and msg.kind == "control":
@@ -189,14 +193,39 @@ class DeviceRunner:
         return round(100.0 * float(preq.accuracy), 2)
 
     def _join(self) -> None:
-        """Wait for the fleet's retained config and refuse to train on a mismatch."""
+        """Wait for an online aggregator and its retained config; refuse to train on a
+        mismatch, or when no aggregator comes online within `join_timeout` s (a device never
+        trains alone believing it is part of a fleet)."""
         def waiting() -> None:
-            log.info("%s: waiting for the aggregator's config on %s", self.cid,
-                     self.topics.config)
+            state = (self.aggregator_state or {}).get("state", "not seen")
+            log.info("%s: waiting for the aggregator of fleet %s (its status: %s)", self.cid,
+                     self.cfg.mqtt.fleet, state)
 
-        fleet = self._wait(lambda: self.fleet_config, 10.0, waiting)
+        started = time.time()
+
+        def ready():
+            agg = self.aggregator_state or {}
+            if agg.get("state") == "refused" and float(agg.get("time", 0.0)) >= started - 5.0:
+                raise JoinRefused(f"{self.cid}: the aggregator of fleet '{self.cfg.mqtt.fleet}' "
+                                  f"refused to start: {agg.get('reason', '')}")
+            online = agg.get("state") == "online"
+            return self.fleet_config if online and self.fleet_config is not None else None
+
+        deadline = time.monotonic() + self.join_timeout
+        fleet = None
         try:
+            while fleet is None:
+                if time.monotonic() > deadline:
+                    last = self.aggregator_state or {}
+                    why = f" ({last['reason']})" if last.get("reason") else ""
+                    raise JoinRefused(f"{self.cid}: no aggregator of fleet "
+                                      f"'{self.cfg.mqtt.fleet}' online after "
+                                      f"{self.join_timeout:.0f} s; its last status: "
+                                      f"{last.get('state', 'none')}{why}")
+                fleet = self._wait(lambda: ready() or (False if time.monotonic() > deadline
+                                                       else None), 10.0, waiting) or None
             check_join(self.cid, self.cfg.mqtt.fleet, self.profile, fleet)
+            self.link.unsubscribe(self.topics.aggregator_status)
         except JoinRefused as e:
             self._status("refused", wait=True, reason=str(e))
             self.link.close()
@@ -221,6 +250,7 @@ class DeviceRunner:
         self.link.subscribe(self.topics.control, self._on_message)
         if self.profile is not None:
             self.link.subscribe(self.topics.config, self._on_message)
+            self.link.subscribe(self.topics.aggregator_status, self._on_message)
         if self.source is None:
             self.link.subscribe(self.topics.stream(self.cid), self._on_message)
         self.link.connect(self.cfg.mqtt.connect_timeout)

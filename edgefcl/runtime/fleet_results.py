@@ -27,13 +27,13 @@ EXPORTABLE = ("dense", "sparse")
 
 
 def _matrix(value: Any, tasks: int) -> np.ndarray | None:
-    """A device's reported accuracy matrix (%), or None unless it is a finite (T, T) array in
-    [0, 100]: device reports are untrusted."""
+    """A device's reported accuracy matrix (fractions), or None unless it is a finite (T, T)
+    array in [0, 1]: device reports are untrusted."""
     try:
         m = np.asarray(value, np.float64)
     except (TypeError, ValueError):
         return None
-    if m.shape != (tasks, tasks) or not np.isfinite(m).all() or m.min() < 0 or m.max() > 100:
+    if m.shape != (tasks, tasks) or not np.isfinite(m).all() or m.min() < 0 or m.max() > 1:
         return None
     return m
 
@@ -110,7 +110,7 @@ class FleetResults:
                                "held_out_accuracy": self.accuracy}
         parts = [f"{len(done)} clients", f"{agg.rounds} rounds (version {agg.global_.version})"]
         if mats:
-            acc = np.stack([mats[c] for c in sorted(mats)]) / 100.0
+            acc = np.stack([mats[c] for c in sorted(mats)])
             per_a = [100 * last_accuracy(a[None]) for a in acc]
             per_f = [100 * forgetting(a[None]) for a in acc]
             out.update(accuracy=float(np.mean(per_a)), forgetting=float(np.mean(per_f)),
@@ -151,6 +151,40 @@ class FleetResults:
             save_tensors(self.state_dir / MODEL_FILE, agg.global_.tensors)
             res["global_file"] = MODEL_FILE
         save_json(self.state_dir / RESULTS_FILE, res)
+
+
+def finished_run(state_dir: Path) -> str | None:
+    """Why `state_dir` cannot serve a new run (every client of its run is done), or None."""
+    res = state_dir / RESULTS_FILE
+    if not res.is_file():
+        return None
+    try:
+        fleet = json.loads(res.read_text()).get("fleet", {})
+        what = f"{len(fleet['clients'])} clients done after {fleet['rounds']} rounds"
+    except (OSError, ValueError, KeyError, TypeError):
+        what = "all clients done"
+    return (f"{state_dir} holds a finished fleet run ({what}); give another --state-dir (or "
+            "remove this one) to start a new run")
+
+
+def announce_refusal(cfg: RunConfig, reason: str) -> None:
+    """Best effort: a retained aggregator status 'refused' with the reason, so that waiting
+    devices and `edgefcl status` say why no aggregator comes online."""
+    from edgefcl.runtime.links import open_link, topics
+    from edgefcl.transport.codec import Message, encode
+    from edgefcl.transport.mqtt import TransportError
+
+    try:
+        link = open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-aggregator-refusal", clean_start=True)
+    except TransportError:
+        return
+    try:
+        body = {"state": "refused", "reason": reason, "time": round(time.time(), 3)}
+        link.publish(topics(cfg.mqtt).aggregator_status,
+                     encode(Message("status", body), fleet=cfg.mqtt.fleet, sender="aggregator"),
+                     qos=1, retain=True, wait=True)
+    finally:
+        link.close()
 
 
 def _sha(tensors) -> str:

@@ -67,3 +67,37 @@ def _norm(v: Any) -> Any:
 
 def _show(v: Any) -> str:
     return "x".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+
+def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5.0) -> bool:
+    """Before the (slow) client is built: read the fleet's retained config over a short-lived
+    connection and refuse on a mismatch. False when no config came within `timeout` s (no
+    aggregator yet: the device runner waits for it)."""
+    import secrets
+    import threading
+
+    from edgefcl.runtime.links import open_link, topics
+    from edgefcl.transport.codec import CodecError, Message, decode
+
+    got: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def on_config(topic: str, payload: bytes) -> None:
+        try:
+            msg = decode(payload, cfg.mqtt.fleet)
+        except CodecError:
+            return
+        if isinstance(msg, Message) and msg.kind == "config":
+            got.update(msg.body)
+            ready.set()
+
+    link = open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-{cid}-join-{secrets.token_hex(3)}",
+                     clean_start=True)
+    try:
+        link.subscribe(topics(cfg.mqtt).config, on_config)
+        if not ready.wait(timeout):
+            return False
+    finally:
+        link.close()
+    check_join(cid, cfg.mqtt.fleet, mine, got)
+    return True
