@@ -116,10 +116,15 @@ def check_runs(cfg: RunConfig) -> None:
             known = sorted(a for e, a in STRATEGIES if e == fed.encoding)
             raise ConfigError(f"unknown aggregation '{fed.aggregation}' for encoding "
                               f"'{fed.encoding}'; choose from {', '.join(known)}")
-    if cfg.learn.device.startswith("cuda"):
-        from edgefcl.learn.client import torch_device
+    if cfg.learn.device != "cpu":
+        import torch
 
-        torch_device(cfg.learn.device)
+        from edgefcl.learn.client import resolve_device
+
+        try:
+            resolve_device(cfg.learn.device)
+        except RuntimeError as e:
+            raise ConfigError(f"--device {cfg.learn.device}: {e}") from None
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

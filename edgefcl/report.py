@@ -212,8 +212,7 @@ def plot_accuracy_matrix(r: RunResult, path: Path) -> None:
     m = _seen(100.0 * r.acc.mean(axis=0))
     T = m.shape[0]
     fig, ax = plt.subplots(figsize=(2.4 + 0.7 * T, 1.6 + 0.6 * T))
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("white")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")
     im = ax.imshow(np.ma.masked_invalid(m), vmin=0, vmax=100, cmap=cmap)
     for t in range(T):
         for i in range(t + 1):

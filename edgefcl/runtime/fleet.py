@@ -61,15 +61,15 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
     The roles are forked from a forkserver (runtime/launcher.py): a script that calls this
     needs the usual `if __name__ == "__main__":` guard."""
     start = time.perf_counter()
+    if cfg.mqtt.broker:  # an unreachable broker is one clear error here, not one per process
+        open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-probe-{secrets.token_hex(3)}",
+                  clean_start=True).close()
     warm_up()
     with ExitStack() as stack:
         mqtt = cfg.mqtt
         if not mqtt.broker:
             broker = stack.enter_context(EmbeddedBroker())
             mqtt = dataclasses.replace(mqtt, broker=broker.url)
-        else:  # an unreachable broker is one clear error here, not one per process
-            open_link(mqtt, f"{mqtt.fleet}-probe-{secrets.token_hex(3)}",
-                      clean_start=True).close()
         fleet = f"{mqtt.fleet}-{secrets.token_hex(3)}"
         mqtt = dataclasses.replace(mqtt, fleet=fleet)
         run_cfg = dataclasses.replace(
