@@ -117,7 +117,6 @@ def check_runs(cfg: RunConfig) -> None:
             raise ConfigError(f"unknown aggregation '{fed.aggregation}' for encoding "
                               f"'{fed.encoding}'; choose from {', '.join(known)}")
     if cfg.learn.device != "cpu":
-        import torch
 
         from edgefcl.learn.client import resolve_device
 

@@ -221,10 +221,9 @@ def test_report_renders_run_and_compare_directories(tmp_path, capsys):
 
 
 def test_printed_plus_minus_is_the_sample_std():
-    from edgefcl.metrics import sample_std
+    from edgefcl.metrics import CommStats, sample_std
     from edgefcl.report import summarize
     from edgefcl.simulate import RunResult
-    from edgefcl.metrics import CommStats
 
     assert sample_std([1.0, 3.0]) == pytest.approx(math.sqrt(2.0))
     assert sample_std([5.0]) == 0.0
