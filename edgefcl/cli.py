@@ -265,6 +265,9 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
+    import time
+
+    started = time.time()
     from edgefcl.runtime.join import fleet_profile, preflight
     from edgefcl.simulate import initial_global, prepare
 
@@ -297,6 +300,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     runner = DeviceRunner(cfg, client, source, None if args.no_eval else setup.tasks[args.index],
                           Path(args.results) if args.results else None)
     runner.profile = profile
+    runner.started = started
     results = runner.run()
     acc = results.get("accuracy")
     print(f"{client.cid}: {results['batches']} batches, {results['rounds']} rounds"

@@ -78,6 +78,7 @@ class DeviceRunner:
         self.fleet_config: dict | None = None
         self.aggregator_state: dict | None = None
         self.join_timeout = 60.0
+        self.started = time.time()  # an aggregator refusal older than this is from a past run
 
     # -- inbound --------------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -201,11 +202,10 @@ class DeviceRunner:
             log.info("%s: waiting for the aggregator of fleet %s (its status: %s)", self.cid,
                      self.cfg.mqtt.fleet, state)
 
-        started = time.time()
-
         def ready():
             agg = self.aggregator_state or {}
-            if agg.get("state") == "refused" and float(agg.get("time", 0.0)) >= started - 5.0:
+            if (agg.get("state") == "refused"
+                    and float(agg.get("time", 0.0)) >= self.started - 5.0):
                 raise JoinRefused(f"{self.cid}: the aggregator of fleet '{self.cfg.mqtt.fleet}' "
                                   f"refused to start: {agg.get('reason', '')}")
             online = agg.get("state") == "online"
