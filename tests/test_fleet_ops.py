@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -55,16 +54,15 @@ def fleet(mosquitto, tmp_path):
     conf = tmp_path / "fleet.toml"
     conf.write_text(FLEET_TOML)
     common = ["--config", str(conf), "--broker", mosquitto, "--fleet", "ops"]
-    log = open(tmp_path / "aggregator.log", "w")
-    agg = subprocess.Popen([sys.executable, "-m", "edgefcl", "aggregator", *common,
-                            "--state-dir", str(tmp_path / "state"), "--eval-data", "config"],
-                           stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield common, agg, tmp_path
-    finally:
-        agg.terminate()
-        agg.wait(20)
-        log.close()
+    with open(tmp_path / "aggregator.log", "w") as log:
+        agg = subprocess.Popen([sys.executable, "-m", "edgefcl", "aggregator", *common,
+                                "--state-dir", str(tmp_path / "state"), "--eval-data",
+                                "config"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield common, agg, tmp_path
+        finally:
+            agg.terminate()
+            agg.wait(20)
 
 
 def test_fleet_operations_end_to_end(fleet):
