@@ -115,6 +115,9 @@ BAD_INPUT = [
     (["predict", "--model", "/no/such.onnx", "--input", "{x}"], "not found"),
     (["predict", "--model", "/no/such.onnx", "--input", "{x}", "--output", "/no/dir/p.npy"],
      "does not exist"),
+    (["broker", "--port", "70000"], "port must be 0-65535"),
+    (["report", "{x}"], "no such directory"),
+    (["export", "--run", "{tmp}", "--output", "/no/dir/m.onnx"], "not a run directory"),
     (["bench", "nope"], "invalid choice"),
     (["nope"], "invalid choice"),
 ]
@@ -262,3 +265,31 @@ def test_progress_is_plain_lines_when_redirected():
     report = progress_reporter("x", quiet, every_s=3600.0)
     report(1, 3, "")
     assert quiet.getvalue() == ""  # at most one line per period
+
+
+def test_string_labels_travel_with_the_model_to_predict(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    names = np.array(["cat", "dog", "emu", "fox"])
+    x = rng.normal(size=(400, 6)).astype(np.float32)
+    y = names[rng.integers(0, 4, 400)]
+    x += (np.searchsorted(np.sort(names), y)[:, None] * 2.0).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    out = tmp_path / "run"
+    assert main(["simulate", "--dataset", f"npz:{tmp_path / 'd.npz'}", "--tasks", "2",
+                 "--clients", "2", "--memory-size", "20", "--local-epochs", "1", "--burn-in",
+                 "2", "--jump", "2", "--quiet", "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["labels"] == list(names)
+    assert main(["export", "--run", str(out)]) == 0
+    np.save(tmp_path / "x.npy", x[:50])
+    capsys.readouterr()
+    assert main(["predict", "--model", str(out / "model.onnx"), "--input",
+                 str(tmp_path / "x.npy")]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("predicted classes: ") and any(n in line for n in names)
+    assert all(part.split(": ")[0] in names for part in line[19:].split(", "))
+
+
+def test_a_fleet_that_never_federated_ends_with_a_warning(tmp_path, capsys):
+    assert main(["simulate", *SMALL, "--min-clients", "3"]) == 0  # 2 clients: never a round
+    err = capsys.readouterr().err
+    assert "never federated (rounds = 0)" in err
