@@ -299,7 +299,7 @@ def cmd_client(args: argparse.Namespace) -> int:
               if args.source == "local" else None)
     runner = DeviceRunner(cfg, client, source, None if args.no_eval else setup.tasks[args.index],
                           Path(args.results) if args.results else None)
-    runner.profile = profile
+    runner.join_profile = profile
     runner.started = started
     results = runner.run()
     acc = results.get("accuracy")

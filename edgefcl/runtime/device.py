@@ -74,7 +74,7 @@ class DeviceRunner:
         self.acc = np.full((n_tasks, n_tasks), np.nan)
         self.link = None
         # join check (runtime/join.py): this device's profile against the retained config
-        self.profile: dict | None = None
+        self.join_profile: dict | None = None
         self.fleet_config: dict | None = None
         self.aggregator_state: dict | None = None
         self.join_timeout = 60.0
@@ -224,7 +224,7 @@ class DeviceRunner:
                                       f"{last.get('state', 'none')}{why}")
                 fleet = self._wait(lambda: ready() or (False if time.monotonic() > deadline
                                                        else None), 10.0, waiting) or None
-            check_join(self.cid, self.cfg.mqtt.fleet, self.profile, fleet)
+            check_join(self.cid, self.cfg.mqtt.fleet, self.join_profile, fleet)
             self.link.unsubscribe(self.topics.aggregator_status)
         except JoinRefused as e:
             self._status("refused", wait=True, reason=str(e))
@@ -248,13 +248,13 @@ class DeviceRunner:
             self.link.subscribe(self.topics.global_delta, self._on_message)
         self.link.subscribe(self.topics.tick, self._on_message)
         self.link.subscribe(self.topics.control, self._on_message)
-        if self.profile is not None:
+        if self.join_profile is not None:
             self.link.subscribe(self.topics.config, self._on_message)
             self.link.subscribe(self.topics.aggregator_status, self._on_message)
         if self.source is None:
             self.link.subscribe(self.topics.stream(self.cid), self._on_message)
         self.link.connect(self.cfg.mqtt.connect_timeout)
-        if self.profile is not None:
+        if self.join_profile is not None:
             self._join()
         self._status("online")
         log.info("%s online on %s (fleet %s, mode %s)", self.cid, self.cfg.mqtt.broker,
