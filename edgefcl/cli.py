@@ -34,8 +34,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
-                or not action.option_strings):
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or not action.option_strings):
             return text
         return text + " (default: %(default)s)"
 
