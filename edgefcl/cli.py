@@ -268,25 +268,30 @@ def cmd_client(args: argparse.Namespace) -> int:
     import time
 
     started = time.time()
-    from edgefcl.runtime.join import fleet_profile, preflight
-    from edgefcl.simulate import initial_global, prepare
+    from edgefcl.runtime.join import check_join, fleet_profile, preflight
 
     cfg = daemon_config(args)
+    if not 0 <= args.index < cfg.fed.clients:
+        raise ConfigError(f"--index must be in [0, {cfg.fed.clients}) for {cfg.fed.clients} "
+                          "clients")
+    cid = args.id or f"c{args.index:03d}"  # edgefcl.data.workload.client_id
+    # a device that does not match its fleet stops here, before torch and the data load
+    fleet = preflight(cfg, cid, fleet_profile(cfg))
     check_runs(cfg)
     if args.results:
         from edgefcl.report import make_dir
 
         make_dir(Path(args.results), "--results")
     logging.getLogger("edgefcl.client").info("starting: loading data and model")
+    from edgefcl.simulate import initial_global, prepare
+
     setup = prepare(cfg, cfg.seed)
     if not 0 <= args.index < len(setup.tasks):
         raise ConfigError(f"--index must be in [0, {len(setup.tasks)}) for {cfg.fed.clients} "
                           "clients")
-    from edgefcl.data.workload import client_id
-
-    cid = args.id or client_id(args.index)
     profile = fleet_profile(cfg, initial_global(cfg, setup), setup.dataset)
-    preflight(cfg, cid, profile)  # a device that does not match its fleet stops here
+    if fleet is not None:  # now the data shape and the model tensors too
+        check_join(cid, cfg.mqtt.fleet, profile, fleet)
     import torch
 
     from edgefcl.runtime.device import DeviceRunner

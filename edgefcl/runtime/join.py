@@ -9,7 +9,6 @@ from edgefcl.config import RunConfig
 from edgefcl.data.types import Dataset
 from edgefcl.errors import UserError
 from edgefcl.federation.messages import Tensors
-from edgefcl.learn.export import model_spec
 from edgefcl.transport.codec import model_spec as tensor_spec
 from edgefcl.transport.codec import spec_hash
 
@@ -21,15 +20,19 @@ class JoinRefused(UserError):
     """The device does not match the fleet it was pointed at."""
 
 
-def fleet_profile(cfg: RunConfig, initial: Tensors, dataset: Dataset | None = None
-                  ) -> dict[str, Any]:
+def fleet_profile(cfg: RunConfig, initial: Tensors | None = None,
+                  dataset: Dataset | None = None) -> dict[str, Any]:
     """What defines a fleet's model and protocol: published in the aggregator's `config` and
-    computed by each device the same way. Without the dataset the shape keys are left out."""
+    computed by each device the same way. Without the initial tensors the spec hash, without
+    the dataset the shape keys are left out (a device checks those before it loads anything)."""
     out: dict[str, Any] = {"method": cfg.learn.method, "encoding": cfg.fed.encoding,
                            "aggregation": cfg.fed.aggregation,
-                           "wire_dtype": cfg.mqtt.wire_dtype,
-                           "spec_hash": spec_hash(tensor_spec(initial))}
+                           "wire_dtype": cfg.mqtt.wire_dtype}
+    if initial is not None:
+        out["spec_hash"] = spec_hash(tensor_spec(initial))
     if dataset is not None:
+        from edgefcl.learn.export import model_spec  # torch: only once the model is built
+
         spec = model_spec(cfg.learn.model, dataset.sample_shape, dataset.n_classes,
                           cfg.learn.hidden)
         out.update(model=spec["model"], sample_shape=spec["sample_shape"],
@@ -47,7 +50,8 @@ def differences(mine: dict[str, Any], fleet: dict[str, Any]) -> list[str]:
     for key in KEYS:
         if key in mine and key in fleet and _norm(mine[key]) != _norm(fleet[key]):
             out.append(f"{key} {_show(mine[key])} here, {_show(fleet[key])} at the aggregator")
-    if not out and "spec_hash" in fleet and mine.get("spec_hash") != fleet["spec_hash"]:
+    if (not out and "spec_hash" in fleet and "spec_hash" in mine
+            and mine["spec_hash"] != fleet["spec_hash"]):
         out.append(f"model tensors differ (names or shapes, e.g. --hidden): spec "
                    f"{mine.get('spec_hash')} here, {fleet['spec_hash']} at the aggregator")
     return out
@@ -69,10 +73,12 @@ def _show(v: Any) -> str:
     return "x".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
 
 
-def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5.0) -> bool:
-    """Before the (slow) client is built: read the fleet's retained config over a short-lived
-    connection and refuse on a mismatch. False when no config came within `timeout` s (no
-    aggregator yet: the device runner waits for it)."""
+def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5.0
+              ) -> dict[str, Any] | None:
+    """Before the (slow) data and model are loaded: read the fleet's retained config over a
+    short-lived connection and refuse on a mismatch of what `mine` states. Returns the fleet's
+    config, or None when none came within `timeout` s (no aggregator yet: the device runner
+    waits for it)."""
     import secrets
     import threading
 
@@ -96,8 +102,8 @@ def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5
     try:
         link.subscribe(topics(cfg.mqtt).config, on_config)
         if not ready.wait(timeout):
-            return False
+            return None
     finally:
         link.close()
     check_join(cid, cfg.mqtt.fleet, mine, got)
-    return True
+    return got
