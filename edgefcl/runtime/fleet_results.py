@@ -135,7 +135,7 @@ class FleetResults:
             "fleet": {k: v for k, v in summary.items() if k != "accuracy_matrix"},
             "bytes_up": sum(bytes_in.values()), "bytes_down": daemon.bytes_out,
             "bytes_up_per_client": bytes_in, "bytes_down_per_client": {},
-            "aggregator": dict(agg.counters), "config": to_dict(self.cfg),
+            "aggregator": dict(agg.counters), "config": _redacted(to_dict(self.cfg)),
             "global_sha256": _sha(agg.global_.tensors), "wall_s": 0.0,
         }
         if "accuracy_matrix" in summary:
@@ -185,6 +185,13 @@ def announce_refusal(cfg: RunConfig, reason: str) -> None:
                      qos=1, retain=True, wait=True)
     finally:
         link.close()
+
+
+def _redacted(config: dict[str, Any]) -> dict[str, Any]:
+    """The config without the MQTT password."""
+    if config.get("mqtt", {}).get("password"):
+        config["mqtt"]["password"] = ""
+    return config
 
 
 def _sha(tensors) -> str:
