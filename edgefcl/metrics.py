@@ -25,6 +25,12 @@ def forgetting(acc: np.ndarray) -> float:
     return float((best - acc[:, -1, :-1]).mean())
 
 
+def sample_std(values) -> float:
+    """Sample standard deviation (ddof=1), what every printed ± means; 0.0 for one value."""
+    v = np.asarray(values, np.float64)
+    return float(v.std(ddof=1)) if v.size > 1 else 0.0
+
+
 def per_task_final(acc: np.ndarray) -> np.ndarray:
     """Accuracy on each task after the last task, averaged over clients (T,)."""
     return np.asarray(acc, np.float64)[:, -1, :].mean(axis=0)

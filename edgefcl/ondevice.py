@@ -8,6 +8,7 @@ float32 inputs of shape (batch, *sample_shape) with a dynamic batch axis and ret
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,11 @@ class OnnxModel:
         self.sample_shape: tuple[int | None, ...] = tuple(
             d if isinstance(d, int) else None for d in dims[1:])
         self.fixed_batch: int | None = dims[0] if isinstance(dims[0], int) else None
+        meta = self.session.get_modelmeta().custom_metadata_map
+        try:
+            self.labels: list[str] | None = [str(v) for v in json.loads(meta["labels"])]
+        except (KeyError, ValueError, TypeError):
+            self.labels = None
 
     def _check(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
@@ -127,5 +133,7 @@ def predict_file(model: str | Path, inputs: str | Path, output: str | Path | Non
             raise DataError(f"labels have shape {y.shape}, predictions {pred.shape}")
         accuracy = float((pred == y).mean()) if len(y) else float("nan")
     classes, counts = np.unique(pred, return_counts=True)
+    names = m.labels or []
+    named = [names[c] if 0 <= c < len(names) else str(c) for c in classes.tolist()]
     return {"samples": int(len(pred)), "accuracy": accuracy,
-            "classes": dict(zip(classes.tolist(), counts.tolist(), strict=True))}
+            "classes": dict(zip(named, counts.tolist(), strict=True)), "labels": m.labels}

@@ -1,18 +1,26 @@
-"""Results: tables printed to the terminal, results.json and PNG plots in the run directory."""
+"""Results: tables printed to the terminal, results.json, config.toml and PNG plots in the run
+directory; `edgefcl report DIR` for a run directory or an aggregator state directory.
+
+Every ± is the mean ± the sample standard deviation (ddof=1) over seeds (or clients)."""
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from edgefcl.config import ConfigError, RunConfig, apply, dump_toml, load_toml
+from edgefcl.data.types import DataError
 from edgefcl.learn.drift import stream_lines
 from edgefcl.learn.export import GLOBAL_FILE
-from edgefcl.metrics import per_task_final
+from edgefcl.metrics import CommStats, per_task_final, sample_std
 from edgefcl.runtime.state import save_tensors
 from edgefcl.simulate import RunResult
+
+RESULTS, CONFIG, ROUNDS = "results.json", "config.toml", "rounds.jsonl"
 
 
 def fmt_bytes(n: float) -> str:
@@ -21,6 +29,15 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
+
+
+def make_dir(path: Path, what: str = "--out") -> Path:
+    """Create `path` (and its parents) or raise ConfigError saying why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot create {path}: {e.strerror or e}") from None
+    return path
 
 
 def run_table(r: RunResult) -> str:
@@ -42,7 +59,7 @@ def run_table(r: RunResult) -> str:
 
 
 def summarize(results: list[RunResult]) -> dict[str, dict[str, float]]:
-    """Mean and std of A, F, rounds and bytes per method over seeds."""
+    """Mean and sample std (ddof=1) of A, F, rounds and bytes per method over seeds."""
     by_method: dict[str, list[RunResult]] = defaultdict(list)
     for r in results:
         by_method[r.method].append(r)
@@ -55,47 +72,122 @@ def summarize(results: list[RunResult]) -> dict[str, dict[str, float]]:
                           ("bytes_up", [r.comm.bytes_up for r in rs]),
                           ("wall_s", [r.wall_s for r in rs])):
             row[f"{key}_mean"] = float(np.mean(vals))
-            row[f"{key}_std"] = float(np.std(vals))
+            row[f"{key}_std"] = sample_std(vals)
         out[m] = row
     return out
 
 
 def compare_table(summary: dict[str, dict[str, float]]) -> str:
-    """Methods side by side as mean ± std, like the paper's tables."""
+    """Methods side by side as mean ± sample std over seeds, like the paper's tables."""
     w = max([10, *map(len, summary)])
-    lines = [f"{'method':<{w}} {'A (%)':>14} {'F (%)':>14} {'rounds':>8} {'bytes up':>10} "
-             f"{'time (s)':>9}"]
+    lines = [f"{'method':<{w}} {'seeds':>5} {'A (%)':>14} {'F (%)':>14} {'rounds':>8} "
+             f"{'bytes up':>10} {'time (s)':>9}"]
     for m, s in summary.items():
         lines.append(
-            f"{m:<{w}} {s['accuracy_mean']:6.1f} ± {s['accuracy_std']:4.1f} "
+            f"{m:<{w}} {s['seeds']:>5} {s['accuracy_mean']:6.1f} ± {s['accuracy_std']:4.1f} "
             f"{s['forgetting_mean']:6.1f} ± {s['forgetting_std']:4.1f} "
             f"{s['rounds_mean']:8.0f} {fmt_bytes(s['bytes_up_mean']):>10} "
             f"{s['wall_s_mean']:9.1f}")
+    lines.append("(mean ± sample standard deviation over seeds)")
     return "\n".join(lines)
 
 
+# -- run directories -------------------------------------------------------------------------
+def run_dir(out: Path, r: RunResult) -> Path:
+    """The folder of one run of a --compare/--seeds directory."""
+    return out / r.method.replace("/", "-") / f"seed{r.seed}"
+
+
+def run_config(config: dict[str, Any]) -> RunConfig:
+    """The configuration that reruns exactly this one run (one seed, no compare, no --out)."""
+    d = json.loads(json.dumps(config))
+    d.update(seeds=1, compare="", out="")
+    return apply(RunConfig(), d)
+
+
 def write_run(r: RunResult, out: Path) -> None:
-    """results.json and the plots of one run."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(r.to_dict(), indent=1))
+    """results.json, config.toml (what `--config` reruns to the same global_sha256), the
+    final global and the plots of one run."""
+    make_dir(out)
+    (out / RESULTS).write_text(json.dumps(r.to_dict(), indent=1))
+    (out / CONFIG).write_text(dump_toml(run_config(r.config)))
     if r.global_state is not None:  # rebuilt by `edgefcl export --run` with model_spec
         save_tensors(out / GLOBAL_FILE, r.global_state)
+    plot_run(r, out)
+
+
+def plot_run(r: RunResult, out: Path) -> None:
     plot_accuracy_matrix(r, out / "accuracy_matrix.png")
     plot_accuracy_over_tasks(r, out / "accuracy_over_tasks.png")
 
 
 def write_summary(results: list[RunResult], out: Path) -> dict:
-    """Each run in its own folder, plus results.json with the summary and every run."""
-    for r in results:
-        write_run(r, out / r.method.replace("/", "-") / f"seed{r.seed}")
+    """results.json with the summary and every run, and comparison.png (each run's own folder
+    is written by `write_run` as it finishes)."""
     summary = summarize(results)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     payload = {"summary": summary, "runs": [r.to_dict() for r in results]}
-    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    (out / RESULTS).write_text(json.dumps(payload, indent=1))
     plot_comparison(summary, out / "comparison.png")
     return summary
 
 
+def result_from_dict(d: dict[str, Any]) -> RunResult:
+    """A RunResult read back from its results.json (without the global model)."""
+    comm = CommStats(dict(d.get("bytes_up_per_client", {})),
+                     dict(d.get("bytes_down_per_client", {})),
+                     list(d.get("bytes_up_per_round", [])),
+                     list(d.get("bytes_down_per_round", [])))
+    known = {"method", "seed", "accuracy", "forgetting", "accuracy_matrix", "rounds",
+             "global_sha256", "wall_s", "config", "bytes_up", "bytes_down",
+             "bytes_up_per_client", "bytes_down_per_client", "bytes_up_per_round",
+             "bytes_down_per_round"}
+    return RunResult(d["method"], int(d["seed"]), np.asarray(d["accuracy_matrix"]) / 100.0,
+                     int(d["rounds"]), comm, d["global_sha256"], d["config"],
+                     float(d.get("wall_s", 0.0)), {k: v for k, v in d.items() if k not in known})
+
+
+def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, int], RunResult]:
+    """Runs of `cfg` already finished in `out` ((label, seed) -> result). A folder holding a
+    run of another configuration is an error, never silently mixed in."""
+    from edgefcl.config import run_entries
+
+    done = {}
+    for label, _, _ in run_entries(cfg):
+        for seed in range(cfg.seed, cfg.seed + cfg.seeds):
+            folder = out / label.replace("/", "-") / f"seed{seed}" if several else out
+            if not (folder / RESULTS).is_file() or not (folder / CONFIG).is_file():
+                continue
+            d = json.loads((folder / RESULTS).read_text())
+            if "runs" in d:
+                continue
+            r = result_from_dict(d)
+            mine = _comparable(run_config(_expected(cfg, label, seed)))
+            if _comparable(load_toml(folder / CONFIG)) != mine:
+                raise ConfigError(f"--resume: {folder} holds a run of another configuration; "
+                                  "use another --out or the same options")
+            r.method = label
+            done[(label, seed)] = r
+    return done
+
+
+def _expected(cfg: RunConfig, label: str, seed: int) -> dict[str, Any]:
+    import dataclasses
+
+    from edgefcl.config import run_entries
+    from edgefcl.simulate import cfg_dict, for_method
+
+    fed = next(f for lbl, _, f in run_entries(cfg) if lbl == label)
+    method = next(m for lbl, m, _ in run_entries(cfg) if lbl == label)
+    return cfg_dict(for_method(dataclasses.replace(cfg, fed=fed), method), method, seed)
+
+
+def _comparable(cfg: RunConfig) -> str:
+    cfg.quiet = False
+    return dump_toml(cfg)
+
+
+# -- plots -----------------------------------------------------------------------------------
 def _plt():
     import matplotlib
 
@@ -105,21 +197,36 @@ def _plt():
     return plt
 
 
-def plot_accuracy_matrix(r: RunResult, path: Path) -> None:
-    """Heat map of accuracy on task i (columns) after task t (rows), mean over clients."""
-    plt = _plt()
-    m = 100.0 * r.acc.mean(axis=0)
+def _seen(m: np.ndarray) -> np.ndarray:
+    """Accuracy matrix with tasks not yet seen (i > t) blanked (NaN)."""
+    m = np.array(m, np.float64)
     T = m.shape[0]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * T, 0.8 + 0.6 * T))
-    im = ax.imshow(m, vmin=0, vmax=100, cmap="viridis")
+    m[np.triu_indices(T, 1)] = np.nan
+    return m
+
+
+def plot_accuracy_matrix(r: RunResult, path: Path) -> None:
+    """Heat map of accuracy on task i (columns) after task t (rows), mean over clients; tasks
+    not yet seen are blank."""
+    plt = _plt()
+    m = _seen(100.0 * r.acc.mean(axis=0))
+    T = m.shape[0]
+    fig, ax = plt.subplots(figsize=(2.4 + 0.7 * T, 1.6 + 0.6 * T))
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")
+    im = ax.imshow(np.ma.masked_invalid(m), vmin=0, vmax=100, cmap=cmap)
     for t in range(T):
-        for i in range(T):
+        for i in range(t + 1):
             ax.text(i, t, f"{m[t, i]:.0f}", ha="center", va="center",
                     color="white" if m[t, i] < 60 else "black", fontsize=8)
     ax.set_xticks(range(T), [f"T{i + 1}" for i in range(T)])
-    ax.set_yticks(range(T), [f"after T{t + 1}" for t in range(T)])
-    ax.set_title(f"{r.method}: accuracy (%)  A={r.accuracy:.1f} F={r.forgetting:.1f}")
-    fig.colorbar(im, ax=ax)
+    ax.set_yticks(range(T), [f"T{t + 1}" for t in range(T)])
+    ax.set_xlabel("evaluated on task")
+    ax.set_ylabel("after training on task")
+    K = r.acc.shape[0]
+    ax.set_title(f"{r.method}, seed {r.seed}: test accuracy (%)\nmean over {K} client"
+                 f"{'s' if K != 1 else ''}; A = {r.accuracy:.1f}, F = {r.forgetting:.1f}",
+                 fontsize=9)
+    fig.colorbar(im, ax=ax, label="accuracy (%)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -130,33 +237,118 @@ def plot_accuracy_over_tasks(r: RunResult, path: Path) -> None:
     plt = _plt()
     m = 100.0 * r.acc.mean(axis=0)
     T = m.shape[0]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for i in range(T):
         ax.plot(range(i + 1, T + 1), m[i:, i], marker="o", label=f"task {i + 1}")
     ax.plot(range(1, T + 1), [m[t, : t + 1].mean() for t in range(T)], "k--", lw=2,
             label="mean over seen tasks")
-    ax.set_xlabel("after task")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(f"{r.method}: accuracy per task over time")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_xticks(range(1, T + 1))
+    ax.set_xlabel("after training on task")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(0, 105)
+    K = r.acc.shape[0]
+    ax.set_title(f"{r.method}, seed {r.seed}: accuracy per task as tasks arrive "
+                 f"(mean over {K} client{'s' if K != 1 else ''})", fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_comparison(summary: dict[str, dict[str, float]], path: Path) -> None:
-    """Bar chart of A and F per method with std error bars."""
+    """Bar chart of A and F per method, mean ± sample std over seeds."""
     plt = _plt()
     methods = list(summary)
     x = np.arange(len(methods))
-    fig, ax = plt.subplots(figsize=(1.5 + 1.0 * len(methods), 3.5))
-    for off, key, label in ((-0.2, "accuracy", "A"), (0.2, "forgetting", "F")):
+    fig, ax = plt.subplots(figsize=(3.0 + 1.1 * len(methods), 4.0))
+    for off, key, label in ((-0.2, "accuracy", "A: final accuracy"),
+                            (0.2, "forgetting", "F: forgetting")):
         ax.bar(x + off, [summary[m][f"{key}_mean"] for m in methods], 0.4,
                yerr=[summary[m][f"{key}_std"] for m in methods], label=label, capsize=3)
-    ax.set_xticks(x, methods)
-    ax.set_ylabel("%")
-    ax.legend()
+    seeds = sorted({int(summary[m]["seeds"]) for m in methods})
+    n = f"{seeds[0]} seed{'s' if seeds[0] != 1 else ''}" if len(seeds) == 1 else \
+        f"{'/'.join(map(str, seeds))} seeds"
+    ax.set_xticks(x, methods, rotation=20 if len(methods) > 4 else 0)
+    ax.set_xlabel("method")
+    ax.set_ylabel("% (mean ± sample std)")
+    low = min([0.0] + [summary[m][f"{k}_mean"] - summary[m][f"{k}_std"] for m in methods
+                       for k in ("accuracy", "forgetting")])
+    ax.set_ylim(min(0.0, low - 3), 110)
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_title(f"A and F per method over {n}\nbars: mean, error bars: ± sample std (ddof=1)",
+                 fontsize=9)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def read_rounds(path: Path) -> list[dict[str, Any]]:
+    """The aggregator's round log (one JSON object per line); unreadable lines are skipped."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def plot_rounds(rounds: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Per round: bytes received by the aggregator (bars) and the accuracy of the new global on
+    held-out data (line, when the aggregator ran with --eval-data)."""
+    plt = _plt()
+    x = [int(r["round"]) for r in rounds]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.bar(x, [r.get("bytes_in", 0) / 1024 for r in rounds], color="tab:gray", alpha=0.5,
+           label="bytes received (KiB)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("KiB received by the aggregator")
+    handles, labels = ax.get_legend_handles_labels()
+    accs = [(int(r["round"]), r["accuracy"]) for r in rounds if r.get("accuracy") is not None]
+    if accs:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*accs, strict=True), color="tab:blue", marker=".",
+                 label="global model accuracy on held-out data (%)")
+        ax2.set_ylabel("accuracy (%)")
+        ax2.set_ylim(0, 105)
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, fontsize=7, loc="upper left")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- edgefcl report DIR ----------------------------------------------------------------------
+def report_dir(path: Path) -> str:
+    """The table of a run directory, a --compare/--seeds directory or an aggregator state
+    directory; (re)writes its plots. Raises DataError for anything else."""
+    if not path.is_dir():
+        raise DataError(f"{path}: no such directory")
+    parts = []
+    results = path / RESULTS
+    if results.is_file():
+        d = json.loads(results.read_text())
+        if "runs" in d:
+            runs = [result_from_dict(r) for r in d["runs"]]
+            summary = summarize(runs)
+            plot_comparison(summary, path / "comparison.png")
+            parts += [*(run_table(r) for r in runs), "", compare_table(summary)]
+        elif "accuracy_matrix" in d:
+            r = result_from_dict(d)
+            plot_run(r, path)
+            parts.append(run_table(r))
+    if (path / ROUNDS).is_file() or (path / "state.json").is_file():
+        from edgefcl.runtime.fleet_results import fleet_table
+
+        rounds = read_rounds(path / ROUNDS)
+        if rounds:
+            plot_rounds(rounds, path / "rounds.png", f"fleet state {path.name}: bytes and "
+                        "held-out accuracy of the global per round")
+        parts.append(fleet_table(path, rounds))
+    if not parts:
+        raise DataError(f"{path} is neither a run directory ({RESULTS}) nor an aggregator "
+                        f"state directory ({ROUNDS})")
+    return "\n".join(parts + [f"plots written to {path}/"])

@@ -4,57 +4,121 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from tqdm import tqdm
-
 from edgefcl.config import RunConfig, run_entries
+from edgefcl.environment import environment
 from edgefcl.simulate import RunResult, simulate
 
+Progress = Callable[[int, int, str], None]
 
-def run_many(cfg: RunConfig) -> list[RunResult]:
+
+def total_runs(cfg: RunConfig) -> int:
+    """How many runs `--compare` x `--seeds` makes."""
+    return len(run_entries(cfg)) * cfg.seeds
+
+
+def run_many(cfg: RunConfig, on_done: Callable[[RunResult], None] | None = None,
+             done: dict[tuple[str, int], RunResult] | None = None) -> list[RunResult]:
     """Every entry of `--compare` (or `--method`) for `--seeds` seeds starting at `--seed`; an
     entry 'bi+gaussian/conflation' runs method bi with encoding gaussian and aggregation
-    conflation, and its results carry the entry as their method label."""
+    conflation, and its results carry the entry as their method label. `on_done` gets each
+    run as soon as it finishes; runs found in `done` ((label, seed) -> result) are kept and not
+    run again."""
     results = []
+    done = done or {}
     for label, method, fed in run_entries(cfg):
         run_cfg = dataclasses.replace(cfg, fed=fed)
         for seed in range(cfg.seed, cfg.seed + cfg.seeds):
+            if (label, seed) in done:
+                results.append(done[(label, seed)])
+                continue
             result = run_one(run_cfg, method, seed, label)
             result.method = label
             results.append(result)
+            if on_done is not None:
+                on_done(result)
     return results
 
 
 def run_one(cfg: RunConfig, method: str, seed: int, label: str | None = None) -> RunResult:
-    """One run with a progress bar on stderr (unless quiet); `label` names it (default: the
-    method)."""
+    """One run with progress on stderr (unless quiet): a bar on a terminal, a plain line every
+    10 s otherwise; `label` names it (default: the method). Its results get `environment`."""
     label = label or method
     if cfg.transport == "mqtt":
         from edgefcl.runtime.fleet import simulate_mqtt
 
-        def sim(c: RunConfig, m: str, s: int, p=None) -> RunResult:
+        def sim(c: RunConfig, m: str, s: int, p: Progress | None = None) -> RunResult:
             name = label.replace("/", "-")
             workdir = Path(c.out) / "fleet" / f"{name}-seed{s}" if c.out else None
             return simulate_mqtt(c, m, s, workdir=workdir, progress=p)
     else:
         sim = simulate
-    if cfg.quiet:
-        return sim(cfg, method, seed)
-    bars: list[tqdm] = []  # created on the first tick, so set-up errors print cleanly
-
-    def progress(done: int, total: int, status: str) -> None:
-        if not bars:
-            bars.append(tqdm(total=total, desc=f"{label} seed {seed}", unit="batch",
-                             file=sys.stderr, leave=False, dynamic_ncols=True))
-        bar = bars[0]
-        bar.total = total or None
-        bar.n = done
-        bar.set_postfix_str(status, refresh=False)
-        bar.refresh()
-
+    env = environment()
+    reporter = None if cfg.quiet else progress_reporter(f"{label} seed {seed}")
     try:
-        return sim(cfg, method, seed, progress)
+        result = sim(cfg, method, seed, reporter)
     finally:
-        for bar in bars:
-            bar.close()
+        if reporter is not None:
+            reporter.close()
+    result.extra["environment"] = env
+    if cfg.transport == "mqtt":  # the fleet's own broker and fleet name are not the user's
+        result.config["mqtt"] = dataclasses.asdict(cfg.mqtt)
+    if result.config.get("mqtt", {}).get("password"):  # never written to results or config.toml
+        result.config["mqtt"]["password"] = ""
+    return result
+
+
+def progress_reporter(desc: str, stream=None, every_s: float = 10.0) -> Progress:
+    """A progress callback (done, total, status): a tqdm bar when `stream` (default stderr) is a
+    terminal, else one plain line every `every_s` seconds (no carriage-return floods in logs).
+    Call `.close()` at the end."""
+    stream = stream or sys.stderr
+    if stream.isatty():
+        return _BarProgress(desc, stream)
+    return _LineProgress(desc, stream, every_s)
+
+
+class _BarProgress:
+    def __init__(self, desc: str, stream) -> None:
+        self.desc, self.stream, self.bar = desc, stream, None
+
+    def __call__(self, done: int, total: int, status: str) -> None:
+        if self.bar is None:  # created on the first tick, so set-up errors print cleanly
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.desc, unit="batch", file=self.stream,
+                            leave=False, dynamic_ncols=True)
+        self.bar.total = total or None
+        self.bar.n = done
+        self.bar.set_postfix_str(status, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _LineProgress:
+    def __init__(self, desc: str, stream, every_s: float) -> None:
+        self.desc, self.stream, self.every_s = desc, stream, every_s
+        self.start = self.next_at = time.monotonic()
+        self.last: tuple[int, int, str] | None = None
+
+    def __call__(self, done: int, total: int, status: str) -> None:
+        self.last = (done, total, status)
+        now = time.monotonic()
+        if now >= self.next_at + self.every_s:
+            self.next_at = now
+            self._line()
+
+    def _line(self) -> None:
+        done, total, status = self.last
+        pct = f" ({100 * done / total:.0f} %)" if total else ""
+        print(f"{self.desc}: {done}/{total or '?'} batches{pct}, {status}, "
+              f"{time.monotonic() - self.start:.0f} s", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass

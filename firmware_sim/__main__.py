@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from edgefcl.cli import run_command
+from edgefcl.cli import HelpFormatter, Parser, log_level, logging_options, run_command
 from edgefcl.config import ConfigError
 
 
@@ -42,7 +42,7 @@ def _fleet(args: argparse.Namespace) -> int:
             reports[name] = Fleet(opts, p, workdir, echo=not args.quiet).run()
             print(format_report(reports[name]), flush=True)
     except FleetError as e:
-        print(f"firmware_sim: fleet failed: {e}", file=sys.stderr)
+        print(f"firmware_sim: fleet failed: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     final = reports[runs[-1][0]]
     if args.baseline:
@@ -76,7 +76,14 @@ def _device(args: argparse.Namespace) -> int:
         raise ConfigError("no broker: give --broker mqtt://HOST:PORT or [mqtt] broker")
     specs: list[DeviceSpec] = []
     if args.devices_file:
-        for d in json.loads(Path(args.devices_file).read_text()):
+        try:
+            listed = json.loads(Path(args.devices_file).read_text())
+        except OSError as e:
+            raise ConfigError(f"--devices-file: cannot read {args.devices_file}: "
+                              f"{e.strerror or e}") from None
+        except ValueError as e:
+            raise ConfigError(f"--devices-file {args.devices_file}: invalid JSON: {e}") from None
+        for d in listed:
             specs.append(DeviceSpec(int(d["index"]), load_profile(d["profile"]),
                                     float(d.get("skew_s", 0.0))))
     profile = load_profile(args.profile) if args.profile else DeviceProfile()
@@ -93,15 +100,15 @@ def _device(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m firmware_sim",
-                                description="Simulated edge devices running the edgefcl client "
-                                "inside device limits, and a fleet launcher with fault injection.")
-    p.add_argument("-v", "--verbose", action="store_true", help="info logging")
+    p = Parser(prog="python -m firmware_sim", parents=[logging_options()],
+               formatter_class=HelpFormatter,
+               description="Simulated edge devices running the edgefcl client inside device "
+               "limits, and a fleet launcher with fault injection.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     f = sub.add_parser("fleet", help="run a fleet against a broker and an aggregator, inject "
-                       "faults, print a report",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "faults, print a report", parents=[logging_options()],
+                       formatter_class=HelpFormatter)
     f.add_argument("--devices", type=int, default=20, help="number of devices")
     f.add_argument("--profile", action="append", metavar="TOML",
                    help="device profile (repeatable: assigned round-robin; default "
@@ -113,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--per-process", type=int, default=4, help="devices per host process")
     f.add_argument("--rate", type=float, default=2.0, help="stream mini-batches per second per "
                    "device (0: as fast as they consume)")
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--seed", type=int, default=0, help="seed of the data split, models and "
+                   "fault schedule")
     f.add_argument("--out", help="run directory (default: a temporary one)")
     f.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
     f.add_argument("--baseline", action="store_true",
@@ -122,22 +130,26 @@ def build_parser() -> argparse.ArgumentParser:
     g = f.add_argument_group("faults (progress thresholds are fractions of all streams)")
     g.add_argument("--kill", type=float, default=0.0, help="fraction of devices killed -9 "
                    "(whole host processes) and restarted")
-    g.add_argument("--kill-at", type=float, default=0.3)
-    g.add_argument("--kill-down-s", type=float, default=2.0)
+    g.add_argument("--kill-at", type=float, default=0.3,
+                   help="progress at which the devices are killed")
+    g.add_argument("--kill-down-s", type=float, default=2.0,
+                   help="seconds a killed host stays down before it restarts")
     g.add_argument("--broker-restart-at", type=float, default=-1.0,
                    help="restart the broker at this progress (negative: never)")
-    g.add_argument("--broker-down-s", type=float, default=1.0)
+    g.add_argument("--broker-down-s", type=float, default=1.0,
+                   help="seconds the broker stays down when restarted")
     g.add_argument("--corrupt", type=float, default=0.0,
                    help="fraction of updates that get a damaged copy (flipped bits or truncated)")
     g.add_argument("--cut", type=float, default=0.0, help="fraction of devices whose link is cut")
-    g.add_argument("--cut-at", type=float, default=0.5)
-    g.add_argument("--cut-s", type=float, default=3.0)
+    g.add_argument("--cut-at", type=float, default=0.5,
+                   help="progress at which the links are cut")
+    g.add_argument("--cut-s", type=float, default=3.0, help="seconds a cut link stays down")
     g.add_argument("--skew-s", type=float, default=0.0,
                    help="device clocks are offset by up to this many seconds")
     f.set_defaults(func=_fleet)
 
     d = sub.add_parser("device", help="run one or more simulated devices in this process",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       parents=[logging_options()], formatter_class=HelpFormatter)
     d.add_argument("--config", type=Path, help="edgefcl run configuration of the fleet")
     d.add_argument("--broker", help="broker URL (default: [mqtt] broker of the config)")
     d.add_argument("--profile", help="device profile for the --index devices")
@@ -155,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    args.command = f"firmware_sim {args.command}"  # not a daemon: warnings by default
+    logging.basicConfig(level=log_level(args),
                         format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
     return run_command(args, "firmware_sim")
 

@@ -8,7 +8,6 @@ import dataclasses
 import io
 import math
 import random
-import shutil
 import socket
 import threading
 import time
@@ -482,11 +481,9 @@ def _until(pred, timeout: float = 20.0) -> bool:
 @pytest.mark.slow
 @pytest.mark.mqtt
 @pytest.mark.timeout(1200)
-def test_fleet_of_20_survives_kills_broker_restart_and_corruption(tmp_path):
+def test_fleet_of_20_survives_kills_broker_restart_and_corruption(tmp_path, mosquitto_exe):
     from firmware_sim.fleet import Fleet, FleetOptions
 
-    if shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists():
-        pytest.skip("mosquitto is not installed")
     opts = FleetOptions(devices=20, per_process=4, rate=4.0, seed=0)
     base = Fleet(opts, FaultPlan(), tmp_path / "baseline", echo=False).run()
     plan = FaultPlan(kill=0.2, kill_at=0.3, broker_restart_at=0.5, corrupt=0.05, cut=0.1,
@@ -514,11 +511,9 @@ def test_fleet_of_20_survives_kills_broker_restart_and_corruption(tmp_path):
 @pytest.mark.slow
 @pytest.mark.mqtt
 @pytest.mark.timeout(600)
-def test_fleet_with_duty_cycles_reboots_and_compute_budget(tmp_path):
+def test_fleet_with_duty_cycles_reboots_and_compute_budget(tmp_path, mosquitto_exe):
     from firmware_sim.fleet import DEFAULT_CONFIG, Fleet, FleetOptions
 
-    if shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists():
-        pytest.skip("mosquitto is not installed")
     conf = tmp_path / "run.toml"
     conf.write_text(DEFAULT_CONFIG.read_text().replace("mnist1d_samples = 16000",
                                                        "mnist1d_samples = 3000"))

@@ -26,6 +26,7 @@ class Dataset:
     x_test: np.ndarray | None
     y_test: np.ndarray | None
     n_classes: int
+    labels: list[str] | None = None  # original label of class c (None: the class number)
 
     @property
     def sample_shape(self) -> tuple[int, ...]:

@@ -47,6 +47,22 @@ GLOBAL_FILE = "global.npz"
 """The final global model in a run directory (written by `edgefcl simulate --out`)."""
 
 
+def with_labels(data: bytes, labels: list[str]) -> bytes:
+    """The ONNX model `data` with the class labels in its metadata (`labels`: a JSON list, the
+    name of class c at index c), read back by `edgefcl predict`."""
+    import json
+
+    import onnx
+
+    proto = onnx.load_from_string(data)
+    entry = next((p for p in proto.metadata_props if p.key == "labels"), None)
+    if entry is None:
+        entry = proto.metadata_props.add()
+        entry.key = "labels"
+    entry.value = json.dumps([str(v) for v in labels])
+    return proto.SerializeToString()
+
+
 def export_onnx(model: nn.Module, sample_shape: tuple[int, ...], path: str | Path | None = None,
                 exporter: str = "torchscript") -> bytes:
     """Serialize `model` (in eval mode) as ONNX: input "x" of shape (batch, *sample_shape),
@@ -115,10 +131,12 @@ def load_run_model(run: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     """The final global model of a run directory written by `edgefcl simulate --out DIR`
     (results.json with "model_spec" and "config", and global.npz), and its spec."""
     run = Path(run)
-    results_path, global_path = run / "results.json", run / GLOBAL_FILE
+    results_path = run / "results.json"
     if not results_path.is_file():
-        raise DataError(f"{run} is not a run directory: no results.json")
+        raise DataError(f"{run} is not a run directory (no results.json); an aggregator state "
+                        "directory has one once every client is done")
     results = load_json(results_path)
+    global_path = run / results.get("global_file", GLOBAL_FILE)
     if "runs" in results:
         raise DataError(f"{run} holds several runs; pass one of them, e.g. "
                         f"{run}/{results['runs'][0]['method']}/seed{results['runs'][0]['seed']}")
@@ -157,10 +175,17 @@ def export_run(run: str | Path, output: str | Path | None = None,
     [0, 1) and returns {"path", "bytes", "exporter", "model", "max_abs_diff"}."""
     model, spec = load_run_model(run)
     path = Path(output) if output else Path(run) / "model.onnx"
-    data = export_onnx(model, tuple(spec["sample_shape"]), path, exporter)
+    if not path.parent.is_dir():
+        raise ConfigError(f"--output: folder {path.parent} does not exist")
+    data = export_onnx(model, tuple(spec["sample_shape"]), None, exporter)
+    labels = load_json(Path(run) / "results.json").get("labels") or \
+        [str(c) for c in range(spec["n_classes"])]
+    data = with_labels(data, labels)
+    atomic_write(path, data)
     x = np.random.default_rng(0).random((check_samples, *spec["sample_shape"]), np.float32)
     return {"path": str(path), "bytes": len(data), "exporter": exporter,
-            "model": spec["model"], "max_abs_diff": max_logit_diff(model, data, x)}
+            "model": spec["model"], "max_abs_diff": max_logit_diff(model, data, x),
+            "labels": labels}
 
 
 # -- clients ---------------------------------------------------------------------------------

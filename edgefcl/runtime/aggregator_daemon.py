@@ -15,6 +15,7 @@ from edgefcl.config import RunConfig
 from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.versions import delta_downlink, downlink_message
+from edgefcl.runtime.fleet_results import FleetResults
 from edgefcl.runtime.links import open_link, topics, wire_dtype
 from edgefcl.runtime.state import load_json, load_tensors, save_json, save_tensors
 from edgefcl.transport.codec import CodecError, Message, decode, encode, model_spec, spec_hash
@@ -50,6 +51,12 @@ class AggregatorDaemon:
         self.round_bytes_in = 0
         self.rounds_log: list[dict] = []  # the last rounds, for the status
         self.last_answer: bytes | None = None
+        # what devices check before they train (runtime/join.py), held-out evaluation and the
+        # fleet's results (runtime/fleet_results.py); the CLI may set them before run()
+        self.profile: dict = {"spec_hash": self.spec_hash}
+        self.evaluator = None
+        self.labels: list[str] | None = None
+        self.results: FleetResults | None = None
         self._load_state()
         self.link = None
 
@@ -77,6 +84,8 @@ class AggregatorDaemon:
                     "tick": closed.tick, "participants": list(closed.participants),
                     "bytes_in": self.round_bytes_in, "global_bytes": global_bytes,
                     "time": round(time.time(), 3)}
+            if self.results is not None:
+                line.update(self.results.on_round(closed.global_))
             self.rounds_log.append(line)
             del self.rounds_log[:-20]
             with open(self.state_dir / "rounds.jsonl", "a") as f:
@@ -93,7 +102,7 @@ class AggregatorDaemon:
         f = self.cfg.fed
         body = {"burn_in": f.burn_in, "jump": f.jump, "mode": f.mode, "encoding": f.encoding,
                 "aggregation": f.aggregation, "min_clients": f.min_clients,
-                "spec_hash": self.spec_hash, "clients": f.clients}
+                "spec_hash": self.spec_hash, "clients": f.clients} | self.profile
         self._publish(self.topics.config, encode(Message("config", body), fleet=self.cfg.mqtt.fleet,
                                                  sender=SENDER), retain=True)
 
@@ -117,7 +126,8 @@ class AggregatorDaemon:
                 "rounds": self.agg.rounds, "tick": self.agg.tick,
                 "active": sorted(self.agg.active), "done": sorted(self.done),
                 "counters": dict(self.agg.counters), "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]}
+                "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]} | (
+                    self.results.status() if self.results is not None else {})
 
     def _publish_status(self, state: str = "online") -> None:
         body = self.status() | {"state": state}
@@ -171,6 +181,8 @@ class AggregatorDaemon:
         elif state in ("offline", "done"):
             if state == "done":
                 self.done.add(client)
+                if self.results is not None:
+                    self.results.on_device_done(client, body)
             if client in self.agg.active:
                 self._closed(self.agg.leave(client, now))
 
@@ -203,6 +215,8 @@ class AggregatorDaemon:
                        sender=SENDER), 1, True)
         self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-aggregator", will=will,
                               on_reject=lambda topic, e: self.inbox.put((topic, e)))
+        self.results = FleetResults(self.cfg, self.state_dir, self.profile, self.evaluator,
+                                    self.labels)
         put = lambda topic, payload: self.inbox.put((topic, payload))  # noqa: E731
         self.link.subscribe(self.topics.updates, put)
         self.link.subscribe(self.topics.statuses, put)
@@ -231,6 +245,7 @@ class AggregatorDaemon:
             if now >= next_status:
                 self._publish_status()
                 next_status = now + self.status_every
+            self.results.check_done(self.done, self.agg.active, self)
             if self.exit_when_done and self.done and not self.agg.active:
                 break  # every client that joined finished its stream or went offline
         self._save_state(None)

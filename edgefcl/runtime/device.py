@@ -18,6 +18,8 @@ from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.versions import DELTA_FROM, DownlinkState, delta_downlink
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
+from edgefcl.metrics import forgetting
+from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, topics, wire_dtype
 from edgefcl.runtime.state import save_json
 from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode
@@ -71,6 +73,12 @@ class DeviceRunner:
         n_tasks = len(eval_tasks) if eval_tasks else 0
         self.acc = np.full((n_tasks, n_tasks), np.nan)
         self.link = None
+        # join check (runtime/join.py): this device's profile against the retained config
+        self.join_profile: dict | None = None
+        self.fleet_config: dict | None = None
+        self.aggregator_state: dict | None = None
+        self.join_timeout = 60.0
+        self.started = time.time()  # an aggregator refusal older than this is from a past run
 
     # -- inbound --------------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -84,6 +92,10 @@ class DeviceRunner:
             if isinstance(msg, GlobalModel):
                 self.bytes_down += len(payload)
                 self._on_global(topic, msg)
+            elif isinstance(msg, Message) and msg.kind == "config":
+                self.fleet_config = msg.body
+            elif isinstance(msg, Message) and msg.kind == "status":
+                self.aggregator_state = msg.body
             elif isinstance(msg, Message) and msg.kind == "answer":
                 self.answers[int(msg.body["tick"])] = msg.body
             elif isinstance(msg, Message) and msg.kind == "control":
@@ -167,10 +179,57 @@ class DeviceRunner:
         c = self.client
         body = {"state": state, "task": c.task if c.task is not None else -1, "batch": c.bn,
                 "version": c.version, "consumed": self.consumed, "rounds": self.rounds,
-                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down, **extra}
+                "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
+                "rejected": self.rejected, "time": round(time.time(), 3),
+                "prequential": self._prequential(), **extra}
         self.link.publish(self.topics.status(self.cid),
                           encode(Message("status", body), fleet=self.cfg.mqtt.fleet,
                                  sender=self.cid), qos=1, retain=True, wait=wait)
+
+    def _prequential(self) -> float | None:
+        monitor = getattr(self.client, "monitor", None)
+        preq = getattr(monitor, "prequential", None)
+        if preq is None or not preq.samples:
+            return None
+        return round(100.0 * float(preq.accuracy), 2)
+
+    def _join(self) -> None:
+        """Wait for an online aggregator and its retained config; refuse to train on a
+        mismatch, or when no aggregator comes online within `join_timeout` s (a device never
+        trains alone believing it is part of a fleet)."""
+        def waiting() -> None:
+            state = (self.aggregator_state or {}).get("state", "not seen")
+            log.info("%s: waiting for the aggregator of fleet %s (its status: %s)", self.cid,
+                     self.cfg.mqtt.fleet, state)
+
+        def ready():
+            agg = self.aggregator_state or {}
+            if (agg.get("state") == "refused"
+                    and float(agg.get("time", 0.0)) >= self.started - 5.0):
+                raise JoinRefused(f"{self.cid}: the aggregator of fleet '{self.cfg.mqtt.fleet}' "
+                                  f"refused to start: {agg.get('reason', '')}")
+            online = agg.get("state") == "online"
+            return self.fleet_config if online and self.fleet_config is not None else None
+
+        deadline = time.monotonic() + self.join_timeout
+        fleet = None
+        try:
+            while fleet is None:
+                if time.monotonic() > deadline:
+                    last = self.aggregator_state or {}
+                    why = f" ({last['reason']})" if last.get("reason") else ""
+                    raise JoinRefused(f"{self.cid}: no aggregator of fleet "
+                                      f"'{self.cfg.mqtt.fleet}' online after "
+                                      f"{self.join_timeout:.0f} s; its last status: "
+                                      f"{last.get('state', 'none')}{why}")
+                fleet = self._wait(lambda: ready() or (False if time.monotonic() > deadline
+                                                       else None), 10.0, waiting) or None
+            check_join(self.cid, self.cfg.mqtt.fleet, self.join_profile, fleet)
+            self.link.unsubscribe(self.topics.aggregator_status)
+        except JoinRefused as e:
+            self._status("refused", wait=True, reason=str(e))
+            self.link.close()
+            raise
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> dict:
@@ -189,9 +248,14 @@ class DeviceRunner:
             self.link.subscribe(self.topics.global_delta, self._on_message)
         self.link.subscribe(self.topics.tick, self._on_message)
         self.link.subscribe(self.topics.control, self._on_message)
+        if self.join_profile is not None:
+            self.link.subscribe(self.topics.config, self._on_message)
+            self.link.subscribe(self.topics.aggregator_status, self._on_message)
         if self.source is None:
             self.link.subscribe(self.topics.stream(self.cid), self._on_message)
         self.link.connect(self.cfg.mqtt.connect_timeout)
+        if self.join_profile is not None:
+            self._join()
         self._status("online")
         log.info("%s online on %s (fleet %s, mode %s)", self.cid, self.cfg.mqtt.broker,
                  self.cfg.mqtt.fleet, self.cfg.fed.mode)
@@ -216,7 +280,9 @@ class DeviceRunner:
         except Stopped:
             state = "stopped"
         results = self.results()
-        self._status(state, wait=True, accuracy=results.get("accuracy"))
+        self._status(state, wait=True, accuracy=results.get("accuracy"),
+                     forgetting=results.get("forgetting"),
+                     accuracy_matrix=results["accuracy_matrix"])
         self.link.close()
         if self.out is not None:
             save_json(self.out / f"{self.cid}.json", results)
@@ -264,5 +330,7 @@ class DeviceRunner:
                "rejected": self.rejected, "duplicate_batches": self.duplicates,
                "catch_ups": self.catch_ups}
         if len(self.acc):
-            out["accuracy"] = float(100 * np.nan_to_num(self.acc)[-1].mean())
+            acc = np.nan_to_num(self.acc)
+            out["accuracy"] = float(100 * acc[-1].mean())
+            out["forgetting"] = float(100 * forgetting(acc[None]))
         return out | stream_report([c])

@@ -20,6 +20,7 @@ from edgefcl.build import Setup, initial_global, make_client, prepare
 from edgefcl.config import RunConfig, dump_toml
 from edgefcl.data.streams import count_batches
 from edgefcl.data.workload import client_id
+from edgefcl.errors import UserError
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.drift import summarize_drift
 from edgefcl.learn.export import global_state, model_spec
@@ -33,8 +34,17 @@ from edgefcl.transport.broker import EmbeddedBroker
 from edgefcl.transport.codec import CodecError, Message, decode
 
 
-class FleetError(RuntimeError):
-    """A fleet process failed; the message carries the tail of its log."""
+class FleetError(UserError):
+    """A fleet process failed; the message is its error line and where its log is."""
+
+
+def _failure(name: str, code: int | None, log: Path) -> FleetError:
+    """One line: which process failed, its own error line (or last log line), its log."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()[-200:]
+             if ln.strip()] if log.exists() else []
+    errors = [ln for ln in lines if ": error: " in ln]
+    why = errors[-1] if errors else (lines[-1] if lines else "no output")
+    return FleetError(f"{name} exited with code {code}: {why} (log: {log})")
 
 
 def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None = None,
@@ -45,6 +55,9 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
     The roles are forked from a forkserver (runtime/launcher.py): a script that calls this
     needs the usual `if __name__ == "__main__":` guard."""
     start = time.perf_counter()
+    if cfg.mqtt.broker:  # an unreachable broker is one clear error here, not one per process
+        open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-probe-{secrets.token_hex(3)}",
+                  clean_start=True).close()
     warm_up()
     with ExitStack() as stack:
         mqtt = cfg.mqtt
@@ -124,8 +137,7 @@ def _watch(cfg: RunConfig, procs: dict[str, Role], logs: Path,
         while any(p.poll() is None for p in procs.values()):
             for name, p in procs.items():
                 if p.poll() not in (None, 0):
-                    tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
-                    raise FleetError(f"{name} exited with code {p.returncode}:\n{tail}")
+                    raise _failure(name, p.returncode, logs / f"{name}.log")
             now = time.monotonic()
             if now > deadline:
                 raise FleetError(f"fleet did not finish within {timeout:.0f} s")
@@ -140,8 +152,7 @@ def _watch(cfg: RunConfig, procs: dict[str, Role], logs: Path,
             time.sleep(0.2)
         for name, p in procs.items():
             if p.returncode != 0:
-                tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise FleetError(f"{name} exited with code {p.returncode}:\n{tail}")
+                raise _failure(name, p.returncode, logs / f"{name}.log")
     finally:
         if link is not None:
             link.close()
@@ -184,6 +195,7 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
         comm.per_round_up.append(entry["bytes_in"])
         comm.per_round_down.append(entry["global_bytes"] * K)  # every client receives it
     extra["model_spec"] = setup_spec
+    extra["labels"] = setup.dataset.labels
     return RunResult(method, seed, acc, int(state["rounds"]), comm, tensors_sha256(tensors),
                      cfg_dict(cfg, method, seed), wall, extra,
                      global_state=global_state(client0, GlobalModel(state["version"], tensors)))

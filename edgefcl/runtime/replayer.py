@@ -12,6 +12,7 @@ import numpy as np
 
 from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch
+from edgefcl.errors import UserError
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.transport.codec import CodecError, Message, decode, encode, encode_batch
 
@@ -37,6 +38,8 @@ class Replayer:
         self.topics = topics(cfg.mqtt)
         self.consumed: dict[str, int] = {}
         self.online: set[str] = set()
+        self.refused: dict[str, str] = {}  # client -> why it refused to join
+        self.started = time.time()
         self.cond = threading.Condition()
         self.sent: dict[str, int] = dict.fromkeys(streams, 0)
 
@@ -51,6 +54,9 @@ class Replayer:
         with self.cond:
             if msg.body.get("state") == "online":
                 self.online.add(cid)
+            elif (msg.body.get("state") == "refused" and cid in self.streams
+                  and float(msg.body.get("time", 0.0)) >= self.started - 5.0):  # not a stale one
+                self.refused[cid] = str(msg.body.get("reason", ""))
             self.consumed[cid] = int(msg.body.get("consumed", 0))
             self.cond.notify_all()
 
@@ -61,7 +67,17 @@ class Replayer:
         link.subscribe(self.topics.statuses, self._on_status)
         fleet = self.cfg.mqtt.fleet
         with self.cond:
-            ok = self.cond.wait_for(lambda: set(self.streams) <= self.online, self.wait_online)
+            ok = self.cond.wait_for(lambda: set(self.streams) <= self.online or self.refused,
+                                    self.wait_online)
+        if self.refused:
+            link.close()
+            cid, why = sorted(self.refused.items())[0]
+            raise UserError(f"client {cid} refused to join: {why}")
+        if not self.online:
+            link.close()
+            raise UserError(f"no client of fleet '{fleet}' came online within "
+                            f"{self.wait_online:.0f} s; start the clients (`edgefcl client`) "
+                            "and check `edgefcl status`")
         if not ok:
             missing = sorted(set(self.streams) - self.online)
             log.warning("clients not online after %.0f s, streaming anyway: %s",

@@ -51,6 +51,14 @@ class OpenAuthPlugin(BaseAuthPlugin):
     async def authenticate(self, *, session: Session) -> bool:
         return True
 
+    async def on_broker_client_connected(self, *, client_id: str, client_session: Session,
+                                         **_: Any) -> None:
+        log.info("client %s connected", client_id)
+
+    async def on_broker_client_disconnected(self, *, client_id: str, client_session: Session,
+                                            **_: Any) -> None:
+        log.info("client %s disconnected", client_id)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago."""
@@ -125,6 +133,9 @@ class EmbeddedBroker:
         amqtt_log = logging.getLogger("amqtt")
         if amqtt_log.level == logging.NOTSET:  # its per-connection warnings are noise here
             amqtt_log.setLevel(logging.ERROR)
+        # amqtt's state machine logs every transition of every session at INFO
+        logging.getLogger("transitions").setLevel(logging.WARNING)
+        level, amqtt_log.level = amqtt_log.level, logging.CRITICAL  # start-up errors: ours
         loop = asyncio.new_event_loop()
         loop.set_exception_handler(_log_broker_error)
         thread = threading.Thread(target=loop.run_forever, name="edgefcl-broker", daemon=True)
@@ -135,9 +146,12 @@ class EmbeddedBroker:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout)
             loop.close()
+            why = str(e).rsplit(": ", 1)[-1] or type(e).__name__  # amqtt wraps the OSError
             raise TransportError(
-                f"embedded MQTT broker could not listen on {self.host}:{self.port}: {e}"
+                f"embedded MQTT broker could not listen on {self.host}:{self.port}: {why}"
             ) from None
+        finally:
+            amqtt_log.setLevel(level)
         self._loop, self._thread, self._broker = loop, thread, broker
         server = broker._servers["default"].instance  # amqtt keeps no public accessor
         self.port = server.sockets[0].getsockname()[1]

@@ -1,0 +1,222 @@
+"""Fleet-level results of the aggregator daemon: held-out accuracy per round (--eval-data),
+what devices report when their stream is done, the "all clients done" summary and the
+state directory's results.json (read by `edgefcl report` and `edgefcl export`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgefcl.config import RunConfig, to_dict
+from edgefcl.federation.messages import GlobalModel
+from edgefcl.metrics import forgetting, last_accuracy, sample_std
+from edgefcl.runtime.state import save_json, save_tensors
+from edgefcl.transport.codec import CodecError
+
+log = logging.getLogger("edgefcl.aggregator")
+
+RESULTS_FILE, MODEL_FILE = "results.json", "model.npz"
+EXPORTABLE = ("dense", "sparse")
+"""Encodings whose global tensors are the model's own state (exportable as they are)."""
+
+
+def _matrix(value: Any, tasks: int) -> np.ndarray | None:
+    """A device's reported accuracy matrix (fractions), or None unless it is a finite (T, T)
+    array in [0, 1]: device reports are untrusted."""
+    try:
+        m = np.asarray(value, np.float64)
+    except (TypeError, ValueError):
+        return None
+    if m.shape != (tasks, tasks) or not np.isfinite(m).all() or m.min() < 0 or m.max() > 1:
+        return None
+    return m
+
+
+class FleetResults:
+    """Watches a fleet for the aggregator daemon.
+
+    `profile` is the fleet profile published in `config` (runtime/join.py); `evaluator`
+    (global -> accuracy %) runs on every new global when --eval-data is given.
+    """
+
+    def __init__(self, cfg: RunConfig, state_dir: Path, profile: dict[str, Any],
+                 evaluator: Callable[[GlobalModel], float] | None = None,
+                 labels: list[str] | None = None) -> None:
+        self.cfg = cfg
+        self.state_dir = state_dir
+        self.profile = profile
+        self.evaluator = evaluator
+        self.labels = labels
+        self.accuracy: float | None = None
+        self.last_round_time: float | None = None
+        self.reports: dict[str, dict[str, Any]] = {}
+        self.summarized = False
+
+    def on_round(self, g: GlobalModel) -> dict[str, Any]:
+        """Extra fields of the round's log line: the held-out accuracy of the new global."""
+        self.last_round_time = time.time()
+        if self.evaluator is None:
+            return {}
+        try:
+            self.accuracy = self.evaluator(g)
+        except (ValueError, RuntimeError, CodecError) as e:  # never stop serving for it
+            log.warning("could not evaluate version %d: %s", g.version, e)
+            return {}
+        log.info("version %d: accuracy on held-out data %.1f %%", g.version, self.accuracy)
+        return {"accuracy": self.accuracy}
+
+    def status(self) -> dict[str, Any]:
+        """Extra fields of the aggregator's status."""
+        return {"time": round(time.time(), 3), "accuracy": self.accuracy,
+                "last_round_time": self.last_round_time}
+
+    def on_device_done(self, client: str, body: dict[str, Any]) -> None:
+        """A device said its stream is done; keep what it measured (checked, untrusted)."""
+        T = self.cfg.data.tasks
+        m = _matrix(body.get("accuracy_matrix"), T)
+        self.reports[client] = {"accuracy_matrix": m,
+                                "batches": body.get("consumed") if
+                                isinstance(body.get("consumed"), int) else None}
+        self.summarized = False
+
+    def check_done(self, done: set[str], active: set[str], daemon) -> bool:
+        """Log the fleet summary and write results.json once every expected client is done
+        and none is active; True when that happened now."""
+        if self.summarized or active or len(done) < self.cfg.fed.clients:
+            return False
+        self.summarized = True
+        summary = self.summary(done, daemon)
+        log.info("all clients done: %s", summary["line"])
+        if summary["rounds"] == 0:
+            log.warning("the fleet never federated (rounds = 0): every client trained alone")
+        self.write(summary, daemon)
+        return True
+
+    def summary(self, done: set[str], daemon) -> dict[str, Any]:
+        agg = daemon.agg
+        counters = dict(agg.counters)
+        rejected = {k: v for k, v in counters.items() if k.startswith("rejected_")}
+        mats = {c: r["accuracy_matrix"] for c, r in self.reports.items()
+                if c in done and r["accuracy_matrix"] is not None}
+        out: dict[str, Any] = {"clients": sorted(done), "rounds": agg.rounds,
+                               "version": agg.global_.version,
+                               "accepted": counters.get("accepted", 0), "rejected": rejected,
+                               "held_out_accuracy": self.accuracy}
+        parts = [f"{len(done)} clients", f"{agg.rounds} rounds (version {agg.global_.version})"]
+        if mats:
+            acc = np.stack([mats[c] for c in sorted(mats)])
+            per_a = [100 * last_accuracy(a[None]) for a in acc]
+            per_f = [100 * forgetting(a[None]) for a in acc]
+            out.update(accuracy=float(np.mean(per_a)), forgetting=float(np.mean(per_f)),
+                       accuracy_matrix=np.round(100 * acc, 4).tolist(),
+                       matrix_clients=sorted(mats))
+            parts.append(f"A = {np.mean(per_a):.1f} ± {sample_std(per_a):.1f} %, "
+                         f"F = {np.mean(per_f):.1f} ± {sample_std(per_f):.1f} % "
+                         f"(mean ± sample std over {len(mats)} clients)")
+        parts.append(f"updates accepted {out['accepted']}, rejected {sum(rejected.values())}")
+        if self.accuracy is not None:
+            parts.append(f"global accuracy on held-out data {self.accuracy:.1f} %")
+        out["line"] = "; ".join(parts)
+        return out
+
+    def write(self, summary: dict[str, Any], daemon) -> None:
+        """results.json in the state directory: the fleet's A, F, accuracy matrix, rounds,
+        bytes, config, labels and (dense/sparse) the model to export."""
+        agg = daemon.agg
+        bytes_in = dict(daemon.bytes_in)
+        res: dict[str, Any] = {
+            "method": self.cfg.learn.method, "seed": self.cfg.seed, "rounds": agg.rounds,
+            "fleet": {k: v for k, v in summary.items() if k != "accuracy_matrix"},
+            "bytes_up": sum(bytes_in.values()), "bytes_down": daemon.bytes_out,
+            "bytes_up_per_client": bytes_in, "bytes_down_per_client": {},
+            "aggregator": dict(agg.counters), "config": _redacted(to_dict(self.cfg)),
+            "global_sha256": _sha(agg.global_.tensors), "wall_s": 0.0,
+        }
+        if "accuracy_matrix" in summary:
+            res.update(accuracy=summary["accuracy"], forgetting=summary["forgetting"],
+                       accuracy_matrix=summary["accuracy_matrix"])
+        if self.labels is not None:
+            res["labels"] = self.labels
+        p = self.profile
+        if all(k in p for k in ("model", "sample_shape", "n_classes")) and \
+                self.cfg.fed.encoding in EXPORTABLE:
+            res["model_spec"] = {"model": p["model"], "sample_shape": p["sample_shape"],
+                                 "n_classes": p["n_classes"], "hidden": self.cfg.learn.hidden}
+            save_tensors(self.state_dir / MODEL_FILE, agg.global_.tensors)
+            res["global_file"] = MODEL_FILE
+        save_json(self.state_dir / RESULTS_FILE, res)
+
+
+def finished_run(state_dir: Path) -> str | None:
+    """Why `state_dir` cannot serve a new run (every client of its run is done), or None."""
+    res = state_dir / RESULTS_FILE
+    if not res.is_file():
+        return None
+    try:
+        fleet = json.loads(res.read_text()).get("fleet", {})
+        what = f"{len(fleet['clients'])} clients done after {fleet['rounds']} rounds"
+    except (OSError, ValueError, KeyError, TypeError):
+        what = "all clients done"
+    return (f"{state_dir} holds a finished fleet run ({what}); give another --state-dir (or "
+            "remove this one) to start a new run")
+
+
+def announce_refusal(cfg: RunConfig, reason: str) -> None:
+    """Best effort: a retained aggregator status 'refused' with the reason, so that waiting
+    devices and `edgefcl status` say why no aggregator comes online."""
+    from edgefcl.runtime.links import open_link, topics
+    from edgefcl.transport.codec import Message, encode
+    from edgefcl.transport.mqtt import TransportError
+
+    try:
+        link = open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-aggregator-refusal", clean_start=True)
+    except TransportError:
+        return
+    try:
+        body = {"state": "refused", "reason": reason, "time": round(time.time(), 3)}
+        link.publish(topics(cfg.mqtt).aggregator_status,
+                     encode(Message("status", body), fleet=cfg.mqtt.fleet, sender="aggregator"),
+                     qos=1, retain=True, wait=True)
+    finally:
+        link.close()
+
+
+def _redacted(config: dict[str, Any]) -> dict[str, Any]:
+    """The config without the MQTT password."""
+    if config.get("mqtt", {}).get("password"):
+        config["mqtt"]["password"] = ""
+    return config
+
+
+def _sha(tensors) -> str:
+    from edgefcl.learn.params import tensors_sha256
+
+    return tensors_sha256(tensors)
+
+
+def fleet_table(state_dir: Path, rounds: list[dict[str, Any]]) -> str:
+    """What `edgefcl report` prints for an aggregator state directory."""
+    lines = [f"aggregator state {state_dir}"]
+    res = state_dir / RESULTS_FILE
+    if res.is_file():
+        fleet = json.loads(res.read_text()).get("fleet", {})
+        if fleet.get("line"):
+            lines.append(f"  all clients done: {fleet['line']}")
+    if rounds:
+        accs = [r["accuracy"] for r in rounds if r.get("accuracy") is not None]
+        total = sum(r.get("bytes_in", 0) for r in rounds)
+        lines.append(f"  rounds {len(rounds)} (last version {rounds[-1].get('version')}), "
+                     f"bytes received {total / 1e6:.2f} MB, "
+                     f"{total / len(rounds) / 1e3:.1f} kB per round")
+        if accs:
+            lines.append(f"  held-out accuracy of the global: first {accs[0]:.1f} %, best "
+                         f"{max(accs):.1f} %, last {accs[-1]:.1f} %")
+    else:
+        lines.append("  no round closed yet")
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""The join check: a device compares what it is (model, data shape, method, encoding) with the
+fleet's retained `config` before it trains, and refuses to train alone on a mismatch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edgefcl.config import RunConfig
+from edgefcl.data.types import Dataset
+from edgefcl.errors import UserError
+from edgefcl.federation.messages import Tensors
+from edgefcl.transport.codec import model_spec as tensor_spec
+from edgefcl.transport.codec import spec_hash
+
+KEYS = ("model", "sample_shape", "n_classes", "method", "encoding", "aggregation", "wire_dtype")
+"""What must agree between a device and its aggregator, in the order differences are named."""
+
+
+class JoinRefused(UserError):
+    """The device does not match the fleet it was pointed at."""
+
+
+def fleet_profile(cfg: RunConfig, initial: Tensors | None = None,
+                  dataset: Dataset | None = None) -> dict[str, Any]:
+    """What defines a fleet's model and protocol: published in the aggregator's `config` and
+    computed by each device the same way. Without the initial tensors the spec hash, without
+    the dataset the shape keys are left out (a device checks those before it loads anything)."""
+    out: dict[str, Any] = {"method": cfg.learn.method, "encoding": cfg.fed.encoding,
+                           "aggregation": cfg.fed.aggregation,
+                           "wire_dtype": cfg.mqtt.wire_dtype}
+    if initial is not None:
+        out["spec_hash"] = spec_hash(tensor_spec(initial))
+    if dataset is not None:
+        from edgefcl.learn.export import model_spec  # torch: only once the model is built
+
+        spec = model_spec(cfg.learn.model, dataset.sample_shape, dataset.n_classes,
+                          cfg.learn.hidden)
+        out.update(model=spec["model"], sample_shape=spec["sample_shape"],
+                   n_classes=spec["n_classes"])
+    elif cfg.learn.model != "auto":
+        out["model"] = cfg.learn.model
+    return out
+
+
+def differences(mine: dict[str, Any], fleet: dict[str, Any]) -> list[str]:
+    """Human-readable differences between a device's profile and the fleet's (empty: match).
+    Keys one side does not state are not compared; the tensor spec hash is compared last and
+    named only when nothing else explains it."""
+    out = []
+    for key in KEYS:
+        if key in mine and key in fleet and _norm(mine[key]) != _norm(fleet[key]):
+            out.append(f"{key} {_show(mine[key])} here, {_show(fleet[key])} at the aggregator")
+    if (not out and "spec_hash" in fleet and "spec_hash" in mine
+            and mine["spec_hash"] != fleet["spec_hash"]):
+        out.append(f"model tensors differ (names or shapes, e.g. --hidden): spec "
+                   f"{mine.get('spec_hash')} here, {fleet['spec_hash']} at the aggregator")
+    return out
+
+
+def check_join(cid: str, fleet_name: str, mine: dict[str, Any], fleet: dict[str, Any]) -> None:
+    """Raise JoinRefused naming every difference between this device and the fleet."""
+    diff = differences(mine, fleet)
+    if diff:
+        raise JoinRefused(f"{cid} does not match fleet '{fleet_name}': {'; '.join(diff)}; "
+                          "use the aggregator's configuration (the same --config)")
+
+
+def _norm(v: Any) -> Any:
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def _show(v: Any) -> str:
+    return "x".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+
+def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5.0
+              ) -> dict[str, Any] | None:
+    """Before the (slow) data and model are loaded: read the fleet's retained config over a
+    short-lived connection and refuse on a mismatch of what `mine` states. Returns the fleet's
+    config, or None when none came within `timeout` s (no aggregator yet: the device runner
+    waits for it)."""
+    import secrets
+    import threading
+
+    from edgefcl.runtime.links import open_link, topics
+    from edgefcl.transport.codec import CodecError, Message, decode
+
+    got: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def on_config(topic: str, payload: bytes) -> None:
+        try:
+            msg = decode(payload, cfg.mqtt.fleet)
+        except CodecError:
+            return
+        if isinstance(msg, Message) and msg.kind == "config":
+            got.update(msg.body)
+            ready.set()
+
+    link = open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-{cid}-join-{secrets.token_hex(3)}",
+                     clean_start=True)
+    try:
+        link.subscribe(topics(cfg.mqtt).config, on_config)
+        if not ready.wait(timeout):
+            return None
+    finally:
+        link.close()
+    check_join(cid, cfg.mqtt.fleet, mine, got)
+    return got
