@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import signal
 import threading
 import time
@@ -15,6 +14,7 @@ from edgefcl.config import RunConfig
 from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.versions import delta_downlink, downlink_message
+from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.links import open_link, topics, wire_dtype
 from edgefcl.runtime.state import load_json, load_tensors, save_json, save_tensors
 from edgefcl.transport.codec import CodecError, Message, decode, encode, model_spec, spec_hash
@@ -34,7 +34,8 @@ class AggregatorDaemon:
     """
 
     def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
-                 exit_when_done: bool = False, status_every: float = 2.0) -> None:
+                 exit_when_done: bool = False, status_every: float = 2.0,
+                 inbox_bytes: int = 0) -> None:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.topics = topics(cfg.mqtt)
@@ -42,7 +43,7 @@ class AggregatorDaemon:
         self.spec_hash = spec_hash(model_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every
-        self.inbox: queue.Queue[tuple[str, bytes | CodecError]] = queue.Queue()
+        self.inbox = Inbox(max_bytes=inbox_bytes or 4 * cfg.mqtt.max_payload)
         self.stop_event = threading.Event()
         self.done: set[str] = set()
         self.bytes_in: dict[str, int] = {}
@@ -116,8 +117,11 @@ class AggregatorDaemon:
         return {"state": "online", "version": self.agg.global_.version,
                 "rounds": self.agg.rounds, "tick": self.agg.tick,
                 "active": sorted(self.agg.active), "done": sorted(self.done),
-                "counters": dict(self.agg.counters), "bytes_in": self.bytes_in,
+                "counters": dict(self.agg.counters) | self._shed(), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]}
+
+    def _shed(self) -> dict[str, int]:
+        return {"rejected_inbox_full": self.inbox.shed} if self.inbox.shed else {}
 
     def _publish_status(self, state: str = "online") -> None:
         body = self.status() | {"state": state}
@@ -128,20 +132,28 @@ class AggregatorDaemon:
     # -- message handling -----------------------------------------------------------------
     def handle(self, topic: str, payload: bytes | CodecError) -> None:
         """Validate and apply one incoming message (or a transfer the link already rejected);
-        never raises on bad input."""
+        never raises: every failure is logged and counted as `rejected_<reason>`."""
         try:
-            if isinstance(payload, CodecError):
-                raise payload
-            msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
-                         require_digest=True)  # a damaged update must never be aggregated
+            self._handle(topic, payload)
         except CodecError as e:
             self.agg.counters[f"rejected_{e.reason}"] += 1
             log.warning("rejected payload on %s: %s", topic, e)
-            return
-        try:
-            sender = self.topics.client_from(topic)
-        except ValueError:
-            sender = None
+        except Exception:  # a bug reached by input: counted, logged, and the daemon goes on
+            self.agg.counters["rejected_internal"] += 1
+            log.exception("internal error while handling a message on %s", topic)
+
+    def _handle(self, topic: str, payload: bytes | CodecError) -> None:
+        if isinstance(payload, CodecError):
+            raise payload
+        allowed = self.topics.kinds_on(topic)
+        if not allowed:
+            raise CodecError("topic", f"no message is accepted on {topic}")
+        msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+                     require_digest=True)  # a damaged update must never be aggregated
+        kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
+        if kind not in allowed:
+            raise CodecError("kind", f"a {kind} message on {topic}")
+        sender = None if topic == self.topics.control else self.topics.client_from(topic)
         now = time.monotonic()
         if isinstance(msg, (Update, Tick)):
             if sender is not None and msg.client != sender:
@@ -202,8 +214,8 @@ class AggregatorDaemon:
                 encode(Message("status", {"state": "offline"}), fleet=self.cfg.mqtt.fleet,
                        sender=SENDER), 1, True)
         self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-aggregator", will=will,
-                              on_reject=lambda topic, e: self.inbox.put((topic, e)))
-        put = lambda topic, payload: self.inbox.put((topic, payload))  # noqa: E731
+                              on_reject=self.inbox.put)
+        put = self.inbox.put
         self.link.subscribe(self.topics.updates, put)
         self.link.subscribe(self.topics.statuses, put)
         self.link.subscribe(self.topics.control, put)
@@ -216,12 +228,11 @@ class AggregatorDaemon:
         next_status = 0.0
         reconnects = self.link.reconnects
         while not self.stop_event.is_set():
-            try:
-                topic, payload = self.inbox.get(timeout=0.1)
-                self.handle(topic, payload)
-            except queue.Empty:
-                pass
+            item = self.inbox.get(timeout=0.1)
+            if item is not None:
+                self.handle(*item)
             now = time.monotonic()
+            self.link.expire_pending()
             if self.link.reconnects != reconnects and self.link.is_connected:
                 reconnects = self.link.reconnects  # the broker may have lost retained messages
                 self._publish_config()
