@@ -170,6 +170,13 @@ class FedConfig:
                         "sparse and apc encodings)")
     apc_kb_size: int = opt(5, "apc: task-adaptive tensors in the knowledge base the server "
                            "broadcasts")
+    roster: str = opt("", "comma-separated client ids allowed to take part (empty: learned from "
+                      "the first clients seen, up to roster_cap)")
+    roster_cap: int = opt(0, "most clients a learned roster admits (0: clients)")
+    client_timeout: float = opt(120.0, "seconds after which a silent client leaves the active "
+                                "set (0: never)")
+    max_seq_gap: int = opt(100_000, "largest step of a client's sequence number (also from 0)")
+    sample_cap: int = opt(0, "largest num_samples one update may claim (0: batch x batch_size)")
 
 
 @dataclass
@@ -387,6 +394,9 @@ def validate(cfg: RunConfig) -> None:
         (f.value_dtype in ("float32", "float16"), "value_dtype must be float32 or float16"),
         (f.downlink in ("auto", "dense", "sparse"), "downlink must be auto, dense or sparse"),
         (f.apc_kb_size >= 0, "apc_kb_size must be >= 0"),
+        (f.roster_cap >= 0 and f.sample_cap >= 0, "roster_cap and sample_cap must be >= 0"),
+        (f.client_timeout >= 0, "client_timeout must be >= 0"),
+        (f.max_seq_gap >= 1, "max_seq_gap must be >= 1"),
         (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,
          "apc_l1, apc_l2 and apc_prune must be >= 0"),
         (0 < le.apc_send <= 1, "apc_send must be in (0, 1]"),

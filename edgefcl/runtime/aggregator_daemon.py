@@ -39,7 +39,7 @@ class AggregatorDaemon:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.topics = topics(cfg.mqtt)
-        self.agg = Aggregator(initial, cfg.fed)
+        self.agg = Aggregator(initial, cfg.fed, batch_size=cfg.data.batch_size)
         self.spec_hash = spec_hash(model_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every
@@ -179,7 +179,7 @@ class AggregatorDaemon:
         state = body.get("state")
         if state == "online":
             self.done.discard(client)
-            self.agg.join(client)
+            self.agg.join(client, now)
         elif state in ("offline", "done"):
             if state == "done":
                 self.done.add(client)
@@ -239,6 +239,7 @@ class AggregatorDaemon:
                 self._publish_global(self.agg.global_)
             if self.cfg.fed.mode == "async":
                 self._closed(self.agg.poll(now))
+            self._closed(self.agg.expire(now))
             if now >= next_status:
                 self._publish_status()
                 next_status = now + self.status_every
