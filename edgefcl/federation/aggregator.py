@@ -15,6 +15,7 @@ from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
 from edgefcl.federation.aggregation import make_strategy
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.robust import check_variances, prepare_round
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import GlobalHistory
 
@@ -134,7 +135,7 @@ class Aggregator:
             return None if self.fed.mode == "sync" else "tick-in-async"
         if msg.encoding != self._acc.encoding:
             return "encoding"
-        reason = self._acc.check(msg, self.spec)
+        reason = self._acc.check(msg, self.spec) or check_variances(msg.tensors)
         if reason is not None:
             return reason
         if not eligible(msg.batch, self.fed.burn_in, self.fed.jump):
@@ -201,8 +202,10 @@ class Aggregator:
 
     def _close_round(self, tick: int | None) -> RoundClosed:
         participants = tuple(sorted(self._round.updates))
-        for c in participants:
-            self._acc.add(self._round.updates[c])
+        updates = prepare_round([self._round.updates[c] for c in participants],
+                                self.global_.tensors, self.fed, self.counters)
+        for u in updates:
+            self._acc.add(u)
         tensors = self._acc.result(self.global_.tensors)
         self.counters.update(getattr(self._acc, "counters", {}))
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
