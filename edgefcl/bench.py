@@ -124,17 +124,36 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
     return report
 
 
-def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int) -> int:
+def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int, count: int = 0) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from edgefcl.bench_transport import bench_transport
 
-    report = {"client": bench_client, "transport": bench_transport}[what](cfg, out, repeats)
+    if what in BOUNDARY_BENCHES:
+        report = BOUNDARY_BENCHES[what](cfg, out, count)
+    else:
+        report = {"client": bench_client, "transport": bench_transport}[what](cfg, out, repeats)
     report["torch"] = torch.__version__
     report["threads"] = torch.get_num_threads()
     path = out / f"bench_{what}.json"
     path.write_text(json.dumps(report, indent=1, default=_jsonable))
     print(f"\nwritten {path}")
     return 0
+
+
+def _bench_crash(cfg: RunConfig, out: Path, count: int) -> dict:
+    from edgefcl.bench_crash import bench_crash
+
+    return bench_crash(cfg, out, count)
+
+
+def _bench_fuzz(cfg: RunConfig, out: Path, count: int) -> dict:
+    from edgefcl.bench_fuzz import bench_fuzz
+
+    return bench_fuzz(cfg, out, count)
+
+
+BOUNDARY_BENCHES = {"crash": _bench_crash, "fuzz": _bench_fuzz}
+"""Benchmarks of the trust boundary; `--count` is their size (kills, payloads)."""
 
 
 def _jsonable(o):

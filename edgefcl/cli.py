@@ -81,7 +81,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from edgefcl.bench import run_bench
 
     cfg = config_from_args(args)
-    return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats)
+    return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats, args.count)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -134,7 +134,8 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
         initial = initial_global(cfg, prepare(cfg, cfg.seed))
     state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
-    daemon = AggregatorDaemon(cfg, initial, state_dir, exit_when_done=args.exit_when_done)
+    daemon = AggregatorDaemon(cfg, initial, state_dir, exit_when_done=args.exit_when_done,
+                              fresh=args.fresh, resume=args.resume)
     return daemon.run()
 
 
@@ -219,14 +220,22 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("aggregator", help="run the aggregator daemon",
                        description="Serve a fleet: validate updates, run the burn-in/jump "
                        "round schedule, publish the global model (retained). State (global, "
-                       "version, round log) is written atomically to --state-dir after every "
-                       "round and resumed from on restart. SIGTERM/SIGINT stop it gracefully.")
+                       "version, round log) is saved to --state-dir in one transaction per "
+                       "round and resumed from after a restart or crash; a state of another "
+                       "fleet or model, or of a finished run, is refused (see --fresh, "
+                       "--resume). SIGTERM/SIGINT stop it gracefully.")
     a.add_argument("--state-dir", help="state directory (default: state/<fleet>)")
     a.add_argument("--initial", metavar="FILE.npz",
                    help="initial global model tensors (default: built from the config's model "
                    "and dataset with --seed)")
     a.add_argument("--exit-when-done", action="store_true",
-                   help="exit once every client reported its stream done")
+                   help="exit once every client reported its stream done (the run is then "
+                   "finished)")
+    a.add_argument("--fresh", action="store_true",
+                   help="discard the state in --state-dir and start a new run (default: off)")
+    a.add_argument("--resume", action="store_true",
+                   help="continue a finished run in --state-dir (default: off; an unfinished "
+                   "run is always resumed)")
     add_config_flags(a)
     a.set_defaults(func=cmd_aggregator)
 
@@ -267,9 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "memory) and batched vs per-view scoring, cached vs full re-scoring. "
                        "transport: lock-step MQTT vs in-process wall time, aggregator ingest "
                        "rate (Mosquitto and embedded broker, 1M-parameter model), aggregation "
-                       "memory for 10 vs 100 updates.")
-    b.add_argument("what", choices=["client", "transport"], help="what to benchmark")
-    b.add_argument("--repeats", type=int, default=3, help="timing repeats")
+                       "memory for 10 vs 100 updates. crash: SIGKILL the aggregator at random "
+                       "moments and check its state after each restart. fuzz: mutated payloads "
+                       "through the aggregator's and the device's message handlers.")
+    b.add_argument("what", choices=["client", "transport", "crash", "fuzz"],
+                   help="what to benchmark")
+    b.add_argument("--repeats", type=int, default=3, help="timing repeats (default: 3)")
+    b.add_argument("--count", type=int, default=0,
+                   help="crash: SIGKILLs (default 100); fuzz: payloads (default 100000)")
     add_config_flags(b)
     b.set_defaults(func=cmd_bench)
 

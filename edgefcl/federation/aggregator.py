@@ -33,6 +33,8 @@ class RoundClosed:
     tick: int | None
     global_: GlobalModel | None
     participants: tuple[str, ...] = ()
+    seqs: dict[str, int] = field(default_factory=dict)
+    """Sequence number of each participant's update (what the round counted)."""
 
 
 @dataclass
@@ -202,6 +204,7 @@ class Aggregator:
 
     def _close_round(self, tick: int | None) -> RoundClosed:
         participants = tuple(sorted(self._round.updates))
+        seqs = {c: self._round.updates[c].seq for c in participants}
         updates = prepare_round([self._round.updates[c] for c in participants],
                                 self.global_.tensors, self.fed, self.counters)
         for u in updates:
@@ -215,7 +218,7 @@ class Aggregator:
         self._acc = self._new_strategy()
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
-        return RoundClosed(tick, self.global_, participants)
+        return RoundClosed(tick, self.global_, participants, seqs)
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:

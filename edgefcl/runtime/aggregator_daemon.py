@@ -3,7 +3,6 @@ resumes from after a restart or crash."""
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -16,7 +15,7 @@ from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.links import open_link, topics, wire_dtype
-from edgefcl.runtime.state import load_json, load_tensors, save_json, save_tensors
+from edgefcl.runtime.store import StateStore
 from edgefcl.transport.codec import CodecError, Message, decode, encode, model_spec, spec_hash
 
 log = logging.getLogger("edgefcl.aggregator")
@@ -28,14 +27,14 @@ class AggregatorDaemon:
     """Runs an Aggregator over MQTT until stopped (SIGTERM/SIGINT, `control` stop, or when
     `exit_when_done` and no client is active any more after at least one finished).
 
-    State directory: `global.npz` (the current global), `state.json` (version, tick, rounds,
-    last sequence numbers, counters) and `rounds.jsonl` (one line per closed round), all written
-    atomically after every round.
+    State directory: `state.db`, one transaction per round (`runtime.store`), validated on
+    start; a foreign or finished state is refused unless `fresh` (start over) or `resume`
+    (continue a finished run). `state.json`, `global.npz` and `rounds.jsonl` are views of it.
     """
 
     def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
                  exit_when_done: bool = False, status_every: float = 2.0,
-                 inbox_bytes: int = 0) -> None:
+                 inbox_bytes: int = 0, fresh: bool = False, resume: bool = False) -> None:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.topics = topics(cfg.mqtt)
@@ -51,40 +50,47 @@ class AggregatorDaemon:
         self.round_bytes_in = 0
         self.rounds_log: list[dict] = []  # the last rounds, for the status
         self.last_answer: bytes | None = None
-        self._load_state()
+        self.spec = model_spec(self.agg.global_.tensors)
+        self.store = StateStore.open(self.state_dir, fleet=cfg.mqtt.fleet, spec=self.spec,
+                                     fresh=fresh, resume=resume)
+        if not self._load_state():
+            self._save_state(None, initial=True)
         self.link = None
 
     # -- persistence ----------------------------------------------------------------------
     def _load_state(self) -> bool:
-        state_file = self.state_dir / "state.json"
-        if not state_file.exists():
+        loaded = self.store.load(self.spec)
+        if loaded is None:
             return False
-        state = load_json(state_file)
-        state["tensors"] = load_tensors(self.state_dir / "global.npz")
-        self.agg.load_state(state)
+        state, tensors = loaded
+        self.store.write_views(state, tensors, rewrite=True)
+        self.agg.load_state(state | {"tensors": tensors})
         self.done = set(state.get("done", []))
-        log.info("resumed from %s at version %d (round %d)", self.state_dir,
-                 self.agg.global_.version, self.agg.rounds)
+        self.rounds_log = self.store.round_lines()[-20:]
+        log.info("resumed run %s from %s at version %d (round %d)", self.store.meta()["run_id"],
+                 self.state_dir, self.agg.global_.version, self.agg.rounds)
         return True
 
-    def _save_state(self, closed: RoundClosed | None, global_bytes: int = 0) -> None:
+    def _save_state(self, closed: RoundClosed | None, global_bytes: int = 0,
+                    initial: bool = False) -> None:
+        """One transaction: the new global (if a round closed), its round line and the state
+        that counted its updates."""
         state = self.agg.state()
         tensors = state.pop("tensors")
         state["done"] = sorted(self.done)
         state["spec_hash"] = self.spec_hash
+        line = None
         if closed is not None and closed.global_ is not None:
-            save_tensors(self.state_dir / "global.npz", tensors)
             line = {"round": self.agg.rounds, "version": closed.global_.version,
                     "tick": closed.tick, "participants": list(closed.participants),
+                    "seqs": closed.seqs,
                     "bytes_in": self.round_bytes_in, "global_bytes": global_bytes,
                     "time": round(time.time(), 3)}
             self.rounds_log.append(line)
             del self.rounds_log[:-20]
-            with open(self.state_dir / "rounds.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
-        elif not (self.state_dir / "global.npz").exists():
-            save_tensors(self.state_dir / "global.npz", tensors)
-        save_json(self.state_dir / "state.json", state)
+        with_global = line is not None or initial
+        self.store.commit(state, tensors if with_global else None, line)
+        self.store.write_views(state, tensors if with_global else None, line)
 
     # -- MQTT -----------------------------------------------------------------------------
     def _publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -219,13 +225,13 @@ class AggregatorDaemon:
         self.link.subscribe(self.topics.updates, put)
         self.link.subscribe(self.topics.statuses, put)
         self.link.subscribe(self.topics.control, put)
-        self._save_state(None)
         self._publish_config()
         self._publish_global(self.agg.global_)
         log.info("aggregator for fleet %s serving on %s (mode %s, version %d)",
                  self.cfg.mqtt.fleet, self.cfg.mqtt.broker, self.cfg.fed.mode,
                  self.agg.global_.version)
         next_status = 0.0
+        finished = False
         reconnects = self.link.reconnects
         while not self.stop_event.is_set():
             item = self.inbox.get(timeout=0.1)
@@ -244,8 +250,12 @@ class AggregatorDaemon:
                 self._publish_status()
                 next_status = now + self.status_every
             if self.exit_when_done and self.done and not self.agg.active:
+                finished = True
                 break  # every client that joined finished its stream or went offline
         self._save_state(None)
+        if finished:
+            self.store.mark_finished()
+        self.store.close()
         self._publish_status("stopped")
         self.link.close()
         log.info("aggregator stopped at version %d after %d rounds", self.agg.global_.version,
