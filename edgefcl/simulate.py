@@ -18,15 +18,14 @@ from edgefcl.data.streams import count_batches
 from edgefcl.data.types import Dataset, TaskData
 from edgefcl.data.workload import client_id, client_stream, load_workload
 from edgefcl.federation.aggregator import Aggregator
-from edgefcl.federation.gaussian import to_wire
 from edgefcl.federation.messages import GlobalModel, Tensors, Update
 from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_message
-from edgefcl.learn.apc import shared_tensors
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.export import global_state, model_spec
+from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.models import build_model
-from edgefcl.learn.params import get_tensors, tensors_sha256
+from edgefcl.learn.params import tensors_sha256
 from edgefcl.learn.variational import client_hooks
 from edgefcl.metrics import CommStats, forgetting, last_accuracy
 from edgefcl.transport import codec
@@ -86,10 +85,7 @@ def prepare(cfg: RunConfig, seed: int) -> Setup:
 def initial_global(cfg: RunConfig, setup: Setup) -> Tensors:
     """Tensors of the first global model, named like the run's updates (gaussian: W::mu,
     W::sigma)."""
-    tensors = get_tensors(setup.initial)
-    if cfg.fed.encoding == "apc":  # the decomposed layers' local m, A, alpha stay local
-        return shared_tensors(setup.initial, tensors)
-    return to_wire(tensors) if cfg.fed.encoding == "gaussian" else tensors
+    return global_tensors(setup.initial, cfg.fed.encoding)
 
 
 def for_method(cfg: RunConfig, method: str) -> RunConfig:
