@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -139,3 +140,21 @@ def test_any_sequence_of_mutated_messages_never_escapes(tmp_path_factory, msgs) 
     assert d.agg.counters["rejected_internal"] == 0
     v = d.agg.global_
     assert all(np.isfinite(t).all() for t in v.tensors.values())
+
+
+@pytest.mark.slow
+def test_ten_thousand_mutated_payloads_through_both_handlers(tmp_path) -> None:
+    import logging
+
+    from edgefcl.bench_fuzz import fuzz_aggregator, fuzz_device
+
+    logging.getLogger("edgefcl").setLevel(logging.CRITICAL)
+    try:
+        agg = fuzz_aggregator(10_000, tmp_path / "state", seed=3)
+        dev = fuzz_device(10_000, seed=4)
+    finally:
+        logging.getLogger("edgefcl").setLevel(logging.NOTSET)
+    assert agg["escaped"] == 0 and dev["escaped"] == 0, (agg["escaped_kinds"],
+                                                         dev["escaped_kinds"])
+    assert agg["global_finite"] and agg["global_max_abs"] < 1e3
+    assert agg["rejections"]["rejected_limits"] > 0 and dev["rejections"]["limits"] > 0

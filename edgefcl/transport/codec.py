@@ -319,6 +319,12 @@ def _decode_message(kind: str, m: dict[str, Any]) -> Message:
     command = body.get("command")
     if kind == "control" and not (isinstance(command, str) and command in CONTROL_COMMANDS):
         raise CodecError("malformed", f"control command must be one of {sorted(CONTROL_COMMANDS)}")
+    if kind == "answer":
+        _get(body, "tick", int)
+        _get(body, "version", int)
+        parts = body.get("participants")
+        if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+            raise CodecError("malformed", "answer participants must be a list of strings")
     if kind == "stream":
         _get(body, "client", str)
         _get(body, "task", int)
