@@ -158,3 +158,24 @@ def test_ten_thousand_mutated_payloads_through_both_handlers(tmp_path) -> None:
                                                          dev["escaped_kinds"])
     assert agg["global_finite"] and agg["global_max_abs"] < 1e3
     assert agg["rejections"]["rejected_limits"] > 0 and dev["rejections"]["limits"] > 0
+
+
+def test_a_reinstalled_device_starts_a_new_session(tmp_path) -> None:
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+
+    def online(inc):
+        return encode(Message("status", {"state": "online", "incarnation": inc}, sender="a"),
+                      fleet=FLEET)
+
+    d.handle(tp.status("a"), online("first"))
+    d.handle(tp.update("a"), update(seq=1))
+    d.handle(tp.update("a"), update(seq=1))  # a redelivery of the same session
+    assert d.agg.counters["rejected_duplicate"] == 1
+    d.handle(tp.status("a"), online("first"))  # periodic status: same session
+    d.handle(tp.update("a"), update(seq=1, value=2.0))
+    assert d.agg.counters["rejected_duplicate"] == 2
+    d.handle(tp.status("a"), online("second"))  # reinstalled: seq 1 again is new
+    d.handle(tp.update("a"), update(seq=1, value=3.0))
+    assert d.agg.counters["new_sessions"] == 1 and d.agg.counters["accepted"] == 2
+    assert d.agg.counters["replaced"] == 1  # still one update of a per round

@@ -10,6 +10,8 @@ itself, so that no single device can outweigh the fleet or lock others out:
 - the claimed mini-batch is plausible for the seq (`batch <= burn_in + jump * seq`) and, within
   a task, moves forward (an old update re-sent with a new seq is a replay);
 - `base_version` is not ahead of the aggregator's version;
+- a device announces an incarnation id (status `online`); a new one (a reinstalled device)
+  starts a new session whose sequence numbers may start again at 1;
 - `num_samples` is at most `batch * batch_size` (the stream samples a device can have seen in
   its task; `fed.sample_cap` overrides), and class counts are positive and add up to it.
 
@@ -39,6 +41,8 @@ class Admission:
     last_seq: dict[str, int] = field(default_factory=dict)
     last_batch: dict[str, tuple[int, int]] = field(default_factory=dict)
     """client -> (task, batch) of its last accepted update."""
+    incarnation: dict[str, str] = field(default_factory=dict)
+    """client -> the incarnation id its device announced (a reinstall draws a new one)."""
 
     def __post_init__(self) -> None:
         self.fixed = parse_roster(self.fed.roster)
@@ -92,6 +96,18 @@ class Admission:
                 return "classes"
         return None
 
+    def session(self, client: str, incarnation: str) -> bool:
+        """Record `client`'s incarnation; True when it is a new one of a known client: a
+        reinstalled device whose sequence numbers start again (its progress is forgotten).
+        A device can only reset its own session (the topic is its identity)."""
+        old = self.incarnation.get(client)
+        self.incarnation[client] = incarnation
+        if old is None or old == incarnation:
+            return False
+        self.last_seq.pop(client, None)
+        self.last_batch.pop(client, None)
+        return True
+
     def accept(self, msg: Update | Tick) -> None:
         """Record an accepted message's progress."""
         self.last_seq[msg.client] = msg.seq
@@ -100,10 +116,12 @@ class Admission:
 
     def state(self) -> dict:
         return {"roster": sorted(self.roster), "last_seq": dict(self.last_seq),
-                "last_batch": {k: list(v) for k, v in self.last_batch.items()}}
+                "last_batch": {k: list(v) for k, v in self.last_batch.items()},
+                "incarnation": dict(self.incarnation)}
 
     def load_state(self, state: dict) -> None:
         self.roster = set(state.get("roster", [])) | set(self.fixed)
         self.last_seq = {str(k): int(v) for k, v in state.get("last_seq", {}).items()}
         self.last_batch = {str(k): (int(v[0]), int(v[1]))
                            for k, v in state.get("last_batch", {}).items()}
+        self.incarnation = {str(k): str(v) for k, v in state.get("incarnation", {}).items()}

@@ -185,6 +185,12 @@ class AggregatorDaemon:
         state = body.get("state")
         if state == "online":
             self.done.discard(client)
+            inc = body.get("incarnation")
+            if isinstance(inc, str) and 0 < len(inc) <= 64 and \
+                    self.agg.admission.session(client, inc):
+                self.agg.counters["new_sessions"] += 1
+                log.info("%s: new device incarnation %s (sequence numbers start again)",
+                         client, inc)
             self.agg.join(client, now)
         elif state in ("offline", "done"):
             if state == "done":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import Counter
@@ -80,6 +81,9 @@ class DeviceRunner:
         # every global is checked against this device's own model before it is adopted
         self.global_spec = model_spec(global_tensors(client.model, cfg.fed.encoding))
         self.rejections: Counter[str] = Counter()
+        # this installation's session: its sequence numbers start at 1 (kept on flash by
+        # devices that resume their sequence numbers, see firmware_sim)
+        self.incarnation = secrets.token_hex(8)
         n_tasks = len(eval_tasks) if eval_tasks else 0
         self.acc = np.full((n_tasks, n_tasks), np.nan)
         self.link = None
@@ -212,7 +216,8 @@ class DeviceRunner:
 
     def _status(self, state: str, wait: bool = False, **extra) -> None:
         c = self.client
-        body = {"state": state, "task": c.task if c.task is not None else -1, "batch": c.bn,
+        body = {"state": state, "incarnation": self.incarnation,
+                "task": c.task if c.task is not None else -1, "batch": c.bn,
                 "version": c.version, "consumed": self.consumed, "rounds": self.rounds,
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down, **extra}
         self.link.publish(self.topics.status(self.cid),
