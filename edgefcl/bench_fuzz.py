@@ -11,14 +11,15 @@ globals):
   tensors, control on a device topic, num_samples 10^12, seq 2^64-1, ...).
 Each payload goes to a random topic of the fleet. The report counts escaped exceptions (an
 exception out of the handler, or a failure the handler had to count as `internal`), the slowest
-payload, the peak of Python allocations (tracemalloc) and the rejections by reason.
+payload (timed without tracemalloc), the peak of Python allocations (tracemalloc, first 10^4
+payloads), the growth of resident memory and the rejections by reason.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import os
 import time
 import tracemalloc
 from collections import Counter
@@ -157,19 +158,35 @@ def payloads(corpus: list[bytes], extra: list[bytes], n: int, seed: int = 0) -> 
             yield base
 
 
+def _rss_mib() -> float:
+    """Resident memory of this process now (Linux), MiB."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
 def drive(handle: Callable[[str, bytes], None], counters: Callable[[], dict[str, int]],
           topics: list[str], stream: Iterator[bytes], seed: int = 0,
-          progress: bool = False) -> dict:
-    """Feed `stream` to `handle` on random `topics`; time, memory and escaped exceptions."""
+          progress: bool = False, traced: int = 10_000) -> dict:
+    """Feed `stream` to `handle` on random `topics`: time per payload, escaped exceptions,
+    the process's peak resident memory over its start, and (for the first `traced`
+    payloads, timed separately) the peak of Python allocations by tracemalloc."""
     rng = np.random.default_rng(seed + 1)
     escaped: Counter[str] = Counter()
     slowest = (0.0, b"", "")
     n = 0
+    times: list[float] = []
+    rss0 = _rss_mib()
+    peak_rss = rss0
     tracemalloc.start()
-    tracemalloc.reset_peak()
     base_mem = tracemalloc.get_traced_memory()[0]
     t_all = time.perf_counter()
     for payload in stream:
+        if n == traced:
+            peak_py = tracemalloc.get_traced_memory()[1] - base_mem
+            tracemalloc.stop()
         topic = topics[int(rng.integers(len(topics)))]
         t0 = time.perf_counter()
         try:
@@ -177,28 +194,32 @@ def drive(handle: Callable[[str, bytes], None], counters: Callable[[], dict[str,
         except Exception as e:  # noqa: BLE001  (what the bench exists to find)
             escaped[f"{type(e).__name__}: {str(e)[:80]}"] += 1
         dt = time.perf_counter() - t0
-        if dt > slowest[0]:
-            slowest = (dt, payload, topic)
+        if n >= traced:  # timings without tracemalloc's overhead
+            times.append(dt)
+            if dt > slowest[0]:
+                slowest = (dt, payload, topic)
         n += 1
+        if n % 1000 == 0:
+            peak_rss = max(peak_rss, _rss_mib())
         if progress and n % 10_000 == 0:
             print(f"  {n} payloads, {sum(escaped.values())} escaped, slowest "
                   f"{slowest[0] * 1e3:.1f} ms", flush=True)
     wall = time.perf_counter() - t_all
-    peak = tracemalloc.get_traced_memory()[1] - base_mem
-    tracemalloc.stop()
-    # the slowest payload again, without tracemalloc's overhead
-    t0 = time.perf_counter()
-    with contextlib.suppress(Exception):
-        handle(slowest[2], slowest[1])
-    retime = time.perf_counter() - t0
+    if tracemalloc.is_tracing():
+        peak_py = tracemalloc.get_traced_memory()[1] - base_mem
+        tracemalloc.stop()
     c = counters()
     internal = int(c.get("internal", 0)) + int(c.get("rejected_internal", 0))
+    t = np.array(times or [0.0]) * 1e3
     return {"payloads": n, "escaped": sum(escaped.values()) + internal,
             "escaped_kinds": dict(escaped.most_common(10)), "internal_errors": internal,
-            "slowest_ms": round(slowest[0] * 1e3, 2),
-            "slowest_ms_without_tracemalloc": round(retime * 1e3, 2),
+            "timed_payloads": len(times), "slowest_ms": round(float(t.max()), 2),
+            "p99_ms": round(float(np.percentile(t, 99)), 3),
+            "over_100ms": int((t > 100).sum()),
             "slowest_payload_bytes": len(slowest[1]), "slowest_payload_head": slowest[1][:48].hex(),
-            "slowest_topic": slowest[2], "peak_python_mib": round(peak / 2**20, 2),
+            "slowest_topic": slowest[2], "peak_python_mib": round(peak_py / 2**20, 2),
+            "traced_payloads": min(n, traced), "rss_start_mib": round(rss0, 1),
+            "rss_peak_growth_mib": round(peak_rss - rss0, 1),
             "wall_s": round(wall, 1), "per_payload_ms": round(wall / max(n, 1) * 1e3, 3),
             "rejections": dict(sorted(c.items()))}
 
@@ -305,9 +326,11 @@ def bench_fuzz(cfg: RunConfig, out: Path, count: int) -> dict:
         print(f"{name}: {n} mutated payloads", flush=True)
         r = run()
         report[name] = r
-        print(f"{name}: {r['escaped']} escaped exceptions, slowest {r['slowest_ms']} ms "
-              f"({r['slowest_ms_without_tracemalloc']} ms re-timed; {r['slowest_payload_bytes']} "
-              f"bytes on {r['slowest_topic']}), peak Python memory {r['peak_python_mib']} MiB, "
-              f"{r['per_payload_ms']} ms/payload")
+        print(f"{name}: {r['escaped']} escaped exceptions; slowest {r['slowest_ms']} ms "
+              f"({r['slowest_payload_bytes']} bytes on {r['slowest_topic']}), p99 "
+              f"{r['p99_ms']} ms, {r['over_100ms']} over 100 ms (of {r['timed_payloads']} "
+              f"timed); peak Python allocations {r['peak_python_mib']} MiB (first "
+              f"{r['traced_payloads']}), resident memory +{r['rss_peak_growth_mib']} MiB over "
+              f"{r['rss_start_mib']} MiB; {r['per_payload_ms']} ms/payload")
         print("  rejections: " + json.dumps(r["rejections"]))
     return report
