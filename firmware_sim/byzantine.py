@@ -167,8 +167,11 @@ class Byzantine:
 
     @staticmethod
     def _plus(t: Tensors, d: Tensors, s: float) -> Tensors:
+        """t + s * d on the learned tensors (BatchNorm statistics kept valid, so that only the
+        robust rules, not the variance check, can stop it)."""
         with np.errstate(over="ignore"):
-            return {k: (t[k] + s * d[k]).astype(np.float32) for k in t}
+            return {k: (t[k] if k.endswith(("running_var", "running_mean"))
+                        else (t[k] + s * d[k]).astype(np.float32)) for k in t}
 
     @staticmethod
     def _with_variance(t: Tensors) -> Tensors:
