@@ -118,3 +118,18 @@ def test_one_sender_cannot_evict_another_and_idle_transfers_expire() -> None:
     assert [r.add(p, source="update/honest") for p in honest[1:]][-1] == bytes(3000)
     now[0] = 10.0
     assert r.expire() == 2 and r.pending == 0 and r.pending_bytes == 0
+
+
+def test_pending_bytes_are_bounded_and_the_biggest_holder_pays() -> None:
+    from edgefcl.transport.chunks import Reassembler, split
+    r = Reassembler(max_bytes=10_000, max_pending=16, max_per_source=4,
+                    max_pending_bytes=12_000)
+    honest = split(bytes(range(256)) * 20, 1024, "h")  # 5120 bytes
+    r.add(honest[0], source="honest")
+    for i in range(4):  # the attacker opens transfers of 9000 bytes and sends most of each
+        parts = split(bytes(9000), 1024, f"a{i}")
+        for p in parts[:-1]:
+            r.add(p, source="attacker")
+    assert r.pending_bytes <= 12_000
+    got = [r.add(p, source="honest") for p in honest[1:]]
+    assert got[-1] == bytes(range(256)) * 20

@@ -52,11 +52,13 @@ class Admission:
     def cap(self) -> int:
         return len(self.fixed) if self.fixed else (self.fed.roster_cap or self.fed.clients)
 
+    def may_join(self, client: str) -> bool:
+        """Whether `client` is on the roster or there is room to learn it."""
+        return client in self.roster or (not self.fixed and len(self.roster) < self.cap)
+
     def admit(self, client: str) -> bool:
         """Whether `client` is (now) on the roster; learns it while there is room."""
-        if client in self.roster:
-            return True
-        if self.fixed or len(self.roster) >= self.cap:
+        if not self.may_join(client):
             return False
         self.roster.add(client)
         return True
@@ -70,7 +72,7 @@ class Admission:
             return "seq"
         if msg.batch < 0 or msg.batch > self.fed.burn_in + self.fed.jump * msg.seq:
             return "batch"
-        if not self.admit(msg.client):
+        if not self.may_join(msg.client):  # learned only once a message is accepted
             return "roster"
         if isinstance(msg, Tick):
             return None
@@ -109,7 +111,8 @@ class Admission:
         return True
 
     def accept(self, msg: Update | Tick) -> None:
-        """Record an accepted message's progress."""
+        """Record an accepted message's progress (and learn its client)."""
+        self.admit(msg.client)
         self.last_seq[msg.client] = msg.seq
         if isinstance(msg, Update):
             self.last_batch[msg.client] = (msg.task, msg.batch)

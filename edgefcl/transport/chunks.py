@@ -104,8 +104,10 @@ class Reassembler:
 
     Incomplete transfers are dropped after `timeout_s` without a new chunk (on the next chunk
     or on `expire()`, which a receiver calls periodically), a source's oldest one when it has
-    more than `max_per_source` open, and the oldest of all when more than `max_pending` are
-    open; every drop is counted in `dropped`. Transfers larger than `max_bytes` are
+    more than `max_per_source` open, the oldest of all when more than `max_pending` are
+    open, and the oldest transfer of the source holding the most bytes while all incomplete
+    transfers hold more than `max_pending_bytes` (default 2 x `max_bytes`); every drop is
+    counted in `dropped`. Transfers larger than `max_bytes` are
     rejected with CodecError("oversized"), implausible chunk counts with CodecError("limits");
     a digest mismatch raises CodecError("digest").
     Each transfer raises at most once: later chunks of a rejected transfer are ignored.
@@ -118,10 +120,12 @@ class Reassembler:
         timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         max_per_source: int = 2,
+        max_pending_bytes: int = 0,
     ) -> None:
         self.max_bytes = max_bytes
         self.max_pending = max_pending
         self.max_per_source = max_per_source
+        self.max_pending_bytes = max_pending_bytes or 2 * max_bytes
         self.timeout_s = timeout_s
         self.clock = clock
         self._open: OrderedDict[tuple[str, str], _Transfer] = OrderedDict()
@@ -148,6 +152,17 @@ class Reassembler:
     def _expire(self, now: float) -> None:
         for key in [k for k, t in self._open.items() if now - t.last > self.timeout_s]:
             del self._open[key]
+            self.dropped += 1
+
+    def _shed_bytes(self) -> None:
+        """Drop the oldest transfer of the source holding the most bytes until the incomplete
+        transfers fit `max_pending_bytes`."""
+        while self._open and self.pending_bytes > self.max_pending_bytes:
+            held: dict[str, int] = {}
+            for (src, _), t in self._open.items():
+                held[src] = held.get(src, 0) + t.received
+            top = max(held, key=held.__getitem__)
+            del self._open[next(k for k in self._open if k[0] == top)]
             self.dropped += 1
 
     def add(self, chunk: bytes, source: str = "") -> bytes | None:
@@ -186,6 +201,9 @@ class Reassembler:
             return None
         t.parts[m["index"]] = m["data"]
         t.received += len(m["data"])
+        self._shed_bytes()
+        if key not in self._open:
+            return None  # this very transfer was the one dropped
         if t.received > t.size:
             del self._open[key]
             self._done.append(key)
