@@ -173,6 +173,10 @@ class AggregatorDaemon:
                     and self.last_answer is not None):
                 self._publish(self.topics.tick, self.last_answer)  # a client retransmitted
             self._closed(self.agg.submit(msg, now))
+            if msg.client in self.done and msg.client in self.agg.active:
+                # a queued update that arrived after the client's retained "done": it reports
+                # nothing more, so no round waits for it
+                self._closed(self.agg.leave(msg.client, now))
         elif isinstance(msg, Message) and msg.kind == "status" and sender is not None:
             self._on_status(sender, msg.body, now)
         elif isinstance(msg, Message) and msg.kind == "control":
@@ -238,11 +242,14 @@ class AggregatorDaemon:
                  self.agg.global_.version)
         next_status = 0.0
         finished = False
+        last_input = time.monotonic()  # exit only after a quiet second: after a restart the
+        # messages queued for this session and the retained statuses arrive in any order
         reconnects = self.link.reconnects
         while not self.stop_event.is_set():
             item = self.inbox.get(timeout=0.1)
             if item is not None:
                 self.handle(*item)
+                last_input = time.monotonic()
             now = time.monotonic()
             self.link.expire_pending()
             if self.link.reconnects != reconnects and self.link.is_connected:
@@ -255,7 +262,8 @@ class AggregatorDaemon:
             if now >= next_status:
                 self._publish_status()
                 next_status = now + self.status_every
-            if self.exit_when_done and self.done and not self.agg.active:
+            if (self.exit_when_done and self.done and not self.agg.active
+                    and now - last_input >= 1.0):
                 finished = True
                 break  # every client that joined finished its stream or went offline
         self._save_state(None)
