@@ -3,9 +3,12 @@
 #
 #   broker/add-device.sh FLEET DEVICE_ID
 #
-# The username is the device id (the ACL's %u), so the device must connect with
-# client id = username = DEVICE_ID. Service users (aggregator, replayer, operator) are added
-# the same way. Environment:
+# The username is the device id (the ACL's %u); with `use_username_as_clientid true` (as in
+# broker/mosquitto.conf) the broker also makes it the client id, so no device can take over
+# another's session. Service users (aggregator, replayer, operator) are added the same way.
+# The password file is made root:mosquitto 0640 so that Mosquitto, which drops to the
+# `mosquitto` user after start, can read it (run as root; otherwise the group is left alone
+# with a warning). Environment:
 #   EDGEFCL_PASSWD   password file (default /etc/mosquitto/edgefcl/passwd)
 #   EDGEFCL_ACL      ACL file checked for the fleet (default /etc/mosquitto/edgefcl/acl)
 #   EDGEFCL_ROOT     topic root (default edgefcl)
@@ -39,7 +42,15 @@ mkdir -p "$(dirname "$PASSWD_FILE")"
 if [ -f "$PASSWD_FILE" ]; then
     mosquitto_passwd -b "$PASSWD_FILE" "$DEVICE" "$PASSWORD"
 else
-    (umask 077 && mosquitto_passwd -c -b "$PASSWD_FILE" "$DEVICE" "$PASSWORD")
+    (umask 027 && mosquitto_passwd -c -b "$PASSWD_FILE" "$DEVICE" "$PASSWORD")
+fi
+GROUP=${EDGEFCL_BROKER_GROUP:-mosquitto}
+chmod 0640 "$PASSWD_FILE"
+if [ "$(id -u)" -eq 0 ] && getent group "$GROUP" >/dev/null 2>&1; then
+    chown "root:$GROUP" "$PASSWD_FILE"
+elif ! chgrp "$GROUP" "$PASSWD_FILE" 2>/dev/null; then
+    echo "warning: could not give group '$GROUP' read access to $PASSWD_FILE; run as root" \
+        "or: chown root:$GROUP $PASSWD_FILE" >&2
 fi
 
 if [ -f "$ACL_FILE" ] && ! grep -q "^[a-z ]*$ROOT/$FLEET/" "$ACL_FILE"; then

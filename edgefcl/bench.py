@@ -182,8 +182,9 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
 
 
 def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
-              study: dict | None = None) -> int:
-    """Run benchmark `what` (client, transport, memory); JSON goes to out/bench_<what>.json."""
+              study: dict | None = None, count: int = 0) -> int:
+    """Run benchmark `what` (client, transport, crash, fuzz, memory); JSON goes to
+    out/bench_<what>.json."""
     out.mkdir(parents=True, exist_ok=True)
     if what == "memory":
         from edgefcl.bench_memory import (
@@ -205,7 +206,10 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
         return 0
     from edgefcl.bench_transport import bench_transport
 
-    report = {"client": bench_client, "transport": bench_transport}[what](cfg, out, repeats)
+    if what in BOUNDARY_BENCHES:
+        report = BOUNDARY_BENCHES[what](cfg, out, count)
+    else:
+        report = {"client": bench_client, "transport": bench_transport}[what](cfg, out, repeats)
     report["torch"] = torch.__version__
     report["threads"] = torch.get_num_threads()
     path = out / f"bench_{what}.json"
@@ -221,6 +225,22 @@ def _sd(values: list[float]) -> float:
 
 def _csv(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _bench_crash(cfg: RunConfig, out: Path, count: int) -> dict:
+    from edgefcl.bench_crash import bench_crash
+
+    return bench_crash(cfg, out, count)
+
+
+def _bench_fuzz(cfg: RunConfig, out: Path, count: int) -> dict:
+    from edgefcl.bench_fuzz import bench_fuzz
+
+    return bench_fuzz(cfg, out, count)
+
+
+BOUNDARY_BENCHES = {"crash": _bench_crash, "fuzz": _bench_fuzz}
+"""Benchmarks of the trust boundary; `--count` is their size (kills, payloads)."""
 
 
 def _jsonable(o):

@@ -13,12 +13,10 @@ import torch
 from edgefcl.config import RunConfig, resolve_fed
 from edgefcl.data.types import Dataset, TaskData
 from edgefcl.data.workload import client_id, load_workload
-from edgefcl.federation.gaussian import to_wire
 from edgefcl.federation.messages import Tensors
-from edgefcl.learn.apc import shared_tensors
 from edgefcl.learn.client import Client
+from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.models import build_model
-from edgefcl.learn.params import get_tensors
 from edgefcl.learn.variational import client_hooks
 
 
@@ -44,10 +42,7 @@ def prepare(cfg: RunConfig, seed: int) -> Setup:
 def initial_global(cfg: RunConfig, setup: Setup) -> Tensors:
     """Tensors of the first global model, named like the run's updates (gaussian: W::mu,
     W::sigma)."""
-    tensors = get_tensors(setup.initial)
-    if cfg.fed.encoding == "apc":  # the decomposed layers' local m, A, alpha stay local
-        return shared_tensors(setup.initial, tensors)
-    return to_wire(tensors) if cfg.fed.encoding == "gaussian" else tensors
+    return global_tensors(setup.initial, cfg.fed.encoding)
 
 
 def for_method(cfg: RunConfig, method: str) -> RunConfig:

@@ -179,6 +179,8 @@ BENCHES = {
                  "updates",
     "fleet": "lightweight devices (one MQTT connection each) against Mosquitto and the "
              "aggregator daemon, vs the raw broker rate (see the fleet options)",
+    "crash": "SIGKILL the aggregator at random moments and check its state after each restart",
+    "fuzz": "mutated payloads through the aggregator's and the device's message handlers",
     "memory": "the memory study: selection rules x datasets x memory sizes x seeds (A, F as "
               "mean ± sample std, wall time per run; table, JSON and plot)",
 }
@@ -195,7 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return run_from_args(args, cfg, Path(cfg.out or "runs/bench"))
     return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats,
                      study={"datasets": args.datasets, "per_class": args.per_class,
-                            "rules": args.rules})
+                            "rules": args.rules}, count=args.count)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -244,12 +246,6 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     from edgefcl.report import make_dir
 
     make_dir(state_dir, "--state-dir")
-    from edgefcl.runtime.fleet_results import announce_refusal, finished_run
-
-    refusal = finished_run(state_dir)
-    if refusal:
-        announce_refusal(cfg, refusal)
-        raise UserError(refusal)
     setup = None
     if args.initial:
         if not Path(args.initial).is_file():
@@ -265,9 +261,16 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
         from edgefcl.runtime.evaluation import GlobalEvaluator
 
         evaluator = GlobalEvaluator.from_config(cfg, args.eval_data, setup)
-    daemon = AggregatorDaemon(cfg, initial, state_dir, exit_when_done=args.exit_when_done)
+    from edgefcl.runtime.fleet_results import announce_refusal
     from edgefcl.runtime.join import fleet_profile
+    from edgefcl.runtime.store import StateError
 
+    try:
+        daemon = AggregatorDaemon(cfg, initial, state_dir, exit_when_done=args.exit_when_done,
+                                  fresh=args.fresh, resume=args.resume)
+    except StateError as e:  # waiting devices learn of it from the retained status
+        announce_refusal(cfg, str(e))
+        raise
     daemon.profile = fleet_profile(cfg, initial, setup.dataset if setup else None)
     daemon.evaluator = evaluator
     daemon.labels = setup.dataset.labels if setup else None
@@ -401,19 +404,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = _command(sub, "aggregator", "run the aggregator daemon",
                  "Serve a fleet: validate updates, run the burn-in/jump round schedule, publish "
-                 "the global model (retained). State (global, version, round log) is written "
-                 "atomically to --state-dir after every round and resumed from on restart. "
-                 "SIGTERM/SIGINT stop it gracefully.", cmd_aggregator)
+                 "the global model (retained). State (global, version, round log) is saved to "
+                 "--state-dir in one transaction per round and resumed from after a restart or "
+                 "crash; a state of another fleet or model, or of a finished run, is refused "
+                 "(see --fresh, --resume). SIGTERM/SIGINT stop it gracefully.", cmd_aggregator)
     a.add_argument("--state-dir", help="state directory (default: state/<fleet>)")
     a.add_argument("--initial", metavar="FILE.npz",
                    help="initial global model tensors (default: built from the config's model "
                    "and dataset with --seed)")
     a.add_argument("--exit-when-done", action="store_true",
-                   help="exit once every client reported its stream done")
+                   help="exit once every client reported its stream done (the run is then "
+                   "finished)")
     a.add_argument("--eval-data", metavar="DATASET",
                    help="evaluate every new global on the test split of this dataset spec "
                    "(like --dataset; 'config': the config's dataset) and log its accuracy per "
                    "round in rounds.jsonl")
+    a.add_argument("--fresh", action="store_true",
+                   help="discard the state in --state-dir and start a new run (default: off)")
+    a.add_argument("--resume", action="store_true",
+                   help="continue a finished run in --state-dir (default: off; an unfinished "
+                   "run is always resumed)")
     add_config_flags(a, **fleet_flags)
 
     c = _command(sub, "client", "run one device client",
@@ -473,7 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "bi:mix,bi:kcenter,bi:herding,bi:step+past",
                    help="memory: rules METHOD[:SELECTION][+past][@RESCORE] (default: "
                    "%(default)s)")
-    b.add_argument("--repeats", type=int, default=3, help="timing repeats")
+    b.add_argument("--repeats", type=int, default=3, help="timing repeats (default: 3)")
+    b.add_argument("--count", type=int, default=0,
+                   help="crash: SIGKILLs (default 100); fuzz: payloads (default 100000)")
     from edgefcl.loadgen.options import add_fleet_arguments
 
     add_fleet_arguments(b)

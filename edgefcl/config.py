@@ -162,7 +162,8 @@ class FedConfig:
         "last global, error feedback) | apc (FedWeIT decomposition; implied by method apc)"
     )
     aggregation: str = opt(
-        "fedavg", "dense: fedavg (weighted by samples) | class-weighted; gaussian: conflation "
+        "fedavg", "dense: fedavg (weighted by samples) | class-weighted | median | trimmed-mean "
+        "(coordinate-wise, robust); gaussian: conflation "
         "(product, VFCL) | fedbnn (prior times likelihoods) | moments (moment matching)"
     )
     bnn_init_rounds: int = opt(
@@ -187,6 +188,21 @@ class FedConfig:
                         "sparse and apc encodings)")
     apc_kb_size: int = opt(5, "apc: task-adaptive tensors in the knowledge base the server "
                            "broadcasts")
+    roster: str = opt("", "comma-separated client ids allowed to take part (empty: learned from "
+                      "the first clients seen, up to roster_cap)")
+    roster_cap: int = opt(0, "most clients a learned roster admits (0: clients)")
+    client_timeout: float = opt(120.0, "seconds after which a silent client leaves the active "
+                                "set (0: never)")
+    max_seq_gap: int = opt(100_000, "largest step of a client's sequence number (also from 0)")
+    sample_cap: int = opt(0, "largest num_samples one update may claim (0: batch x batch_size)")
+    clip_factor: float = opt(3.0, "dense: clip each update's delta to the global at this times "
+                             "the round's median delta norm (0: off)")
+    clip_norm: float = opt(0.0, "dense: clip deltas at this fixed L2 norm instead (0: adaptive)")
+    max_share: float = opt(0.0, "largest share of a round's sample weight one client may have "
+                           "(0: 2 / participants; 1: off)")
+    trim: float = opt(0.2, "trimmed-mean: fraction of values dropped at each end per entry")
+    sigma_floor: float = opt(0.5, "gaussian: raise each sigma to at least this times the "
+                             "round's median sigma of that entry (0: off)")
 
 
 @dataclass
@@ -409,6 +425,13 @@ def validate(cfg: RunConfig) -> None:
          "index_format must be auto, idx, bits, zidx or zbits"),
         (f.downlink in ("auto", "dense", "sparse"), "downlink must be auto, dense or sparse"),
         (f.apc_kb_size >= 0, "apc_kb_size must be >= 0"),
+        (f.roster_cap >= 0 and f.sample_cap >= 0, "roster_cap and sample_cap must be >= 0"),
+        (f.client_timeout >= 0, "client_timeout must be >= 0"),
+        (f.clip_factor >= 0 and f.clip_norm >= 0, "clip_factor and clip_norm must be >= 0"),
+        (0 <= f.max_share <= 1, "max_share must be in [0, 1]"),
+        (0 <= f.trim < 0.5, "trim must be in [0, 0.5)"),
+        (f.sigma_floor >= 0, "sigma_floor must be >= 0"),
+        (f.max_seq_gap >= 1, "max_seq_gap must be >= 1"),
         (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,
          "apc_l1, apc_l2 and apc_prune must be >= 0"),
         (0 < le.apc_send <= 1, "apc_send must be in (0, 1]"),

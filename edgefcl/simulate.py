@@ -76,7 +76,7 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
     K, T = cfg.fed.clients, cfg.data.tasks
     clients = [make_client(cfg, setup, k, method, seed) for k in range(K)]
     streams = {c.cid: client_stream(cfg, setup.tasks[k], k, seed) for k, c in enumerate(clients)}
-    agg = Aggregator(initial_global(cfg, setup), cfg.fed)
+    agg = Aggregator(initial_global(cfg, setup), cfg.fed, batch_size=cfg.data.batch_size)
     for c in clients:
         agg.join(c.cid)
     acc = np.zeros((K, T, T))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shutil
@@ -20,7 +21,8 @@ def _fleet(args: argparse.Namespace) -> int:
 
     opts = FleetOptions(devices=args.devices, config=args.config, broker=args.broker,
                         per_process=args.per_process, rate=args.rate, seed=args.seed,
-                        timeout=args.timeout)
+                        timeout=args.timeout, byzantine=args.byzantine, attack=args.attack,
+                        defences=not args.no_defences)
     if args.profile:
         opts.profiles = [Path(p) for p in args.profile]
     plan = FaultPlan(kill=args.kill, kill_at=args.kill_at, kill_down_s=args.kill_down_s,
@@ -30,16 +32,17 @@ def _fleet(args: argparse.Namespace) -> int:
     plan.validate()
     fleet_config(opts)  # refuse bad options before creating anything
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="firmware-sim-"))
-    runs = [("baseline", FaultPlan())] if args.baseline else []
-    runs.append(("faults" if args.baseline else "run", plan))
+    clean = dataclasses.replace(opts, byzantine=0)  # the baseline has no attackers
+    runs = [("baseline", FaultPlan(), clean)] if args.baseline else []
+    runs.append(("faults" if args.baseline else "run", plan, opts))
     reports = {}
     try:
-        for name, p in runs:
+        for name, p, o in runs:
             workdir = out / name
             if workdir.exists():
                 shutil.rmtree(workdir)
             print(f"== {name}: {workdir}", flush=True)
-            reports[name] = Fleet(opts, p, workdir, echo=not args.quiet).run()
+            reports[name] = Fleet(o, p, workdir, echo=not args.quiet).run()
             print(format_report(reports[name]), flush=True)
     except FleetError as e:
         print(f"firmware_sim: fleet failed: {' '.join(str(e).split())}", file=sys.stderr)
@@ -100,6 +103,8 @@ def _device(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from firmware_sim.byzantine import ATTACKS
+
     p = Parser(prog="python -m firmware_sim", parents=[logging_options()],
                formatter_class=HelpFormatter,
                description="Simulated edge devices running the edgefcl client inside device "
@@ -127,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--baseline", action="store_true",
                    help="first run the same fleet without faults and compare A")
     f.add_argument("--quiet", action="store_true", help="no progress lines")
+    z = f.add_argument_group("Byzantine devices (firmware_sim/byzantine.py)")
+    z.add_argument("--byzantine", type=int, default=0,
+                   help="attacker identities added to the --devices honest ones (default: 0)")
+    z.add_argument("--attack", default="noise", choices=ATTACKS,
+                   help="what the attackers send (default: noise)")
+    z.add_argument("--no-defences", action="store_true",
+                   help="turn the robust aggregation rules off (clipping, share cap, sigma "
+                   "floor); the structural and admission checks stay (default: on)")
     g = f.add_argument_group("faults (progress thresholds are fractions of all streams)")
     g.add_argument("--kill", type=float, default=0.0, help="fraction of devices killed -9 "
                    "(whole host processes) and restarted")

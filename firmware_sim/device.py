@@ -156,6 +156,7 @@ class Firmware(DeviceRunner):
             self.link_totals = Counter(d["link"])
             self.done = d["done"]
             self._ema_train, self._ema_score = d["ema"]
+            self.incarnation = d.get("incarnation", self.incarnation)  # kept on flash
         self.fw["boots"] += 1
         self._received = self.position
         self._got_end = self.done
@@ -195,7 +196,8 @@ class Firmware(DeviceRunner):
                 "duplicates": self.duplicates, "acc": self.acc.tolist(),
                 "position": list(self.position), "trained": dataclasses.asdict(self.trained),
                 "pending": self.pending, "fw": dict(self.fw), "link": dict(link),
-                "done": self.done, "ema": (self._ema_train, self._ema_score)}
+                "done": self.done, "ema": (self._ema_train, self._ema_score),
+                "incarnation": self.incarnation}
 
     def save(self) -> None:
         """Write the state file (a safe point)."""

@@ -38,6 +38,7 @@ from edgefcl.runtime.links import open_link, topics
 from edgefcl.runtime.state import load_json, save_tensors
 from edgefcl.transport.broker import start_mosquitto
 from edgefcl.transport.codec import CodecError, Message, decode
+from firmware_sim.byzantine import ATTACKS, Byzantine
 from firmware_sim.device import expected_digest
 from firmware_sim.faults import (
     CORRUPTION_REASONS,
@@ -75,6 +76,12 @@ class FleetOptions:
     rate: float = 2.0
     seed: int = 0
     timeout: float = 900.0
+    byzantine: int = 0
+    """Attacker identities added to the honest devices (firmware_sim.byzantine)."""
+    attack: str = "noise"
+    defences: bool = True
+    """False: the robust aggregation rules off (clipping, share cap, sigma floor); the
+    structural and admission checks always stay."""
 
 
 def fleet_config(opts: FleetOptions) -> RunConfig:
@@ -83,7 +90,15 @@ def fleet_config(opts: FleetOptions) -> RunConfig:
     if opts.devices < 2:
         raise ConfigError("--devices must be >= 2 (a round needs two updates)")
     cfg.fed.clients = opts.devices
+    cfg.fed.roster_cap = opts.devices + opts.byzantine  # the roster admits the attackers too
     cfg.seed = opts.seed
+    if opts.byzantine < 0:
+        raise ConfigError("--byzantine must be >= 0")
+    if opts.attack not in ATTACKS:
+        raise ConfigError(f"unknown --attack {opts.attack!r}; choose from {', '.join(ATTACKS)}")
+    if not opts.defences:
+        cfg.fed.clip_factor, cfg.fed.clip_norm = 0.0, 0.0
+        cfg.fed.max_share, cfg.fed.sigma_floor = 1.0, 0.0
     if cfg.fed.mode != "async":
         raise ConfigError("the fleet runs in async mode (set [fed] mode = \"async\")")
     if opts.per_process < 1:
@@ -236,6 +251,14 @@ class Fleet:
             stack.callback(watch.close)
             watch.subscribe(self.topics.statuses, self._on_status)
             watch.subscribe(self.topics.aggregator_status, self._on_status)
+            self.byzantine = None
+            if self.opts.byzantine > 0:
+                period = self.cfg.fed.jump / self.opts.rate if self.opts.rate > 0 else 0.5
+                self.byzantine = Byzantine(self.cfg, self.opts.byzantine, self.opts.attack,
+                                           period=max(0.2, period), seed=self.opts.seed,
+                                           ready=lambda: self.progress > 0.05)
+                self.byzantine.start()
+                stack.callback(self.byzantine.close)
             self.corruptor = None
             if self.plan.corrupt > 0:
                 self.corruptor = Corruptor(self.cfg.mqtt, self.plan.corrupt, self.opts.seed)
@@ -338,6 +361,8 @@ class Fleet:
         """Let the aggregator take in the last messages, then stop it (it saves its state)."""
         if self.corruptor is not None:
             self.corruptor.drain()
+        if self.byzantine is not None:
+            self.byzantine.close()
         last, since = None, self.agg_statuses
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -348,6 +373,7 @@ class Fleet:
                 break
             time.sleep(0.2)
         agg = self.procs["aggregator"]
+        self.aggregator_alive = agg.poll() is None
         agg.send_signal(signal.SIGTERM)
         try:
             agg.wait(30)
@@ -399,6 +425,8 @@ class Fleet:
         corrupt_rejected = sum(rejected.get(k, 0) for k in CORRUPTION_REASONS)
         tap = dict(self.corruptor.counters) if self.corruptor is not None else {}
         created = sum(d["seq"] for d in devices.values())
+        if self.byzantine is not None:  # what the attackers sent may be accepted too
+            created += sum(self.byzantine.sent.values())
         accepted = counters.get("accepted", 0)
         checks = {
             "every_stream_finished": all(d["batches"] == d["expected"] for d in devices.values()),
@@ -424,6 +452,13 @@ class Fleet:
             "A": float(np.mean([d["A"] for d in devices.values()])),
             "F": float(np.mean([d["F"] for d in devices.values()])),
             "checks": checks, "per_device": devices,
+            "robust": {k: v for k, v in counters.items()
+                       if k in ("clipped", "share_capped", "sigma_floored", "replaced",
+                                "new_sessions", "silent_left")},
+            "byzantine": {"k": self.opts.byzantine, "attack": self.opts.attack,
+                          "defences": self.opts.defences,
+                          "sent": dict(self.byzantine.sent) if self.byzantine else {},
+                          "aggregator_alive_at_end": getattr(self, "aggregator_alive", None)},
         }
 
 
@@ -447,6 +482,13 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"damaged copies injected {c.get('injected', 0)} (flipped "
                      f"{c.get('mode_flip', 0)}, truncated {c.get('mode_truncate', 0)}), "
                      f"undetected by the codec {c.get('undetected', 0)}")
+    b = r.get("byzantine", {})
+    if b.get("k"):
+        robust = ", ".join(f"{k} {v}" for k, v in sorted(r.get("robust", {}).items())) or "none"
+        lines.append(f"byzantine: {b['k']} x {b['attack']}, defences "
+                     f"{'on' if b['defences'] else 'off'}, sent {sum(b['sent'].values())}; "
+                     f"robust rules applied: {robust}; aggregator alive at the end "
+                     f"{'yes' if b['aggregator_alive_at_end'] else 'NO'}")
     lines.append(f"reconnects {r['reconnects']};  A = {r['A']:.1f} %   F = {r['F']:.1f} %")
     lines.append("checks: " + ", ".join(f"{k} {'yes' if v else 'NO'}"
                                         for k, v in r["checks"].items()))

@@ -125,11 +125,11 @@ def test_async_round_closes_on_quorum_and_timeout_and_drops_stale():
     assert agg.submit(upd("b", 3.0), now=0.2) is None  # c has not reported, no timeout yet
     closed = agg.poll(now=1.5)
     assert closed is not None and closed.participants == ("a", "b")
-    agg.submit(upd("a", 1.0, seq=2, base=1), now=2)
-    agg.submit(upd("b", 1.0, seq=2, base=1), now=2)
+    agg.submit(upd("a", 1.0, seq=2, base=1, batch=6), now=2)
+    agg.submit(upd("b", 1.0, seq=2, base=1, batch=6), now=2)
     agg.submit(upd("c", 1.0, seq=1, base=1), now=2)
     assert agg.global_.version == 2
-    assert agg.submit(upd("c", 1.0, seq=2, base=0), now=3) is None
+    assert agg.submit(upd("c", 1.0, seq=2, base=0, batch=6), now=3) is None
     assert agg.counters["rejected_stale"] == 1
 
 

@@ -168,7 +168,7 @@ def test_finished_state_is_refused_and_devices_do_not_train_alone(fleet):
     again = edgefcl("aggregator", *common, "--state-dir", str(tmp / "state"))
     assert again.returncode == 2
     assert again.stderr.strip().splitlines()[-1].startswith("edgefcl: error: ")
-    assert "holds a finished fleet run" in again.stderr
+    assert "holds a finished run" in again.stderr and "--fresh" in again.stderr
     out, err = device.communicate(timeout=120)
     assert device.returncode == 2, (out, err)
     assert "refused to start" in err and "batches" not in out

@@ -12,8 +12,10 @@ import edgefcl.federation.apc  # noqa: F401  (registers the apc strategy)
 import edgefcl.federation.gaussian  # noqa: F401  (registers the gaussian strategies)
 import edgefcl.federation.sparse  # noqa: F401  (registers the sparse strategy)
 from edgefcl.config import FedConfig
+from edgefcl.federation.admission import Admission
 from edgefcl.federation.aggregation import make_strategy
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.robust import check_variances, prepare_round
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import GlobalHistory
 
@@ -31,11 +33,14 @@ class RoundClosed:
     tick: int | None
     global_: GlobalModel | None
     participants: tuple[str, ...] = ()
+    seqs: dict[str, int] = field(default_factory=dict)
+    """Sequence number of each participant's update (what the round counted)."""
 
 
 @dataclass
 class _Round:
-    updates: list[Update] = field(default_factory=list)
+    updates: dict[str, Update] = field(default_factory=dict)
+    """At most one update per client: a newer one replaces it."""
     reported: set[str] = field(default_factory=set)
     opened_at: float | None = None
 
@@ -49,11 +54,16 @@ class Aggregator:
     updates are aggregated if there are at least `min_clients`, in client-id order so that the
     result does not depend on arrival order.
     Async: a round closes when `min_clients` updates are in and every active client has
-    reported or `round_timeout` seconds passed (`poll`). Updates are folded into running sums on
-    arrival, so memory does not grow with the number of clients.
+    reported or `round_timeout` seconds passed (`poll`). A round keeps at most one update per
+    client (a newer one replaces the older) and the quorum counts distinct clients; the
+    updates are aggregated in client-id order when the round closes.
+
+    Every report first passes `Admission` (roster, sequence, batch, base version, sample and
+    class counts); `batch_size` (of the data stream) bounds the samples an update may claim.
     """
 
-    def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0) -> None:
+    def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
+                 batch_size: int | None = None) -> None:
         self.fed = fed
         self.global_ = GlobalModel(version, {k: np.asarray(v, np.float32) for k, v in
                                              initial.items()})
@@ -63,7 +73,8 @@ class Aggregator:
         self.history.push(version, self.global_.tensors)
         self.active: set[str] = set()
         self.roster_complete = fed.mode == "async"
-        self.last_seq: dict[str, int] = {}
+        self.admission = Admission(fed, batch_size)
+        self.last_seen: dict[str, float] = {}
         self.tick = 0
         self.rounds = 0
         self.counters: Counter[str] = Counter()
@@ -78,12 +89,38 @@ class Aggregator:
             strategy.bind(self)
         return strategy
 
+    @property
+    def last_seq(self) -> dict[str, int]:
+        """The last accepted sequence number of every client."""
+        return self.admission.last_seq
+
     # -- membership -----------------------------------------------------------------------
-    def join(self, client: str) -> None:
-        """Add a client to the active set (it is expected to report)."""
+    def join(self, client: str, now: float | None = None) -> bool:
+        """Add a roster client to the active set (it is expected to report); False (and
+        counted as `rejected_roster`) for a client the roster does not admit."""
+        if not self.admission.admit(client):
+            self.counters["rejected_roster"] += 1
+            return False
         self.active.add(client)
-        if len(self.active) >= self.fed.clients:
+        if now is not None:
+            self.last_seen[client] = now
+        if len(self.active) >= min(self.fed.clients, self.admission.cap):
             self.roster_complete = True
+        return True
+
+    def expire(self, now: float) -> RoundClosed | None:
+        """Active clients silent for more than `client_timeout` seconds leave the active set;
+        may close the pending tick or round."""
+        if self.fed.client_timeout <= 0:
+            return None
+        silent = [c for c in self.active
+                  if now - self.last_seen.setdefault(c, now) > self.fed.client_timeout]
+        for c in silent:
+            self.active.discard(c)
+            self.counters["silent_left"] += 1
+            log.warning("client %s silent for %.0f s: no longer waited for", c,
+                        self.fed.client_timeout)
+        return self._maybe_close(now) if silent else None
 
     def leave(self, client: str, now: float | None = None) -> RoundClosed | None:
         """Remove a client (stream finished or went offline); may close the pending tick."""
@@ -93,17 +130,16 @@ class Aggregator:
     # -- input ----------------------------------------------------------------------------
     def validate(self, msg: Update | Tick) -> str | None:
         """The reason to reject `msg`, or None if it is acceptable."""
-        if msg.seq <= self.last_seq.get(msg.client, -1):
-            return "duplicate"
+        reason = self.admission.check(msg, self.global_.version)
+        if reason is not None:
+            return reason
         if isinstance(msg, Tick):
             return None if self.fed.mode == "sync" else "tick-in-async"
         if msg.encoding != self._acc.encoding:
             return "encoding"
-        reason = self._acc.check(msg, self.spec)
+        reason = self._acc.check(msg, self.spec) or check_variances(msg.tensors)
         if reason is not None:
             return reason
-        if msg.num_samples < 1:
-            return "samples"
         if not eligible(msg.batch, self.fed.burn_in, self.fed.jump):
             return "not-eligible"
         if self.fed.mode == "async" and self.global_.version - msg.base_version > \
@@ -119,9 +155,11 @@ class Aggregator:
             log.warning("rejected %s from %s seq %s: %s", type(msg).__name__.lower(),
                         msg.client, msg.seq, reason)
             return None
-        self.last_seq[msg.client] = msg.seq
+        self.admission.accept(msg)
+        if now is not None:
+            self.last_seen[msg.client] = now
         if msg.client not in self.active:
-            self.join(msg.client)
+            self.join(msg.client, now)
         rnd = self._round
         if rnd.opened_at is None:
             rnd.opened_at = now
@@ -131,12 +169,9 @@ class Aggregator:
         rnd.reported.add(msg.client)
         if isinstance(msg, Update):
             self.counters["accepted"] += 1
-            if self.fed.mode == "sync":
-                rnd.updates.append(msg)
-            else:
-                self._acc.add(msg)
-                rnd.updates.append(Update(msg.client, msg.base_version, msg.seq, msg.task,
-                                          msg.batch, msg.num_samples, {}))
+            if msg.client in rnd.updates:
+                self.counters["replaced"] += 1  # one update per client and round: the newest
+            rnd.updates[msg.client] = msg
         else:
             self.counters["ticks"] += 1
         return self._maybe_close(now)
@@ -162,16 +197,18 @@ class Aggregator:
 
     def _close_tick(self) -> RoundClosed:
         self.tick += 1
-        updates = sorted(self._round.updates, key=lambda u: u.client)
-        if len(updates) >= self.fed.min_clients:
-            for u in updates:
-                self._acc.add(u)
+        if len(self._round.updates) >= self.fed.min_clients:
             return self._close_round(self.tick)
         self._round = _Round()
         return RoundClosed(self.tick, None)
 
     def _close_round(self, tick: int | None) -> RoundClosed:
-        participants = tuple(sorted(u.client for u in self._round.updates))
+        participants = tuple(sorted(self._round.updates))
+        seqs = {c: self._round.updates[c].seq for c in participants}
+        updates = prepare_round([self._round.updates[c] for c in participants],
+                                self.global_.tensors, self.fed, self.counters)
+        for u in updates:
+            self._acc.add(u)
         tensors = self._acc.result(self.global_.tensors)
         self.counters.update(getattr(self._acc, "counters", {}))
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
@@ -181,7 +218,7 @@ class Aggregator:
         self._acc = self._new_strategy()
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
-        return RoundClosed(tick, self.global_, participants)
+        return RoundClosed(tick, self.global_, participants, seqs)
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:
@@ -189,7 +226,7 @@ class Aggregator:
         return {"version": self.global_.version, "tensors": self.global_.tensors,
                 "participants": list(self.global_.participants), "tick": self.tick,
                 "rounds": self.rounds, "last_seq": dict(self.last_seq),
-                "counters": dict(self.counters)}
+                "admission": self.admission.state(), "counters": dict(self.counters)}
 
     def load_state(self, state: dict) -> None:
         """Resume from `state()` output."""
@@ -199,5 +236,5 @@ class Aggregator:
         self.history.push(self.global_.version, self.global_.tensors)
         self.tick = int(state.get("tick", 0))
         self.rounds = int(state.get("rounds", 0))
-        self.last_seq = {str(k): int(v) for k, v in state.get("last_seq", {}).items()}
+        self.admission.load_state(state.get("admission", {"last_seq": state.get("last_seq", {})}))
         self.counters = Counter(state.get("counters", {}))

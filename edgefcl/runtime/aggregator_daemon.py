@@ -3,9 +3,7 @@ resumes from after a restart or crash."""
 
 from __future__ import annotations
 
-import json
 import logging
-import queue
 import signal
 import threading
 import time
@@ -16,8 +14,9 @@ from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.runtime.fleet_results import FleetResults
+from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.links import open_link, topics, wire_dtype
-from edgefcl.runtime.state import load_json, load_tensors, save_json, save_tensors
+from edgefcl.runtime.store import StateStore
 from edgefcl.transport.codec import CodecError, Message, decode, encode, model_spec, spec_hash
 
 log = logging.getLogger("edgefcl.aggregator")
@@ -29,21 +28,22 @@ class AggregatorDaemon:
     """Runs an Aggregator over MQTT until stopped (SIGTERM/SIGINT, `control` stop, or when
     `exit_when_done` and no client is active any more after at least one finished).
 
-    State directory: `global.npz` (the current global), `state.json` (version, tick, rounds,
-    last sequence numbers, counters) and `rounds.jsonl` (one line per closed round), all written
-    atomically after every round.
+    State directory: `state.db`, one transaction per round (`runtime.store`), validated on
+    start; a foreign or finished state is refused unless `fresh` (start over) or `resume`
+    (continue a finished run). `state.json`, `global.npz` and `rounds.jsonl` are views of it.
     """
 
     def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
-                 exit_when_done: bool = False, status_every: float = 2.0) -> None:
+                 exit_when_done: bool = False, status_every: float = 2.0,
+                 inbox_bytes: int = 0, fresh: bool = False, resume: bool = False) -> None:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.topics = topics(cfg.mqtt)
-        self.agg = Aggregator(initial, cfg.fed)
+        self.agg = Aggregator(initial, cfg.fed, batch_size=cfg.data.batch_size)
         self.spec_hash = spec_hash(model_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every
-        self.inbox: queue.Queue[tuple[str, bytes | CodecError]] = queue.Queue()
+        self.inbox = Inbox(max_bytes=inbox_bytes or 4 * cfg.mqtt.max_payload)
         self.stop_event = threading.Event()
         self.done: set[str] = set()
         self.bytes_in: dict[str, int] = {}
@@ -51,48 +51,55 @@ class AggregatorDaemon:
         self.round_bytes_in = 0
         self.rounds_log: list[dict] = []  # the last rounds, for the status
         self.last_answer: bytes | None = None
+        self.spec = model_spec(self.agg.global_.tensors)
+        self.store = StateStore.open(self.state_dir, fleet=cfg.mqtt.fleet, spec=self.spec,
+                                     fresh=fresh, resume=resume)
+        if not self._load_state():
+            self._save_state(None, initial=True)
+        self.link = None
         # what devices check before they train (runtime/join.py), held-out evaluation and the
         # fleet's results (runtime/fleet_results.py); the CLI may set them before run()
         self.profile: dict = {"spec_hash": self.spec_hash}
         self.evaluator = None
         self.labels: list[str] | None = None
         self.results: FleetResults | None = None
-        self._load_state()
-        self.link = None
 
     # -- persistence ----------------------------------------------------------------------
     def _load_state(self) -> bool:
-        state_file = self.state_dir / "state.json"
-        if not state_file.exists():
+        loaded = self.store.load(self.spec)
+        if loaded is None:
             return False
-        state = load_json(state_file)
-        state["tensors"] = load_tensors(self.state_dir / "global.npz")
-        self.agg.load_state(state)
+        state, tensors = loaded
+        self.store.write_views(state, tensors, rewrite=True)
+        self.agg.load_state(state | {"tensors": tensors})
         self.done = set(state.get("done", []))
-        log.info("resumed from %s at version %d (round %d)", self.state_dir,
-                 self.agg.global_.version, self.agg.rounds)
+        self.rounds_log = self.store.round_lines()[-20:]
+        log.info("resumed run %s from %s at version %d (round %d)", self.store.meta()["run_id"],
+                 self.state_dir, self.agg.global_.version, self.agg.rounds)
         return True
 
-    def _save_state(self, closed: RoundClosed | None, global_bytes: int = 0) -> None:
+    def _save_state(self, closed: RoundClosed | None, global_bytes: int = 0,
+                    initial: bool = False) -> None:
+        """One transaction: the new global (if a round closed), its round line and the state
+        that counted its updates."""
         state = self.agg.state()
         tensors = state.pop("tensors")
         state["done"] = sorted(self.done)
         state["spec_hash"] = self.spec_hash
+        line = None
         if closed is not None and closed.global_ is not None:
-            save_tensors(self.state_dir / "global.npz", tensors)
             line = {"round": self.agg.rounds, "version": closed.global_.version,
                     "tick": closed.tick, "participants": list(closed.participants),
+                    "seqs": closed.seqs,
                     "bytes_in": self.round_bytes_in, "global_bytes": global_bytes,
                     "time": round(time.time(), 3)}
             if self.results is not None:
                 line.update(self.results.on_round(closed.global_))
             self.rounds_log.append(line)
             del self.rounds_log[:-20]
-            with open(self.state_dir / "rounds.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
-        elif not (self.state_dir / "global.npz").exists():
-            save_tensors(self.state_dir / "global.npz", tensors)
-        save_json(self.state_dir / "state.json", state)
+        with_global = line is not None or initial
+        self.store.commit(state, tensors if with_global else None, line)
+        self.store.write_views(state, tensors if with_global else None, line)
 
     # -- MQTT -----------------------------------------------------------------------------
     def _publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -125,9 +132,12 @@ class AggregatorDaemon:
         return {"state": "online", "version": self.agg.global_.version,
                 "rounds": self.agg.rounds, "tick": self.agg.tick,
                 "active": sorted(self.agg.active), "done": sorted(self.done),
-                "counters": dict(self.agg.counters), "bytes_in": self.bytes_in,
+                "counters": dict(self.agg.counters) | self._shed(), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]} | (
                     self.results.status() if self.results is not None else {})
+
+    def _shed(self) -> dict[str, int]:
+        return {"rejected_inbox_full": self.inbox.shed} if self.inbox.shed else {}
 
     def _publish_status(self, state: str = "online") -> None:
         body = self.status() | {"state": state}
@@ -138,20 +148,28 @@ class AggregatorDaemon:
     # -- message handling -----------------------------------------------------------------
     def handle(self, topic: str, payload: bytes | CodecError) -> None:
         """Validate and apply one incoming message (or a transfer the link already rejected);
-        never raises on bad input."""
+        never raises: every failure is logged and counted as `rejected_<reason>`."""
         try:
-            if isinstance(payload, CodecError):
-                raise payload
-            msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
-                         require_digest=True)  # a damaged update must never be aggregated
+            self._handle(topic, payload)
         except CodecError as e:
             self.agg.counters[f"rejected_{e.reason}"] += 1
             log.warning("rejected payload on %s: %s", topic, e)
-            return
-        try:
-            sender = self.topics.client_from(topic)
-        except ValueError:
-            sender = None
+        except Exception:  # a bug reached by input: counted, logged, and the daemon goes on
+            self.agg.counters["rejected_internal"] += 1
+            log.exception("internal error while handling a message on %s", topic)
+
+    def _handle(self, topic: str, payload: bytes | CodecError) -> None:
+        if isinstance(payload, CodecError):
+            raise payload
+        allowed = self.topics.kinds_on(topic)
+        if not allowed:
+            raise CodecError("topic", f"no message is accepted on {topic}")
+        msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+                     require_digest=True)  # a damaged update must never be aggregated
+        kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
+        if kind not in allowed:
+            raise CodecError("kind", f"a {kind} message on {topic}")
+        sender = None if topic == self.topics.control else self.topics.client_from(topic)
         now = time.monotonic()
         if isinstance(msg, (Update, Tick)):
             if sender is not None and msg.client != sender:
@@ -165,6 +183,10 @@ class AggregatorDaemon:
                     and self.last_answer is not None):
                 self._publish(self.topics.tick, self.last_answer)  # a client retransmitted
             self._closed(self.agg.submit(msg, now))
+            if msg.client in self.done and msg.client in self.agg.active:
+                # a queued update that arrived after the client's retained "done": it reports
+                # nothing more, so no round waits for it
+                self._closed(self.agg.leave(msg.client, now))
         elif isinstance(msg, Message) and msg.kind == "status" and sender is not None:
             self._on_status(sender, msg.body, now)
         elif isinstance(msg, Message) and msg.kind == "control":
@@ -177,7 +199,13 @@ class AggregatorDaemon:
         state = body.get("state")
         if state == "online":
             self.done.discard(client)
-            self.agg.join(client)
+            inc = body.get("incarnation")
+            if isinstance(inc, str) and 0 < len(inc) <= 64 and \
+                    self.agg.admission.session(client, inc):
+                self.agg.counters["new_sessions"] += 1
+                log.info("%s: new device incarnation %s (sequence numbers start again)",
+                         client, inc)
+            self.agg.join(client, now)
         elif state in ("offline", "done"):
             if state == "done":
                 self.done.add(client)
@@ -214,41 +242,51 @@ class AggregatorDaemon:
                 encode(Message("status", {"state": "offline"}), fleet=self.cfg.mqtt.fleet,
                        sender=SENDER), 1, True)
         self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-aggregator", will=will,
-                              on_reject=lambda topic, e: self.inbox.put((topic, e)))
+                              on_reject=self.inbox.put)
         self.results = FleetResults(self.cfg, self.state_dir, self.profile, self.evaluator,
                                     self.labels)
-        put = lambda topic, payload: self.inbox.put((topic, payload))  # noqa: E731
+        put = self.inbox.put
         self.link.subscribe(self.topics.updates, put)
         self.link.subscribe(self.topics.statuses, put)
         self.link.subscribe(self.topics.control, put)
-        self._save_state(None)
         self._publish_config()
         self._publish_global(self.agg.global_)
         log.info("aggregator for fleet %s serving on %s (mode %s, version %d)",
                  self.cfg.mqtt.fleet, self.cfg.mqtt.broker, self.cfg.fed.mode,
                  self.agg.global_.version)
         next_status = 0.0
+        finished = False
+        last_input = time.monotonic()  # exit only after a quiet second: after a restart the
+        # messages queued for this session and the retained statuses arrive in any order
         reconnects = self.link.reconnects
         while not self.stop_event.is_set():
-            try:
-                topic, payload = self.inbox.get(timeout=0.1)
-                self.handle(topic, payload)
-            except queue.Empty:
-                pass
+            item = self.inbox.get(timeout=0.1)
+            if item is not None:
+                self.handle(*item)
+                last_input = time.monotonic()
             now = time.monotonic()
+            self.link.expire_pending()
             if self.link.reconnects != reconnects and self.link.is_connected:
                 reconnects = self.link.reconnects  # the broker may have lost retained messages
                 self._publish_config()
                 self._publish_global(self.agg.global_)
             if self.cfg.fed.mode == "async":
                 self._closed(self.agg.poll(now))
+            self._closed(self.agg.expire(now))
             if now >= next_status:
                 self._publish_status()
                 next_status = now + self.status_every
-            self.results.check_done(self.done, self.agg.active, self)
-            if self.exit_when_done and self.done and not self.agg.active:
+            if self.results.check_done(self.done, self.agg.active, self):
+                self._save_state(None)
+                self.store.mark_finished()  # every expected client is done: the run ended
+            if (self.exit_when_done and self.done and not self.agg.active
+                    and now - last_input >= 1.0):
+                finished = True
                 break  # every client that joined finished its stream or went offline
         self._save_state(None)
+        if finished:
+            self.store.mark_finished()
+        self.store.close()
         self._publish_status("stopped")
         self.link.close()
         log.info("aggregator stopped at version %d after %d rounds", self.agg.global_.version,

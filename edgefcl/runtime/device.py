@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,15 +16,23 @@ import numpy as np
 
 from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch, TaskData
+from edgefcl.federation.global_check import check_global
 from edgefcl.federation.messages import GlobalModel, Tick, Update
-from edgefcl.federation.versions import DELTA_FROM, DownlinkState, delta_downlink
+from edgefcl.federation.sparse import SparseError
+from edgefcl.federation.versions import (
+    DELTA_FROM,
+    DownlinkState,
+    apply_global_delta,
+    delta_downlink,
+)
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
+from edgefcl.learn.global_format import global_tensors
 from edgefcl.metrics import forgetting
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, topics, wire_dtype
 from edgefcl.runtime.state import save_json
-from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode
+from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode, model_spec
 
 log = logging.getLogger("edgefcl.client")
 
@@ -70,6 +80,12 @@ class DeviceRunner:
         self.catch_ups = 0  # globals merged without taking part (see _merge_async)
         self.rejected = 0
         self.duplicates = 0
+        # every global is checked against this device's own model before it is adopted
+        self.global_spec = model_spec(global_tensors(client.model, cfg.fed.encoding))
+        self.rejections: Counter[str] = Counter()
+        # this installation's session: its sequence numbers start at 1 (kept on flash by
+        # devices that resume their sequence numbers, see firmware_sim)
+        self.incarnation = secrets.token_hex(8)
         n_tasks = len(eval_tasks) if eval_tasks else 0
         self.acc = np.full((n_tasks, n_tasks), np.nan)
         self.link = None
@@ -82,12 +98,31 @@ class DeviceRunner:
 
     # -- inbound --------------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
+        """Handle one message; never raises: every failure is logged and counted."""
         try:
-            msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload)
+            self._handle(topic, payload)
         except CodecError as e:
-            self.rejected += 1
-            log.warning("%s: rejected payload on %s: %s", self.cid, topic, e)
-            return
+            self._reject(topic, e.reason, str(e))
+        except Exception as e:  # a bug reached by input: counted, the device goes on
+            self._reject(topic, "internal", repr(e))
+            log.exception("%s: internal error on %s", self.cid, topic)
+
+    def _reject(self, topic: str, reason: str, detail: str) -> None:
+        self.rejected += 1
+        self.rejections[reason] += 1
+        log.warning("%s: rejected payload on %s: %s", self.cid, topic, detail)
+
+    def _handle(self, topic: str, payload: bytes) -> None:
+        tp = self.topics
+        allowed = {tp.global_: "global", tp.global_delta: "global", tp.tick: "answer",
+                   tp.control: "control", tp.stream(self.cid): "stream"}.get(topic)
+        if allowed is None:
+            raise CodecError("topic", f"no message is accepted on {topic}")
+        msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+                     require_digest=True)
+        kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
+        if kind.replace("globalmodel", "global") != allowed:
+            raise CodecError("kind", f"a {kind} message on {topic}")
         with self.cond:
             if isinstance(msg, GlobalModel):
                 self.bytes_down += len(payload)
@@ -111,16 +146,32 @@ class DeviceRunner:
         """A whole global (the retained one) or, with a sparse downlink, the change from the
         previous version, applied to this device's copy of the global (under self.cond)."""
         if self.tracker is None:
+            self._check(g)
             self.latest = g  # the retained global: the newest the aggregator published
         elif topic == self.topics.global_delta:
-            if int(g.tensors[DELTA_FROM]) == self.tracker.version:
-                self.latest = self.tracker.resolve(g)
+            frm = g.tensors.get(DELTA_FROM)
+            if frm is not None and frm.shape == () and int(frm) == self.tracker.version:
+                try:
+                    whole = apply_global_delta(g.tensors, self.tracker.tensors)
+                except SparseError as e:
+                    raise CodecError("delta", str(e)) from None
+                g = GlobalModel(g.version, whole, g.participants)
+                self._check(g)
+                self.tracker = DownlinkState(g.tensors, g.version)
+                self.latest = g
             else:
                 self._fetch_whole()  # missed a change (reboot, resumed aggregator)
         else:
+            self._check(g)
             self.tracker = DownlinkState(g.tensors, g.version)
             self.latest = g
             self.link.unsubscribe(self.topics.global_)  # back on deltas only
+
+    def _check(self, g: GlobalModel) -> None:
+        """Raise CodecError(reason) unless `g` fits this device's model (never adopted)."""
+        reason = check_global(g, self.global_spec, self.client.version)
+        if reason is not None:
+            raise CodecError(reason, f"global v{g.version} does not fit this device's model")
 
     def _fetch_whole(self) -> None:
         """(Re)subscribe to the retained whole global, which the broker then delivers: a
@@ -177,7 +228,8 @@ class DeviceRunner:
 
     def _status(self, state: str, wait: bool = False, **extra) -> None:
         c = self.client
-        body = {"state": state, "task": c.task if c.task is not None else -1, "batch": c.bn,
+        body = {"state": state, "incarnation": self.incarnation,
+                "task": c.task if c.task is not None else -1, "batch": c.bn,
                 "version": c.version, "consumed": self.consumed, "rounds": self.rounds,
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
                 "rejected": self.rejected, "time": round(time.time(), 3),
@@ -327,7 +379,8 @@ class DeviceRunner:
                "batches": c.batches, "scored_samples": c.scored, "version": c.version,
                "seq": c.seq,
                "timings": dict(c.timings), "link": self.link.counters() if self.link else {},
-               "rejected": self.rejected, "duplicate_batches": self.duplicates,
+               "rejected": self.rejected, "rejections": dict(self.rejections),
+               "duplicate_batches": self.duplicates,
                "catch_ups": self.catch_ups}
         if len(self.acc):
             acc = np.nan_to_num(self.acc)

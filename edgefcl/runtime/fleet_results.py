@@ -153,20 +153,6 @@ class FleetResults:
         save_json(self.state_dir / RESULTS_FILE, res)
 
 
-def finished_run(state_dir: Path) -> str | None:
-    """Why `state_dir` cannot serve a new run (every client of its run is done), or None."""
-    res = state_dir / RESULTS_FILE
-    if not res.is_file():
-        return None
-    try:
-        fleet = json.loads(res.read_text()).get("fleet", {})
-        what = f"{len(fleet['clients'])} clients done after {fleet['rounds']} rounds"
-    except (OSError, ValueError, KeyError, TypeError):
-        what = "all clients done"
-    return (f"{state_dir} holds a finished fleet run ({what}); give another --state-dir (or "
-            "remove this one) to start a new run")
-
-
 def announce_refusal(cfg: RunConfig, reason: str) -> None:
     """Best effort: a retained aggregator status 'refused' with the reason, so that waiting
     devices and `edgefcl status` say why no aggregator comes online."""

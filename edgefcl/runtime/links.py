@@ -23,8 +23,12 @@ def wire_dtype(m: MqttConfig) -> str | None:
 def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, bool] | None = None,
               clean_start: bool = False, connect: bool = True,
               on_reject: Callable[[str, CodecError], None] | None = None) -> MqttLink:
-    """An MqttLink configured from `m` (credentials, TLS, chunking), connected unless asked not."""
+    """An MqttLink configured from `m` (credentials, TLS, chunking), connected unless asked not.
+
+    With a username the client id IS the username (the broker enforces it with
+    `use_username_as_clientid`, so one device cannot take over another's session)."""
     password = m.password or os.environ.get("EDGEFCL_MQTT_PASSWORD", "")
+    client_id = m.username or client_id
     link = MqttLink(
         m.broker, client_id, username=m.username or None, password=password or None,
         tls_ca=m.tls_ca or None, tls_cert=m.tls_cert or None, tls_key=m.tls_key or None,

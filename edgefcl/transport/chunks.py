@@ -25,6 +25,8 @@ CHUNK_OVERHEAD = 256
 """Bytes reserved in each chunk message for its header (the data part is chunk_size - this)."""
 MIN_CHUNK_SIZE = 2 * CHUNK_OVERHEAD
 MAX_ID_LEN = 64
+MAX_CHUNKS = 1 << 16
+"""Most chunks one transfer may declare (64 MiB in 1 KiB chunks)."""
 
 _KEYS = ("schema", "kind", "id", "index", "count", "size", "digest", "data")
 # Chunk maps are packed with a fixed key order, so every chunk starts with these bytes.
@@ -91,15 +93,23 @@ def _parse(chunk: bytes) -> dict:
             raise CodecError("malformed", f"chunk field {k!r} must be {t.__name__}")
     if not (0 <= m["index"] < m["count"]) or m["size"] < 0 or len(m["digest"]) != 32:
         raise CodecError("malformed", "chunk index/count/size/digest out of range")
+    # every chunk but the last carries at least MIN_CHUNK_SIZE - CHUNK_OVERHEAD data bytes
+    if m["count"] > 1 + m["size"] // (MIN_CHUNK_SIZE - CHUNK_OVERHEAD) or m["count"] > MAX_CHUNKS:
+        raise CodecError("limits", f"chunk count {m['count']} too large for {m['size']} bytes")
     return m
 
 
 class Reassembler:
     """Collect chunks (in any order, duplicates ignored) into verified whole payloads.
 
-    Incomplete transfers are dropped after `timeout_s` without a new chunk, and the oldest one
-    is dropped when more than `max_pending` are open. Transfers larger than `max_bytes` are
-    rejected with CodecError("oversized"); a digest mismatch raises CodecError("digest").
+    Incomplete transfers are dropped after `timeout_s` without a new chunk (on the next chunk
+    or on `expire()`, which a receiver calls periodically), a source's oldest one when it has
+    more than `max_per_source` open, the oldest of all when more than `max_pending` are
+    open, and the oldest transfer of the source holding the most bytes while all incomplete
+    transfers hold more than `max_pending_bytes` (default 2 x `max_bytes`); every drop is
+    counted in `dropped`. Transfers larger than `max_bytes` are
+    rejected with CodecError("oversized"), implausible chunk counts with CodecError("limits");
+    a digest mismatch raises CodecError("digest").
     Each transfer raises at most once: later chunks of a rejected transfer are ignored.
     """
 
@@ -109,15 +119,30 @@ class Reassembler:
         max_pending: int = 16,
         timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        max_per_source: int = 2,
+        max_pending_bytes: int = 0,
     ) -> None:
         self.max_bytes = max_bytes
         self.max_pending = max_pending
+        self.max_per_source = max_per_source
+        self.max_pending_bytes = max_pending_bytes or 2 * max_bytes
         self.timeout_s = timeout_s
         self.clock = clock
         self._open: OrderedDict[tuple[str, str], _Transfer] = OrderedDict()
         self._done: deque[tuple[str, str]] = deque(maxlen=256)
         self.completed = 0
         self.dropped = 0
+
+    def expire(self) -> int:
+        """Drop incomplete transfers idle for more than `timeout_s`; returns how many."""
+        before = self.dropped
+        self._expire(self.clock())
+        return self.dropped - before
+
+    @property
+    def pending_bytes(self) -> int:
+        """Data bytes held by incomplete transfers."""
+        return sum(t.received for t in self._open.values())
 
     @property
     def pending(self) -> int:
@@ -127,6 +152,17 @@ class Reassembler:
     def _expire(self, now: float) -> None:
         for key in [k for k, t in self._open.items() if now - t.last > self.timeout_s]:
             del self._open[key]
+            self.dropped += 1
+
+    def _shed_bytes(self) -> None:
+        """Drop the oldest transfer of the source holding the most bytes until the incomplete
+        transfers fit `max_pending_bytes`."""
+        while self._open and self.pending_bytes > self.max_pending_bytes:
+            held: dict[str, int] = {}
+            for (src, _), t in self._open.items():
+                held[src] = held.get(src, 0) + t.received
+            top = max(held, key=held.__getitem__)
+            del self._open[next(k for k in self._open if k[0] == top)]
             self.dropped += 1
 
     def add(self, chunk: bytes, source: str = "") -> bytes | None:
@@ -146,6 +182,10 @@ class Reassembler:
                 self._done.append(key)
                 raise CodecError("oversized", f"chunked payload of {m['size']} bytes > limit")
             t = _Transfer(count=m["count"], size=m["size"], digest=m["digest"])
+            mine = [k for k in self._open if k[0] == source]
+            for old in mine[:max(0, len(mine) + 1 - self.max_per_source)]:
+                del self._open[old]  # a source never holds more than max_per_source
+                self.dropped += 1
             self._open[key] = t
             while len(self._open) > self.max_pending:
                 self._open.popitem(last=False)
@@ -161,6 +201,9 @@ class Reassembler:
             return None
         t.parts[m["index"]] = m["data"]
         t.received += len(m["data"])
+        self._shed_bytes()
+        if key not in self._open:
+            return None  # this very transfer was the one dropped
         if t.received > t.size:
             del self._open[key]
             self._done.append(key)

@@ -9,6 +9,9 @@ float32 tensors are sent as float16 and carry `"to": "<f4"` so the receiver rest
 machine-readable reason (schema, fleet, malformed, kind, dtype, shape, nonfinite, oversized,
 digest) so daemons can log and count rejections instead of crashing.
 
+Before anything is allocated, `transport.bounds.scan` checks the raw bytes against `Limits`
+(nesting depth, object count, declared lengths; reason "limits").
+
 `encode` seals every payload with a digest of its bytes (`edgefcl.transport.integrity`); `decode`
 rejects a payload whose digest does not match (reason "digest"), and one without a digest when
 called with `require_digest=True` (the aggregator daemon does).
@@ -28,6 +31,8 @@ import numpy as np
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.transport import integrity
+from edgefcl.transport.bounds import DEFAULT_LIMITS, Limits, scan
+from edgefcl.transport.errors import CodecError
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -48,18 +53,6 @@ _TENSOR_KEYS = frozenset(["dtype", "shape", "data"])
 
 ModelSpec = dict[str, tuple[tuple[int, ...], str]]
 """Tensor name -> (shape, dtype string such as '<f4'), in state_dict order."""
-
-
-class CodecError(ValueError):
-    """A payload that cannot be encoded or was rejected on decode.
-
-    `reason` is a short machine-readable tag used for logging and counting rejections.
-    """
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
 @dataclass
@@ -152,9 +145,11 @@ def _encode_tensors(tensors: Tensors, wire_dtype: str | None) -> dict[str, Any]:
     return {str(k): encode_tensor(v, wire_dtype) for k, v in tensors.items()}
 
 
-def _decode_tensors(m: Any) -> Tensors:
+def _decode_tensors(m: Any, limits: Limits = DEFAULT_LIMITS) -> Tensors:
     if not isinstance(m, dict) or not all(isinstance(k, str) for k in m):
         raise CodecError("malformed", "tensors must be a map of name -> tensor")
+    if len(m) > limits.max_tensors:
+        raise CodecError("limits", f"{len(m)} tensors > limit {limits.max_tensors}")
     return {k: decode_tensor(v, k) for k, v in m.items()}
 
 
@@ -291,7 +286,7 @@ def _as_tuple(typ: type | tuple[type, ...]) -> tuple[type, ...]:
     return typ if isinstance(typ, tuple) else (typ,)
 
 
-def _decode_update(m: dict[str, Any]) -> Update:
+def _decode_update(m: dict[str, Any], limits: Limits) -> Update:
     counts = m.get("class_counts")
     valid = isinstance(counts, dict) and all(
         type(k) is int and type(v) is int and v >= 0 for k, v in counts.items()
@@ -304,7 +299,7 @@ def _decode_update(m: dict[str, Any]) -> Update:
     return Update(
         client=_get(m, "client", str), base_version=_get(m, "base_version", int),
         seq=_get(m, "seq", int), task=_get(m, "task", int), batch=_get(m, "batch", int),
-        num_samples=n, tensors=_decode_tensors(m.get("tensors")),
+        num_samples=n, tensors=_decode_tensors(m.get("tensors"), limits),
         encoding=_get(m, "encoding", str), class_counts=counts,
     )
 
@@ -324,6 +319,12 @@ def _decode_message(kind: str, m: dict[str, Any]) -> Message:
     command = body.get("command")
     if kind == "control" and not (isinstance(command, str) and command in CONTROL_COMMANDS):
         raise CodecError("malformed", f"control command must be one of {sorted(CONTROL_COMMANDS)}")
+    if kind == "answer":
+        _get(body, "tick", int)
+        _get(body, "version", int)
+        parts = body.get("participants")
+        if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+            raise CodecError("malformed", "answer participants must be a list of strings")
     if kind == "stream":
         _get(body, "client", str)
         _get(body, "task", int)
@@ -339,29 +340,30 @@ def _decode_message(kind: str, m: dict[str, Any]) -> Message:
 
 def decode(
     payload: bytes, expect_fleet: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
-    require_digest: bool = False,
+    require_digest: bool = False, limits: Limits = DEFAULT_LIMITS,
 ) -> Update | Tick | GlobalModel | Message:
     """Decode and validate one payload; raise CodecError(reason) if it must be rejected.
 
-    The digest is checked after the structure, so a malformed payload keeps its specific
-    reason; a well-formed one with a wrong digest (or none, if `require_digest`) is "digest".
+    Order: size, then the structure limits on the raw bytes (`transport.bounds.scan`: nesting
+    depth, object count, declared lengths; "limits" or "malformed"), then the digest ("digest";
+    a missing one only if `require_digest`), and only then is anything allocated and decoded.
     """
-    msg = _decode(payload, expect_fleet, max_bytes)
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise CodecError("malformed", f"payload must be bytes, got {type(payload).__name__}")
+    if len(payload) > max_bytes:
+        raise CodecError("oversized", f"{len(payload)} bytes > limit {max_bytes}")
+    scan(payload, limits)
     intact = integrity.check(payload)
     if intact is False:
         raise CodecError("digest", "payload digest mismatch: the bytes were damaged after encoding")
     if intact is None and require_digest:
         raise CodecError("digest", "payload carries no digest; encode it with edgefcl's codec")
-    return msg
+    return _decode(payload, expect_fleet, limits)
 
 
 def _decode(
-    payload: bytes, expect_fleet: str | None, max_bytes: int
+    payload: bytes, expect_fleet: str | None, limits: Limits
 ) -> Update | Tick | GlobalModel | Message:
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise CodecError("malformed", f"payload must be bytes, got {type(payload).__name__}")
-    if len(payload) > max_bytes:
-        raise CodecError("oversized", f"{len(payload)} bytes > limit {max_bytes}")
     try:
         m = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
     except Exception as e:  # msgpack raises many types (ExtraData, FormatError, ValueError...)
@@ -379,7 +381,7 @@ def _decode(
     if expect_fleet is not None and fleet != expect_fleet:
         raise CodecError("fleet", f"payload is for fleet {fleet!r}, expected {expect_fleet!r}")
     if kind == "update":
-        return _decode_update(m)
+        return _decode_update(m, limits)
     if kind == "tick":
         return Tick(
             client=_get(m, "client", str), seq=_get(m, "seq", int),
@@ -390,7 +392,7 @@ def _decode(
         if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
             raise CodecError("malformed", "participants must be a list of strings")
         return GlobalModel(
-            version=_get(m, "version", int), tensors=_decode_tensors(m.get("tensors")),
+            version=_get(m, "version", int), tensors=_decode_tensors(m.get("tensors"), limits),
             participants=tuple(parts),
         )
     if kind in DICT_KINDS:

@@ -303,7 +303,8 @@ class MqttLink:
             self.messages_received += 1
         if is_chunk(payload):
             try:
-                whole = self._reassembler.add(payload, source=msg.topic)
+                with self._lock:
+                    whole = self._reassembler.add(payload, source=msg.topic)
             except CodecError as e:
                 with self._lock:
                     self.rejected += 1
@@ -390,6 +391,13 @@ class MqttLink:
                     )
         return nbytes
 
+    def expire_pending(self) -> int:
+        """Drop chunked transfers idle for longer than the reassembler's timeout (call it
+        periodically: a sender that stops mid-transfer must not pin memory); returns how
+        many were dropped."""
+        with self._lock:
+            return self._reassembler.expire()
+
     def counters(self) -> dict[str, int]:
         """Traffic counters (payload bytes, incl. chunk headers) and reconnects."""
         with self._lock:
@@ -398,4 +406,5 @@ class MqttLink:
                 "messages_sent": self.messages_sent,
                 "messages_received": self.messages_received, "reconnects": self.reconnects,
                 "rejected": self.rejected, "handler_errors": self.handler_errors,
+                "chunks_dropped": self._reassembler.dropped,
             }

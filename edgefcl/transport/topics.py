@@ -15,6 +15,10 @@ All topics live under `<root>/<fleet>/`:
 from __future__ import annotations
 
 _FORBIDDEN = ("/", "+", "#", "\x00")
+TOPIC_KINDS = {"update": frozenset(["update", "tick"]), "status": frozenset(["status"]),
+               "stream": frozenset(["stream"])}
+"""Message kinds accepted on each per-client topic."""
+CONTROL_KINDS = frozenset(["control"])
 MAX_ID_LEN = 128
 
 
@@ -111,6 +115,20 @@ class Topics:
     def streams(self) -> str:
         """Subscription pattern for every client's stream."""
         return f"{self.base}/stream/+"
+
+    def kinds_on(self, topic: str) -> frozenset[str]:
+        """The message kinds a receiver accepts on `topic` (empty for unknown topics).
+
+        Devices own `update/<id>` (updates and lock-step ticks) and `status/<id>`; only the
+        operator may write `control` (the broker's ACL enforces who can publish where).
+        """
+        if topic == self.control:
+            return CONTROL_KINDS
+        try:
+            self.client_from(topic)
+        except ValueError:
+            return frozenset()
+        return TOPIC_KINDS[topic[len(self.base) + 1:].split("/")[0]]
 
     def client_from(self, topic: str) -> str:
         """The client id of an `update/`, `status/` or `stream/` topic of this fleet.

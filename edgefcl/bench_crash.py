@@ -1,0 +1,158 @@
+"""`edgefcl bench crash`: SIGKILL the aggregator at random moments and check its state.
+
+A child process runs the real `AggregatorDaemon` message path (decode, admission, rounds,
+`StateStore` commits) on a stream of deterministic updates from 4 devices that re-send what
+the aggregator has not counted yet, as devices do after a crash. Every global it publishes is
+logged (version, sha256) right after the publish. The parent kills the child with SIGKILL at a
+random moment, restarts it on the same state directory, and after every kill checks that:
+
+- the state opens and validates (spec hash, finite tensors, versions agree);
+- no version was ever published with two different tensors (publish log vs. state);
+- no update (client, seq) is counted in two rounds;
+- the round lines are numbered 1..rounds and their versions increase by one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from edgefcl.config import RunConfig, apply
+
+CLIENTS = ["d0", "d1", "d2", "d3"]
+INITIAL = {"w": np.zeros((64, 64), np.float32), "b": np.zeros(64, np.float32)}
+
+
+def _config() -> RunConfig:
+    return apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": "crash"},
+                               "fed": {"clients": 4, "mode": "async", "min_clients": 2,
+                                       "burn_in": 0, "jump": 1, "round_timeout": 0.0,
+                                       "max_staleness": 1000}})
+
+
+class _PublishLog:
+    """The daemon's link on the publishing side: logs every global it publishes."""
+
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "a")  # noqa: SIM115  (kept open for the child's lifetime)
+
+    def publish(self, topic, payload, qos=1, retain=False, wait=False) -> int:
+        if topic.endswith("/global"):
+            from edgefcl.runtime.store import tensors_digest
+            from edgefcl.transport.codec import decode
+
+            g = decode(payload)
+            self.f.write(f"{g.version} {tensors_digest(g.tensors)}\n")
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        return len(payload)
+
+    def expire_pending(self) -> int:
+        return 0
+
+
+def child(state_dir: Path) -> None:
+    """Serve deterministic updates forever (until killed)."""
+    from edgefcl.federation.messages import Update
+    from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+    from edgefcl.transport.codec import encode
+
+    cfg = _config()
+    d = AggregatorDaemon(cfg, INITIAL, state_dir)
+    d.link = _PublishLog(state_dir / "published.log")
+    d._publish_global(d.agg.global_)  # what run() publishes on start
+    rng = np.random.default_rng(len(d.agg.last_seq) + d.agg.rounds)
+    while True:
+        c = CLIENTS[int(rng.integers(len(CLIENTS)))]
+        seq = d.agg.last_seq.get(c, 0) + 1
+        value = np.random.default_rng(zlib.crc32(f"{c}:{seq}".encode()))
+        tensors = {k: value.normal(size=v.shape).astype(np.float32) for k, v in INITIAL.items()}
+        payload = encode(Update(c, d.agg.global_.version, seq, 0, seq, 8, tensors,
+                                class_counts={0: 8}), fleet=cfg.mqtt.fleet)
+        d.handle(d.topics.update(c), payload)
+        d._closed(d.agg.poll(time.monotonic()))
+
+
+def check(state_dir: Path) -> dict:
+    """Validate the state after a kill; raises AssertionError on any inconsistency."""
+    from edgefcl.runtime.store import StateStore
+    from edgefcl.transport.codec import model_spec
+
+    spec = model_spec(INITIAL)
+    store = StateStore.open(state_dir, fleet="crash", spec=spec)
+    try:
+        loaded = store.load(spec)
+        lines = store.round_lines()
+        seen: dict[int, str] = {}
+        log = state_dir / "published.log"
+        for raw in log.read_text().splitlines() if log.exists() else []:
+            parts = raw.split()
+            if len(parts) != 2:
+                continue  # a line cut by the kill
+            v, sha = int(parts[0]), parts[1]
+            assert seen.setdefault(v, sha) == sha, f"version {v} published with two models"
+            assert store.published(v) == sha, f"version {v} published but saved otherwise"
+        counted: set[tuple[str, int]] = set()
+        for i, line in enumerate(lines, 1):
+            assert line["round"] == i and line["version"] == i, f"round line {i}: {line}"
+            for c, s in line.get("seqs", {}).items():
+                assert (c, s) not in counted, f"update {c} seq {s} counted twice"
+                counted.add((c, s))
+        version = 0 if loaded is None else int(loaded[0]["version"])
+        assert version == len(lines), f"state version {version}, {len(lines)} rounds"
+        return {"version": version, "rounds": len(lines), "published": len(seen)}
+    finally:
+        store.close()
+
+
+def run(kills: int, work: Path, seed: int = 0, max_delay: float = 1.5,
+        progress: bool = True) -> dict:
+    """Kill the child `kills` times at random moments; returns the summary."""
+    rng = random.Random(seed)
+    state_dir = work / "state"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    failures: list[str] = []
+    last: dict = {}
+    t0 = time.perf_counter()
+    for k in range(kills):
+        p = subprocess.Popen([sys.executable, "-m", "edgefcl.bench_crash", str(state_dir)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(rng.uniform(0.3, 0.3 + max_delay))  # start-up, then a random moment
+        p.send_signal(signal.SIGKILL)
+        _, err = p.communicate()
+        try:
+            last = check(state_dir)
+        except Exception as e:  # noqa: BLE001  (reported, the drill goes on)
+            failures.append(f"kill {k + 1}: {type(e).__name__}: {e}")
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] if err else []
+            failures[-1] += f" (child: {tail})"
+        if progress:
+            print(f"kill {k + 1}/{kills}: version {last.get('version')}, "
+                  f"{len(failures)} failures", flush=True)
+    return {"kills": kills, "failures": failures, "final": last,
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def bench_crash(cfg: RunConfig, out: Path, count: int) -> dict:
+    """`edgefcl bench crash`: `count` SIGKILLs (default 100)."""
+    kills = count or 100
+    report = run(kills, out / "crash")
+    print(f"\n{kills} SIGKILLs: {len(report['failures'])} inconsistent states; final "
+          f"version {report['final'].get('version')}, {report['final'].get('rounds')} rounds, "
+          f"{report['wall_s']} s")
+    for f in report["failures"][:10]:
+        print("  " + f)
+    return report
+
+
+if __name__ == "__main__":
+    child(Path(sys.argv[1]))

@@ -1,0 +1,355 @@
+"""`edgefcl bench fuzz`: mutated payloads through the aggregator's and a device's message
+handlers, as a device with a valid credential could send them.
+
+Three kinds of mutation of a corpus of valid payloads (updates, ticks, statuses, commands,
+globals):
+- bytes: flips, cuts, insertions and appended bytes (mostly stopped by structure or digest);
+- fields: one field, at any depth, replaced by junk (huge or negative numbers, wrong types,
+  nested bombs, long lists, NaN / 1e30 / negative-variance tensors, thousands of classes), then
+  sealed again with a valid digest, as an attacker's own encoder would;
+- attacks: the fixed payloads of the trust-boundary issue (nesting bomb, 10^5 zero-size
+  tensors, control on a device topic, num_samples 10^12, seq 2^64-1, ...).
+Each payload goes to a random topic of the fleet. The report counts escaped exceptions (an
+exception out of the handler, or a failure the handler had to count as `internal`), the slowest
+payload (timed without tracemalloc), the peak of Python allocations (tracemalloc, first 10^4
+payloads), the growth of resident memory and the rejections by reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import tracemalloc
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from edgefcl.config import RunConfig, apply
+from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.transport import integrity
+from edgefcl.transport.codec import Message, encode
+
+FLEET = "fuzz"
+CLIENTS = ["d0", "d1", "d2"]
+
+
+def _pack(m: Any) -> bytes:
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def _junk(rng: np.random.Generator) -> Any:
+    """One junk value an attacker might put in any field."""
+    choice = int(rng.integers(16))
+    if choice == 0:
+        return int(rng.choice([2**63 - 1, -(2**63), 2**64 - 1, 10**12, -1, 0]))
+    if choice == 1:
+        return float(rng.choice([np.nan, np.inf, -1e300, 1e30]))
+    if choice == 2:
+        return "x" * int(rng.integers(0, 5000))
+    if choice == 3:
+        return bytes(int(rng.integers(0, 5000)))
+    if choice == 4:
+        return list(range(int(rng.integers(0, 3000))))
+    if choice == 5:
+        inner: Any = 1
+        for _ in range(int(rng.integers(5, 600))):
+            inner = {"x": inner}
+        return inner
+    if choice == 6:
+        return {int(i): 1 for i in range(int(rng.integers(1, 3000)))}
+    if choice == 7:
+        return {"dtype": "<f4", "shape": [int(rng.integers(0, 1 << 30))], "data": b""}
+    if choice == 8:
+        return {"dtype": "<f4", "shape": [2], "data": np.array([np.nan, 1e30], "<f4").tobytes()}
+    if choice == 9:
+        return {"dtype": "<i8", "shape": [], "data": bytes(8)}
+    if choice == 10:
+        return {f"t{i}": {"dtype": "<f4", "shape": [0], "data": b""}
+                for i in range(int(rng.integers(1, 5_000)))}
+    if choice == 11:
+        return None
+    if choice == 12:
+        return True
+    if choice == 13:
+        return [[[[[]]]]]
+    if choice == 14:
+        return {"command": "stop"}
+    return int(rng.integers(-10, 10))
+
+
+def _paths(obj: Any, prefix: tuple = ()) -> Iterator[tuple]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield (*prefix, k)
+            yield from _paths(v, (*prefix, k))
+
+
+def _field_mutation(payload: bytes, rng: np.random.Generator) -> bytes:
+    m = msgpack.unpackb(payload, strict_map_key=False)
+    m.pop(integrity.DIGEST_KEY, None)
+    paths = list(_paths(m))
+    path = paths[int(rng.integers(len(paths)))]
+    node = m
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = _junk(rng)
+    try:
+        return integrity.seal(m, _pack)  # a valid digest: what the attacker's encoder does
+    except (OverflowError, ValueError, TypeError):
+        return payload
+
+
+def _byte_mutation(payload: bytes, rng: np.random.Generator) -> bytes:
+    b = bytearray(payload)
+    op = int(rng.integers(4))
+    if op == 0:
+        for _ in range(int(rng.integers(1, 8))):
+            b[int(rng.integers(len(b)))] = int(rng.integers(256))
+    elif op == 1:
+        b = b[: int(rng.integers(len(b)))]
+    elif op == 2:
+        pos = int(rng.integers(len(b)))
+        b[pos:pos] = rng.bytes(int(rng.integers(1, 64)))
+    else:
+        b += rng.bytes(int(rng.integers(1, 64)))
+    return bytes(b)
+
+
+def attacks(tensors: dict[str, np.ndarray]) -> list[bytes]:
+    """The fixed attack payloads of the trust-boundary issue."""
+    inner: Any = {"state": "online"}
+    for _ in range(500):
+        inner = {"x": inner}
+    bomb = _pack({"schema": 1, "kind": "status", "fleet": FLEET, "sender": "d0", "x": inner})
+    zero = {f"t{i}": np.zeros(0, np.float32) for i in range(100_000)}
+    big = {k: np.full(v.shape, 1e30, np.float32) for k, v in tensors.items()}
+    return [
+        bomb,
+        encode(Update("d0", 0, 1, 0, 1, 1, zero), fleet=FLEET),
+        encode(Message("control", {"command": "stop"}, sender="d0"), fleet=FLEET),
+        encode(Update("d0", 0, 1, 0, 1, 10**12, tensors), fleet=FLEET),
+        encode(Update("d0", 0, 2**64 - 1, 0, 1, 1, tensors), fleet=FLEET),
+        encode(Update("d0", 10**9, 1, 0, 1, 1, tensors), fleet=FLEET),
+        encode(Update("d0", 0, 1, 0, 1, 5, tensors, class_counts={0: 0}), fleet=FLEET),
+        encode(Update("d0", 0, 1, 0, 1, 1000,
+                      tensors, class_counts={i: 1 for i in range(1000)}), fleet=FLEET),
+        encode(Update("d0", 0, 1, 0, 1, 1, big), fleet=FLEET),
+    ]
+
+
+def payloads(corpus: list[bytes], extra: list[bytes], n: int, seed: int = 0) -> Iterator[bytes]:
+    """`n` payloads: every fixed attack once, then byte and field mutations of the corpus."""
+    rng = np.random.default_rng(seed)
+    yield from extra[:n]
+    for _ in range(max(0, n - len(extra))):
+        base = corpus[int(rng.integers(len(corpus)))]
+        r = rng.random()
+        if r < 0.45:
+            yield _byte_mutation(base, rng)
+        elif r < 0.95:
+            yield _field_mutation(base, rng)
+        else:
+            yield base
+
+
+def _rss_mib() -> float:
+    """Resident memory of this process now (Linux), MiB."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return float("nan")
+
+
+def drive(handle: Callable[[str, bytes], None], counters: Callable[[], dict[str, int]],
+          topics: list[str], stream: Iterator[bytes], seed: int = 0,
+          progress: bool = False, traced: int = 10_000) -> dict:
+    """Feed `stream` to `handle` on random `topics`: time per payload, escaped exceptions,
+    the process's peak resident memory over its start, and (for the first `traced`
+    payloads, timed separately) the peak of Python allocations by tracemalloc."""
+    rng = np.random.default_rng(seed + 1)
+    escaped: Counter[str] = Counter()
+    slowest = (0.0, b"", "")
+    top: list[tuple[float, bytes, str]] = []  # the 10 slowest, re-timed at the end
+    n = 0
+    times: list[float] = []
+    rss0 = _rss_mib()
+    peak_rss = rss0
+    tracemalloc.start()
+    base_mem = tracemalloc.get_traced_memory()[0]
+    t_all = time.perf_counter()
+    for payload in stream:
+        if n == traced:
+            peak_py = tracemalloc.get_traced_memory()[1] - base_mem
+            tracemalloc.stop()
+        topic = topics[int(rng.integers(len(topics)))]
+        t0 = time.perf_counter()
+        try:
+            handle(topic, payload)
+        except Exception as e:  # noqa: BLE001  (what the bench exists to find)
+            escaped[f"{type(e).__name__}: {str(e)[:80]}"] += 1
+        dt = time.perf_counter() - t0
+        if n >= traced:  # timings without tracemalloc's overhead
+            times.append(dt)
+            if dt > slowest[0]:
+                slowest = (dt, payload, topic)
+            if len(top) < 10 or dt > top[-1][0]:
+                top = sorted([*top, (dt, payload, topic)], key=lambda x: -x[0])[:10]
+        n += 1
+        if n % 1000 == 0:
+            peak_rss = max(peak_rss, _rss_mib())
+        if progress and n % 10_000 == 0:
+            print(f"  {n} payloads, {sum(escaped.values())} escaped, slowest "
+                  f"{slowest[0] * 1e3:.1f} ms", flush=True)
+    wall = time.perf_counter() - t_all
+    if tracemalloc.is_tracing():
+        peak_py = tracemalloc.get_traced_memory()[1] - base_mem
+        tracemalloc.stop()
+    # a machine shared with other jobs stalls a process now and then: time the 10 slowest
+    # payloads again (best of 3) to tell their own cost from such stalls
+    retimed = []
+    for _, payload, topic in top:
+        best = np.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with contextlib.suppress(Exception):  # counted in the main pass
+                handle(topic, payload)
+            best = min(best, time.perf_counter() - t0)
+        retimed.append(best * 1e3)
+    c = counters()
+    internal = int(c.get("internal", 0)) + int(c.get("rejected_internal", 0))
+    t = np.array(times or [0.0]) * 1e3
+    return {"payloads": n, "escaped": sum(escaped.values()) + internal,
+            "escaped_kinds": dict(escaped.most_common(10)), "internal_errors": internal,
+            "timed_payloads": len(times), "slowest_ms": round(float(t.max()), 2),
+            "p99_ms": round(float(np.percentile(t, 99)), 3),
+            "over_100ms": int((t > 100).sum()),
+            "slowest10_ms": [round(x[0] * 1e3, 1) for x in top],
+            "slowest10_retimed_ms": [round(x, 1) for x in retimed],
+            "slowest_payload_bytes": len(slowest[1]), "slowest_payload_head": slowest[1][:48].hex(),
+            "slowest_topic": slowest[2], "peak_python_mib": round(peak_py / 2**20, 2),
+            "traced_payloads": min(n, traced), "rss_start_mib": round(rss0, 1),
+            "rss_peak_growth_mib": round(peak_rss - rss0, 1),
+            "wall_s": round(wall, 1), "per_payload_ms": round(wall / max(n, 1) * 1e3, 3),
+            "rejections": dict(sorted(c.items()))}
+
+
+class _Sink:
+    """The publishing side of a link: the fuzzed handlers may publish (globals, answers)."""
+
+    def publish(self, *a, **k) -> int:
+        return 0
+
+    def subscribe(self, *a, **k) -> None:
+        pass
+
+    def unsubscribe(self, *a, **k) -> None:
+        pass
+
+    def expire_pending(self) -> int:
+        return 0
+
+
+def _model(size: int = 64) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"fc.weight": rng.normal(size=(size, size)).astype(np.float32),
+            "fc.bias": np.zeros(size, np.float32), "bn.running_var": np.ones(size, np.float32)}
+
+
+def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = False) -> dict:
+    """`n` payloads through `AggregatorDaemon.handle` (async rounds, robust rules on)."""
+    from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+
+    cfg = apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": FLEET, "max_payload": 4 << 20},
+                              "fed": {"clients": 3, "mode": "async", "min_clients": 2,
+                                      "burn_in": 0, "jump": 1, "round_timeout": 0.0}})
+    tensors = _model()
+    d = AggregatorDaemon(cfg, tensors, state_dir, fresh=True)
+    d.link = _Sink()
+    tp = d.topics
+    corpus = [encode(Update(c, 0, s, 0, s, 8, tensors, class_counts={0: 8}), fleet=FLEET)
+              for c in CLIENTS for s in (1, 2)]
+    corpus += [encode(Tick("d0", 3, 0, 3), fleet=FLEET),
+               encode(Message("status", {"state": "online"}, sender="d1"), fleet=FLEET),
+               encode(Message("control", {"command": "pause"}, sender="op"), fleet=FLEET)]
+    topics = [tp.update(c) for c in CLIENTS] + [tp.status("d1"), tp.control,
+                                                f"{tp.base}/update/x/y", f"{tp.base}/global"]
+
+    def handle(topic: str, payload: bytes) -> None:
+        d.handle(topic, payload)
+        d._closed(d.agg.poll(time.monotonic()))
+        d.stop_event.clear()  # a genuine stop on the control topic: keep fuzzing
+
+    report = drive(handle, lambda: dict(d.agg.counters), topics,
+                   payloads(corpus, attacks(tensors), n, seed), seed, progress)
+    report["rounds"] = d.agg.rounds
+    report["global_finite"] = bool(all(np.isfinite(t).all()
+                                       for t in d.agg.global_.tensors.values()))
+    report["global_max_abs"] = float(max(np.abs(t).max() for t in d.agg.global_.tensors.values()))
+    d.store.close()
+    return report
+
+
+def fuzz_device(n: int, seed: int = 0, progress: bool = False) -> dict:
+    """`n` payloads through a device's message handler (`DeviceRunner._on_message`)."""
+    from edgefcl.learn.global_format import global_tensors
+    from edgefcl.runtime.device import DeviceRunner
+    from edgefcl.simulate import make_client, prepare
+
+    cfg = apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": FLEET},
+                              "data": {"tasks": 2, "classes_per_task": 2},
+                              "learn": {"model": "mlp", "hidden": 64},
+                              "fed": {"downlink": "dense"}})
+    client = make_client(cfg, prepare(cfg, 0), 0, "fedavg", 0)
+    r = DeviceRunner(cfg, client)
+    r.link = _Sink()
+    tp = r.topics
+    good = global_tensors(client.model, cfg.fed.encoding)
+    corpus = [encode(GlobalModel(v, good, ("c0",)), fleet=FLEET) for v in (1, 2)]
+    corpus += [encode(Message("answer", {"tick": 1, "version": 1, "participants": ["c0"]},
+                              sender="aggregator"), fleet=FLEET),
+               encode(Message("control", {"command": "pause"}, sender="op"), fleet=FLEET)]
+    extra = [encode(GlobalModel(2**63 - 1, good, ()), fleet=FLEET),
+             encode(GlobalModel(1, {**good, "x": np.zeros(1, np.float32)}, ()), fleet=FLEET),
+             encode(Message("control", {"command": "stop"}, sender="d0"), fleet=FLEET)]
+    topics = [tp.global_, tp.global_, tp.tick, tp.control, tp.stream(client.cid)]
+
+    def handle(topic: str, payload: bytes) -> None:
+        r._on_message(topic, payload)
+        r.stop.clear()
+        r.paused = False
+
+    report = drive(handle, lambda: dict(r.rejections), topics,
+                   payloads(corpus, extra, n, seed), seed, progress)
+    report["adopted_version"] = None if r.latest is None else r.latest.version
+    return report
+
+
+def bench_fuzz(cfg: RunConfig, out: Path, count: int) -> dict:
+    """`edgefcl bench fuzz`: `count` payloads (default 10^5) through each handler."""
+    n = count or 100_000
+    report = {}
+    logging.getLogger("edgefcl").setLevel(logging.CRITICAL)  # one line per rejection: too many
+    for name, run in (("aggregator", lambda: fuzz_aggregator(n, out / "fuzz_state",
+                                                             progress=True)),
+                      ("device", lambda: fuzz_device(n, progress=True))):
+        print(f"{name}: {n} mutated payloads", flush=True)
+        r = run()
+        report[name] = r
+        print(f"{name}: {r['escaped']} escaped exceptions; slowest {r['slowest_ms']} ms "
+              f"({r['slowest_payload_bytes']} bytes on {r['slowest_topic']}), p99 "
+              f"{r['p99_ms']} ms, {r['over_100ms']} over 100 ms (of {r['timed_payloads']} "
+              f"timed; the 10 slowest re-timed, best of 3: max "
+              f"{max(r['slowest10_retimed_ms'] or [0])} ms); peak Python allocations "
+              f"{r['peak_python_mib']} MiB (first "
+              f"{r['traced_payloads']}), resident memory +{r['rss_peak_growth_mib']} MiB over "
+              f"{r['rss_start_mib']} MiB; {r['per_payload_ms']} ms/payload")
+        print("  rejections: " + json.dumps(r["rejections"]))
+    return report

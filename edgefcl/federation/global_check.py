@@ -1,0 +1,64 @@
+"""What a device checks before it adopts a global model.
+
+The aggregator is trusted, the path to it is not (a stolen credential with a broken ACL, a
+retained message left by a test, a buggy gateway). A device adopts a global only when every
+tensor has exactly the name, shape and dtype of its own model's global (`expected`), all values
+are finite and at most MAX_ABS in magnitude, BatchNorm variances and Gaussian sigmas are
+positive, and the version moves forward by at most `max_step`. APC globals may also carry the
+knowledge base (`<name>::kb`, shape (K, *shape)) and its ring position (`apc::kb_next`, an
+int64 scalar).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgefcl.federation.messages import GlobalModel
+from edgefcl.federation.robust.variance import check_variances
+from edgefcl.federation.sparse import KB
+
+KB_NEXT = "apc::kb_next"
+MAX_ABS = 1e6
+"""Largest magnitude of a float in a global (weights and statistics of a trained model are
+far below; 3e38 is finite but poisons every prediction)."""
+MAX_VERSION_STEP = 1_000_000
+"""Largest version step a device accepts (an honest aggregator publishes one per round)."""
+
+Spec = dict[str, tuple[tuple[int, ...], str]]
+
+
+def _optional(name: str, t: np.ndarray, expected: Spec) -> bool:
+    if name == KB_NEXT:
+        return t.shape == () and t.dtype == np.int64 and int(t) >= 0
+    if name.endswith(KB) and name[: -len(KB)] in expected:
+        shape, dt = expected[name[: -len(KB)]]
+        return t.ndim == len(shape) + 1 and t.shape[1:] == shape and t.dtype.str == dt
+    return False
+
+
+def check_global(g: GlobalModel, expected: Spec, held_version: int,
+                 max_step: int = MAX_VERSION_STEP) -> str | None:
+    """The reason to reject global `g` (a whole one, deltas resolved), or None. A version at
+    or below `held_version` may be valid (a retained global re-delivered); the caller simply
+    does not merge it."""
+    if g.version < 0 or g.version - held_version > max_step:
+        return "version-jump"
+    if any(k not in g.tensors for k in expected):
+        return "names"
+    for k, t in g.tensors.items():
+        spec = expected.get(k)
+        if spec is None:
+            if not _optional(k, t, expected):
+                return "names"
+            continue
+        if t.shape != spec[0]:
+            return "shape"
+        if t.dtype.str != spec[1]:
+            return "dtype"
+        if t.dtype.kind == "f" and not np.isfinite(t).all():
+            return "nonfinite"
+        if t.dtype.kind == "f" and t.size and np.abs(t).max() > MAX_ABS:
+            return "range"
+        if k.endswith("::sigma") and not (t > 0).all():
+            return "sigma"
+    return check_variances({k: g.tensors[k] for k in expected})

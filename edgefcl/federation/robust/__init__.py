@@ -1,0 +1,53 @@
+"""Robust aggregation: rules that keep a few faulty or malicious updates from steering the
+global model. Each rule is one module with one job; `ROUND_RULES` lists the rules applied to
+a round's accepted updates before the strategy averages them, in order.
+
+| rule                       | module          | dense | sparse/apc | gaussian | default          |
+|----------------------------|-----------------|-------|------------|----------|------------------|
+| BatchNorm variances > 0    | variance.py     | yes   | dense parts| plain    | always (reject)  |
+| norm clipping of deltas    | clipping.py     | yes   | no         | no       | 3 x median norm  |
+| weight share cap           | share.py        | yes   | yes        | plain+mm | 2 / participants |
+| sigma floor                | sigma_floor.py  | no    | no         | yes      | 0.5 x median     |
+| coordinate-wise median     | median.py       | yes   | no         | no       | --aggregation    |
+| trimmed mean               | trimmed_mean.py | yes   | no         | no       | --aggregation    |
+
+Clipping and the coordinate-wise rules need whole tensors, which sparse and apc updates are
+not (they carry a subset of entries relative to the client's base), so only the share cap
+protects those; Gaussian updates get the sigma floor (precision rules) and the share cap
+(sample-weighted parts: plain tensors and moment matching). Conflation counts every client
+once, so the share cap does not apply to its Gaussians; the sigma floor does.
+With all rules off (`clip_factor 0`, `max_share 1`, `sigma_floor 0`) the aggregation is the
+plain one, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from edgefcl.config import FedConfig
+from edgefcl.federation.messages import Tensors, Update
+from edgefcl.federation.robust import clipping, share, sigma_floor
+from edgefcl.federation.robust import median as median  # noqa: F401  (registers strategies)
+from edgefcl.federation.robust import trimmed_mean as trimmed_mean  # noqa: F401
+from edgefcl.federation.robust.variance import check_variances
+
+Rule = Callable[[list[Update], Tensors, FedConfig, Counter], list[Update]]
+
+ROUND_RULES: dict[str, Rule] = {
+    "clipping": clipping.apply,
+    "sigma_floor": sigma_floor.apply,
+    "share": share.apply,
+}
+"""Rules applied, in this order, to a round's updates (sorted by client) before averaging."""
+
+
+def prepare_round(updates: list[Update], global_: Tensors, fed: FedConfig,
+                  counters: Counter) -> list[Update]:
+    """The round's updates after every robust rule (unchanged when all are off)."""
+    for rule in ROUND_RULES.values():
+        updates = rule(updates, global_, fed, counters)
+    return updates
+
+
+__all__ = ["ROUND_RULES", "check_variances", "prepare_round"]

@@ -1,0 +1,34 @@
+"""Coordinate-wise median of dense updates (`--aggregation median`): each entry of the new
+global is the median of the clients' values, so fewer than half the clients cannot move it
+outside the honest range. Keeps the round's tensors (memory grows with the participants)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgefcl.federation.aggregation import STRATEGIES, Strategy, mix
+from edgefcl.federation.messages import Tensors, Update
+
+
+class CoordinateMedian(Strategy):
+    """Coordinate-wise median (unweighted), mixed with the previous global."""
+
+    def __init__(self, mix_weight: float = 0.5) -> None:
+        super().__init__(mix_weight)
+        self.tensors: list[Tensors] = []
+
+    def add(self, update: Update) -> None:
+        self.tensors.append(update.tensors)
+
+    def combine(self, stack: np.ndarray) -> np.ndarray:
+        return np.median(stack, axis=0)
+
+    def result(self, previous: Tensors) -> Tensors:
+        if not self.tensors:
+            raise ValueError("no contributions to aggregate")
+        new = {k: self.combine(np.stack([t[k].astype(np.float64) for t in self.tensors]))
+               for k in previous}
+        return mix(new, previous, self.mix_weight)
+
+
+STRATEGIES[("dense", "median")] = CoordinateMedian

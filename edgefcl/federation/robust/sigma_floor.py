@@ -1,0 +1,45 @@
+"""Sigma floor for Gaussian updates: every `::sigma` entry is raised to at least
+`fed.sigma_floor` times the round's median sigma of that entry, so one client claiming a tiny
+sigma (an enormous precision) cannot take all the weight of a precision-weighted rule
+(conflation, fedbnn). Needs at least three updates (the median of two is their mean).
+FedBNN likelihood entries a client marks as carrying no information (sigma = LIK_SIGMA_MAX)
+are left out of the median, so they do not raise the floor of informative entries."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+
+from edgefcl.config import FedConfig
+from edgefcl.federation.messages import Tensors, Update
+
+SIGMA = "::sigma"
+NO_INFORMATION = 1024.0
+"""federation.gaussian.LIK_SIGMA_MAX: the sigma of a likelihood entry without information."""
+
+
+def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
+          counters: Counter) -> list[Update]:
+    if fed.encoding != "gaussian" or fed.sigma_floor <= 0 or len(updates) < 3:
+        return updates
+    names = [k for k in updates[0].tensors if k.endswith(SIGMA)]
+    floors = {}
+    for k in names:
+        stack = np.stack([u.tensors[k] for u in updates]).astype(np.float64)
+        stack[stack >= NO_INFORMATION] = np.nan
+        with warnings.catch_warnings():  # entries without any informative value: no floor
+            warnings.simplefilter("ignore", RuntimeWarning)
+            floors[k] = np.nan_to_num(fed.sigma_floor * np.nanmedian(stack, axis=0), nan=0.0)
+    out = []
+    for u in updates:
+        low = {k: u.tensors[k] < floors[k] for k in names}
+        n = sum(int(m.sum()) for m in low.values())
+        if n:
+            counters["sigma_floored"] += n
+            u = replace(u, tensors={k: (np.maximum(t, floors[k]).astype(t.dtype) if k in floors
+                                        else t) for k, t in u.tensors.items()})
+        out.append(u)
+    return out

@@ -1,0 +1,181 @@
+"""Attacks on the aggregator daemon's message path (decode, topic policy, admission, rounds),
+driven through `AggregatorDaemon.handle` exactly as the MQTT thread's inbox delivers them."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgefcl.config import RunConfig, apply
+from edgefcl.federation.messages import Tick, Update
+from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+from edgefcl.runtime.inbox import Inbox
+from edgefcl.runtime.links import topics
+from edgefcl.transport.codec import Message, encode
+
+FLEET = "t"
+INITIAL = {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}
+
+
+class Sink:
+    """Stands in for the MQTT link on the publishing side: records what the daemon sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    def publish(self, topic, payload, qos=1, retain=False, wait=False) -> int:
+        self.sent.append((topic, payload))
+        return len(payload)
+
+    def expire_pending(self) -> int:
+        return 0
+
+
+def make_daemon(tmp_path, **fed) -> AggregatorDaemon:
+    values = {"fed": {"clients": 3, "burn_in": 0, "jump": 1, "mode": "async",
+                      "min_clients": 2, **fed},
+              "mqtt": {"fleet": FLEET, "max_payload": 1 << 20}, "quiet": True}
+    cfg = apply(RunConfig(), values)
+    d = AggregatorDaemon(cfg, INITIAL, tmp_path / "state")
+    d.link = Sink()
+    return d
+
+
+def update(client="a", seq=1, value=1.0, n=8, base=0, batch=1, counts=None, tensors=None):
+    t = tensors if tensors is not None else {k: np.full(v.shape, value, np.float32)
+                                             for k, v in INITIAL.items()}
+    return encode(Update(client, base, seq, 0, batch, n, t,
+                         class_counts=counts if counts is not None else {0: n}), fleet=FLEET)
+
+
+def control(cmd="stop") -> bytes:
+    return encode(Message("control", {"command": cmd}, sender="op"), fleet=FLEET)
+
+
+def test_nested_bomb_on_a_status_topic_is_counted_not_fatal(tmp_path) -> None:
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+    inner: dict = {"state": "online"}
+    for _ in range(500):
+        inner = {"x": inner}
+    bomb = msgpack.packb({"schema": 1, "kind": "status", "fleet": FLEET, "sender": "a",
+                          "x": inner})
+    d.handle(tp.status("a"), bomb)
+    d.handle(tp.update("a"), bomb)
+    assert d.agg.counters["rejected_limits"] == 2
+
+
+def test_control_is_accepted_only_on_the_control_topic(tmp_path) -> None:
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+    d.handle(tp.update("a"), control())
+    d.handle(tp.status("a"), control())
+    assert not d.stop_event.is_set() and d.agg.counters["rejected_kind"] == 2
+    d.handle(tp.control, update())  # and an update is not a command
+    assert d.agg.counters["rejected_kind"] == 3
+    d.handle(tp.control, control())
+    assert d.stop_event.is_set()
+
+
+def test_unknown_topics_and_status_elsewhere_are_rejected(tmp_path) -> None:
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+    status = encode(Message("status", {"state": "online"}, sender="a"), fleet=FLEET)
+    d.handle(tp.update("a"), status)
+    d.handle(f"{tp.base}/other", update())
+    assert d.agg.counters["rejected_kind"] == 1 and d.agg.counters["rejected_topic"] == 1
+    assert "a" not in d.agg.active
+
+
+def test_an_internal_error_is_counted_and_the_daemon_goes_on(tmp_path, monkeypatch) -> None:
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("a bug reached by input")
+
+    monkeypatch.setattr(d.agg, "submit", boom)
+    d.handle(tp.update("a"), update())
+    assert d.agg.counters["rejected_internal"] == 1
+
+
+def test_inbox_sheds_by_bytes_and_counts() -> None:
+    box = Inbox(max_bytes=100)
+    assert box.put("t", b"x" * 60) and not box.put("t", b"y" * 60)
+    assert box.shed == 1 and box.shed_bytes == 60 and len(box) == 1
+    assert box.get(0.01) == ("t", b"x" * 60) and box.get(0.01) is None
+    assert box.put("t", b"y" * 60) and box.bytes == 60
+
+
+# ---------------------------------------------------------------- whole message path
+
+
+_GOOD = [update(), update("b", value=2.0), control("pause"),
+         encode(Message("status", {"state": "online"}, sender="a"), fleet=FLEET),
+         encode(Tick("a", 3, 0, 1), fleet=FLEET)]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["update/a", "update/b", "status/a", "control",
+                                           "stream/a", "global", "update/a/x"]),
+                          st.sampled_from(range(len(_GOOD))),
+                          st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
+                                   max_size=4),
+                          st.integers(0, 3)), min_size=1, max_size=6))
+def test_any_sequence_of_mutated_messages_never_escapes(tmp_path_factory, msgs) -> None:
+    d = make_daemon(tmp_path_factory.mktemp("d"), mode="async")
+    tp = topics(d.cfg.mqtt)
+    for topic, which, flips, cut in msgs:
+        payload = bytearray(_GOOD[which])
+        for pos, val in flips:
+            payload[pos % len(payload)] = val
+        if cut:
+            payload = payload[: len(payload) * cut // 4]
+        d.handle(f"{tp.base}/{topic}", bytes(payload))  # must never raise
+        d._closed(d.agg.poll(1e9))
+    assert d.agg.counters["rejected_internal"] == 0
+    v = d.agg.global_
+    assert all(np.isfinite(t).all() for t in v.tensors.values())
+
+
+@pytest.mark.slow
+def test_ten_thousand_mutated_payloads_through_both_handlers(tmp_path) -> None:
+    import logging
+
+    from edgefcl.bench_fuzz import fuzz_aggregator, fuzz_device
+
+    logging.getLogger("edgefcl").setLevel(logging.CRITICAL)
+    try:
+        agg = fuzz_aggregator(10_000, tmp_path / "state", seed=3)
+        dev = fuzz_device(10_000, seed=4)
+    finally:
+        logging.getLogger("edgefcl").setLevel(logging.NOTSET)
+    assert agg["escaped"] == 0 and dev["escaped"] == 0, (agg["escaped_kinds"],
+                                                         dev["escaped_kinds"])
+    assert agg["global_finite"] and agg["global_max_abs"] < 1e3
+    assert agg["rejections"]["rejected_limits"] > 0 and dev["rejections"]["limits"] > 0
+
+
+def test_a_reinstalled_device_starts_a_new_session(tmp_path) -> None:
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+
+    def online(inc):
+        return encode(Message("status", {"state": "online", "incarnation": inc}, sender="a"),
+                      fleet=FLEET)
+
+    d.handle(tp.status("a"), online("first"))
+    d.handle(tp.update("a"), update(seq=1))
+    d.handle(tp.update("a"), update(seq=1))  # a redelivery of the same session
+    assert d.agg.counters["rejected_duplicate"] == 1
+    d.handle(tp.status("a"), online("first"))  # periodic status: same session
+    d.handle(tp.update("a"), update(seq=1, value=2.0))
+    assert d.agg.counters["rejected_duplicate"] == 2
+    d.handle(tp.status("a"), online("second"))  # reinstalled: seq 1 again is new
+    d.handle(tp.update("a"), update(seq=1, value=3.0))
+    assert d.agg.counters["new_sessions"] == 1 and d.agg.counters["accepted"] == 2
+    assert d.agg.counters["replaced"] == 1  # still one update of a per round

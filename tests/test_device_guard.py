@@ -1,0 +1,125 @@
+"""Attacks on a device: every global is checked against the device's own model before it is
+adopted; a bad one is counted by reason, never adopted, never a crash."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgefcl.config import RunConfig, apply
+from edgefcl.federation.messages import GlobalModel
+from edgefcl.learn.global_format import global_tensors
+from edgefcl.runtime.device import DeviceRunner
+from edgefcl.runtime.links import topics
+from edgefcl.simulate import make_client, prepare
+from edgefcl.transport import integrity
+from edgefcl.transport.codec import Message, encode
+
+
+class Sink:
+    def publish(self, *a, **k) -> int:
+        return 0
+
+    def subscribe(self, *a, **k) -> None:
+        pass
+
+    def unsubscribe(self, *a, **k) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def runner_factory():
+    cfg = apply(RunConfig(), {"data": {"tasks": 2, "classes_per_task": 2},
+                              "learn": {"memory_size": 20}, "quiet": True,
+                              "mqtt": {"fleet": "g"}})
+    setup = prepare(cfg, 0)
+
+    def make(encoding="dense") -> DeviceRunner:
+        c = apply(RunConfig(), {"data": {"tasks": 2, "classes_per_task": 2},
+                                "fed": {"encoding": encoding, "downlink": "dense"},
+                                "quiet": True, "mqtt": {"fleet": "g"}})
+        r = DeviceRunner(c, make_client(c, setup, 0, "fedavg", 0))
+        r.link = Sink()
+        return r
+
+    return make
+
+
+def good_tensors(r: DeviceRunner) -> dict:
+    return global_tensors(r.client.model, r.cfg.fed.encoding)
+
+
+def send(r: DeviceRunner, tensors: dict, version: int = 1, digest: bool = True) -> None:
+    payload = encode(GlobalModel(version, tensors, ("c0",)), fleet="g")
+    if not digest:
+        m = msgpack.unpackb(payload)
+        del m[integrity.DIGEST_KEY]
+        payload = msgpack.packb(m, use_bin_type=True)
+    r._on_message(topics(r.cfg.mqtt).global_, payload)
+
+
+def test_a_good_global_is_adopted(runner_factory) -> None:
+    r = runner_factory()
+    send(r, good_tensors(r))
+    assert r.latest is not None and r.latest.version == 1 and r.rejected == 0
+
+
+def test_bad_globals_are_rejected_by_reason_and_never_adopted(runner_factory) -> None:
+    r = runner_factory()
+    good = good_tensors(r)
+    name = next(iter(good))
+    var = next((k for k in good if k.endswith("running_var")), None)
+    attacks = {
+        "shape": {**good, name: np.zeros((3, 3), np.float32)},
+        "names": {**good, "extra": np.zeros(2, np.float32)},
+        "range": {**good, name: np.full(good[name].shape, 3e38, np.float32)},
+        "dtype": {**good, name: good[name].astype(np.int64)},
+    }
+    scalar = {**good, name: np.float32(1.0) * np.ones((), np.float32)}
+    for reason, tensors in attacks.items():
+        send(r, tensors)
+        assert r.rejections[reason] >= 1, (reason, dict(r.rejections))
+    send(r, scalar)
+    assert r.rejections["shape"] == 2
+    send(r, good, version=2**63 - 1)
+    assert r.rejections["version-jump"] == 1
+    send(r, good, digest=False)
+    assert r.rejections["digest"] == 1
+    if var is not None:
+        send(r, {**good, var: -np.ones(good[var].shape, np.float32)})
+        assert r.rejections["variance"] == 1
+    assert r.latest is None  # nothing was adopted
+    send(r, good)
+    assert r.latest is not None
+
+
+def test_commands_only_on_the_control_topic(runner_factory) -> None:
+    r = runner_factory()
+    stop = encode(Message("control", {"command": "stop"}, sender="op"), fleet="g")
+    r._on_message(topics(r.cfg.mqtt).global_, stop)
+    assert not r.stop.is_set() and r.rejections["kind"] == 1
+    r._on_message(topics(r.cfg.mqtt).control, stop)
+    assert r.stop.is_set()
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 10**7), st.integers(0, 255)), min_size=1, max_size=6),
+       st.integers(0, 4))
+def test_mutated_globals_never_escape(runner_factory, flips, cut) -> None:
+    r = _RUNNER.setdefault("r", runner_factory())  # one device for all examples
+    payload = bytearray(encode(GlobalModel(1, good_tensors(r), ("c0",)), fleet="g"))
+    for pos, val in flips:
+        payload[pos % len(payload)] = val
+    if cut:
+        payload = payload[: len(payload) * cut // 5]
+    before = r.rejected
+    r._on_message(topics(r.cfg.mqtt).global_, bytes(payload))  # must never raise
+    assert r.rejections["internal"] == 0
+    assert r.rejected == before + 1 or r.latest is not None
+
+
+_RUNNER: dict = {}

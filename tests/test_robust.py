@@ -1,0 +1,114 @@
+"""Robust aggregation rules: hand-computed values, and the attacks they exist for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgefcl.config import FedConfig
+from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.messages import Update
+from edgefcl.federation.robust.share import capped_weights
+from edgefcl.federation.robust.variance import check_variances
+
+ZERO = {"w": np.zeros(2, np.float32)}
+
+
+def upd(client, value, n=8, shape=(2,), extra=None):
+    t = {"w": np.full(shape, value, np.float32), **(extra or {})}
+    return Update(client, 0, 1, 0, 1, n, t)
+
+
+def run_round(updates, initial=None, **fed) -> np.ndarray:
+    f = FedConfig(**{"clients": len(updates), "burn_in": 0, "jump": 1, "mode": "sync",
+                     "min_clients": 1, "mix": 1.0, **fed})
+    agg = Aggregator(dict(initial or ZERO), f)
+    for u in updates:
+        agg.join(u.client)
+    closed = None
+    for u in updates:
+        closed = agg.submit(u) or closed
+    assert closed is not None and closed.global_ is not None, dict(agg.counters)
+    return closed.global_.tensors, agg.counters
+
+
+def test_clipping_by_hand() -> None:
+    # delta norms: a, b: sqrt(2) * 1; c: sqrt(2) * 100 -> median sqrt(2), tau = 3 sqrt(2)
+    g, counters = run_round([upd("a", 1.0), upd("b", 1.0), upd("c", 100.0)])
+    np.testing.assert_allclose(g["w"], [(1 + 1 + 3) / 3] * 2, rtol=1e-6)
+    assert counters["clipped"] == 1
+    g, _ = run_round([upd("a", 1.0), upd("b", 1.0), upd("c", 100.0)], clip_norm=np.sqrt(2) / 2)
+    np.testing.assert_allclose(g["w"], [0.5, 0.5], rtol=1e-6)
+
+
+def test_share_cap_water_filling_by_hand() -> None:
+    np.testing.assert_allclose(capped_weights(np.array([1.0, 1.0, 98.0]), 0.5), [1, 1, 2])
+    np.testing.assert_allclose(capped_weights(np.array([2.0, 3.0]), 0.9), [2, 3])
+    # 4 clients, cap 0.5 (2/4): 10**6 samples count like the other three together
+    g, counters = run_round([upd("a", 0.0), upd("b", 0.0), upd("c", 0.0),
+                             upd("z", 1.0, n=10**6)], clip_factor=0.0)
+    np.testing.assert_allclose(g["w"], [0.5, 0.5], rtol=1e-6)
+    assert counters["share_capped"] == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1e9), min_size=1, max_size=30), st.floats(0.0, 1.0))
+def test_capped_shares_never_exceed_the_cap(weights, cap) -> None:
+    w = np.array(weights) + 1.0
+    out = capped_weights(w, cap)
+    limit = max(cap, 1 / len(w))
+    assert (out / out.sum() <= limit + 1e-9).all()
+    assert (out <= w + 1e-6).all()
+
+
+def test_rules_off_leave_fedavg_unchanged() -> None:
+    ups = [upd("a", 1.0, n=3), upd("b", 5.0, n=1), upd("c", 2.0, n=100)]
+    g, counters = run_round(ups, clip_factor=0.0, max_share=1.0)
+    np.testing.assert_allclose(g["w"], [(3 + 5 + 200) / 104] * 2, rtol=1e-6)
+    assert not counters["clipped"] and not counters["share_capped"]
+
+
+def test_median_and_trimmed_mean_by_hand() -> None:
+    ups = [upd("a", 1.0), upd("b", 2.0), upd("c", 3.0), upd("d", 4.0), upd("e", 1e6)]
+    g, _ = run_round(ups, aggregation="median", clip_factor=0.0)
+    np.testing.assert_allclose(g["w"], [3.0, 3.0])
+    g, _ = run_round(ups, aggregation="trimmed-mean", trim=0.2, clip_factor=0.0)
+    np.testing.assert_allclose(g["w"], [3.0, 3.0])  # drops 1 and 1e6: mean(2, 3, 4)
+
+
+def test_huge_finite_values_do_not_reach_the_global() -> None:
+    ups = [upd("a", 0.1), upd("b", 0.2), upd("c", 0.3), upd("x", 1e30)]
+    g, _ = run_round(ups)
+    assert np.abs(g["w"]).max() < 1.0
+
+
+def test_negative_batchnorm_variance_is_rejected() -> None:
+    var = {"bn.running_var": np.array([1.0, -0.5], np.float32)}
+    assert check_variances(var) == "variance"
+    assert check_variances({"bn.running_var": np.ones(2, np.float32)}) is None
+    f = FedConfig(clients=2, burn_in=0, jump=1, mode="async", min_clients=1)
+    agg = Aggregator({"w": np.zeros(2, np.float32), "bn.running_var": np.ones(2, np.float32)}, f)
+    agg.submit(upd("a", 1.0, extra=var))
+    assert agg.counters["rejected_variance"] == 1
+
+
+@pytest.mark.parametrize("rule", ["conflation", "fedbnn"])
+def test_sigma_floor_limits_a_client_claiming_tiny_sigma(rule) -> None:
+    base = {"w::mu": np.zeros(2, np.float32), "w::sigma": np.ones(2, np.float32)}
+
+    def g(client, mu, sigma):
+        return Update(client, 0, 1, 0, 1, 8, {"w::mu": np.full(2, mu, np.float32),
+                                              "w::sigma": np.full(2, sigma, np.float32)},
+                      encoding="gaussian")
+
+    ups = [g("a", 0.0, 0.5), g("b", 0.0, 0.5), g("c", 0.0, 0.5), g("x", 10.0, 1e-6)]
+    out, counters = run_round(ups, initial=base, encoding="gaussian", aggregation=rule)
+    assert counters["sigma_floored"] == 2
+    # x counts at most like one client with sigma 0.25: its share of the precision is
+    # 16 / (16 + 3 * 4) (conflation), so the mean stays well below the attacker's 10
+    assert out["w::mu"][0] < 6.0
+    unprotected, _ = run_round(ups, initial=base, encoding="gaussian", aggregation=rule,
+                               sigma_floor=0.0)
+    assert unprotected["w::mu"][0] > 9.99

@@ -1,0 +1,146 @@
+"""The aggregator's state directory: one transaction per round, refused when foreign, finished
+or damaged, and consistent after SIGKILLs at random moments."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import numpy as np
+import pytest
+
+from edgefcl import bench_crash
+from edgefcl.runtime.store import StateError, StateStore, tensors_digest, tensors_to_bytes
+from edgefcl.transport.codec import model_spec
+
+T = {"w": np.ones((2, 3), np.float32)}
+SPEC = model_spec(T)
+
+
+def fresh_store(tmp_path, **kw) -> StateStore:
+    return StateStore.open(tmp_path / "st", fleet="f", spec=SPEC, **kw)
+
+
+def save_round(store, version, tensors, rnd=None):
+    line = None if rnd is None else {"round": rnd, "version": version}
+    store.commit({"version": version, "rounds": rnd or 0}, tensors, line)
+
+
+def test_round_trip_and_views(tmp_path) -> None:
+    s = fresh_store(tmp_path)
+    save_round(s, 0, T)
+    save_round(s, 1, {"w": T["w"] * 2}, rnd=1)
+    s.write_views({"version": 1, "rounds": 1}, T, rewrite=True)
+    state, tensors = s.load(SPEC)
+    assert state["version"] == 1 and (tensors["w"] == 2).all()
+    assert (tmp_path / "st" / "rounds.jsonl").read_text().count("\n") == 1
+    s.close()
+
+
+def test_a_version_is_never_saved_with_other_tensors(tmp_path) -> None:
+    s = fresh_store(tmp_path)
+    save_round(s, 0, T)
+    with pytest.raises(StateError, match="other tensors"):
+        save_round(s, 0, {"w": T["w"] * 3})
+    save_round(s, 0, T)  # the same tensors again are fine
+    assert s.published(0) == tensors_digest(T)
+
+
+def test_foreign_and_finished_states_are_refused_with_what_to_do(tmp_path) -> None:
+    s = fresh_store(tmp_path)
+    save_round(s, 0, T)
+    s.mark_finished()
+    s.close()
+    with pytest.raises(StateError, match="--resume"):
+        fresh_store(tmp_path)
+    fresh_store(tmp_path, resume=True).close()
+    with pytest.raises(StateError, match="fleet.*--fresh"):
+        StateStore.open(tmp_path / "st", fleet="other", spec=SPEC)
+    other_spec = model_spec({"w": np.ones(4, np.float32)})
+    with pytest.raises(StateError, match="spec_hash.*--fresh"):
+        StateStore.open(tmp_path / "st", fleet="f", spec=other_spec)
+    s = StateStore.open(tmp_path / "st", fleet="other", spec=other_spec, fresh=True)
+    assert s.load(other_spec) is None  # started over
+    s.close()
+
+
+def test_damaged_states_are_refused(tmp_path) -> None:
+    s = fresh_store(tmp_path)
+    save_round(s, 0, T)
+    bad = {"w": np.full((2, 3), np.nan, np.float32)}
+    s.conn.execute("UPDATE globals SET tensors = ?, sha256 = ? WHERE version = 0",
+                   (tensors_to_bytes(bad), tensors_digest(bad)))
+    with pytest.raises(StateError, match="NaN"):
+        s.load(SPEC)
+    s.conn.execute("UPDATE globals SET tensors = ? WHERE version = 0", (tensors_to_bytes(T),))
+    with pytest.raises(StateError, match="sha256"):
+        s.load(SPEC)
+    s.conn.execute("UPDATE globals SET sha256 = ? WHERE version = 0", (tensors_digest(T),))
+    s.conn.execute("UPDATE state SET json = '{\"version\": 3, \"rounds\": 0}'")
+    with pytest.raises(StateError, match="version 3"):
+        s.load(SPEC)
+    s.conn.execute("UPDATE state SET json = 'not json'")
+    with pytest.raises(StateError, match="unreadable"):
+        s.load(SPEC)
+    s.close()
+    (tmp_path / "st" / "state.db").write_bytes(b"garbage" * 100)
+    for extra in ("state.db-wal", "state.db-shm"):
+        (tmp_path / "st" / extra).unlink(missing_ok=True)
+    with pytest.raises(StateError, match="--fresh"):
+        fresh_store(tmp_path)
+
+
+def test_a_legacy_state_without_the_database_is_refused(tmp_path) -> None:
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st" / "state.json").write_text("{}")
+    with pytest.raises(StateError, match="--fresh"):
+        fresh_store(tmp_path)
+
+
+def test_the_crash_check_detects_republished_versions_and_double_counts(tmp_path) -> None:
+    d = tmp_path / "state"
+    s = StateStore.open(d, fleet="crash", spec=model_spec(bench_crash.INITIAL))
+    s.commit({"version": 0, "rounds": 0}, bench_crash.INITIAL)
+    one = {k: v + 1 for k, v in bench_crash.INITIAL.items()}
+    s.commit({"version": 1, "rounds": 1}, one,
+             {"round": 1, "version": 1, "seqs": {"d0": 1, "d1": 1}})
+    s.close()
+    (d / "published.log").write_text(f"0 {tensors_digest(bench_crash.INITIAL)}\n")
+    assert bench_crash.check(d)["version"] == 1
+    with open(d / "published.log", "a") as f:
+        f.write(f"1 {tensors_digest(bench_crash.INITIAL)}\n")  # v1 published with v0's tensors
+    with pytest.raises(AssertionError, match="version 1"):
+        bench_crash.check(d)
+    (d / "published.log").write_text("")
+    conn = sqlite3.connect(d / "state.db")
+    conn.execute("INSERT INTO rounds VALUES (2, ?)",
+                 ('{"round": 2, "version": 2, "seqs": {"d0": 1}}',))
+    conn.execute("""UPDATE state SET json = '{"version": 1, "rounds": 2}'""")
+    conn.commit()
+    conn.close()
+    with pytest.raises(AssertionError, match="counted twice"):
+        bench_crash.check(d)
+
+
+@pytest.mark.slow
+def test_state_stays_consistent_across_random_sigkills(tmp_path) -> None:
+    report = bench_crash.run(20, tmp_path, seed=1, progress=False)
+    assert report["failures"] == [] and report["final"]["rounds"] > 20
+
+
+def test_cli_refuses_a_finished_state_in_one_line(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from edgefcl.runtime.state import save_tensors
+
+    save_tensors(tmp_path / "init.npz", T)
+    s = StateStore.open(tmp_path / "st", fleet="f", spec=SPEC)
+    save_round(s, 0, T)
+    s.mark_finished()
+    s.close()
+    cmd = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", "mqtt://127.0.0.1:9",
+           "--fleet", "f", "--initial", str(tmp_path / "init.npz"), "--state-dir",
+           str(tmp_path / "st")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--resume" in p.stderr and "--fresh" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
