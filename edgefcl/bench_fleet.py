@@ -134,13 +134,13 @@ class Fleet:
 
 
 def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: str, root: str,
-                encoding: str, tensors: dict, go, stop) -> Fleet:
+                encoding: str, tensors: dict, go, stop, burn_in: int = 4, jump: int = 2) -> Fleet:
     f = Fleet(ctx)
     procs = opts.procs(n)
     bounds = np.linspace(0, n, procs + 1).astype(int)
     for j in range(procs):
         spec = DeviceSpec(host, port, fleet, root, int(bounds[j]), int(bounds[j + 1] - bounds[j]),
-                          opts.rate, encoding, tensors, seed=j)
+                          opts.rate, encoding, tensors, seed=j, burn_in=burn_in, jump=jump)
         counters = {name: ctx.Value("q", 0) for name in COUNTERS}
         p = ctx.Process(target=run_devices, args=(spec, counters, go, stop), daemon=True,
                         name=f"devices-{j}")
@@ -285,7 +285,8 @@ def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_n
     try:
         print(f"{n} devices: connecting ({opts.procs(n)} processes)...", flush=True)
         fleet = start_fleet(ctx, opts, n, broker.host, broker.port, fleet_name,
-                            cfg.mqtt.topic_root, encoding, tensors, go, stop)
+                            cfg.mqtt.topic_root, encoding, tensors, go, stop,
+                            cfg.fed.burn_in, cfg.fed.jump)
         wait_until(lambda: fleet.total("connected") >= n, 60 + n / 20, f"{n} connections")
         print(f"{n} devices: raw broker rate, {opts.duration:.0f} s...", flush=True)
         raw = raw_phase(ctx, opts, broker, f"{cfg.mqtt.topic_root}/{fleet_name}/update/+", go)

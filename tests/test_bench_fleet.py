@@ -35,17 +35,19 @@ def test_template_payloads_are_updates_the_codec_and_aggregator_accept(encoding)
     t = g if encoding == "dense" else SparseEncoder(topk=0.1).encode(
         {k: v + 1 for k, v in g.items()}, g)
     tpl = UpdateTemplate(t, encoding, "f")
-    agg = Aggregator(g, FedConfig(encoding=encoding, mode="async", min_clients=2))
-    for seq, cid in enumerate(["d00001", "d00002"], start=1):
-        raw = tpl.payload(cid, 0, seq)
-        msg = codec.decode(raw, "f", require_digest=True)
-        want = Update(cid, 0, seq, 0, 4, 10, t, encoding)
-        assert (msg.client, msg.base_version, msg.seq, msg.batch, msg.num_samples,
-                msg.encoding) == (want.client, 0, seq, 4, 10, encoding)
-        assert all(np.array_equal(msg.tensors[k], t[k]) for k in t)
-        assert len(raw) == len(codec.encode(want, fleet="f"))  # same fields, other key order
-        agg.submit(msg, now=0.0)
-    assert agg.counters["accepted"] == 2
+    agg = Aggregator(g, FedConfig(encoding=encoding, mode="async", min_clients=3,
+                                  round_timeout=1e9), batch_size=10)
+    for seq in (1, 2, 3):  # a device's successive updates are new progress, not replays
+        for cid in ["d00001", "d00002"]:
+            raw = tpl.payload(cid, 0, seq)
+            msg = codec.decode(raw, "f", require_digest=True)
+            want = Update(cid, 0, seq, 0, 4 + 2 * (seq - 1), 10, t, encoding)
+            assert (msg.client, msg.base_version, msg.seq, msg.batch, msg.num_samples,
+                    msg.encoding) == (want.client, 0, seq, want.batch, 10, encoding)
+            assert all(np.array_equal(msg.tensors[k], t[k]) for k in t)
+            assert len(raw) == len(codec.encode(want, fleet="f"))  # same fields, other order
+            agg.submit(msg, now=0.0)
+    assert agg.counters["accepted"] == 6, dict(agg.counters)
     damaged = bytearray(tpl.payload("d00003", 0, 9))
     damaged[bytes(damaged).index(t["b"].tobytes()) + 5] ^= 1  # a bit of the bias values
     with pytest.raises(codec.CodecError) as e:

@@ -44,6 +44,8 @@ class DeviceSpec:
     encoding: str
     tensors: dict
     seed: int = 0
+    burn_in: int = 4
+    jump: int = 2
 
 
 def raise_fd_limit() -> int:
@@ -83,7 +85,8 @@ def run_devices(spec: DeviceSpec, counters, go, stop) -> None:
     `counters` maps the names in COUNTERS to shared integers (multiprocessing.Value).
     """
     raise_fd_limit()
-    template = UpdateTemplate(spec.tensors, spec.encoding, spec.fleet)
+    template = UpdateTemplate(spec.tensors, spec.encoding, spec.fleet, burn_in=spec.burn_in,
+                              jump=spec.jump)
     base = f"{spec.topic_root}/{spec.fleet}"
     sel = selectors.DefaultSelector()
     version = [0]

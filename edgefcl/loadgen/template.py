@@ -1,10 +1,12 @@
 """Pre-made update payloads that cost almost nothing per message.
 
 An `UpdateTemplate` packs the tensors of one update once. Each message only changes the client,
-base version and sequence number: they are packed after the tensors (a msgpack map has no key
-order), and the BLAKE2b digest that seals every payload (`edgefcl.transport.integrity`) is
-resumed from the state after the constant prefix instead of hashing the tensors again. The
-result is byte for byte a payload the codec accepts (`codec.decode(..., require_digest=True)`).
+base version, sequence number and mini-batch counter: they are packed after the tensors (a
+msgpack map has no key order), and the BLAKE2b digest that seals every payload
+(`edgefcl.transport.integrity`) is resumed from the state after the constant prefix instead of hashing the tensors again. The
+result is byte for byte a payload the codec accepts (`codec.decode(..., require_digest=True)`),
+and one the aggregator's admission accepts from an honest device: update number `seq` claims the
+`seq`-th eligible mini-batch of the burn-in/jump schedule, so every update is new progress.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from edgefcl.transport import integrity
 from edgefcl.transport.codec import SCHEMA_VERSION, encode_tensor
 
-_VARYING = ("sender", "client", "base_version", "seq")
+_VARYING = ("sender", "client", "base_version", "seq", "batch")
 
 
 def _pack(obj) -> bytes:
@@ -28,11 +30,12 @@ class UpdateTemplate:
     """Update payloads of fixed tensors for any (client, base_version, seq)."""
 
     def __init__(self, tensors: dict[str, np.ndarray], encoding: str, fleet: str, *,
-                 task: int = 0, batch: int = 4, num_samples: int = 10) -> None:
+                 task: int = 0, burn_in: int = 4, jump: int = 2, num_samples: int = 10) -> None:
         fixed = {"tensors": {k: encode_tensor(v) for k, v in tensors.items()},
                  "schema": SCHEMA_VERSION, "kind": "update", "fleet": fleet, "task": task,
-                 "batch": batch, "num_samples": num_samples, "encoding": encoding,
-                 "class_counts": None}
+                 "num_samples": num_samples, "encoding": encoding, "class_counts": None}
+        self.jump = jump
+        self.first_batch = -(-max(burn_in, 1) // jump) * jump  # the first eligible mini-batch
         n_keys = len(fixed) + len(_VARYING) + 1  # + the digest
         assert n_keys < 16, "a msgpack fixmap holds at most 15 keys"
         self.prefix = bytes([0x80 | n_keys]) + b"".join(_pack(k) + _pack(v)
@@ -42,7 +45,8 @@ class UpdateTemplate:
 
     def payload(self, client: str, base_version: int, seq: int) -> bytes:
         """The sealed payload of this update from `client`."""
-        values = (client, client, base_version, seq)
+        values = (client, client, base_version, seq,
+                  self.first_batch + self.jump * (max(seq, 1) - 1))
         tail = b"".join(_pack(k) + _pack(v) for k, v in zip(_VARYING, values, strict=True))
         tail += self._trailer
         h = self._hash.copy()
