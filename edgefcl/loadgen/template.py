@@ -1,12 +1,13 @@
 """Pre-made update payloads that cost almost nothing per message.
 
-An `UpdateTemplate` packs the tensors of one update once. Each message only changes the client,
-base version, sequence number and mini-batch counter: they are packed after the tensors (a
-msgpack map has no key order), and the BLAKE2b digest that seals every payload
-(`edgefcl.transport.integrity`) is resumed from the state after the constant prefix instead of hashing the tensors again. The
-result is byte for byte a payload the codec accepts (`codec.decode(..., require_digest=True)`),
-and one the aggregator's admission accepts from an honest device: update number `seq` claims the
-`seq`-th eligible mini-batch of the burn-in/jump schedule, so every update is new progress.
+An `UpdateTemplate` packs the tensors of one update once. Each message only changes the
+client, base version, sequence number and mini-batch counter: they are packed after the
+tensors (a msgpack map has no key order), and the BLAKE2b digest that seals every payload
+(`edgefcl.transport.integrity`) is resumed from the state after the constant prefix instead of
+hashing the tensors again. The result is byte for byte a payload the codec accepts
+(`codec.decode(..., require_digest=True)`), and one the aggregator's admission accepts from an
+honest device: update number `seq` claims the `seq`-th eligible mini-batch of the burn-in/jump
+schedule, so every update is new progress.
 """
 
 from __future__ import annotations
