@@ -9,6 +9,7 @@ per-class Python loop), which candidates fill the class's allotment.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +78,37 @@ def grouped_rank(cls: Tensor, key: Tensor, counts: Tensor) -> Tensor:
     rank = torch.empty(n, dtype=torch.int64, device=cls.device)
     rank[order] = torch.arange(n, device=cls.device) - start[cls[order]]
     return rank
+
+
+def class_means(c: Candidates, f: Tensor) -> Tensor:
+    """(m, d) mean of the rows of `f` within every class of `c`."""
+    mean = torch.zeros(c.counts.numel(), f.shape[1], device=f.device).index_add_(0, c.cls, f)
+    return mean / c.counts.unsqueeze(1).to(f.dtype)
+
+
+def greedy_per_class(c: Candidates, cost: Callable[[Tensor], Tensor],
+                     picked: Callable[[Tensor, Tensor], None]) -> Tensor:
+    """Greedy selection in every class at once: each step keeps, in every class with room left,
+    the unkept candidate of lowest `cost(taken)` (ties: the lowest index), then calls
+    `picked(picks, taken)` so that the rule updates what its costs depend on. `taken` (m,)
+    counts the candidates kept per class so far. Returns the (n,) kept mask."""
+    n, m, dev = c.cls.numel(), c.counts.numel(), c.cls.device
+    idx = torch.arange(n, device=dev)
+    kept = torch.zeros(n, dtype=torch.bool, device=dev)
+    taken = torch.zeros(m, dtype=torch.int64, device=dev)
+    inf = torch.tensor(float("inf"), device=dev)
+    for _ in range(int(c.keep.max()) if m else 0):
+        want = (taken < c.keep)[c.cls] & ~kept
+        if not bool(want.any()):
+            break
+        costs = torch.where(want, cost(taken), inf)
+        best = torch.full((m,), float("inf"), device=dev).scatter_reduce(
+            0, c.cls, costs, reduce="amin")
+        hit = want & (costs == best[c.cls])
+        first = torch.full((m,), n, device=dev).scatter_reduce(
+            0, c.cls, torch.where(hit, idx, n), reduce="amin")
+        picks = first[first < n]
+        kept[picks] = True
+        taken[c.cls[picks]] += 1
+        picked(picks, taken)
+    return kept
