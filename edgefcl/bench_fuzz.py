@@ -33,6 +33,7 @@ import numpy as np
 
 from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.runtime.links import NullLink
 from edgefcl.transport import integrity
 from edgefcl.transport.codec import Message, encode
 
@@ -168,6 +169,12 @@ def _rss_mib() -> float:
         return float("nan")
 
 
+def traced_share(n: int) -> int:
+    """Payloads of a run of `n` traced by tracemalloc (the rest are timed without it): 10^4,
+    and never more than a tenth of the run."""
+    return min(10_000, n // 10)
+
+
 def drive(handle: Callable[[str, bytes], None], counters: Callable[[], dict[str, int]],
           topics: list[str], stream: Iterator[bytes], seed: int = 0,
           progress: bool = False, traced: int = 10_000) -> dict:
@@ -241,22 +248,6 @@ def drive(handle: Callable[[str, bytes], None], counters: Callable[[], dict[str,
             "rejections": dict(sorted(c.items()))}
 
 
-class _Sink:
-    """The publishing side of a link: the fuzzed handlers may publish (globals, answers)."""
-
-    def publish(self, *a, **k) -> int:
-        return 0
-
-    def subscribe(self, *a, **k) -> None:
-        pass
-
-    def unsubscribe(self, *a, **k) -> None:
-        pass
-
-    def expire_pending(self) -> int:
-        return 0
-
-
 def _model(size: int = 64) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {"fc.weight": rng.normal(size=(size, size)).astype(np.float32),
@@ -272,7 +263,7 @@ def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = Fal
                                       "burn_in": 0, "jump": 1, "round_timeout": 0.0}})
     tensors = _model()
     d = AggregatorDaemon(cfg, tensors, state_dir, fresh=True)
-    d.link = _Sink()
+    d.link = NullLink()
     tp = d.topics
     corpus = [encode(Update(c, 0, s, 0, s, 8, tensors, class_counts={0: 8}), fleet=FLEET)
               for c in CLIENTS for s in (1, 2)]
@@ -288,7 +279,8 @@ def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = Fal
         d.stop_event.clear()  # a genuine stop on the control topic: keep fuzzing
 
     report = drive(handle, lambda: dict(d.agg.counters), topics,
-                   payloads(corpus, attacks(tensors), n, seed), seed, progress)
+                   payloads(corpus, attacks(tensors), n, seed), seed, progress,
+                   traced=traced_share(n))
     report["rounds"] = d.agg.rounds
     report["global_finite"] = bool(all(np.isfinite(t).all()
                                        for t in d.agg.global_.tensors.values()))
@@ -299,9 +291,9 @@ def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = Fal
 
 def fuzz_device(n: int, seed: int = 0, progress: bool = False) -> dict:
     """`n` payloads through a device's message handler (`DeviceRunner._on_message`)."""
+    from edgefcl.build import make_client, prepare
     from edgefcl.learn.global_format import global_tensors
     from edgefcl.runtime.device import DeviceRunner
-    from edgefcl.simulate import make_client, prepare
 
     cfg = apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": FLEET},
                               "data": {"tasks": 2, "classes_per_task": 2},
@@ -309,7 +301,7 @@ def fuzz_device(n: int, seed: int = 0, progress: bool = False) -> dict:
                               "fed": {"downlink": "dense"}})
     client = make_client(cfg, prepare(cfg, 0), 0, "fedavg", 0)
     r = DeviceRunner(cfg, client)
-    r.link = _Sink()
+    r.link = NullLink()
     tp = r.topics
     good = global_tensors(client.model, cfg.fed.encoding)
     corpus = [encode(GlobalModel(v, good, ("c0",)), fleet=FLEET) for v in (1, 2)]
@@ -327,7 +319,7 @@ def fuzz_device(n: int, seed: int = 0, progress: bool = False) -> dict:
         r.paused = False
 
     report = drive(handle, lambda: dict(r.rejections), topics,
-                   payloads(corpus, extra, n, seed), seed, progress)
+                   payloads(corpus, extra, n, seed), seed, progress, traced=traced_share(n))
     report["adopted_version"] = None if r.latest is None else r.latest.version
     return report
 

@@ -13,14 +13,14 @@ from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import Tick, Update
 from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
 from edgefcl.runtime.inbox import Inbox
-from edgefcl.runtime.links import topics
+from edgefcl.runtime.links import NullLink, topics
 from edgefcl.transport.codec import Message, encode
 
 FLEET = "t"
 INITIAL = {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}
 
 
-class Sink:
+class Sink(NullLink):
     """Stands in for the MQTT link on the publishing side: records what the daemon sends."""
 
     def __init__(self) -> None:
@@ -29,9 +29,6 @@ class Sink:
     def publish(self, topic, payload, qos=1, retain=False, wait=False) -> int:
         self.sent.append((topic, payload))
         return len(payload)
-
-    def expire_pending(self) -> int:
-        return 0
 
 
 def make_daemon(tmp_path, **fed) -> AggregatorDaemon:

@@ -9,6 +9,7 @@ import pytest
 from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+from edgefcl.runtime.links import NullLink
 from edgefcl.transport.chunks import is_chunk
 from edgefcl.transport.codec import encode
 from firmware_sim.byzantine import ATTACKS, Byzantine
@@ -25,14 +26,6 @@ EXPECTED = {  # the counter that shows the defence at work
 }
 
 
-class Sink:
-    def publish(self, *a, **k) -> int:
-        return 0
-
-    def expire_pending(self) -> int:
-        return 0
-
-
 def run_fleet(attack: str, state_dir, **fed) -> tuple[float, dict]:
     """6 honest clients pulling the weights to TARGET and 2 attackers, 5 rounds; returns the
     largest deviation of the global from TARGET and the aggregator's counters."""
@@ -41,7 +34,7 @@ def run_fleet(attack: str, state_dir, **fed) -> tuple[float, dict]:
                                       "min_clients": 2, "burn_in": 0, "jump": 1,
                                       "round_timeout": 1e6, **fed}})  # rounds close at poll
     d = AggregatorDaemon(cfg, INITIAL, state_dir)
-    d.link = Sink()
+    d.link = NullLink()
     byz = Byzantine(cfg, 2, attack, seed=1)
     rng = np.random.default_rng(0)
     bs = cfg.data.batch_size

@@ -9,25 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edgefcl.build import make_client, prepare
 from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.runtime.device import DeviceRunner
-from edgefcl.runtime.links import topics
-from edgefcl.simulate import make_client, prepare
+from edgefcl.runtime.links import NullLink, topics
 from edgefcl.transport import integrity
 from edgefcl.transport.codec import Message, encode
-
-
-class Sink:
-    def publish(self, *a, **k) -> int:
-        return 0
-
-    def subscribe(self, *a, **k) -> None:
-        pass
-
-    def unsubscribe(self, *a, **k) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +31,7 @@ def runner_factory():
                                 "fed": {"encoding": encoding, "downlink": "dense"},
                                 "quiet": True, "mqtt": {"fleet": "g"}})
         r = DeviceRunner(c, make_client(c, setup, 0, "fedavg", 0))
-        r.link = Sink()
+        r.link = NullLink()
         return r
 
     return make

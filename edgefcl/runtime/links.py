@@ -38,3 +38,24 @@ def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, boo
     if connect:
         link.connect(m.connect_timeout)
     return link
+
+
+class NullLink:
+    """A link that publishes nowhere: drives a daemon or a device runner in-process, with
+    messages handed to its handlers directly (benchmarks, tests)."""
+
+    reconnects = 0
+    is_connected = True
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                wait: bool = False) -> int:
+        return 0
+
+    def subscribe(self, *a, **k) -> None:
+        pass
+
+    def unsubscribe(self, *a, **k) -> None:
+        pass
+
+    def expire_pending(self) -> int:
+        return 0
