@@ -115,7 +115,8 @@ class DeviceRunner:
     def _handle(self, topic: str, payload: bytes) -> None:
         tp = self.topics
         allowed = {tp.global_: "global", tp.global_delta: "global", tp.tick: "answer",
-                   tp.control: "control", tp.stream(self.cid): "stream"}.get(topic)
+                   tp.control: "control", tp.stream(self.cid): "stream", tp.config: "config",
+                   tp.aggregator_status: "status"}.get(topic)
         if allowed is None:
             raise CodecError("topic", f"no message is accepted on {topic}")
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
