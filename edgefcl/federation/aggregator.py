@@ -181,11 +181,11 @@ class Aggregator:
         rnd.reported.add(msg.client)
         if isinstance(msg, Update):
             self.counters["accepted"] += 1
-            rnd.seqs[msg.client] = msg.seq
-            if self.streaming:
+            if self.streaming:  # folded now: the update itself is not kept
                 self._acc.add(self._stream_rules.apply(msg, self.global_.tensors, self.counters))
             else:
                 rnd.updates[msg.client] = msg
+            rnd.seqs[msg.client] = msg.seq
         else:
             self.counters["ticks"] += 1
         return self._maybe_close(now)
