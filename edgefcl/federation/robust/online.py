@@ -25,7 +25,7 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
-from edgefcl.federation.robust.clipping import clip, delta_norm
+from edgefcl.federation.robust.clipping import clip
 from edgefcl.federation.robust.sigma_floor import NO_INFORMATION, SIGMA
 
 WINDOW = 64
@@ -42,6 +42,19 @@ def typical_sigma(t: np.ndarray) -> float:
     v = np.asarray(t, np.float64).ravel()
     v = v[v < NO_INFORMATION]
     return float(np.median(v)) if v.size else float("nan")
+
+
+def delta_norm(tensors: Tensors, global_: Tensors) -> float:
+    """L2 norm of tensors - global over the float tensors they share (float64; einsum, not
+    BLAS: one update at a time between network reads, where waking BLAS threads costs more
+    than the sum)."""
+    total = 0.0
+    for k, t in tensors.items():
+        g = global_.get(k)
+        if g is not None and t.dtype.kind == "f" and t.shape == g.shape:
+            d = np.subtract(t, g, dtype=np.float64).ravel()
+            total += float(np.einsum("i,i->", d, d))
+    return float(np.sqrt(total))
 
 
 class StreamRules:
