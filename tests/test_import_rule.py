@@ -28,12 +28,10 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 #   options, run_command); they belong in a small module below both.
 # - learn/export.py reads run directories with runtime.state's atomic_write/load_json/
 #   load_tensors; those file helpers belong below learn.
-# - runtime/fleet.py takes RunResult/cfg_dict from simulate; they belong in a lower module.
 KNOWN: set[tuple[str, str]] = {
     ("edgefcl.runtime.launcher", "edgefcl.cli"),
     ("edgefcl.runtime.preload", "edgefcl.cli"),
     ("edgefcl.runtime.preload", "edgefcl.simulate"),
-    ("edgefcl.runtime.fleet", "edgefcl.simulate"),
     ("firmware_sim.__main__", "edgefcl.cli"),
     ("edgefcl.learn.export", "edgefcl.runtime"),
 }
