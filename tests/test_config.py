@@ -60,3 +60,13 @@ def test_cli_unknown_method_exits_2_with_one_line() -> None:
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().count("\n") == 0 and "unknown method 'nope'" in out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--encoding", "nope"), "unknown encoding 'nope'; choose from apc, dense, gaussian, sparse"),
+    (("--aggregation", "nope"), "unknown aggregation 'nope' for encoding 'dense'; choose from"),
+])
+def test_cli_unknown_encoding_or_aggregation_exits_2(args: tuple[str, ...], message: str) -> None:
+    out = _cli("simulate", *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert message in out.stderr and out.stderr.strip().count("\n") == 0
