@@ -112,6 +112,10 @@ def check_runs(cfg: RunConfig) -> None:
     from edgefcl.federation.aggregator import Aggregator  # noqa: F401  (registers strategies)
 
     for _, _, fed in run_entries(cfg):
+        encodings = sorted({e for e, _ in STRATEGIES})
+        if fed.encoding not in encodings:
+            raise ConfigError(f"unknown encoding '{fed.encoding}'; choose from "
+                              f"{', '.join(encodings)}")
         if (fed.encoding, fed.aggregation) not in STRATEGIES:
             known = sorted(a for e, a in STRATEGIES if e == fed.encoding)
             raise ConfigError(f"unknown aggregation '{fed.aggregation}' for encoding "

@@ -17,8 +17,8 @@ from edgefcl.data.types import DataError
 from edgefcl.learn.drift import stream_lines
 from edgefcl.learn.export import GLOBAL_FILE
 from edgefcl.metrics import CommStats, per_task_final, sample_std
+from edgefcl.results import RunResult
 from edgefcl.runtime.state import save_tensors
-from edgefcl.simulate import RunResult
 
 RESULTS, CONFIG, ROUNDS = "results.json", "config.toml", "rounds.jsonl"
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from edgefcl.build import for_method, initial_global, make_client, prepare
-from edgefcl.config import RunConfig, to_dict
+from edgefcl.config import RunConfig
 from edgefcl.data.streams import count_batches
 from edgefcl.data.types import TaskData
 from edgefcl.data.workload import client_stream
@@ -23,40 +22,9 @@ from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.export import global_state, model_spec
 from edgefcl.learn.params import tensors_sha256
-from edgefcl.metrics import CommStats, forgetting, last_accuracy
+from edgefcl.metrics import CommStats
+from edgefcl.results import RunResult, cfg_dict  # noqa: F401  (re-exported)
 from edgefcl.transport import codec
-
-
-@dataclass
-class RunResult:
-    """Outcome of one run (one method, one seed)."""
-
-    method: str
-    seed: int
-    acc: np.ndarray  # (K, T, T) fractions
-    rounds: int
-    comm: CommStats
-    global_sha256: str
-    config: dict
-    wall_s: float
-    extra: dict = field(default_factory=dict)
-    global_state: dict | None = None  # final global as model tensors (saved as global.npz)
-
-    @property
-    def accuracy(self) -> float:
-        return 100.0 * last_accuracy(self.acc)
-
-    @property
-    def forgetting(self) -> float:
-        return 100.0 * forgetting(self.acc)
-
-    def to_dict(self) -> dict:
-        return {"method": self.method, "seed": self.seed, "accuracy": self.accuracy,
-                "forgetting": self.forgetting,
-                "accuracy_matrix": np.round(100.0 * self.acc, 4).tolist(),
-                "rounds": self.rounds, **self.comm.to_dict(),
-                "global_sha256": self.global_sha256, "wall_s": round(self.wall_s, 3),
-                "config": self.config, **self.extra}
 
 
 def evaluate_all(client: Client, tasks: list[TaskData]) -> np.ndarray:
@@ -145,14 +113,6 @@ def _deliver(g: GlobalModel, clients: list[Client], comm: CommStats, cfg: RunCon
         comm.received(cid, size)
         total += size
     comm.per_round_down.append(total)
-
-
-def cfg_dict(cfg: RunConfig, method: str, seed: int) -> dict:
-    """The run's config as a dict, with the method and seed actually used."""
-    d = to_dict(cfg)
-    d["learn"]["method"] = method
-    d["seed"] = seed
-    return d
 
 
 def encoded_size(msg: Update | GlobalModel, cfg: RunConfig) -> int:

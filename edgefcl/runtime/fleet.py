@@ -26,10 +26,10 @@ from edgefcl.learn.drift import summarize_drift
 from edgefcl.learn.export import global_state, model_spec
 from edgefcl.learn.params import tensors_sha256
 from edgefcl.metrics import CommStats
+from edgefcl.results import RunResult, cfg_dict
 from edgefcl.runtime.launcher import Role, start_role, warm_up
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.runtime.state import load_json, load_tensors, save_tensors
-from edgefcl.simulate import RunResult, cfg_dict
 from edgefcl.transport.broker import EmbeddedBroker
 from edgefcl.transport.codec import CodecError, Message, decode
 
