@@ -29,9 +29,12 @@ clients = 2
 burn_in = 2
 jump = 2
 mode = "async"
-min_clients = 2
+min_clients = 1
 round_timeout = 2.0
 """
+# min_clients 1: the clients read their streams locally, unpaced, and one can finish before the
+# other joins; the quorum counts distinct clients, so with 2 it would train alone (and exit 1).
+# These tests are about operating a fleet; the quorum has its own tests (test_admission.py).
 
 
 def edgefcl(*args: str, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
@@ -157,9 +160,7 @@ def test_finished_state_is_refused_and_devices_do_not_train_alone(fleet):
     clients = [subprocess.Popen([sys.executable, "-m", "edgefcl", "client", *common, "--index",
                                  str(k), "--source", "local"], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL) for k in range(2)]
-    # 0, or 1 when a client finished its local stream before its peer joined (the quorum
-    # counts distinct clients, so it trained alone and says so): the run ends either way
-    assert all(c.wait(300) in (0, 1) for c in clients)
+    assert all(c.wait(300) == 0 for c in clients)
     log = tmp / "aggregator.log"
     assert wait_for(lambda: "all clients done" in log.read_text())
     agg.terminate()
