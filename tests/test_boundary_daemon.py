@@ -174,5 +174,5 @@ def test_a_reinstalled_device_starts_a_new_session(tmp_path) -> None:
     assert d.agg.counters["rejected_duplicate"] == 2
     d.handle(tp.status("a"), online("second"))  # reinstalled: seq 1 again is new
     d.handle(tp.update("a"), update(seq=1, value=3.0))
-    assert d.agg.counters["new_sessions"] == 1 and d.agg.counters["accepted"] == 1
-    assert d.agg.counters["rejected_round-repeat"] == 1  # still one update of a per round
+    assert d.agg.counters["new_sessions"] == 1 and d.agg.counters["accepted"] == 2
+    assert d.agg.counters["replaced"] == 1  # still one update of a per round

@@ -15,8 +15,7 @@ from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
 from edgefcl.federation.aggregation import make_strategy
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.robust import buffers_round, check_variances, prepare_round
-from edgefcl.federation.robust.online import StreamRules
+from edgefcl.federation.robust import check_variances, prepare_round
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import GlobalHistory
 
@@ -41,10 +40,7 @@ class RoundClosed:
 @dataclass
 class _Round:
     updates: dict[str, Update] = field(default_factory=dict)
-    """Buffered updates (sync ticks, and async rounds of median / trimmed mean): one per
-    client."""
-    seqs: dict[str, int] = field(default_factory=dict)
-    """Sequence number of every client's counted update (buffered or already folded)."""
+    """At most one update per client: a newer one replaces it."""
     reported: set[str] = field(default_factory=set)
     opened_at: float | None = None
 
@@ -58,12 +54,9 @@ class Aggregator:
     updates are aggregated if there are at least `min_clients`, in client-id order so that the
     result does not depend on arrival order.
     Async: a round closes when `min_clients` updates are in and every active client has
-    reported or `round_timeout` seconds passed (`poll`). A round counts at most one update per
-    client, the first: a later one of the same client in the same round is
-    `rejected_round-repeat`; the quorum counts distinct clients. Sum-decomposable strategies
-    fold each update on arrival after the online robust rules (`robust.online`), so memory does
-    not grow with the clients; median and trimmed mean buffer the round and apply the round
-    rules at close, in client-id order.
+    reported or `round_timeout` seconds passed (`poll`). A round keeps at most one update per
+    client (a newer one replaces the older) and the quorum counts distinct clients; the
+    updates are aggregated in client-id order when the round closes.
 
     Every report first passes `Admission` (roster, sequence, batch, base version, sample and
     class counts); `batch_size` (of the data stream) bounds the samples an update may claim.
@@ -87,8 +80,6 @@ class Aggregator:
         self.counters: Counter[str] = Counter()
         self._round = _Round()
         self._acc = self._new_strategy()
-        self.streaming = fed.mode == "async" and not buffers_round(fed)
-        self._stream_rules = StreamRules(fed)
 
     def _new_strategy(self):
         strategy = make_strategy(self.fed.encoding, self.fed.aggregation, self.fed.mix)
@@ -164,15 +155,12 @@ class Aggregator:
             log.warning("rejected %s from %s seq %s: %s", type(msg).__name__.lower(),
                         msg.client, msg.seq, reason)
             return None
-        rnd = self._round
-        if self.fed.mode == "async" and isinstance(msg, Update) and msg.client in rnd.seqs:
-            self.counters["rejected_round-repeat"] += 1  # one update per client and round
-            return None
         self.admission.accept(msg)
         if now is not None:
             self.last_seen[msg.client] = now
         if msg.client not in self.active:
             self.join(msg.client, now)
+        rnd = self._round
         if rnd.opened_at is None:
             rnd.opened_at = now
         if self.fed.mode == "sync" and msg.client in rnd.reported:
@@ -181,11 +169,9 @@ class Aggregator:
         rnd.reported.add(msg.client)
         if isinstance(msg, Update):
             self.counters["accepted"] += 1
-            if self.streaming:  # folded now: the update itself is not kept
-                self._acc.add(self._stream_rules.apply(msg, self.global_.tensors, self.counters))
-            else:
-                rnd.updates[msg.client] = msg
-            rnd.seqs[msg.client] = msg.seq
+            if msg.client in rnd.updates:
+                self.counters["replaced"] += 1  # one update per client and round: the newest
+            rnd.updates[msg.client] = msg
         else:
             self.counters["ticks"] += 1
         return self._maybe_close(now)
@@ -201,7 +187,7 @@ class Aggregator:
             if not self.roster_complete or not rnd.reported or not self.active <= rnd.reported:
                 return None
             return self._close_tick()
-        if len(rnd.seqs) < self.fed.min_clients:
+        if len(rnd.updates) < self.fed.min_clients:
             return None
         timed_out = (now is not None and rnd.opened_at is not None
                      and now - rnd.opened_at >= self.fed.round_timeout)
@@ -211,19 +197,18 @@ class Aggregator:
 
     def _close_tick(self) -> RoundClosed:
         self.tick += 1
-        if len(self._round.seqs) >= self.fed.min_clients:
+        if len(self._round.updates) >= self.fed.min_clients:
             return self._close_round(self.tick)
         self._round = _Round()
         return RoundClosed(self.tick, None)
 
     def _close_round(self, tick: int | None) -> RoundClosed:
-        participants = tuple(sorted(self._round.seqs))
-        seqs = {c: self._round.seqs[c] for c in participants}
-        if self._round.updates:  # buffered: the round rules, in client-id order
-            updates = prepare_round([self._round.updates[c] for c in participants],
-                                    self.global_.tensors, self.fed, self.counters)
-            for u in updates:
-                self._acc.add(u)
+        participants = tuple(sorted(self._round.updates))
+        seqs = {c: self._round.updates[c].seq for c in participants}
+        updates = prepare_round([self._round.updates[c] for c in participants],
+                                self.global_.tensors, self.fed, self.counters)
+        for u in updates:
+            self._acc.add(u)
         tensors = self._acc.result(self.global_.tensors)
         self.counters.update(getattr(self._acc, "counters", {}))
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)

@@ -16,13 +16,6 @@ not (they carry a subset of entries relative to the client's base), so only the 
 protects those; Gaussian updates get the sigma floor (precision rules) and the share cap
 (sample-weighted parts: plain tensors and moment matching). Conflation counts every client
 once, so the share cap does not apply to its Gaussians; the sigma floor does.
-Sync (lock-step) ticks and async rounds of median / trimmed mean buffer the round's updates
-and apply `ROUND_RULES` at close (median and trimmed mean are not sums: an async round of them
-keeps every update until it closes, memory grows with the round's participants). Async rounds
-of every other (sum-decomposable) strategy fold each update on arrival after the online
-versions of the rules (`online.py`: clipping at `clip_factor` x the median of the last 64 delta
-norms, weight capped at 2 x the median of the last 64 weights, sigma floor from the last 64
-updates' median sigmas), so their memory does not grow with the number of clients.
 With all rules off (`clip_factor 0`, `max_share 1`, `sigma_floor 0`) the aggregation is the
 plain one, bit for bit.
 """
@@ -49,15 +42,6 @@ ROUND_RULES: dict[str, Rule] = {
 """Rules applied, in this order, to a round's updates (sorted by client) before averaging."""
 
 
-BUFFERED_AGGREGATIONS = ("median", "trimmed-mean")
-"""Aggregations that are not sums: an async round buffers their updates until it closes."""
-
-
-def buffers_round(fed: FedConfig) -> bool:
-    """Whether an async round of `fed` keeps its updates until it closes (rules at close)."""
-    return fed.aggregation in BUFFERED_AGGREGATIONS
-
-
 def prepare_round(updates: list[Update], global_: Tensors, fed: FedConfig,
                   counters: Counter) -> list[Update]:
     """The round's updates after every robust rule (unchanged when all are off)."""
@@ -66,5 +50,4 @@ def prepare_round(updates: list[Update], global_: Tensors, fed: FedConfig,
     return updates
 
 
-__all__ = ["BUFFERED_AGGREGATIONS", "ROUND_RULES", "buffers_round", "check_variances",
-           "prepare_round"]
+__all__ = ["ROUND_RULES", "check_variances", "prepare_round"]
