@@ -31,6 +31,8 @@ CASES: dict[str, dict] = {
     "bi-rank-past": {"learn": {"rank_past": True}},
     "bi-rescore-always": {"learn": {"rescore": "always"}},
     "bi-class-weighted": {"fed": {"aggregation": "class-weighted"}},
+    "bi-median": {"fed": {"aggregation": "median"}},
+    "bi-trimmed-mean": {"fed": {"aggregation": "trimmed-mean", "clients": 3}},
     "bi-sparse": {"fed": {"encoding": "sparse", "topk": 0.1}},
     "bi-sparse-f16": {"fed": {"encoding": "sparse", "topk": 0.1, "value_dtype": "float16"}},
     "bi-gaussian-conflation": {"fed": {"encoding": "gaussian", "aggregation": "conflation"}},
