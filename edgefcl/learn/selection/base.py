@@ -1,10 +1,9 @@
 """Selection rules of the class-balanced memory: which candidates an over-quota class keeps.
 
 A rule is one small object listed by name in `SELECTIONS` (`edgefcl.learn.selection`), like
-Avalanche's buffer
-selection strategies. The memory decides how many candidates every class keeps (water-filling)
-and which classes are ranked; a rule then picks, for every class at once (vectorized, no
-per-class Python loop), which candidates fill the class's allotment.
+Avalanche's buffer selection strategies. The memory decides how many candidates every class
+keeps (water-filling) and which classes are ranked; a rule then picks, for every class at
+once (vectorized, no per-class Python loop), which candidates fill the class's allotment.
 """
 
 from __future__ import annotations
