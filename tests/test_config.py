@@ -12,7 +12,7 @@ import pytest
 from edgefcl.config import ConfigError, RunConfig, apply, validate
 from edgefcl.federation.registry import ENCODINGS
 from edgefcl.federation.rules import DENSE_RULES
-from edgefcl.learn.methods import METHODS, SCORES, Method
+from edgefcl.learn.methods import MEMORIES, METHODS, SCORES, Method, load
 
 
 def _checked(values: dict) -> RunConfig:
@@ -68,6 +68,10 @@ def test_every_score_is_a_method_ranked_by_it() -> None:
     for name in SCORES:
         assert METHODS[name] == Method(name, "balanced-score", score=name,
                                        help=METHODS[name].help)
+        assert callable(load(SCORES[name].fn))
+    for m in METHODS.values():
+        assert m.memory in (None, *MEMORIES) and m.score in SCORES
+        assert not m.hooks or callable(load(m.hooks))
 
 
 def test_names_come_from_the_registries(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,9 +65,17 @@ SCORES: dict[str, Score] = {s.name: s for s in (
     Score("ag", "edgefcl.learn.scores:agreement", "1 - agreement of the views' argmax"),
 )}
 
+
+
+def scored_methods(scores: dict[str, Score]) -> dict[str, Method]:
+    """One method per score: a class-balanced memory ranked by it."""
+    return {s.name: Method(s.name, "balanced-score", score=s.name,
+                           help=f"class-balanced memory ranked by {s.help}")
+            for s in scores.values()}
+
+
 METHODS: dict[str, Method] = {
-    **{s.name: Method(s.name, "balanced-score", score=s.name,
-                      help=f"class-balanced memory ranked by {s.help}") for s in SCORES.values()},
+    **scored_methods(SCORES),
     **{m.name: m for m in (
         Method("er", "reservoir", help="reservoir memory"),
         Method("cbr", "balanced-random", help="class-balanced random memory"),
