@@ -159,11 +159,13 @@ class FedConfig:
     encoding: str = opt(
         "dense", "update encoding on the wire: dense | gaussian (mu and sigma of Bayesian "
         "layers; the model is converted to a Bayesian one) | sparse (top-k of the delta to the "
-        "last global, error feedback) | apc (FedWeIT decomposition; implied by method apc)"
+        "last global, error feedback) | apc (FedWeIT decomposition; implied by method apc) | "
+        "q8 (8-bit per-tensor affine quantisation of the dense update); the registry is "
+        "edgefcl.federation.registry"
     )
     aggregation: str = opt(
-        "fedavg", "dense: fedavg (weighted by samples) | class-weighted | median | trimmed-mean "
-        "(coordinate-wise, robust); gaussian: conflation "
+        "fedavg", "dense and q8: fedavg (weighted by samples) | class-weighted | median | "
+        "trimmed-mean (coordinate-wise, robust); sparse, apc: fedavg; gaussian: conflation "
         "(product, VFCL) | fedbnn (prior times likelihoods) | moments (moment matching)"
     )
     bnn_init_rounds: int = opt(
