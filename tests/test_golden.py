@@ -35,6 +35,7 @@ CASES: dict[str, dict] = {
     "bi-trimmed-mean": {"fed": {"aggregation": "trimmed-mean", "clients": 3}},
     "bi-sparse": {"fed": {"encoding": "sparse", "topk": 0.1}},
     "bi-sparse-f16": {"fed": {"encoding": "sparse", "topk": 0.1, "value_dtype": "float16"}},
+    "bi-q8": {"fed": {"encoding": "q8"}},
     "bi-gaussian-conflation": {"fed": {"encoding": "gaussian", "aggregation": "conflation"}},
     "bi-gaussian-moments": {"fed": {"encoding": "gaussian", "aggregation": "moments"}},
     "vfcl": {"learn": {"method": "vfcl"}},
