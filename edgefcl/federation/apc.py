@@ -22,7 +22,7 @@ from edgefcl.config import ConfigError
 from edgefcl.federation.aggregation import Spec, Strategy
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors, Update
-from edgefcl.federation.sparse import KB, EntrySums, SparseError, decode_payload, entries
+from edgefcl.federation.sparse import KB, EntrySums, decode_payload, entries, payload_reason
 
 KB_NEXT = "apc::kb_next"
 
@@ -81,11 +81,7 @@ class APCFedAvg(Strategy):
 
 def check_apc(tensors: Tensors, spec: Spec) -> str | None:
     """Reason to reject an apc payload (rows of B, dense tensors, optional `::kb` pairs)."""
-    try:
-        decode_payload(tensors, spec, APCFedAvg.forms, kb=True)
-    except SparseError as e:
-        return e.reason
-    return None
+    return payload_reason(tensors, spec, APCFedAvg.forms, kb=True)
 
 
 # -- client side -------------------------------------------------------------------------------

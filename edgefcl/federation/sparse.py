@@ -369,13 +369,19 @@ class SparseFedAvg(Strategy):
         return self.acc.means()
 
 
-def check_sparse(tensors: Tensors, spec: Spec) -> str | None:
-    """Reason to reject a sparse payload (see `decode_payload`), or None."""
+def payload_reason(tensors: Tensors, spec: Spec, forms: frozenset[str],
+                   kb: bool = False) -> str | None:
+    """Reason to reject a payload `decode_payload` reads (sparse, apc), or None."""
     try:
-        decode_payload(tensors, spec, SparseFedAvg.forms)
+        decode_payload(tensors, spec, forms, kb)
     except SparseError as e:
         return e.reason
     return None
+
+
+def check_sparse(tensors: Tensors, spec: Spec) -> str | None:
+    """Reason to reject a sparse payload, or None."""
+    return payload_reason(tensors, spec, SparseFedAvg.forms)
 
 
 SPARSE = Encoding(
