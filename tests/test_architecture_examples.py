@@ -65,3 +65,9 @@ def test_dense_rule_example(monkeypatch: pytest.MonkeyPatch) -> None:
         closed = agg.submit(Update(c, 0, 1, 0, 1, 10, {"w": np.full(2, v, np.float32)}))
     assert closed is not None and closed.global_ is not None
     np.testing.assert_allclose(closed.global_.tensors["w"], [1.1, 1.1], rtol=1e-6)
+
+
+def test_encoding_example_is_the_real_q8_file() -> None:
+    source = (Path(__file__).resolve().parent.parent / "edgefcl" / "federation" / "q8.py")
+    code = source.read_text()
+    assert code[code.index("from __future__"):] in BLOCKS
