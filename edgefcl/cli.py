@@ -105,21 +105,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def check_runs(cfg: RunConfig) -> None:
-    """Refuse, before any work starts, what would only fail later: an aggregation the
-    encoding has no strategy for, a CUDA device on a machine without one."""
-    from edgefcl.config import run_entries
-    from edgefcl.federation.aggregation import STRATEGIES
-    from edgefcl.federation.aggregator import Aggregator  # noqa: F401  (registers strategies)
-
-    for _, _, fed in run_entries(cfg):
-        encodings = sorted({e for e, _ in STRATEGIES})
-        if fed.encoding not in encodings:
-            raise ConfigError(f"unknown encoding '{fed.encoding}'; choose from "
-                              f"{', '.join(encodings)}")
-        if (fed.encoding, fed.aggregation) not in STRATEGIES:
-            known = sorted(a for e, a in STRATEGIES if e == fed.encoding)
-            raise ConfigError(f"unknown aggregation '{fed.aggregation}' for encoding "
-                              f"'{fed.encoding}'; choose from {', '.join(known)}")
+    """Refuse, before any work starts, what would only fail later: a CUDA device on a
+    machine without one (names are checked by the config against the registries)."""
     if cfg.learn.device != "cpu":
 
         from edgefcl.learn.client import resolve_device

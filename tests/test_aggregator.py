@@ -23,14 +23,14 @@ ZERO = {"w": np.zeros(2, np.float32)}
 
 
 def test_fedavg_weights_by_samples():
-    s = FedAvg(mix_weight=1.0)
+    s = FedAvg(FedConfig(mix=1.0), {})
     s.add(upd("a", 1.0, n=10))
     s.add(upd("b", 4.0, n=30))
     np.testing.assert_allclose(s.result(ZERO)["w"], [(10 * 1 + 30 * 4) / 40] * 2)
 
 
 def test_class_weighted_fedavg_by_hand():
-    s = ClassWeightedFedAvg(mix_weight=1.0)
+    s = ClassWeightedFedAvg(FedConfig(mix=1.0), {})
     s.add(upd("a", 0.0, classes={0: 10, 1: 10}))
     s.add(upd("b", 6.0, classes={1: 30}))
     # class 0: only a -> 0; class 1: (10*0 + 30*6)/40 = 4.5; equal mean of classes -> 2.25

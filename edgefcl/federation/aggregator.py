@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-import edgefcl.federation.apc  # noqa: F401  (registers the apc strategy)
-import edgefcl.federation.gaussian  # noqa: F401  (registers the gaussian strategies)
-import edgefcl.federation.sparse  # noqa: F401  (registers the sparse strategy)
 from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
-from edgefcl.federation.aggregation import make_strategy
+from edgefcl.federation.aggregation import RoundInput, Strategy
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import check_variances, prepare_round
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import GlobalHistory
@@ -79,15 +77,12 @@ class Aggregator:
         self.rounds = 0
         self.counters: Counter[str] = Counter()
         self._round = _Round()
-        self._acc = self._new_strategy()
+        self.encoding = get_encoding(fed.encoding)
+        self.strategy = self._new_strategy()
 
-    def _new_strategy(self):
-        strategy = make_strategy(self.fed.encoding, self.fed.aggregation, self.fed.mix)
-        if hasattr(strategy, "configure"):  # strategies that read more options
-            strategy.configure(self.fed)
-        if hasattr(strategy, "bind"):  # strategies that read the global history or spec
-            strategy.bind(self)
-        return strategy
+    def _new_strategy(self) -> Strategy:
+        """The run's one strategy (it lives as long as the aggregator)."""
+        return self.encoding.strategy(self.fed.aggregation, self.fed, self.spec)
 
     @property
     def last_seq(self) -> dict[str, int]:
@@ -135,9 +130,9 @@ class Aggregator:
             return reason
         if isinstance(msg, Tick):
             return None if self.fed.mode == "sync" else "tick-in-async"
-        if msg.encoding != self._acc.encoding:
+        if msg.encoding != self.encoding.name:
             return "encoding"
-        reason = self._acc.check(msg, self.spec) or check_variances(msg.tensors)
+        reason = self.encoding.validate(msg.tensors, self.spec) or check_variances(msg.tensors)
         if reason is not None:
             return reason
         if not eligible(msg.batch, self.fed.burn_in, self.fed.jump):
@@ -205,17 +200,19 @@ class Aggregator:
     def _close_round(self, tick: int | None) -> RoundClosed:
         participants = tuple(sorted(self._round.updates))
         seqs = {c: self._round.updates[c].seq for c in participants}
-        updates = prepare_round([self._round.updates[c] for c in participants],
-                                self.global_.tensors, self.fed, self.counters)
-        for u in updates:
-            self._acc.add(u)
-        tensors = self._acc.result(self.global_.tensors)
-        self.counters.update(getattr(self._acc, "counters", {}))
+        self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
+                                                 self.history.get, participants))
+        decoded = [replace(u, tensors=self.encoding.decode(u.tensors))
+                   for u in (self._round.updates[c] for c in participants)]
+        for u in prepare_round(decoded, self.global_.tensors, self.fed, self.counters,
+                               self.encoding.form):
+            self.strategy.add(u)
+        tensors = self.strategy.result(self.global_.tensors)
+        self.counters.update(self.strategy.counters())
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self._round = _Round()
-        self._acc = self._new_strategy()
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants, seqs)
