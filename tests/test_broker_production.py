@@ -89,7 +89,7 @@ def test_password_file_is_readable_by_the_broker_group(production_broker) -> Non
 
 
 def _link(url, cid, user, password, **kw) -> MqttLink:
-    return MqttLink(url, cid, username=user, password=password, **kw).connect(5)
+    return MqttLink(url, cid, username=user, password=password, **kw).connect(20)  # a loaded CI
 
 
 def test_logins_acl_and_no_session_takeover(production_broker) -> None:
