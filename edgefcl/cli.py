@@ -172,6 +172,8 @@ BENCHES = {
              "aggregator daemon, vs the raw broker rate (see the fleet options)",
     "crash": "SIGKILL the aggregator at random moments and check its state after each restart",
     "fuzz": "mutated payloads through the aggregator's and the device's message handlers",
+    "flood": "the aggregator process's resident memory under chunk and tensor-count floods "
+             "over Mosquitto, with honest devices' rounds timed",
     "memory": "the memory study: selection rules x datasets x memory sizes x seeds (A, F as "
               "mean ± sample std, wall time per run; table, JSON and plot)",
 }
@@ -234,7 +236,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     cfg = daemon_config(args)
     check_runs(cfg)
     state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
-    from edgefcl.report import make_dir
+    from edgefcl.config import make_dir  # not edgefcl.report: the aggregator needs no torch
 
     make_dir(state_dir, "--state-dir")
     setup = None
@@ -476,7 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "%(default)s)")
     b.add_argument("--repeats", type=int, default=3, help="timing repeats (default: 3)")
     b.add_argument("--count", type=int, default=0,
-                   help="crash: SIGKILLs (default 100); fuzz: payloads (default 100000)")
+                   help="crash: SIGKILLs (default 100); fuzz: payloads (default 100000); flood: "
+                   "MiB offered per flood (default 1024)")
     from edgefcl.loadgen.options import add_fleet_arguments
 
     add_fleet_arguments(b)

@@ -176,6 +176,9 @@ class FedConfig:
     min_clients: int = opt(2, "eligible updates needed to close a round")
     mode: str = opt("sync", "sync (lock-step, Algorithm 1) | async (deployment default)")
     round_timeout: float = opt(5.0, "async: seconds after which a round closes on quorum")
+    quorum: float = opt(0.5, "async: share of the active clients whose updates a round needs "
+                        "to close at round_timeout (0: min_clients alone), so that a few "
+                        "clients that report first cannot own a round")
     max_staleness: int = opt(3, "async: drop updates based on globals this many versions old")
     topk: float = opt(0.1, "sparse: fraction of each tensor's entries sent (largest deltas; "
                       "0: no cap, use threshold)")
@@ -428,6 +431,7 @@ def validate(cfg: RunConfig) -> None:
         (f.jump >= 1, "jump must be >= 1"),
         (0 <= f.mix <= 1, "mix must be in [0, 1]"),
         (f.min_clients >= 1, "min_clients must be >= 1"),
+        (0 <= f.quorum <= 1, "quorum must be in [0, 1] (a share of the active clients)"),
         (f.mode in ("sync", "async"), "mode must be sync or async"),
         (0 <= f.topk <= 1, "topk must be in [0, 1] (fraction of entries sent)"),
         (f.threshold >= 0, "threshold must be >= 0"),
@@ -478,3 +482,12 @@ def dump_toml(cfg: RunConfig) -> str:
         lines.append(f"\n[{section}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in d[section].items()]
     return "\n".join(lines) + "\n"
+
+
+def make_dir(path: Path, what: str = "--out") -> Path:
+    """Create `path` (and its parents) or raise ConfigError saying why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot create {path}: {e.strerror or e}") from None
+    return path

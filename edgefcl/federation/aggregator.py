@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -52,9 +53,11 @@ class Aggregator:
     updates are aggregated if there are at least `min_clients`, in client-id order so that the
     result does not depend on arrival order.
     Async: a round closes when `min_clients` updates are in and every active client has
-    reported or `round_timeout` seconds passed (`poll`). A round keeps at most one update per
-    client (a newer one replaces the older) and the quorum counts distinct clients; the
-    updates are aggregated in client-id order when the round closes.
+    reported, or once `round_timeout` seconds passed (`poll`) and the updates also come from
+    at least a `quorum` share of the active clients (so that `min_clients` clients that report
+    first cannot own a round; clients that leave or go silent stop counting). A round keeps at
+    most one update per client (a newer one replaces the older) and the quorum counts distinct
+    clients; the updates are aggregated in client-id order when the round closes.
 
     Every report first passes `Admission` (roster, sequence, batch, base version, sample and
     class counts); `batch_size` (of the data stream) bounds the samples an update may claim.
@@ -184,9 +187,11 @@ class Aggregator:
             return self._close_tick()
         if len(rnd.updates) < self.fed.min_clients:
             return None
+        if self.active <= rnd.reported:
+            return self._close_round(None)
         timed_out = (now is not None and rnd.opened_at is not None
                      and now - rnd.opened_at >= self.fed.round_timeout)
-        if self.active <= rnd.reported or timed_out:
+        if timed_out and len(rnd.updates) >= math.ceil(self.fed.quorum * len(self.active)):
             return self._close_round(None)
         return None
 
