@@ -15,6 +15,7 @@ from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
 from edgefcl.federation.aggregation import make_strategy
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
 from edgefcl.federation.robust import check_variances, prepare_round
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import GlobalHistory
@@ -63,10 +64,11 @@ class Aggregator:
     """
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
-                 batch_size: int | None = None) -> None:
+                 batch_size: int | None = None,
+                 prototypes: PrototypeTable | None = None) -> None:
         self.fed = fed
         self.global_ = GlobalModel(version, {k: np.asarray(v, np.float32) for k, v in
-                                             initial.items()})
+                                             initial.items()}, prototypes=prototypes)
         self.spec = {k: v.shape for k, v in self.global_.tensors.items()}
         # the last globals, to rebuild sparse deltas and send delta downlinks (bounded)
         self.history = GlobalHistory(fed.max_staleness + 1)
@@ -140,6 +142,9 @@ class Aggregator:
         reason = self._acc.check(msg, self.spec) or check_variances(msg.tensors)
         if reason is not None:
             return reason
+        reason = self._check_prototypes(msg)
+        if reason is not None:
+            return reason
         if not eligible(msg.batch, self.fed.burn_in, self.fed.jump):
             return "not-eligible"
         if self.fed.mode == "async" and self.global_.version - msg.base_version > \
@@ -211,7 +216,8 @@ class Aggregator:
             self._acc.add(u)
         tensors = self._acc.result(self.global_.tensors)
         self.counters.update(getattr(self._acc, "counters", {}))
-        self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
+        self.global_ = GlobalModel(self.global_.version + 1, tensors, participants,
+                                   self._next_prototypes(updates))
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self._round = _Round()
@@ -219,6 +225,24 @@ class Aggregator:
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants, seqs)
+
+    # -- prototype library (head prototypes; federation/prototypes.py) ---------------------
+    def _check_prototypes(self, msg: Update) -> str | None:
+        """An update's library must match the global's row width; none where the run has no
+        library."""
+        table = self.global_.prototypes
+        if msg.prototypes is None:
+            return None
+        if table is None:
+            return "prototypes"
+        return check_table(msg.prototypes, table.width)
+
+    def _next_prototypes(self, updates: list[Update]) -> PrototypeTable | None:
+        previous = self.global_.prototypes
+        if previous is None:
+            return None
+        return average_tables([u.prototypes for u in updates if u.prototypes is not None],
+                              previous, self.fed.mix)
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:
