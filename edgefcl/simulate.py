@@ -91,7 +91,8 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
                       "aggregator": dict(agg.counters),
                       "model_spec": model_spec(cfg.learn.model, setup.dataset.sample_shape,
                                                setup.dataset.n_classes, cfg.learn.hidden),
-                      "labels": setup.dataset.labels,
+                      "labels": (list(g.prototypes.labels) if g.prototypes is not None
+                                 else setup.dataset.labels),  # prototypes: library order
                       **stream_report(clients)},
                      global_state=global_state(clients[0], g))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -301,3 +303,65 @@ def test_lockstep_mqtt_reproduces_inprocess_with_prototypes(embedded_broker, tmp
     assert local.rounds > 0 and remote.rounds == local.rounds
     np.testing.assert_array_equal(remote.acc, local.acc)
     assert remote.global_sha256 == local.global_sha256
+
+
+def test_export_carries_the_library_and_its_labels(tmp_path):
+    import onnx
+
+    from edgefcl.learn.export import export_run, load_run_model, max_logit_diff
+    from edgefcl.report import write_run
+    from edgefcl.simulate import simulate
+
+    result = simulate(small())
+    write_run(result, tmp_path)
+    model, _ = load_run_model(tmp_path)
+    labels = result.extra["labels"]
+    assert isinstance(model, ProtoNet) and model.library.labels == [str(n) for n in labels]
+    assert len(labels) == 4  # the labels the fleet met: 2 tasks x 2 classes
+    r = export_run(tmp_path)
+    meta = {p.key: p.value for p in onnx.load(r["path"]).metadata_props}
+    assert meta["labels"] == json.dumps([str(n) for n in labels])
+    x = np.random.default_rng(0).random((5, 1, 8, 8), np.float32)
+    assert max_logit_diff(model, Path(r["path"]).read_bytes(), x) < 1e-4
+
+
+def test_checkpoint_restores_a_prototype_client_bit_for_bit():
+    import io
+
+    def make():
+        torch.manual_seed(0)
+        model = proto_model(build_model("mlp", (12,), 1, hidden=8))
+        return Client("c0", model, LearnConfig(method="bi", memory_size=20, local_epochs=2,
+                                               head="prototypes"),
+                      FedConfig(burn_in=1, jump=1), "vector", seed=7)
+
+    rng = np.random.default_rng(0)
+    bs = []
+    for i in range(12):
+        t = i // 4
+        y = rng.integers(2 * t, 2 * t + 2, 6)
+        x = (rng.normal(size=(6, 12)) + y[:, None] * 0.5).astype(np.float32)
+        bs.append(Batch(x, y.astype(np.int64), t, i % 4 + 1, (i + 1) % 4 == 0))
+
+    def drive(c, batches):
+        for b in batches:
+            upd = c.step(b)
+            if upd is not None and upd.seq % 2 == 0:
+                p = upd.prototypes
+                shrunk = PrototypeTable(p.labels, 0.9 * p.rows, p.counts)
+                c.apply_global(GlobalModel(c.version + 1, {k: 0.9 * v for k, v in
+                                                           c.base.items()}, (c.cid,), shrunk),
+                               "delta")
+
+    a = make()
+    drive(a, bs[:6])
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    b = make()
+    b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    drive(a, bs[6:])
+    drive(b, bs[6:])
+    assert a.protos.library.labels == b.protos.library.labels
+    assert torch.equal(a.protos.library.rows, b.protos.library.rows)
+    ta, tb = get_tensors(a.model), get_tensors(b.model)
+    assert all(np.array_equal(ta[k], tb[k]) for k in ta)

@@ -100,6 +100,21 @@ class PrototypeHead:
         (the assembled classifier of its own classes), copies."""
         snapshot.library = self.library.subset(list(self.library.counts))
 
+    # -- persistence --------------------------------------------------------------------------
+    def state(self, snapshot: ProtoNet | None) -> dict:
+        """The library, the last table sent and the scoring snapshot's rows (checkpoints)."""
+        return {"library": self.library.state(), "sent": self.sent, "warmups": self.warmups,
+                "snapshot": snapshot.library.state() if snapshot is not None else None}
+
+    def load(self, state: dict, snapshot: ProtoNet | None) -> None:
+        self.library.load(state["library"])
+        self.sent = state["sent"]
+        self.warmups = int(state["warmups"])
+        if snapshot is not None and state["snapshot"] is not None:
+            snapshot.library = PrototypeLibrary(self.library.dim, self.library.optimizer,
+                                                self.library.lr, self.library.device)
+            snapshot.library.load(state["snapshot"])
+
     # -- prediction ---------------------------------------------------------------------------
     def targets(self, y: np.ndarray) -> np.ndarray:
         """Library row of each sample's label (-1: a label the library does not hold)."""
