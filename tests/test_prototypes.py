@@ -365,3 +365,18 @@ def test_checkpoint_restores_a_prototype_client_bit_for_bit():
     assert torch.equal(a.protos.library.rows, b.protos.library.rows)
     ta, tb = get_tensors(a.model), get_tensors(b.model)
     assert all(np.array_equal(ta[k], tb[k]) for k in ta)
+
+
+def test_live_export_names_the_library_labels(tmp_path):
+    import onnx
+
+    torch.manual_seed(0)
+    model = proto_model(build_model("mlp", (6,), 1, hidden=8))
+    c = Client("c0", model, LearnConfig(method="er", memory_size=10, head="prototypes",
+                                        export_onnx=str(tmp_path / "{cid}.onnx")),
+               FedConfig(burn_in=1, jump=1), "vector", seed=0, label_names=["cat", "dog"])
+    y = np.array([0, 1, 1, 0], np.int64)
+    upd = c.step(Batch(np.random.default_rng(0).random((4, 6), np.float32), y, 0, 1, False))
+    c.apply_global(GlobalModel(1, c.base, ("c0",), upd.prototypes))
+    meta = {p.key: p.value for p in onnx.load(tmp_path / "c0.onnx").metadata_props}
+    assert json.loads(meta["labels"]) == ["cat", "dog"]

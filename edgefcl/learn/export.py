@@ -223,7 +223,12 @@ class ClientOnnx:
         """Write the live model to the export path (if one is set)."""
         if self.export_path and client.sample_shape is not None:
             path = self.export_path.replace("{cid}", client.cid)
-            export_onnx(client.model, client.sample_shape, path)
+            protos = getattr(client, "protos", None)
+            if protos is None:
+                export_onnx(client.model, client.sample_shape, path)
+            else:  # the whole library, its label names in the metadata
+                data = export_onnx(client.model, client.sample_shape)
+                atomic_write(Path(path), with_labels(data, protos.library.labels))
             self.exports += 1
 
     def tta_logits(self, client: Client, x: Tensor) -> Tensor | None:
