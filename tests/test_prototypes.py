@@ -380,3 +380,16 @@ def test_live_export_names_the_library_labels(tmp_path):
     c.apply_global(GlobalModel(1, c.base, ("c0",), upd.prototypes))
     meta = {p.key: p.value for p in onnx.load(tmp_path / "c0.onnx").metadata_props}
     assert json.loads(meta["labels"]) == ["cat", "dog"]
+
+
+@pytest.mark.parametrize("learn,fed", [
+    ({"head": "foo"}, {}),
+    ({"method": "apc", "head": "prototypes"}, {}),
+    ({"method": "fedbnn", "task_free": True}, {}),  # auto: prototypes for fedbnn
+    ({"head": "prototypes", "warmup_steps": -1}, {}),
+])
+def test_head_configuration_errors(learn, fed):
+    from edgefcl.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        apply(RunConfig(), {"learn": learn, "fed": fed})
