@@ -393,3 +393,16 @@ def test_head_configuration_errors(learn, fed):
 
     with pytest.raises(ConfigError):
         apply(RunConfig(), {"learn": learn, "fed": fed})
+
+
+def test_a_resumed_aggregator_still_takes_libraries():
+    fed = FedConfig(clients=1, min_clients=1, burn_in=1, jump=1, clip_factor=0)
+    initial = {"w": np.zeros(2, np.float32)}
+    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    agg.join("c0")
+    agg.submit(Update("c0", 0, 1, 0, 2, 10, initial, prototypes=table(["a"])))
+    again = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    again.load_state(agg.state())
+    again.join("c0")
+    closed = again.submit(Update("c0", 1, 2, 0, 4, 10, initial, prototypes=table(["b"])))
+    assert closed is not None and closed.global_.prototypes.labels == ("b",)

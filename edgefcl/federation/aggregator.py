@@ -254,8 +254,10 @@ class Aggregator:
 
     def load_state(self, state: dict) -> None:
         """Resume from `state()` output."""
+        # the saved state holds no prototype library: a resumed run starts the library anew
         self.global_ = GlobalModel(int(state["version"]), dict(state["tensors"]),
-                                   tuple(state.get("participants", ())))
+                                   tuple(state.get("participants", ())),
+                                   self.global_.prototypes)
         self.history.clear()
         self.history.push(self.global_.version, self.global_.tensors)
         self.tick = int(state.get("tick", 0))
