@@ -404,5 +404,5 @@ def test_a_resumed_aggregator_still_takes_libraries():
     again = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
     again.load_state(agg.state())
     again.join("c0")
-    closed = again.submit(Update("c0", 1, 2, 0, 4, 10, initial, prototypes=table(["b"])))
+    closed = again.submit(Update("c0", 1, 2, 0, 3, 10, initial, prototypes=table(["b"])))
     assert closed is not None and closed.global_.prototypes.labels == ("b",)
