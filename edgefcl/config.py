@@ -143,6 +143,19 @@ class LearnConfig:
         "torch", "TTA scoring forward passes: torch | onnxruntime (CPU; the scoring snapshot "
         "is exported to ONNX once per global model)"
     )
+    head: str = opt(
+        "auto", "classifier: fixed (an output layer sized from the dataset's classes) | "
+        "prototypes (FedBNN's prototype library: rows keyed by label name, classes may appear "
+        "at run time) | auto (prototypes for fedbnn as in the paper, fixed otherwise)"
+    )
+    warmup_steps: int = opt(
+        3, "prototypes: steps on a batch that brings a new label, extractor frozen, before "
+        "regular training"
+    )
+    prototypes_local: bool = opt(
+        False, "prototypes: keep the library on the device (updates carry the extractor only; "
+        "no label leaves the device)"
+    )
     export_onnx: str = opt(
         "", "after every global model write the live model as ONNX to this path ({cid} is "
         "replaced by the client id; empty: no export)"
@@ -359,6 +372,14 @@ def run_entries(cfg: RunConfig) -> list[tuple[str, str, FedConfig]]:
     return out
 
 
+def resolve_head(head: str, method: str) -> str:
+    """The head a run of `method` uses: `auto` is the prototype library for fedbnn (as in the
+    paper) and the fixed output layer for every other method."""
+    if head == "auto":
+        return "prototypes" if method == "fedbnn" else "fixed"
+    return head
+
+
 def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
     """Names against the registries (methods, encodings, each encoding's aggregation rules)
     and the pairings their descriptors declare."""
@@ -383,6 +404,16 @@ def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
     if fed.downlink == "sparse" and not e.sparse_downlink:
         ok = ", ".join(n for n, x in encodings.items() if x.sparse_downlink)
         raise ConfigError(f"downlink sparse works with the {ok} encodings")
+    if learn.head not in ("auto", "fixed", "prototypes"):
+        raise ConfigError(f"unknown head '{learn.head}'; choose from auto, fixed, prototypes")
+    if method == "apc" and resolve_head(learn.head, method) == "prototypes":
+        raise ConfigError("head prototypes does not work with method apc (its decomposed "
+                          "layers include the output layer)")
+    if learn.task_free and resolve_head(learn.head, method) == "prototypes":
+        raise ConfigError("task_free does not work with head prototypes yet (its loss signal "
+                          "needs a fixed class set)")
+    if learn.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be >= 0, got {learn.warmup_steps}")
     if learn.score_source != "tta" and not e.bayesian:
         bayes = " or ".join(n for n, x in encodings.items() if x.bayesian)
         raise ConfigError(f"score_source {learn.score_source} needs a Bayesian model: use "

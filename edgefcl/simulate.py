@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from edgefcl.build import for_method, initial_global, make_client, prepare
+from edgefcl.build import for_method, initial_global, initial_prototypes, make_client, prepare
 from edgefcl.config import RunConfig
 from edgefcl.data.streams import count_batches
 from edgefcl.data.types import TaskData
@@ -44,7 +44,8 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
     K, T = cfg.fed.clients, cfg.data.tasks
     clients = [make_client(cfg, setup, k, method, seed) for k in range(K)]
     streams = {c.cid: client_stream(cfg, setup.tasks[k], k, seed) for k, c in enumerate(clients)}
-    agg = Aggregator(initial_global(cfg, setup), cfg.fed, batch_size=cfg.data.batch_size)
+    agg = Aggregator(initial_global(cfg, setup), cfg.fed, batch_size=cfg.data.batch_size,
+                     prototypes=initial_prototypes(setup))
     for c in clients:
         agg.join(c.cid)
     acc = np.zeros((K, T, T))
@@ -90,7 +91,8 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
                       "aggregator": dict(agg.counters),
                       "model_spec": model_spec(cfg.learn.model, setup.dataset.sample_shape,
                                                setup.dataset.n_classes, cfg.learn.hidden),
-                      "labels": setup.dataset.labels,
+                      "labels": (list(g.prototypes.labels) if g.prototypes is not None
+                                 else setup.dataset.labels),  # prototypes: library order
                       **stream_report(clients)},
                      global_state=global_state(clients[0], g))
 

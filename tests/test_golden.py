@@ -42,6 +42,11 @@ CASES: dict[str, dict] = {
     "vfcl": {"learn": {"method": "vfcl"}},
     "fedbnn": {"learn": {"method": "fedbnn"}},
     "fedbnn-init": {"learn": {"method": "fedbnn"}, "fed": {"bnn_init_rounds": 1}},
+    # fedbnn defaults to the prototype library (head auto); its fixed head keeps its old value
+    "fedbnn-fixed-head": {"learn": {"method": "fedbnn", "head": "fixed"}},
+    "fedbnn-init-fixed-head": {"learn": {"method": "fedbnn", "head": "fixed"},
+                               "fed": {"bnn_init_rounds": 1}},
+    "bi-prototypes": {"learn": {"head": "prototypes"}},
     "apc": {"learn": {"method": "apc"}},
     "bi-task-free": {"learn": {"task_free": True}},
     "bi-mlp-mnist1d": {"data": {"dataset": "mnist1d"}, "learn": {"model": "mlp", "hidden": 32}},

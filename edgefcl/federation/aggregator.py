@@ -13,6 +13,7 @@ from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
 from edgefcl.federation.aggregation import RoundInput, Strategy
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import check_variances, prepare_round
 from edgefcl.federation.schedule import eligible
@@ -64,10 +65,11 @@ class Aggregator:
     """
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
-                 batch_size: int | None = None) -> None:
+                 batch_size: int | None = None,
+                 prototypes: PrototypeTable | None = None) -> None:
         self.fed = fed
         self.global_ = GlobalModel(version, {k: np.asarray(v, np.float32) for k, v in
-                                             initial.items()})
+                                             initial.items()}, prototypes=prototypes)
         self.spec = {k: v.shape for k, v in self.global_.tensors.items()}
         # the last globals, to rebuild sparse deltas and send delta downlinks (bounded)
         self.history = GlobalHistory(fed.max_staleness + 1)
@@ -136,6 +138,9 @@ class Aggregator:
         if msg.encoding != self.encoding.name:
             return "encoding"
         reason = self.encoding.validate(msg.tensors, self.spec) or check_variances(msg.tensors)
+        if reason is not None:
+            return reason
+        reason = self._check_prototypes(msg)
         if reason is not None:
             return reason
         if not eligible(msg.batch, self.fed.burn_in, self.fed.jump):
@@ -209,18 +214,38 @@ class Aggregator:
                                                  self.history.get, participants))
         decoded = [replace(u, tensors=self.encoding.decode(u.tensors))
                    for u in (self._round.updates[c] for c in participants)]
-        for u in prepare_round(decoded, self.global_.tensors, self.fed, self.counters,
-                               self.encoding.form):
+        updates = prepare_round(decoded, self.global_.tensors, self.fed, self.counters,
+                                self.encoding.form)
+        for u in updates:
             self.strategy.add(u)
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
-        self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
+        self.global_ = GlobalModel(self.global_.version + 1, tensors, participants,
+                                   self._next_prototypes(updates))
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self._round = _Round()
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants, seqs)
+
+    # -- prototype library (head prototypes; federation/prototypes.py) ---------------------
+    def _check_prototypes(self, msg: Update) -> str | None:
+        """An update's library must match the global's row width; none where the run has no
+        library."""
+        table = self.global_.prototypes
+        if msg.prototypes is None:
+            return None
+        if table is None:
+            return "prototypes"
+        return check_table(msg.prototypes, table.width)
+
+    def _next_prototypes(self, updates: list[Update]) -> PrototypeTable | None:
+        previous = self.global_.prototypes
+        if previous is None:
+            return None
+        return average_tables([u.prototypes for u in updates if u.prototypes is not None],
+                              previous, self.fed.mix)
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:
@@ -232,8 +257,10 @@ class Aggregator:
 
     def load_state(self, state: dict) -> None:
         """Resume from `state()` output."""
+        # the saved state holds no prototype library: a resumed run starts the library anew
         self.global_ = GlobalModel(int(state["version"]), dict(state["tensors"]),
-                                   tuple(state.get("participants", ())))
+                                   tuple(state.get("participants", ())),
+                                   self.global_.prototypes)
         self.history.clear()
         self.history.push(self.global_.version, self.global_.tensors)
         self.tick = int(state.get("tick", 0))

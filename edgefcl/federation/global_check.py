@@ -6,7 +6,7 @@ tensor has exactly the name, shape and dtype of its own model's global (`expecte
 are finite and at most MAX_ABS in magnitude, BatchNorm variances and Gaussian sigmas are
 positive, and the version moves forward by at most `max_step`. APC globals may also carry the
 knowledge base (`<name>::kb`, shape (K, *shape)) and its ring position (`apc::kb_next`, an
-int64 scalar).
+int64 scalar). A prototype library must pass `federation.prototypes.check_table` and MAX_ABS.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgefcl.federation.messages import GlobalModel
+from edgefcl.federation.prototypes import check_table
 from edgefcl.federation.robust.variance import check_variances
 from edgefcl.federation.sparse import KB
 
@@ -61,4 +62,10 @@ def check_global(g: GlobalModel, expected: Spec, held_version: int,
             return "range"
         if k.endswith("::sigma") and not (t > 0).all():
             return "sigma"
+    if g.prototypes is not None:  # the prototype library (its width is checked on merge)
+        reason = check_table(g.prototypes, None)
+        if reason is not None:
+            return reason
+        if g.prototypes.rows.size and np.abs(g.prototypes.rows).max() > MAX_ABS:
+            return "range"
     return check_variances({k: g.tensors[k] for k in expected})

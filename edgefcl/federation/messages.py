@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgefcl.federation.prototypes import PrototypeTable
+
 Tensors = dict[str, np.ndarray]
 """Named parameter tensors, float32 numpy arrays in a fixed (state_dict) order."""
 
@@ -32,6 +34,8 @@ class Update:
     tensors: Tensors
     encoding: str = "dense"
     class_counts: dict[int, int] | None = None
+    prototypes: PrototypeTable | None = None
+    """Rows of the labels this client trained on (head `prototypes`, library shared)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -56,3 +60,5 @@ class GlobalModel:
     version: int
     tensors: Tensors
     participants: tuple[str, ...] = field(default_factory=tuple)
+    prototypes: PrototypeTable | None = None
+    """The global prototype library (head `prototypes`, library shared)."""

@@ -120,7 +120,7 @@ def downlink_message(g: GlobalModel, history: GlobalHistory, held_version: int) 
     if old is None or held_version >= g.version:
         return g
     delta = global_delta(g.tensors, old, held_version)
-    return g if delta is None else GlobalModel(g.version, delta, g.participants)
+    return g if delta is None else GlobalModel(g.version, delta, g.participants, g.prototypes)
 
 
 class DownlinkState:
@@ -138,7 +138,7 @@ class DownlinkState:
                 raise ValueError(f"global v{g.version} is a delta from v{frm}, but this client "
                                  f"holds v{self.version}; the aggregator must send it whole")
             g = GlobalModel(g.version, apply_global_delta(g.tensors, self.tensors),
-                            g.participants)
+                            g.participants, g.prototypes)
         self.tensors = dict(g.tensors)
         self.version = g.version
         return g

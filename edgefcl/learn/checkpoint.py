@@ -149,6 +149,7 @@ def client_state(client: Client) -> dict[str, Any]:
         "hooks": data_attrs(client.hooks),
         "onnx": data_attrs(client.onnx),
         "monitor": copy.deepcopy(client.monitor),
+        "prototypes": None if client.protos is None else client.protos.state(score_model),
     }
 
 
@@ -203,3 +204,5 @@ def load_client_state(client: Client, state: dict[str, Any]) -> None:
     load_data_attrs(client.hooks, state["hooks"], dev)
     load_data_attrs(client.onnx, state["onnx"], dev)
     client.monitor = copy.deepcopy(state["monitor"])
+    if client.protos is not None and state.get("prototypes") is not None:
+        client.protos.load(state["prototypes"], client.score_model)

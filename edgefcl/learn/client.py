@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -28,6 +29,8 @@ from edgefcl.learn.methods import get_method
 from edgefcl.learn.models import penultimate
 from edgefcl.learn.params import get_tensors, set_tensors
 from edgefcl.learn.perturb import augment_batch, eval_mode, make_perturber
+from edgefcl.learn.proto_train import PrototypeHead
+from edgefcl.learn.prototypes import ProtoNet
 from edgefcl.learn.scores import uncertainty
 from edgefcl.learn.selection import get_selection
 from edgefcl.learn.variational import client_hooks
@@ -50,7 +53,8 @@ class Client:
     """
 
     def __init__(self, cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedConfig,
-                 data_kind: str, seed: int = 0) -> None:
+                 data_kind: str, seed: int = 0,
+                 label_names: Sequence[str] | None = None) -> None:
         self.cid = cid
         self.learn = learn
         self.fed = fed
@@ -97,6 +101,10 @@ class Client:
         self.skip_scoring = False  # set by a device over its compute budget (firmware_sim)
         self._pool: ThreadPoolExecutor | None = None  # scores ahead while training
         self.scored_ahead = 0  # batches whose scores were computed while training
+        # prototype library (head prototypes): built with a ProtoNet model (build.prepare)
+        self.protos = (PrototypeHead(self.model, learn.optimizer, learn.lr, self.device,
+                                     label_names, learn.warmup_steps, not learn.prototypes_local)
+                       if isinstance(self.model, ProtoNet) else None)
         self.hooks.attach(self)
 
     # -- the online step --------------------------------------------------------------------
@@ -111,6 +119,8 @@ class Client:
             self._start_task(task)
         t0 = self._clock()
         ahead = self._score_ahead(x, y)
+        if self.protos is not None:
+            self.protos.warmup(x, y)  # new labels: fit their rows with the extractor frozen
         self._train(x, y)
         t1 = self._clock()
         scores = None
@@ -130,13 +140,16 @@ class Client:
         labels, counts = np.unique(batch.y, return_counts=True)
         for c, n in zip(labels.tolist(), counts.tolist(), strict=True):
             self.class_counts[c] = self.class_counts.get(c, 0) + n
+        if self.protos is not None:
+            self.protos.count(batch.y)
         if not eligible(self.bn, self.fed.burn_in, self.fed.jump):
             return None
         self.seq += 1
         self.sent = get_tensors(self.model)
         payload = self.encoder.encode(self.sent, self.base)
         return Update(self.cid, self.version, self.seq, self.task or 0, self.bn,
-                      self.samples_in_task, payload, self.encoder.name, dict(self.class_counts))
+                      self.samples_in_task, payload, self.encoder.name, dict(self.class_counts),
+                      self.protos.outgoing() if self.protos is not None else None)
 
     def tick(self) -> Tick:
         """A lock-step report for a mini-batch at which this client is not eligible."""
@@ -160,6 +173,9 @@ class Client:
                 if replay is not None:
                     xb = torch.cat([xb, replay[0]])
                     yb = torch.cat([yb, replay[1]])
+            if self.protos is not None:  # the classifier assembled from xb's labels' rows
+                self.protos.train_step(xb, yb, self.opt, lambda: self.hooks.penalty(self))
+                continue
             loss = F.cross_entropy(self.model(xb), yb)
             extra = self.hooks.penalty(self)
             if extra is not None:
@@ -267,6 +283,8 @@ class Client:
                 self.score_model = copy.deepcopy(self.model)
             else:
                 self.score_model.load_state_dict(self.model.state_dict())
+            if self.protos is not None:
+                self.protos.snapshot_into(self.score_model)
             self.score_version += 1
         now = get_tensors(self.model)
         merged = self.encoder.decode_global(g.tensors, now)
@@ -278,6 +296,8 @@ class Client:
             merged = {k: merged[k] + (now[k] - self.sent[k]) if k in params else merged[k]
                       for k in merged}
         set_tensors(self.model, merged)
+        if self.protos is not None:
+            self.protos.merge(g.prototypes, merge)
         self.version = g.version
         self.hooks.on_global(self, g)
         if self.onnx is not None:
@@ -289,12 +309,16 @@ class Client:
         """Accuracy (fraction) of the current model on (x, y), in eval mode."""
         if len(y) == 0:
             return float("nan")
+        if self.protos is not None and len(self.protos.library) == 0:
+            return 0.0
+        # prototypes: the library's row of each label (-1, never right: a label it lacks)
+        target = y if self.protos is None else self.protos.targets(y)
         was_training = self.model.training
         self.model.eval()
         correct = 0
         for i in range(0, len(y), batch_size):
             xb = torch.from_numpy(x[i:i + batch_size]).to(self.device)
             pred = predict_logits(self.model, xb, self.learn.eval_samples).argmax(1).cpu().numpy()
-            correct += int((pred == y[i:i + batch_size]).sum())
+            correct += int((pred == target[i:i + batch_size]).sum())
         self.model.train(was_training)
         return correct / len(y)

@@ -186,7 +186,13 @@ class StreamMonitor:
                                                 and self.drift.signal == "loss")
         logits = peek_logits(client.model, x) if need else None
         if self.prequential is not None and logits is not None:
-            self.prequential.update(batch.y, logits.argmax(1).cpu().numpy())
+            protos = getattr(client, "protos", None)
+            if protos is None:
+                self.prequential.update(batch.y, logits.argmax(1).cpu().numpy())
+            else:  # library rows; an empty library or a new label is a miss (-1 != -2)
+                pred = (logits.argmax(1).cpu().numpy() if logits.shape[1]
+                        else np.full(len(batch.y), -2))
+                self.prequential.update(protos.targets(batch.y), pred)
         task = batch.task if self.drift is None else self.drift.observe(batch, x, y, logits)
         client.timings["monitor"] += client._clock() - t0
         return task

@@ -30,6 +30,7 @@ from edgefcl.data.types import DataError
 from edgefcl.learn.models import build_model, model_device, resolve_model_name
 from edgefcl.learn.params import get_tensors, set_tensors
 from edgefcl.learn.perturb import eval_mode
+from edgefcl.learn.prototypes import ProtoNet, proto_model
 from edgefcl.learn.variational import client_hooks
 from edgefcl.ondevice import OnnxModel
 from edgefcl.runtime.state import atomic_write, load_json, load_tensors
@@ -45,6 +46,9 @@ OPSET = 17
 EXAMPLE_BATCH = 2
 GLOBAL_FILE = "global.npz"
 """The final global model in a run directory (written by `edgefcl simulate --out`)."""
+PROTOTYPE_ROWS = "prototypes::rows"
+"""global.npz entry of a prototype-library run: the library's rows, in results.json's labels
+order (the classifier of the exported model)."""
 
 
 def with_labels(data: bytes, labels: list[str]) -> bytes:
@@ -149,8 +153,11 @@ def load_run_model(run: str | Path) -> tuple[nn.Module, dict[str, Any]]:
                   for cls, name in ((LearnConfig, "learn"), (FedConfig, "fed")))
     model = build_model(spec["model"], tuple(spec["sample_shape"]), spec["n_classes"],
                         spec["hidden"])
-    model = client_hooks(learn.method, learn, fed).prepare_model(model)  # e.g. Bayesian layers
     tensors = load_tensors(global_path)
+    rows = tensors.pop(PROTOTYPE_ROWS, None)
+    if rows is not None:  # head prototypes: extractor + the global library as classifier
+        model = proto_model(model)
+    model = client_hooks(learn.method, learn, fed).prepare_model(model)  # e.g. Bayesian layers
     state = model.state_dict()
     bad = sorted(set(tensors) - set(state)) + [
         k for k, v in tensors.items() if k in state and tuple(v.shape) != tuple(state[k].shape)]
@@ -158,6 +165,9 @@ def load_run_model(run: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         raise DataError(f"{global_path} does not fit the {spec['model']} model of the run "
                         f"(unknown or mis-shaped tensors: {bad[:5]})")
     set_tensors(model, tensors)
+    if isinstance(model, ProtoNet) and rows is not None:
+        model.library.ensure([str(n) for n in results.get("labels") or range(len(rows))])
+        model.library.rows = torch.from_numpy(np.asarray(rows, np.float32))
     return model.eval(), spec
 
 
@@ -213,7 +223,12 @@ class ClientOnnx:
         """Write the live model to the export path (if one is set)."""
         if self.export_path and client.sample_shape is not None:
             path = self.export_path.replace("{cid}", client.cid)
-            export_onnx(client.model, client.sample_shape, path)
+            protos = getattr(client, "protos", None)
+            if protos is None:
+                export_onnx(client.model, client.sample_shape, path)
+            else:  # the whole library, its label names in the metadata
+                data = export_onnx(client.model, client.sample_shape)
+                atomic_write(Path(path), with_labels(data, protos.library.labels))
             self.exports += 1
 
     def tta_logits(self, client: Client, x: Tensor) -> Tensor | None:
@@ -244,4 +259,7 @@ def global_state(client: Client, g: GlobalModel) -> Tensors:
     touching the client: what `edgefcl simulate --out` saves as global.npz."""
     model = copy.deepcopy(client.model)
     set_tensors(model, client.encoder.decode_global(g.tensors, get_tensors(model)))
-    return get_tensors(model)
+    state = get_tensors(model)
+    if g.prototypes is not None:  # the global library, in g.prototypes.labels order
+        state[PROTOTYPE_ROWS] = np.array(g.prototypes.rows, np.float32)
+    return state

@@ -170,7 +170,11 @@ def model_device(model: nn.Module) -> torch.device:
 def penultimate(model: nn.Module, x: Tensor) -> Tensor:
     """Features of `x` before the model's last linear layer, shape (N, d): the pooled
     features of the CNN and ResNet, the hidden layer of the MLP; the logits for any other
-    model. Runs as called (the caller chooses eval mode and no-grad)."""
+    model. Runs as called (the caller chooses eval mode and no-grad). A model with a
+    `features_of` method (the prototype-library model) gives its extractor's output."""
+    features_of = getattr(model, "features_of", None)
+    if callable(features_of):
+        return features_of(x)
     if isinstance(model, SmallCNN):
         return model.features(x)
     if isinstance(model, MLP) and isinstance(model.net[-1], nn.Linear):

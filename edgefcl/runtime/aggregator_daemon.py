@@ -12,6 +12,7 @@ from pathlib import Path
 from edgefcl.config import RunConfig
 from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.prototypes import initial_library
 from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.runtime.fleet_results import FleetResults
 from edgefcl.runtime.inbox import Inbox
@@ -39,7 +40,8 @@ class AggregatorDaemon:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.topics = topics(cfg.mqtt)
-        self.agg = Aggregator(initial, cfg.fed, batch_size=cfg.data.batch_size)
+        self.agg = Aggregator(initial, cfg.fed, batch_size=cfg.data.batch_size,
+                              prototypes=initial_library(cfg, initial))
         self.spec_hash = spec_hash(model_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every

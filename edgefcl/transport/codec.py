@@ -30,6 +30,7 @@ import numpy as np
 
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.prototypes import MAX_LABEL_CHARS, MAX_LABELS, PrototypeTable
 from edgefcl.transport import integrity
 from edgefcl.transport.bounds import DEFAULT_LIMITS, Limits, scan
 from edgefcl.transport.errors import CodecError
@@ -153,6 +154,40 @@ def _decode_tensors(m: Any, limits: Limits = DEFAULT_LIMITS) -> Tensors:
     return {k: decode_tensor(v, k) for k, v in m.items()}
 
 
+def _encode_prototypes(table: PrototypeTable | None, wire_dtype: str | None) -> Any:
+    """A prototype library as {labels: [str], rows: tensor, counts: tensor} (None: absent)."""
+    if table is None:
+        return None
+    return {"labels": [str(n) for n in table.labels],
+            "rows": encode_tensor(np.asarray(table.rows, np.float32), wire_dtype),
+            "counts": encode_tensor(np.asarray(table.counts, np.int64))}
+
+
+def _decode_prototypes(m: Any) -> PrototypeTable | None:
+    """The library of a payload; bounds (label count and length) before the tensors, then
+    the shapes. Semantics (width, duplicates) are the aggregator's `check_table`."""
+    if m is None:
+        return None
+    if not isinstance(m, dict) or set(m) != {"labels", "rows", "counts"}:
+        raise CodecError("malformed", "prototypes must be a map of labels, rows, counts")
+    labels = m["labels"]
+    if not isinstance(labels, list):
+        raise CodecError("malformed", "prototype labels must be a list of strings")
+    if len(labels) > MAX_LABELS:
+        raise CodecError("limits", f"{len(labels)} prototype labels > limit {MAX_LABELS}")
+    if not all(isinstance(n, str) and 0 < len(n) <= MAX_LABEL_CHARS for n in labels):
+        raise CodecError("malformed", f"prototype labels must be strings of 1-{MAX_LABEL_CHARS} "
+                         "characters")
+    rows = decode_tensor(m["rows"], "prototypes.rows")
+    counts = decode_tensor(m["counts"], "prototypes.counts")
+    if rows.ndim != 2 or rows.shape[0] != len(labels) or counts.shape != (len(labels),):
+        raise CodecError("shape", f"prototype rows {rows.shape} / counts {counts.shape} do not "
+                         f"match {len(labels)} labels")
+    if rows.dtype != np.float32 or counts.dtype.kind not in "iu":
+        raise CodecError("dtype", "prototype rows must be float32 and counts integers")
+    return PrototypeTable(tuple(labels), rows, counts.astype(np.int64))
+
+
 # ---------------------------------------------------------------- model spec
 
 
@@ -234,6 +269,8 @@ def encode(
             class_counts=None if msg.class_counts is None
             else {int(k): int(v) for k, v in msg.class_counts.items()},
         )
+        if msg.prototypes is not None:
+            m["prototypes"] = _encode_prototypes(msg.prototypes, wire_dtype)
     elif isinstance(msg, Tick):
         m = _envelope("tick", fleet, sender or msg.client)
         m.update(client=msg.client, seq=int(msg.seq), task=int(msg.task), batch=int(msg.batch))
@@ -243,6 +280,8 @@ def encode(
             version=int(msg.version), tensors=_encode_tensors(msg.tensors, wire_dtype),
             participants=[str(p) for p in msg.participants],
         )
+        if msg.prototypes is not None:
+            m["prototypes"] = _encode_prototypes(msg.prototypes, wire_dtype)
     elif isinstance(msg, Message):
         if msg.kind not in DICT_KINDS:
             raise CodecError("kind", f"unknown kind {msg.kind!r}; known {sorted(DICT_KINDS)}")
@@ -301,6 +340,7 @@ def _decode_update(m: dict[str, Any], limits: Limits) -> Update:
         seq=_get(m, "seq", int), task=_get(m, "task", int), batch=_get(m, "batch", int),
         num_samples=n, tensors=_decode_tensors(m.get("tensors"), limits),
         encoding=_get(m, "encoding", str), class_counts=counts,
+        prototypes=_decode_prototypes(m.get("prototypes")),
     )
 
 
@@ -393,7 +433,7 @@ def _decode(
             raise CodecError("malformed", "participants must be a list of strings")
         return GlobalModel(
             version=_get(m, "version", int), tensors=_decode_tensors(m.get("tensors"), limits),
-            participants=tuple(parts),
+            participants=tuple(parts), prototypes=_decode_prototypes(m.get("prototypes")),
         )
     if kind in DICT_KINDS:
         return _decode_message(kind, m)

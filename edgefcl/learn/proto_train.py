@@ -1,0 +1,128 @@
+"""The client's side of the prototype library: label names of a batch, the warm-up of new
+classes, training with the assembled classifier, prediction over the whole library and the
+library's part of updates and globals (FedBNN §IV-B). Used by `Client` when its head is
+`prototypes`; every step is vectorised over the samples (loops run over distinct labels)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.learn.perturb import eval_mode
+from edgefcl.learn.prototypes import ProtoNet, PrototypeLibrary
+
+
+class PrototypeHead:
+    """Binds a client's `ProtoNet` to its label names and its optimiser settings.
+
+    `names[c]` is the name of the stream's class number c (the dataset's labels); numbers
+    beyond the list are named by their decimal string, so nothing needs the class set up
+    front."""
+
+    def __init__(self, model: ProtoNet, optimizer: str, lr: float, device: torch.device,
+                 names: Sequence[str] | None, warmup_steps: int, share: bool) -> None:
+        self.model = model
+        model.library = PrototypeLibrary(model.dim, optimizer, lr, device)
+        self.names = [str(n) for n in names] if names is not None else []
+        self.warmup_steps = warmup_steps
+        self.share = share
+        self.sent: PrototypeTable | None = None
+        self.warmups = 0  # batches that began with a warm-up (a new label)
+
+    @property
+    def library(self) -> PrototypeLibrary:
+        return self.model.library
+
+    def name(self, c: int) -> str:
+        return self.names[c] if 0 <= c < len(self.names) else str(c)
+
+    def rows_of(self, y: Tensor) -> tuple[Tensor, Tensor, int]:
+        """(library rows of the distinct labels of `y`, each sample's position among them,
+        how many labels were new)."""
+        uniq, inverse = torch.unique(y, return_inverse=True)
+        idx, new = self.library.ensure([self.name(c) for c in uniq.tolist()])
+        return idx, inverse, new
+
+    # -- training -----------------------------------------------------------------------------
+    def warmup(self, x: Tensor, y: Tensor) -> None:
+        """New labels in the batch: `warmup_steps` steps on the batch's assembled classifier
+        with the extractor frozen (eval mode, no gradient)."""
+        idx, target, new = self.rows_of(y)
+        if new == 0 or self.warmup_steps <= 0:
+            return
+        self.warmups += 1
+        with eval_mode(self.model.extractor), torch.no_grad():
+            feats = self.model.extractor(x)
+        for _ in range(self.warmup_steps):
+            w = self.library.rows[idx].detach().requires_grad_()
+            loss = F.cross_entropy(self.library.logits(feats, w), target)
+            (grad,) = torch.autograd.grad(loss, w)
+            self.library.step(idx, grad)
+
+    def train_step(self, xb: Tensor, yb: Tensor, opt: torch.optim.Optimizer,
+                   penalty: Callable[[], Tensor | None]) -> None:
+        """One step of extractor + assembled classifier (classes of `yb`: batch and replay)."""
+        idx, target, _ = self.rows_of(yb)
+        w = self.library.rows[idx].detach().requires_grad_()
+        loss = F.cross_entropy(self.library.logits(self.model.extractor(xb), w), target)
+        extra = penalty()
+        if extra is not None:
+            loss = loss + extra
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        self.library.step(idx, w.grad)
+
+    def count(self, y: np.ndarray) -> None:
+        labels, counts = np.unique(y, return_counts=True)
+        self.library.count([self.name(c) for c in labels.tolist()], counts.tolist())
+
+    # -- federation ---------------------------------------------------------------------------
+    def outgoing(self) -> PrototypeTable | None:
+        """The rows this update carries (None when the library stays local)."""
+        if not self.share:
+            return None
+        self.sent = self.library.table()
+        return self.sent
+
+    def merge(self, table: PrototypeTable | None, merge: str) -> None:
+        if table is None or not self.share:
+            return
+        self.library.merge(table, self.sent if merge == "delta" else None)
+
+    def snapshot_into(self, snapshot: ProtoNet) -> None:
+        """The scoring snapshot's classifier: the rows of the labels this device trained on
+        (the assembled classifier of its own classes), copies."""
+        snapshot.library = self.library.subset(list(self.library.counts))
+
+    # -- persistence --------------------------------------------------------------------------
+    def state(self, snapshot: ProtoNet | None) -> dict:
+        """The library, the last table sent and the scoring snapshot's rows (checkpoints)."""
+        return {"library": self.library.state(), "sent": self.sent, "warmups": self.warmups,
+                "snapshot": snapshot.library.state() if snapshot is not None else None}
+
+    def load(self, state: dict, snapshot: ProtoNet | None) -> None:
+        self.library.load(state["library"])
+        self.sent = state["sent"]
+        self.warmups = int(state["warmups"])
+        if snapshot is not None and state["snapshot"] is not None:
+            snapshot.library = PrototypeLibrary(self.library.dim, self.library.optimizer,
+                                                self.library.lr, self.library.device)
+            snapshot.library.load(state["snapshot"])
+
+    # -- prediction ---------------------------------------------------------------------------
+    def targets(self, y: np.ndarray) -> np.ndarray:
+        """Library row of each sample's label (-1: a label the library does not hold)."""
+        uniq, inverse = np.unique(y, return_inverse=True)
+        at = np.array([self.library.index.get(self.name(c), -1) for c in uniq.tolist()],
+                      np.int64)
+        return at[inverse.reshape(-1)] if len(uniq) else np.zeros(0, np.int64)
+
+    def predict_names(self, logits: Tensor) -> list[str]:
+        """Label names of the argmax rows of logits over the whole library."""
+        return [self.library.labels[i] for i in logits.argmax(1).tolist()]

@@ -1,0 +1,195 @@
+"""FedBNN's prototype library (§IV-B): a shared feature extractor and a classifier whose rows
+are prototypes kept in a table keyed by the label's name.
+
+- `ProtoNet` wraps the extractor and the library; `forward` classifies among the whole library
+  (prediction, scores, export). Its state_dict holds the extractor only, so every encoding
+  (dense, sparse, gaussian) federates the extractor as before.
+- `PrototypeLibrary` holds the rows (n, d + 1: weight and bias) and its own row-wise optimiser
+  state (Adam or SGD), so a row moves only when its class was in the assembled classifier: a
+  class absent from a batch receives no push at all, the paper's point.
+- A label never seen gets an empty (zero) row; `warmup` trains the new rows with the extractor
+  frozen before regular training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from edgefcl.config import resolve_head  # noqa: F401  (re-exported)
+from edgefcl.federation.prototypes import MAX_LABEL_CHARS, MAX_LABELS, PrototypeTable
+
+HEADS = ("auto", "fixed", "prototypes")
+
+
+def split_head(model: nn.Module) -> tuple[nn.Module, int]:
+    """Remove the last linear layer of an edgefcl model in place; returns the extractor and
+    its feature width d."""
+    for owner, name in _head_slots(model):
+        layer = getattr(owner, name) if not isinstance(owner, nn.Sequential) else owner[name]
+        if isinstance(layer, nn.Linear):
+            if isinstance(owner, nn.Sequential):
+                owner[name] = nn.Identity()
+            else:
+                setattr(owner, name, nn.Identity())
+            return model, layer.in_features
+    raise ValueError(f"{type(model).__name__} has no linear head to split off")
+
+
+def _head_slots(model: nn.Module) -> list[tuple[nn.Module, object]]:
+    slots: list[tuple[nn.Module, object]] = []
+    for attr in ("head", "linear"):
+        if hasattr(model, attr):
+            slots.append((model, attr))
+    net = getattr(model, "net", None)
+    if isinstance(net, nn.Sequential):
+        slots.append((net, len(net) - 1))
+    return slots
+
+
+class PrototypeLibrary:
+    """Label name -> classifier row, with row-wise optimiser state (see the module doc)."""
+
+    def __init__(self, dim: int, optimizer: str = "adam", lr: float = 0.01,
+                 device: torch.device | str = "cpu") -> None:
+        self.dim = dim
+        self.optimizer = optimizer
+        self.lr = lr
+        self.device = torch.device(device)
+        self.labels: list[str] = []
+        self.index: dict[str, int] = {}
+        self.rows = torch.zeros(0, dim + 1, device=self.device)
+        self.m = torch.zeros_like(self.rows)
+        self.v = torch.zeros_like(self.rows)
+        self.t = torch.zeros(0, device=self.device)
+        self.counts: dict[str, int] = {}  # samples of each label this device trained on
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def ensure(self, names: Sequence[str]) -> tuple[Tensor, int]:
+        """Rows of `names` (adding empty rows for new labels) and how many were new."""
+        new = [n for n in dict.fromkeys(names) if n not in self.index]
+        if new:
+            if len(self.labels) + len(new) > MAX_LABELS:
+                raise ValueError(f"more than {MAX_LABELS} labels in the prototype library")
+            bad = [n for n in new if not 0 < len(n) <= MAX_LABEL_CHARS]
+            if bad:
+                raise ValueError(f"label name {bad[0][:80]!r} is not 1-{MAX_LABEL_CHARS} chars")
+            self._grow(new, torch.zeros(len(new), self.dim + 1, device=self.device))
+        return torch.tensor([self.index[n] for n in names], device=self.device), len(new)
+
+    def _grow(self, names: list[str], rows: Tensor) -> None:
+        for n in names:
+            self.index[n] = len(self.labels)
+            self.labels.append(n)
+        self.rows = torch.cat([self.rows, rows])
+        zeros = torch.zeros_like(rows)
+        self.m = torch.cat([self.m, zeros])
+        self.v = torch.cat([self.v, zeros])
+        self.t = torch.cat([self.t, torch.zeros(len(names), device=self.device)])
+
+    def logits(self, features: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Logits of `features` against `rows` (default: the whole library)."""
+        w = self.rows if rows is None else rows
+        return features @ w[:, :-1].T + w[:, -1]
+
+    def step(self, idx: Tensor, grad: Tensor) -> None:
+        """One optimiser step on rows `idx` (unique) with gradient `grad`."""
+        with torch.no_grad():
+            if self.optimizer == "sgd":
+                self.rows[idx] -= self.lr * grad
+                return
+            b1, b2, eps = 0.9, 0.999, 1e-8  # torch.optim.Adam's defaults
+            t = self.t[idx] + 1
+            self.t[idx] = t
+            m = self.m[idx].mul_(b1).add_(grad, alpha=1 - b1)
+            v = self.v[idx].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            self.m[idx], self.v[idx] = m, v
+            mhat = m / (1 - b1 ** t)[:, None]
+            vhat = v / (1 - b2 ** t)[:, None]
+            self.rows[idx] -= self.lr * mhat / (vhat.sqrt() + eps)
+
+    def subset(self, names: Sequence[str]) -> PrototypeLibrary:
+        """A copy holding only `names` (rows and optimiser state), in library order."""
+        out = PrototypeLibrary(self.dim, self.optimizer, self.lr, self.device)
+        keep = [n for n in self.labels if n in set(names)]
+        idx = torch.tensor([self.index[n] for n in keep], dtype=torch.long, device=self.device)
+        out._grow(keep, self.rows[idx].clone())
+        out.m, out.v, out.t = self.m[idx].clone(), self.v[idx].clone(), self.t[idx].clone()
+        out.counts = {n: self.counts[n] for n in keep if n in self.counts}
+        return out
+
+    def count(self, names: Sequence[str], n: Sequence[int]) -> None:
+        for name, k in zip(names, n, strict=True):
+            self.counts[name] = self.counts.get(name, 0) + int(k)
+
+    # -- federation ---------------------------------------------------------------------------
+    def table(self, only_counted: bool = True) -> PrototypeTable:
+        """The rows (of the labels this device trained on, by default) as a wire table."""
+        names = [n for n in self.labels if not only_counted or self.counts.get(n, 0) > 0]
+        idx = [self.index[n] for n in names]
+        rows = self.rows[idx].detach().to("cpu", torch.float32).numpy().copy()
+        counts = np.array([self.counts.get(n, 0) for n in names], np.int64)
+        return PrototypeTable(tuple(names), rows.reshape(len(names), self.dim + 1), counts)
+
+    def merge(self, table: PrototypeTable, sent: PrototypeTable | None = None) -> None:
+        """Take the global library's rows; with `sent` (async delta merge) a row this device
+        sent keeps the progress made since: row = global + (now - sent)."""
+        if table.width != self.dim + 1:
+            raise ValueError(f"global prototypes have width {table.width}, expected "
+                             f"{self.dim + 1}")
+        rows = torch.from_numpy(np.asarray(table.rows, np.float32)).to(self.device)
+        if sent is not None and sent.labels:
+            at = table.row_of()
+            both = [n for n in sent.labels if n in at and n in self.index]
+            if both:
+                g = torch.tensor([at[n] for n in both], device=self.device)
+                s = torch.tensor([sent.row_of()[n] for n in both], device=self.device)
+                mine = torch.tensor([self.index[n] for n in both], device=self.device)
+                sent_rows = torch.from_numpy(sent.rows).to(self.device)
+                rows = rows.clone()
+                rows[g] += self.rows[mine] - sent_rows[s]
+        idx, _ = self.ensure(list(table.labels))
+        with torch.no_grad():
+            self.rows[idx] = rows
+
+    # -- persistence --------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"labels": list(self.labels), "rows": self.rows.cpu().numpy().copy(),
+                "m": self.m.cpu().numpy().copy(), "v": self.v.cpu().numpy().copy(),
+                "t": self.t.cpu().numpy().copy(), "counts": dict(self.counts)}
+
+    def load(self, state: dict) -> None:
+        self.labels = [str(n) for n in state["labels"]]
+        self.index = {n: i for i, n in enumerate(self.labels)}
+        for key in ("rows", "m", "v", "t"):
+            setattr(self, key, torch.from_numpy(np.asarray(state[key], np.float32))
+                    .to(self.device))
+        self.counts = {str(k): int(v) for k, v in state["counts"].items()}
+
+
+class ProtoNet(nn.Module):
+    """Feature extractor + prototype library. `forward` gives logits over the whole library
+    (in `library.labels` order); the state_dict holds the extractor only."""
+
+    def __init__(self, extractor: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.extractor = extractor
+        self.dim = dim
+        self.library = PrototypeLibrary(dim)
+
+    def features_of(self, x: Tensor) -> Tensor:
+        return self.extractor(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.library.logits(self.extractor(x))
+
+
+def proto_model(model: nn.Module) -> ProtoNet:
+    """An edgefcl model with its linear head replaced by a prototype library."""
+    extractor, dim = split_head(model)
+    return ProtoNet(extractor, dim)

@@ -1,0 +1,408 @@
+"""FedBNN's prototype library (head `prototypes`): the library, per-label aggregation, the wire
+format and its bounds, and a class that appears mid-run on one device only."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edgefcl.config import FedConfig, LearnConfig, RunConfig, apply
+from edgefcl.data.loaders import load_dataset
+from edgefcl.data.types import Batch
+from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.messages import GlobalModel, Update
+from edgefcl.federation.prototypes import (
+    MAX_LABEL_CHARS,
+    MAX_LABELS,
+    PrototypeTable,
+    average_tables,
+    check_table,
+    feature_width,
+)
+from edgefcl.learn.client import Client
+from edgefcl.learn.global_format import global_tensors
+from edgefcl.learn.models import build_model
+from edgefcl.learn.params import get_tensors
+from edgefcl.learn.prototypes import ProtoNet, PrototypeLibrary, proto_model
+from edgefcl.learn.variational import client_hooks
+from edgefcl.transport.codec import CodecError, decode, encode
+
+
+def table(labels, width=3, counts=None, value=0.0):
+    n = len(labels)
+    rows = np.full((n, width), value, np.float32)
+    c = np.array(counts if counts is not None else [1] * n, np.int64)
+    return PrototypeTable(tuple(labels), rows, c)
+
+
+# -- the library ------------------------------------------------------------------------------
+def test_new_labels_get_empty_rows_and_only_assembled_rows_move():
+    lib = PrototypeLibrary(4, "adam", lr=0.1)
+    idx, new = lib.ensure(["cat", "dog", "cat"])
+    assert new == 2 and lib.labels == ["cat", "dog"] and idx.tolist() == [0, 1, 0]
+    assert torch.equal(lib.rows, torch.zeros(2, 5))
+    lib.ensure(["eel"])
+    before = lib.rows.clone()
+    lib.step(torch.tensor([0, 2]), torch.ones(2, 5))
+    assert torch.equal(lib.rows[1], before[1])  # dog was not in the classifier: untouched
+    assert (lib.rows[[0, 2]] != 0).all()
+
+
+def test_row_wise_adam_matches_torch_adam():
+    torch.manual_seed(0)
+    lib = PrototypeLibrary(3, "adam", lr=0.05)
+    lib.ensure(["a", "b"])
+    lib.rows = torch.randn(2, 4)
+    ref = lib.rows.clone().requires_grad_()
+    opt = torch.optim.Adam([ref], lr=0.05)
+    for _ in range(4):
+        g = torch.randn(2, 4)
+        lib.step(torch.tensor([0, 1]), g)
+        opt.zero_grad()
+        ref.grad = g.clone()
+        opt.step()
+    torch.testing.assert_close(lib.rows, ref.detach())
+
+
+def test_library_bounds_label_names_and_count():
+    lib = PrototypeLibrary(2)
+    with pytest.raises(ValueError):
+        lib.ensure(["x" * (MAX_LABEL_CHARS + 1)])
+    with pytest.raises(ValueError):
+        lib.ensure([str(i) for i in range(MAX_LABELS + 1)])
+
+
+@pytest.mark.parametrize("name,shape", [("mlp", (64,)), ("cnn", (1, 8, 8))])
+@pytest.mark.parametrize("encoding", ["dense", "gaussian"])
+def test_feature_width_from_saved_tensors_matches_the_model(name, shape, encoding):
+    model = proto_model(build_model(name, shape, 10, hidden=32))
+    learn = LearnConfig(method="fedbnn" if encoding == "gaussian" else "bi")
+    fed = FedConfig(encoding=encoding, aggregation="fedbnn" if encoding == "gaussian"
+                    else "fedavg")
+    model = client_hooks(learn.method, learn, fed).prepare_model(model)
+    assert feature_width(global_tensors(model, encoding)) == model.dim + 1
+
+
+# -- per-label aggregation --------------------------------------------------------------------
+def test_average_is_per_label_weighted_by_samples_and_mixed_with_the_previous_row():
+    prev = table(["a"], value=10.0)
+    t1 = table(["a", "b"], counts=[1, 3], value=0.0)
+    t2 = table(["b", "c"], counts=[1, 2], value=4.0)
+    out = average_tables([t1, t2], prev, mix_weight=0.5)
+    assert out.labels == ("a", "b", "c")
+    np.testing.assert_allclose(out.rows[:, 0], [5.0, 1.0, 4.0])  # a mixed; b = (0*3+4*1)/4
+    assert out.counts.tolist() == [2, 4, 2]
+    assert average_tables([], prev, 0.5) is prev
+
+
+def test_global_library_stays_within_the_label_bound():
+    prev = table([f"p{i}" for i in range(MAX_LABELS - 1)])
+    out = average_tables([table(["x", "y"])], prev, 0.5)
+    assert len(out.labels) == MAX_LABELS and out.labels[-1] == "x"
+
+
+# -- boundary: codec and aggregator ----------------------------------------------------------
+def update_with(protos, tensors=None):
+    return Update("c0", 0, 1, 0, 2, 10, tensors or {"w": np.zeros(2, np.float32)},
+                  prototypes=protos)
+
+
+def test_codec_round_trips_prototypes_of_updates_and_globals():
+    t = PrototypeTable(("zéro", "un"), np.arange(6, dtype=np.float32).reshape(2, 3),
+                       np.array([4, 5], np.int64))
+    u = decode(encode(update_with(t), fleet="f"))
+    assert u.prototypes.labels == t.labels
+    np.testing.assert_array_equal(u.prototypes.rows, t.rows)
+    assert u.prototypes.counts.tolist() == [4, 5]
+    g = decode(encode(GlobalModel(3, {"w": np.zeros(2, np.float32)}, ("c0",), t), fleet="f"))
+    assert g.prototypes.labels == t.labels
+    assert decode(encode(update_with(None), fleet="f")).prototypes is None
+
+
+def test_codec_rejects_a_flood_of_labels_before_building_them():
+    n = 100_000
+    t = PrototypeTable(tuple(f"l{i}" for i in range(n)), np.zeros((n, 1), np.float32),
+                       np.zeros(n, np.int64))
+    with pytest.raises(CodecError) as e:
+        decode(encode(update_with(t), fleet="f"))
+    assert e.value.reason == "limits"
+
+
+def test_codec_rejects_huge_names_and_mismatched_rows():
+    huge = table(["x" * 10_000])
+    with pytest.raises(CodecError):
+        decode(encode(update_with(huge), fleet="f"))
+    wrong = PrototypeTable(("a", "b"), np.zeros((3, 3), np.float32), np.ones(2, np.int64))
+    with pytest.raises(CodecError) as e:
+        decode(encode(update_with(wrong), fleet="f"))
+    assert e.value.reason == "shape"
+    nan = table(["a"], value=float("nan"))
+    with pytest.raises(CodecError) as e:
+        decode(encode(update_with(nan), fleet="f"))
+    assert e.value.reason == "nonfinite"
+
+
+def test_check_table_reasons():
+    assert check_table(table(["a"]), 3) is None
+    assert check_table(table(["a"], width=4), 3) == "prototype_shape"
+    assert check_table(table(["a", "a"]), 3) == "prototype_duplicate"
+    assert check_table(table([""]), 3) == "prototype_label"
+    assert check_table(table(["a"], value=float("inf")), 3) == "nonfinite"
+    assert check_table(table(["a"], counts=[-1]), 3) == "prototype_count"
+    assert check_table("junk", 3) == "prototypes"
+
+
+def test_aggregator_rejects_bad_libraries_and_counts_them():
+    fed = FedConfig(clients=1, min_clients=1, burn_in=1, jump=1, clip_factor=0)
+    initial = {"w": np.zeros(2, np.float32)}
+    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    agg.join("c0")
+    assert agg.submit(update_with(table(["a"], width=5))) is None
+    assert agg.counters["rejected_prototype_shape"] == 1
+    closed = agg.submit(Update("c0", 0, 2, 0, 2, 10, initial, prototypes=table(["a"])))
+    assert closed is not None and closed.global_.prototypes.labels == ("a",)
+    fixed = Aggregator(initial, fed)  # a fixed-head run takes no library
+    fixed.join("c0")
+    assert fixed.submit(update_with(table(["a"]))) is None
+    assert fixed.counters["rejected_prototypes"] == 1
+
+
+# -- a class that appears mid-run on one device only ------------------------------------------
+def stream(x, y, task, batch_size=10, seed=0):
+    order = np.random.default_rng(seed).permutation(len(y))
+    n = len(order) // batch_size
+    for i in range(n):
+        j = order[i * batch_size:(i + 1) * batch_size]
+        yield Batch(x[j], y[j], task, i + 1, i == n - 1)
+
+
+def run_fleet(method="bi", encoding="dense", share=True):
+    """3 devices on digits; task 0: device k has classes {2k, 2k+1}; task 1: device 0 meets
+    class 9 (absent from every first task), devices 1 and 2 classes 6 and 7. Returns the
+    clients, the test data and the accuracy on class 9 of each device after every global."""
+    ds = load_dataset("digits")
+    split = np.random.default_rng(0).permutation(len(ds.y_train))
+    test, train = split[:400], split[400:]
+    x_train, y_train = ds.x_train[train], ds.y_train[train]
+    x_test, y_test = ds.x_train[test], ds.y_train[test]
+    names = [f"digit-{c}" for c in range(10)]
+    plan = [[(0, 1), (9,)], [(2, 3), (6,)], [(4, 5), (7,)]]
+    aggregation = "fedbnn" if encoding == "gaussian" else "fedavg"
+    fed = FedConfig(clients=3, burn_in=3, jump=2, encoding=encoding, aggregation=aggregation)
+    learn = LearnConfig(method=method, memory_size=60, local_epochs=2, warmup_steps=3,
+                        prototypes_local=not share, head="prototypes")
+    torch.manual_seed(0)
+    model = proto_model(build_model("mlp", ds.sample_shape, 1, hidden=64))
+    model = client_hooks(method, learn, fed).prepare_model(model)
+    clients = [Client(f"c{k}", copy.deepcopy(model), learn, fed, ds.kind, seed=k,
+                      label_names=names) for k in range(3)]
+    agg = Aggregator(global_tensors(model, encoding), fed,
+                     prototypes=PrototypeTable.empty(model.dim + 1))
+    for c in clients:
+        agg.join(c.cid)
+    x9, y9 = x_test[y_test == 9], y_test[y_test == 9]
+    history = []
+    for task in (0, 1):
+        streams = []
+        for k in range(3):
+            keep = np.isin(y_train, plan[k][task])
+            streams.append(stream(x_train[keep], y_train[keep], task, seed=k))
+        active = list(range(3))
+        while active:
+            closed = None
+            for k in list(active):
+                b = next(streams[k], None)
+                if b is None:
+                    active.remove(k)
+                    closed = agg.leave(clients[k].cid) or closed
+                    continue
+                upd = clients[k].step(b)
+                closed = agg.submit(upd if upd is not None else clients[k].tick()) or closed
+            if closed is not None and closed.global_ is not None:
+                for cid in closed.global_.participants:
+                    clients[int(cid[1:])].apply_global(closed.global_)
+                if task == 1:
+                    history.append([c.evaluate(x9, y9) for c in clients])
+        for c in clients:
+            agg.join(c.cid)
+    return clients, agg, history, (x9, y9)
+
+
+@pytest.mark.parametrize("method,encoding", [("bi", "dense"), ("fedbnn", "gaussian")])
+def test_a_class_met_by_one_device_is_learned_by_the_whole_fleet(method, encoding):
+    clients, agg, history, (x9, y9) = run_fleet(method, encoding)
+    assert clients[0].protos.warmups >= 1  # class 9 arrived with a warm-up
+    assert "digit-9" in agg.global_.prototypes.labels
+    first = next(i for i, accs in enumerate(history) if accs[1] > 0)
+    per_device = history[-1]
+    print(f"\n{method}/{encoding}: class 9 accuracy per device after the first global that "
+          f"carried it: {history[first]}, at the end: {per_device}")
+    # devices 1 and 2 never saw a 9; after the global they hold its row and predict it,
+    # above chance among the whole library (9 labels). Lock-step replace: right after the
+    # global every device holds the same model.
+    assert len(set(history[first])) == 1
+    for k in (1, 2):
+        assert "digit-9" in clients[k].protos.library.labels
+        assert clients[k].protos.library.counts.get("digit-9", 0) == 0
+        assert per_device[k] > 1 / len(clients[k].protos.library), per_device
+
+
+def test_a_local_library_never_leaves_the_device():
+    clients, agg, history, (x9, y9) = run_fleet(share=False)
+    assert agg.global_.prototypes.labels == ()
+    assert "digit-9" not in clients[1].protos.library.labels
+    assert history[-1][1] == 0.0 and history[-1][0] > 0.5
+
+
+# -- whole runs -----------------------------------------------------------------------------
+def small(**over) -> RunConfig:
+    values = {"data": {"tasks": 2, "classes_per_task": 2},
+              "learn": {"memory_size": 40, "local_epochs": 1, "head": "prototypes"},
+              "fed": {"clients": 2, "burn_in": 2, "jump": 2}, "quiet": True}
+    for k, v in over.items():
+        values.setdefault(k, {}).update(v)
+    return apply(RunConfig(), values)
+
+
+def test_simulate_with_prototypes_learns_and_is_deterministic():
+    from edgefcl.simulate import simulate
+
+    a, b = simulate(small()), simulate(small())
+    assert a.rounds > 0 and a.global_sha256 == b.global_sha256
+    np.testing.assert_array_equal(a.acc, b.acc)
+    assert a.acc[:, -1].mean() > 0.5
+
+
+def test_fixed_head_is_untouched_by_the_option():
+    from edgefcl.build import prepare
+
+    fixed = prepare(small(learn={"head": "fixed"}), 0).initial
+    auto = prepare(small(learn={"head": "auto"}), 0).initial
+    assert not isinstance(fixed, ProtoNet) and not isinstance(auto, ProtoNet)
+    assert get_tensors(fixed).keys() == get_tensors(auto).keys()
+    cfg = small(learn={"head": "auto", "method": "fedbnn"})
+    cfg = dataclasses.replace(cfg, fed=dataclasses.replace(cfg.fed, encoding="gaussian",
+                                                           aggregation="fedbnn"))
+    assert isinstance(prepare(cfg, 0).initial, ProtoNet)  # the paper's default for fedbnn
+
+
+@pytest.mark.mqtt
+def test_lockstep_mqtt_reproduces_inprocess_with_prototypes(embedded_broker, tmp_path):
+    from edgefcl.runtime.fleet import simulate_mqtt
+    from edgefcl.simulate import simulate
+
+    cfg = small(mqtt={"broker": embedded_broker})
+    local = simulate(cfg)
+    remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=tmp_path / "fleet")
+    assert local.rounds > 0 and remote.rounds == local.rounds
+    np.testing.assert_array_equal(remote.acc, local.acc)
+    assert remote.global_sha256 == local.global_sha256
+
+
+def test_export_carries_the_library_and_its_labels(tmp_path):
+    import onnx
+
+    from edgefcl.learn.export import export_run, load_run_model, max_logit_diff
+    from edgefcl.report import write_run
+    from edgefcl.simulate import simulate
+
+    result = simulate(small())
+    write_run(result, tmp_path)
+    model, _ = load_run_model(tmp_path)
+    labels = result.extra["labels"]
+    assert isinstance(model, ProtoNet) and model.library.labels == [str(n) for n in labels]
+    assert len(labels) == 4  # the labels the fleet met: 2 tasks x 2 classes
+    r = export_run(tmp_path)
+    meta = {p.key: p.value for p in onnx.load(r["path"]).metadata_props}
+    assert meta["labels"] == json.dumps([str(n) for n in labels])
+    x = np.random.default_rng(0).random((5, 1, 8, 8), np.float32)
+    assert max_logit_diff(model, Path(r["path"]).read_bytes(), x) < 1e-4
+
+
+def test_checkpoint_restores_a_prototype_client_bit_for_bit():
+    import io
+
+    def make():
+        torch.manual_seed(0)
+        model = proto_model(build_model("mlp", (12,), 1, hidden=8))
+        return Client("c0", model, LearnConfig(method="bi", memory_size=20, local_epochs=2,
+                                               head="prototypes"),
+                      FedConfig(burn_in=1, jump=1), "vector", seed=7)
+
+    rng = np.random.default_rng(0)
+    bs = []
+    for i in range(12):
+        t = i // 4
+        y = rng.integers(2 * t, 2 * t + 2, 6)
+        x = (rng.normal(size=(6, 12)) + y[:, None] * 0.5).astype(np.float32)
+        bs.append(Batch(x, y.astype(np.int64), t, i % 4 + 1, (i + 1) % 4 == 0))
+
+    def drive(c, batches):
+        for b in batches:
+            upd = c.step(b)
+            if upd is not None and upd.seq % 2 == 0:
+                p = upd.prototypes
+                shrunk = PrototypeTable(p.labels, 0.9 * p.rows, p.counts)
+                c.apply_global(GlobalModel(c.version + 1, {k: 0.9 * v for k, v in
+                                                           c.base.items()}, (c.cid,), shrunk),
+                               "delta")
+
+    a = make()
+    drive(a, bs[:6])
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    b = make()
+    b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    drive(a, bs[6:])
+    drive(b, bs[6:])
+    assert a.protos.library.labels == b.protos.library.labels
+    assert torch.equal(a.protos.library.rows, b.protos.library.rows)
+    ta, tb = get_tensors(a.model), get_tensors(b.model)
+    assert all(np.array_equal(ta[k], tb[k]) for k in ta)
+
+
+def test_live_export_names_the_library_labels(tmp_path):
+    import onnx
+
+    torch.manual_seed(0)
+    model = proto_model(build_model("mlp", (6,), 1, hidden=8))
+    c = Client("c0", model, LearnConfig(method="er", memory_size=10, head="prototypes",
+                                        export_onnx=str(tmp_path / "{cid}.onnx")),
+               FedConfig(burn_in=1, jump=1), "vector", seed=0, label_names=["cat", "dog"])
+    y = np.array([0, 1, 1, 0], np.int64)
+    upd = c.step(Batch(np.random.default_rng(0).random((4, 6), np.float32), y, 0, 1, False))
+    c.apply_global(GlobalModel(1, c.base, ("c0",), upd.prototypes))
+    meta = {p.key: p.value for p in onnx.load(tmp_path / "c0.onnx").metadata_props}
+    assert json.loads(meta["labels"]) == ["cat", "dog"]
+
+
+@pytest.mark.parametrize("learn,fed", [
+    ({"head": "foo"}, {}),
+    ({"method": "apc", "head": "prototypes"}, {}),
+    ({"method": "fedbnn", "task_free": True}, {}),  # auto: prototypes for fedbnn
+    ({"head": "prototypes", "warmup_steps": -1}, {}),
+])
+def test_head_configuration_errors(learn, fed):
+    from edgefcl.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        apply(RunConfig(), {"learn": learn, "fed": fed})
+
+
+def test_a_resumed_aggregator_still_takes_libraries():
+    fed = FedConfig(clients=1, min_clients=1, burn_in=1, jump=1, clip_factor=0)
+    initial = {"w": np.zeros(2, np.float32)}
+    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    agg.join("c0")
+    agg.submit(Update("c0", 0, 1, 0, 2, 10, initial, prototypes=table(["a"])))
+    again = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    again.load_state(agg.state())
+    again.join("c0")
+    closed = again.submit(Update("c0", 1, 2, 0, 3, 10, initial, prototypes=table(["b"])))
+    assert closed is not None and closed.global_.prototypes.labels == ("b",)
