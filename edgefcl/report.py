@@ -18,7 +18,7 @@ from edgefcl.learn.drift import stream_lines
 from edgefcl.learn.export import GLOBAL_FILE
 from edgefcl.metrics import CommStats, per_task_final, sample_std
 from edgefcl.results import RunResult
-from edgefcl.runtime.state import save_tensors
+from edgefcl.statefiles import make_dir, save_tensors
 
 RESULTS, CONFIG, ROUNDS = "results.json", "config.toml", "rounds.jsonl"
 
@@ -29,15 +29,6 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
-
-
-def make_dir(path: Path, what: str = "--out") -> Path:
-    """Create `path` (and its parents) or raise ConfigError saying why it cannot be."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot create {path}: {e.strerror or e}") from None
-    return path
 
 
 def run_table(r: RunResult) -> str:
@@ -174,8 +165,9 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
 def _expected(cfg: RunConfig, label: str, seed: int) -> dict[str, Any]:
     import dataclasses
 
+    from edgefcl.build import for_method
     from edgefcl.config import run_entries
-    from edgefcl.simulate import cfg_dict, for_method
+    from edgefcl.results import cfg_dict
 
     fed = next(f for lbl, _, f in run_entries(cfg) if lbl == label)
     method = next(m for lbl, m, _ in run_entries(cfg) if lbl == label)

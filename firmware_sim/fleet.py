@@ -35,7 +35,7 @@ from edgefcl.data.streams import stream_batches
 from edgefcl.data.workload import client_id
 from edgefcl.metrics import forgetting
 from edgefcl.runtime.links import open_link, topics
-from edgefcl.runtime.state import load_json, save_tensors
+from edgefcl.statefiles import load_json, save_tensors
 from edgefcl.transport.broker import start_mosquitto
 from edgefcl.transport.codec import CodecError, Message, decode
 from firmware_sim.byzantine import ATTACKS, Byzantine

@@ -32,7 +32,7 @@ from edgefcl.learn.params import get_tensors, set_tensors
 from edgefcl.learn.perturb import eval_mode
 from edgefcl.learn.variational import client_hooks
 from edgefcl.ondevice import OnnxModel
-from edgefcl.runtime.state import atomic_write, load_json, load_tensors
+from edgefcl.statefiles import atomic_write, load_json, load_tensors
 
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel, Tensors

@@ -31,7 +31,7 @@ from edgefcl.learn.global_format import global_tensors
 from edgefcl.metrics import forgetting
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, topics, wire_dtype
-from edgefcl.runtime.state import save_json
+from edgefcl.statefiles import save_json
 from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode, model_spec
 
 log = logging.getLogger("edgefcl.client")

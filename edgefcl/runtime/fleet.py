@@ -29,7 +29,7 @@ from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult, cfg_dict
 from edgefcl.runtime.launcher import Role, start_role, warm_up
 from edgefcl.runtime.links import open_link, topics
-from edgefcl.runtime.state import load_json, load_tensors, save_tensors
+from edgefcl.statefiles import load_json, load_tensors, save_tensors
 from edgefcl.transport.broker import EmbeddedBroker
 from edgefcl.transport.codec import CodecError, Message, decode
 

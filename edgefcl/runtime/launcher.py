@@ -1,6 +1,7 @@
 """Start fleet roles (`edgefcl aggregator|client|replay ...`) as separate processes, fast.
 
-Every role is a separate OS process running `edgefcl.cli.main(args)`, exactly as from a shell.
+Every role is a separate OS process running `edgefcl.runtime.roles.main(args)`, exactly as
+`edgefcl ROLE ...` from a shell.
 They are forked from one forkserver that imported torch (and the `torch._dynamo` that the first
 optimizer pulls in), scikit-learn, kornia and the runtime once, so a fleet of K clients pays
 those ~4 s of imports once instead of K + 2 times on a 2-core machine. The server is
@@ -26,7 +27,7 @@ def _run_role(args: list[str], log: str) -> None:
         os.dup2(fd, std)
     os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    from edgefcl.cli import main
+    from edgefcl.runtime.roles import main
 
     code = main(args)
     sys.stdout.flush()

@@ -34,7 +34,7 @@ import numpy as np
 
 from edgefcl.config import ConfigError
 from edgefcl.federation.messages import Tensors
-from edgefcl.runtime.state import atomic_write
+from edgefcl.statefiles import atomic_write
 from edgefcl.transport.codec import CodecError, ModelSpec, check_tensors, model_spec, spec_hash
 
 DB_NAME = "state.db"
