@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def _run_role(args: list[str], log: str) -> None:
 
 
 class Role:
-    """A running role with the subset of `subprocess.Popen` the fleet launcher uses."""
+    """A running role with the subset of `subprocess.Popen` the supervisor uses."""
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.proc = _ctx.Process(target=_run_role, args=(args, str(log)), daemon=False)
@@ -52,8 +53,12 @@ class Role:
     def wait(self, timeout: float | None = None) -> int | None:
         self.proc.join(timeout)
         if self.proc.exitcode is None:
-            raise TimeoutError(f"role still running after {timeout} s")
+            raise subprocess.TimeoutExpired(f"role {self.proc.name}", timeout or 0.0)
         return self.proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc.pid is not None and self.proc.exitcode is None:
+            os.kill(self.proc.pid, sig)
 
     def terminate(self) -> None:
         self.proc.terminate()
