@@ -118,7 +118,7 @@ def max_logit_diff(model: nn.Module, onnx_bytes: bytes, x: np.ndarray) -> float:
 
 
 # -- run directories ------------------------------------------------------------------------
-def model_spec(model: str, sample_shape: tuple[int, ...], n_classes: int,
+def architecture_spec(model: str, sample_shape: tuple[int, ...], n_classes: int,
                hidden: int) -> dict[str, Any]:
     """What rebuilds a run's architecture: the concrete model name, sample shape, classes and
     MLP width (stored as "model_spec" in results.json)."""

@@ -32,7 +32,7 @@ from edgefcl.metrics import forgetting
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, topics, wire_dtype
 from edgefcl.statefiles import save_json
-from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode, model_spec
+from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode, tensor_spec
 
 log = logging.getLogger("edgefcl.client")
 
@@ -86,7 +86,7 @@ class DeviceRunner:
         self.rejected = 0
         self.duplicates = 0
         # every global is checked against this device's own model before it is adopted
-        self.global_spec = model_spec(global_tensors(client.model, cfg.fed.encoding))
+        self.global_spec = tensor_spec(global_tensors(client.model, cfg.fed.encoding))
         self.rejections: Counter[str] = Counter()
         # this installation's session: its sequence numbers start at 1 (kept on flash by
         # devices that resume their sequence numbers, see firmware_sim)

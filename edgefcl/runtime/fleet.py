@@ -23,7 +23,7 @@ from edgefcl.data.streams import count_batches
 from edgefcl.data.workload import client_id
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.drift import summarize_drift
-from edgefcl.learn.export import global_state, model_spec
+from edgefcl.learn.export import architecture_spec, global_state
 from edgefcl.learn.params import tensors_sha256
 from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult, cfg_dict
@@ -116,8 +116,8 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
              wall: float, setup: Setup) -> RunResult:
     K, T = cfg.fed.clients, cfg.data.tasks
     client0 = make_client(cfg, setup, 0, method, seed)  # decodes the global as a client would
-    setup_spec = model_spec(cfg.learn.model, setup.dataset.sample_shape, setup.dataset.n_classes,
-                            cfg.learn.hidden)
+    setup_spec = architecture_spec(cfg.learn.model, setup.dataset.sample_shape,
+                                   setup.dataset.n_classes, cfg.learn.hidden)
     acc = np.zeros((K, T, T))
     comm = CommStats()
     extra = {"scored_samples": 0, "batches": 0, "timings": {}}
