@@ -344,11 +344,10 @@ def table(runs: list[dict]) -> str:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    import matplotlib
+    """Ingest rate (offered, raw broker, aggregator) and round interval against devices."""
+    from edgefcl.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     n = [r["devices"] for r in runs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(n, [r["offered_per_s"] for r in runs], "k--", label="offered")

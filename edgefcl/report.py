@@ -180,7 +180,8 @@ def _comparable(cfg: RunConfig) -> str:
 
 
 # -- plots -----------------------------------------------------------------------------------
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (imported on first use)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -200,7 +201,7 @@ def _seen(m: np.ndarray) -> np.ndarray:
 def plot_accuracy_matrix(r: RunResult, path: Path) -> None:
     """Heat map of accuracy on task i (columns) after task t (rows), mean over clients; tasks
     not yet seen are blank."""
-    plt = _plt()
+    plt = pyplot()
     m = _seen(100.0 * r.acc.mean(axis=0))
     T = m.shape[0]
     fig, ax = plt.subplots(figsize=(2.4 + 0.7 * T, 1.6 + 0.6 * T))
@@ -226,7 +227,7 @@ def plot_accuracy_matrix(r: RunResult, path: Path) -> None:
 
 def plot_accuracy_over_tasks(r: RunResult, path: Path) -> None:
     """Accuracy on each task as later tasks are learned, mean over clients."""
-    plt = _plt()
+    plt = pyplot()
     m = 100.0 * r.acc.mean(axis=0)
     T = m.shape[0]
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -249,7 +250,7 @@ def plot_accuracy_over_tasks(r: RunResult, path: Path) -> None:
 
 def plot_comparison(summary: dict[str, dict[str, float]], path: Path) -> None:
     """Bar chart of A and F per method, mean ± sample std over seeds."""
-    plt = _plt()
+    plt = pyplot()
     methods = list(summary)
     x = np.arange(len(methods))
     fig, ax = plt.subplots(figsize=(3.0 + 1.1 * len(methods), 4.0))
@@ -289,7 +290,7 @@ def read_rounds(path: Path) -> list[dict[str, Any]]:
 def plot_rounds(rounds: list[dict[str, Any]], path: Path, title: str) -> None:
     """Per round: bytes received by the aggregator (bars) and the accuracy of the new global on
     held-out data (line, when the aggregator ran with --eval-data)."""
-    plt = _plt()
+    plt = pyplot()
     x = [int(r["round"]) for r in rounds]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     ax.bar(x, [r.get("bytes_in", 0) / 1024 for r in rounds], color="tab:gray", alpha=0.5,
