@@ -103,7 +103,10 @@ class Supervisor:
         `grace` 0, SIGKILL at once."""
         alive = [p for p in self.procs.values() if p.poll() is None]
         for p in alive:
-            p.terminate() if grace > 0 else p.kill()
+            if grace > 0:
+                p.terminate()
+            else:
+                p.kill()
         for p in alive:
             self._reap(p, grace)
 
