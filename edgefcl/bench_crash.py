@@ -122,9 +122,9 @@ def child(state_dir: Path) -> None:
 def check(state_dir: Path) -> dict:
     """Validate the state after a kill; raises AssertionError on any inconsistency."""
     from edgefcl.runtime.store import StateStore
-    from edgefcl.transport.codec import model_spec
+    from edgefcl.transport.codec import tensor_spec
 
-    spec = model_spec(INITIAL)
+    spec = tensor_spec(INITIAL)
     store = StateStore.open(state_dir, fleet="crash", spec=spec)
     try:
         loaded = store.load(spec)

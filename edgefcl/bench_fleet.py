@@ -38,7 +38,7 @@ DRAIN_S = 2.0
 # -- payloads -------------------------------------------------------------------------------
 def demo_tensors(cfg: RunConfig) -> dict[str, np.ndarray]:
     """The initial global of the configured model and dataset (the demo's small CNN)."""
-    from edgefcl.simulate import initial_global, prepare
+    from edgefcl.build import initial_global, prepare
 
     return initial_global(cfg, prepare(cfg, cfg.seed))
 
@@ -344,11 +344,10 @@ def table(runs: list[dict]) -> str:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    import matplotlib
+    """Ingest rate (offered, raw broker, aggregator) and round interval against devices."""
+    from edgefcl.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     n = [r["devices"] for r in runs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(n, [r["offered_per_s"] for r in runs], "k--", label="offered")
@@ -375,7 +374,7 @@ def bench_fleet(opts: FleetOptions, cfg: RunConfig, out: Path) -> dict:
     """Run every device count; write DIR/bench_fleet.json and DIR/bench_fleet.png."""
     import json
 
-    from edgefcl.runtime.state import save_tensors
+    from edgefcl.statefiles import save_tensors
 
     if not (shutil.which("mosquitto") or Path("/usr/sbin/mosquitto").exists()):
         raise ConfigError("bench fleet needs the mosquitto binary (apt-get install mosquitto)")

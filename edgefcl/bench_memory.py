@@ -146,25 +146,26 @@ def bar_check(rows: list[dict]) -> list[dict]:
     return out
 
 
+TABLE = {"data": "{dataset}", "M/class": "{per_class}", "rule": "{rule}",
+         "A (%)": "{accuracy:.1f} ± {accuracy_std:.1f}",
+         "F (%)": "{forgetting:.1f} ± {forgetting_std:.1f}", "wall s/run": "{wall_s:.1f}",
+         "scored/batch": "{scored_per_batch:.1f}", "seeds": "{n}"}
+"""The study table's columns: header -> cell format over a `summarize` row."""
+
+
 def format_table(rows: list[dict]) -> str:
     """Markdown table of `summarize` rows."""
-    lines = ["| data | M/class | rule | A (%) | F (%) | wall s/run | scored/batch | seeds |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['dataset']} | {r['per_class']} | {r['rule']} | "
-                     f"{r['accuracy']:.1f} ± {r['accuracy_std']:.1f} | "
-                     f"{r['forgetting']:.1f} ± {r['forgetting_std']:.1f} | {r['wall_s']:.1f} | "
-                     f"{r['scored_per_batch']:.1f} | {r['n']} |")
+    lines = ["| " + " | ".join(TABLE) + " |", "|" + "---|" * len(TABLE)]
+    lines += ["| " + " | ".join(cell.format(**r) for cell in TABLE.values()) + " |"
+              for r in rows]
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
     """A and F per rule, one panel pair per dataset, x = memory per class."""
-    import matplotlib
+    from edgefcl.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     rules = list(dict.fromkeys(r["rule"] for r in rows))
     sizes = sorted({r["per_class"] for r in rows})

@@ -3,118 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 from edgefcl import __version__
-from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml
-from edgefcl.errors import UserError
+from edgefcl.config import ConfigError
 from edgefcl.logs import setup_logging
-
-DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
-RUN_ONLY = ("seeds", "compare", "transport", "out", "quiet")
-"""Run options that only `simulate` and `bench` use (several runs, a run directory)."""
-DAEMON_HELP = {"broker": "broker URL mqtt://HOST:PORT or mqtts://HOST:PORT (default: [mqtt] "
-               f"broker of --config, else {DEFAULT_BROKER})"}
-"""Help texts of config fields whose meaning differs for the commands that join a fleet."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `PROG: error: MESSAGE (see PROG --help)`, exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default unless its help already states it or it has none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if ("default" in text or action.default is None or action.default is False
-                or action.default == argparse.SUPPRESS or not action.option_strings):
-            return text
-        return text + " (default: %(default)s)"
-
-
-def logging_options() -> argparse.ArgumentParser:
-    """-v / -q / --log-level / --log-json: accepted before or after any subcommand."""
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("logging")
-    g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="debug logging")
-    g.add_argument("-q", dest="log_quiet", action="store_true", default=argparse.SUPPRESS,
-                   help="log errors only")
-    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                   default=argparse.SUPPRESS,
-                   help="log level (default: info for the daemons, status and broker; "
-                   "warning for the others)")
-    g.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS,
-                   help="log one JSON object per line (for log collectors)")
-    return p
-
-
-def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
-                     helps: dict[str, str] | None = None,
-                     sections: tuple[str, ...] | None = None) -> None:
-    """One flag per config field (`memory_size` -> `--memory-size`), grouped by section;
-    fields in `skip` get no flag, `helps` replaces the help text of some fields, `sections`
-    (default: all, "run" included) limits the flags to those sections."""
-    parser.add_argument("--config", metavar="FILE",
-                        help="TOML config file; flags given on the command line override it")
-    groups = [("run", RunConfig)] + list(SECTIONS.items())
-    helps = helps or {}
-    for section, cls in groups:
-        if sections is not None and section not in sections:
-            continue
-        group = parser.add_argument_group(f"[{section}] options" if section != "run"
-                                          else "run options")
-        for f in dataclasses.fields(cls):
-            if f.name in SECTIONS or f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            help_text = helps.get(f.name) or f"{f.metadata.get('help', '')} (default: {f.default})"
-            dest = f"{section}.{f.name}"
-            if isinstance(f.default, bool) and f.default:  # on by default: --no-X turns off
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                                   default=None, help=help_text)
-            elif isinstance(f.default, bool):
-                group.add_argument(flag, dest=dest, action="store_const", const=True,
-                                   default=None, help=help_text)
-            else:
-                group.add_argument(flag, dest=dest, type=type(f.default), default=None,
-                                   metavar=f.name.upper(), help=help_text)
-
-
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """Defaults, then the TOML file, then the flags given on the command line."""
-    cfg = load_toml(args.config) if getattr(args, "config", None) else RunConfig()
-    values: dict[str, Any] = {}
-    for dest, value in vars(args).items():
-        if "." not in dest or value is None:
-            continue
-        section, key = dest.split(".", 1)
-        if section == "run":
-            values[key] = value
-        else:
-            values.setdefault(section, {})[key] = value
-    return apply(cfg, values)
-
-
-def check_runs(cfg: RunConfig) -> None:
-    """Refuse, before any work starts, what would only fail later: a CUDA device on a
-    machine without one (names are checked by the config against the registries)."""
-    if cfg.learn.device != "cpu":
-
-        from edgefcl.learn.client import resolve_device
-
-        try:
-            resolve_device(cfg.learn.device)
-        except RuntimeError as e:
-            raise ConfigError(f"--device {cfg.learn.device}: {e}") from None
+from edgefcl.options import (
+    DAEMON_HELP,
+    HelpFormatter,
+    Parser,
+    add_command,
+    add_config_flags,
+    check_runs,
+    config_from_args,
+    daemon_config,
+    log_level,
+    logging_options,
+    run_command,
+)
+from edgefcl.runtime.roles import add_role_commands
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -136,7 +45,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--resume needs --out DIR (the run directory to resume)")
     several = total_runs(cfg) > 1
     if out is not None:
-        from edgefcl.report import make_dir
+        from edgefcl.statefiles import make_dir
 
         make_dir(out)
 
@@ -221,123 +130,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def daemon_config(args: argparse.Namespace) -> RunConfig:
-    """Config for a command that connects to a broker (no embedded default)."""
-    cfg = config_from_args(args)
-    if not cfg.mqtt.broker:
-        cfg.mqtt.broker = DEFAULT_BROKER
-    return cfg
-
-
-def cmd_aggregator(args: argparse.Namespace) -> int:
-    from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
-    from edgefcl.runtime.state import load_tensors
-
-    cfg = daemon_config(args)
-    check_runs(cfg)
-    state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
-    from edgefcl.config import make_dir  # not edgefcl.report: the aggregator needs no torch
-
-    make_dir(state_dir, "--state-dir")
-    setup = None
-    if args.initial:
-        if not Path(args.initial).is_file():
-            raise ConfigError(f"--initial: no such file {args.initial}")
-        initial = load_tensors(Path(args.initial))
-    else:
-        from edgefcl.build import initial_global, prepare
-
-        setup = prepare(cfg, cfg.seed)
-        initial = initial_global(cfg, setup)
-    evaluator = None
-    if args.eval_data:
-        from edgefcl.runtime.evaluation import GlobalEvaluator
-
-        evaluator = GlobalEvaluator.from_config(cfg, args.eval_data, setup)
-    from edgefcl.runtime.fleet_results import announce_refusal
-    from edgefcl.runtime.join import fleet_profile
-    from edgefcl.runtime.store import StateError
-
-    try:
-        daemon = AggregatorDaemon(cfg, initial, state_dir, exit_when_done=args.exit_when_done,
-                                  fresh=args.fresh, resume=args.resume)
-    except StateError as e:  # waiting devices learn of it from the retained status
-        announce_refusal(cfg, str(e))
-        raise
-    daemon.profile = fleet_profile(cfg, initial, setup.dataset if setup else None)
-    daemon.evaluator = evaluator
-    daemon.labels = setup.dataset.labels if setup else None
-    return daemon.run()
-
-
-def cmd_client(args: argparse.Namespace) -> int:
-    import time
-
-    started = time.time()
-    from edgefcl.runtime.join import check_join, fleet_profile, preflight
-
-    cfg = daemon_config(args)
-    if not 0 <= args.index < cfg.fed.clients:
-        raise ConfigError(f"--index must be in [0, {cfg.fed.clients}) for {cfg.fed.clients} "
-                          "clients")
-    cid = args.id or f"c{args.index:03d}"  # edgefcl.data.workload.client_id
-    # a device that does not match its fleet stops here, before torch and the data load
-    fleet = preflight(cfg, cid, fleet_profile(cfg))
-    check_runs(cfg)
-    if args.results:
-        from edgefcl.report import make_dir
-
-        make_dir(Path(args.results), "--results")
-    logging.getLogger("edgefcl.client").info("starting: loading data and model")
-    from edgefcl.build import initial_global, prepare
-
-    setup = prepare(cfg, cfg.seed)
-    if not 0 <= args.index < len(setup.tasks):
-        raise ConfigError(f"--index must be in [0, {len(setup.tasks)}) for {cfg.fed.clients} "
-                          "clients")
-    profile = fleet_profile(cfg, initial_global(cfg, setup), setup.dataset)
-    if fleet is not None:  # now the data shape and the model tensors too
-        check_join(cid, cfg.mqtt.fleet, profile, fleet)
-    import torch
-
-    from edgefcl.build import make_client
-    from edgefcl.data.workload import client_stream
-    from edgefcl.runtime.device import DeviceRunner
-
-    torch.set_num_threads(cfg.learn.threads)
-    client = make_client(cfg, setup, args.index, cfg.learn.method, cfg.seed)
-    client.cid = cid
-    source = (client_stream(cfg, setup.tasks[args.index], args.index, cfg.seed)
-              if args.source == "local" else None)
-    runner = DeviceRunner(cfg, client, source, None if args.no_eval else setup.tasks[args.index],
-                          Path(args.results) if args.results else None)
-    runner.join_profile = profile
-    runner.started = started
-    results = runner.run()
-    acc = results.get("accuracy")
-    print(f"{client.cid}: {results['batches']} batches, {results['rounds']} rounds"
-          + (f", A = {acc:.1f} %" if acc is not None else "")
-          + (f", F = {results['forgetting']:.1f} %" if "forgetting" in results else ""))
-    if results["rounds"] == 0 and results["batches"] > 0:
-        log.warning("%s never took part in a round (rounds = 0): it trained alone; check the "
-                    "aggregator's log and `edgefcl status`", client.cid)
-        return 1 if cfg.fed.clients >= cfg.fed.min_clients else 0
-    return 0
-
-
-def cmd_replay(args: argparse.Namespace) -> int:
-    from edgefcl.data.workload import client_id, client_stream, load_workload
-    from edgefcl.runtime.replayer import Replayer
-
-    cfg = daemon_config(args)
-    work = load_workload(cfg, cfg.seed)
-    streams = {client_id(k): client_stream(cfg, work.tasks[k], k, cfg.seed)
-               for k in range(cfg.fed.clients)}
-    sent = Replayer(cfg, streams, rate=args.rate, window=args.window).run()
-    print(f"replayed {sum(sent.values())} mini-batches to {len(sent)} clients")
-    return 0
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     from edgefcl.runtime.status import watch
 
@@ -369,21 +161,13 @@ def cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command(sub, name: str, help: str, description: str, func) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, description=description, parents=[logging_options()],
-                       formatter_class=HelpFormatter)
-    p.set_defaults(func=func)
-    return p
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="edgefcl", description="Online federated continual learning on edge "
                "devices.", parents=[logging_options()], formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"edgefcl {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    fleet_flags = {"skip": RUN_ONLY, "helps": DAEMON_HELP}
 
-    s = _command(sub, "simulate", "replay a dataset as per-client streams and run the "
+    s = add_command(sub, "simulate", "replay a dataset as per-client streams and run the "
                  "federation in one process (or as a fleet of processes with --transport mqtt)",
                  "Run an online federated continual learning simulation: every client consumes "
                  "its one-pass stream, keeps a replay memory and takes part in rounds on the "
@@ -394,57 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the runs already finished in --out (same configuration) and run "
                    "only the others")
     add_config_flags(s)
+    add_role_commands(sub)
 
-    a = _command(sub, "aggregator", "run the aggregator daemon",
-                 "Serve a fleet: validate updates, run the burn-in/jump round schedule, publish "
-                 "the global model (retained). State (global, version, round log) is saved to "
-                 "--state-dir in one transaction per round and resumed from after a restart or "
-                 "crash; a state of another fleet or model, or of a finished run, is refused "
-                 "(see --fresh, --resume). SIGTERM/SIGINT stop it gracefully.", cmd_aggregator)
-    a.add_argument("--state-dir", help="state directory (default: state/<fleet>)")
-    a.add_argument("--initial", metavar="FILE.npz",
-                   help="initial global model tensors (default: built from the config's model "
-                   "and dataset with --seed)")
-    a.add_argument("--exit-when-done", action="store_true",
-                   help="exit once every client reported its stream done (the run is then "
-                   "finished)")
-    a.add_argument("--eval-data", metavar="DATASET",
-                   help="evaluate every new global on the test split of this dataset spec "
-                   "(like --dataset; 'config': the config's dataset) and log its accuracy per "
-                   "round in rounds.jsonl")
-    a.add_argument("--fresh", action="store_true",
-                   help="discard the state in --state-dir and start a new run (default: off)")
-    a.add_argument("--resume", action="store_true",
-                   help="continue a finished run in --state-dir (default: off; an unfinished "
-                   "run is always resumed)")
-    add_config_flags(a, **fleet_flags)
-
-    c = _command(sub, "client", "run one device client",
-                 "A device: checks that it matches the fleet (the aggregator's retained "
-                 "config), consumes its stream (from the broker's stream/<id> topic or a local "
-                 "source), trains online, publishes updates, merges globals, publishes its "
-                 "status with an 'offline' last will.", cmd_client)
-    c.add_argument("--index", type=int, default=0,
-                   help="which client's share of the dataset this device gets (0-based)")
-    c.add_argument("--id", default="", help="client id (default: c<index>, e.g. c000)")
-    c.add_argument("--source", choices=["mqtt", "local"], default="mqtt",
-                   help="mqtt: the stream/<id> topic (fed by `edgefcl replay`); local: read "
-                   "this device's share of the dataset directly")
-    c.add_argument("--results", metavar="DIR",
-                   help="write DIR/<id>.json with this client's results (A, F, accuracy matrix)")
-    c.add_argument("--no-eval", action="store_true", help="skip test-set evaluation")
-    add_config_flags(c, **fleet_flags)
-
-    r = _command(sub, "replay", "replay a dataset as live per-client streams",
-                 "Publish each client's one-pass stream on stream/<id>, starting when the "
-                 "client is online.", cmd_replay)
-    r.add_argument("--rate", type=float, default=0.0,
-                   help="mini-batches per second per client (0: as fast as clients consume)")
-    r.add_argument("--window", type=int, default=20,
-                   help="rate 0: mini-batches in flight per client at most")
-    add_config_flags(r, **fleet_flags)
-
-    t = _command(sub, "status", "show a running fleet: the aggregator and every device",
+    t = add_command(sub, "status", "show a running fleet: the aggregator and every device",
                  "A live table of the aggregator (version, rounds, active clients, updates "
                  "accepted and rejected by reason, bytes, last round, fleet accuracy) and "
                  "every device (online/offline, task, batches, version, last seen, "
@@ -458,13 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     add_config_flags(t, helps=DAEMON_HELP, sections=("mqtt",))
 
-    k = _command(sub, "broker", "start the embedded MQTT broker (amqtt)",
+    k = add_command(sub, "broker", "start the embedded MQTT broker (amqtt)",
                  "A pure-Python MQTT 3.1.1 broker for a laptop fleet. For production use "
                  "Mosquitto with the configuration in broker/.", cmd_broker)
     k.add_argument("--host", default="127.0.0.1", help="address to listen on")
     k.add_argument("--port", type=int, default=1883, help="port to listen on")
 
-    b = _command(sub, "bench", "benchmarks that print numbers and write JSON",
+    b = add_command(sub, "bench", "benchmarks that print numbers and write JSON",
                  " ".join(f"{name}: {text}." for name, text in BENCHES.items()), cmd_bench)
     b.add_argument("what", choices=list(BENCHES), help="what to benchmark")
     b.add_argument("--datasets", default="digits,mnist1d,digits28",
@@ -485,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet_arguments(b)
     add_config_flags(b)
 
-    e = _command(sub, "export", "export a run's global model as ONNX",
+    e = add_command(sub, "export", "export a run's global model as ONNX",
                  "Rebuild the final global model of a run directory (`edgefcl simulate --out "
                  "DIR`) or of an aggregator state directory and write it as one ONNX file "
                  "(eval mode, dynamic batch axis, class labels in its metadata), checked "
@@ -496,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--exporter", choices=["torchscript", "dynamo"], default="torchscript",
                    help="torchscript: fast, legacy TorchScript exporter; dynamo: torch.export")
 
-    d = _command(sub, "predict", "predict with an ONNX model (onnxruntime, no torch)",
+    d = add_command(sub, "predict", "predict with an ONNX model (onnxruntime, no torch)",
                  "Serve an exported model on a device: read inputs from a .npy array "
                  "(N, *sample_shape), write the predicted classes.", cmd_predict)
     d.add_argument("--model", required=True, metavar="FILE", help="ONNX model")
@@ -506,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--labels", metavar="Y.npy", help="true labels: report the accuracy")
     d.add_argument("--threads", type=int, default=1, help="onnxruntime CPU threads")
 
-    o = _command(sub, "report", "tables and plots of a run or aggregator state directory",
+    o = add_command(sub, "report", "tables and plots of a run or aggregator state directory",
                  "Print the results table of DIR (a run directory of `edgefcl simulate --out`, "
                  "a --compare/--seeds directory, or an aggregator --state-dir) and (re)write "
                  "its plots there.", cmd_report)
@@ -514,48 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-DAEMONS = ("aggregator", "client", "replay", "broker", "status")
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-          "error": logging.ERROR}
-
-
-def log_level(args: argparse.Namespace) -> int:
-    """--log-level, else -v (debug) / -q (errors), else info for daemons, warning otherwise."""
-    if getattr(args, "log_level", None):
-        return LEVELS[args.log_level]
-    if getattr(args, "verbose", False):
-        return logging.DEBUG
-    if getattr(args, "log_quiet", False):
-        return logging.ERROR
-    return logging.INFO if args.command in DAEMONS else logging.WARNING
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(log_level(args), getattr(args, "log_json", False))
     return run_command(args, "edgefcl")
-
-
-def run_command(args: argparse.Namespace, prog: str) -> int:
-    """Run `args.func(args)`: bad input, bad data, an unreachable broker and a failed fleet
-    process end with one clear line and exit code 2 (never a traceback), Ctrl-C with 130."""
-    from edgefcl.data.types import DataError
-    from edgefcl.transport.mqtt import TransportError
-
-    try:
-        return args.func(args)
-    except (ConfigError, DataError, TransportError, UserError) as e:
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
-
-
-def one_line(e: BaseException) -> str:
-    """The message of `e` on one line."""
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 log = logging.getLogger("edgefcl")

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgefcl.tomlfields import apply_table, coerce_field
+
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with a help text (shown by `--help`)."""
@@ -266,33 +268,13 @@ class RunConfig:
 SECTIONS = {"data": DataConfig, "learn": LearnConfig, "fed": FedConfig, "mqtt": MqttConfig}
 
 
-def _coerce(cls: type, key: str, value: Any) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    if key not in fields:
-        raise ConfigError(f"unknown key '{key}' for [{cls.__name__}]; known: {sorted(fields)}")
-    default = fields[key].default
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"'{key}' must be true or false, got {value!r}")
-        return value
-    if isinstance(default, (int, float, str)) and not isinstance(value, type(default)):
-        if isinstance(default, float) and isinstance(value, int):
-            return float(value)
-        raise ConfigError(f"'{key}' must be {type(default).__name__}, got {value!r}")
-    return value
-
-
 def apply(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     """Apply a nested dict (TOML layout) onto `cfg`; raises ConfigError on unknown keys/types."""
     for key, value in values.items():
         if key in SECTIONS:
-            if not isinstance(value, dict):
-                raise ConfigError(f"[{key}] must be a table")
-            section = getattr(cfg, key)
-            for k, v in value.items():
-                setattr(section, k, _coerce(SECTIONS[key], k, v))
+            apply_table(getattr(cfg, key), key, value, ConfigError)
         else:
-            setattr(cfg, key, _coerce(RunConfig, key, value))
+            setattr(cfg, key, coerce_field(RunConfig, key, value, "", ConfigError))
     if not cfg.compare:  # vfcl / fedbnn imply the gaussian encoding
         cfg.fed = resolve_fed(cfg.learn.method, cfg.fed)
     validate(cfg)
@@ -513,12 +495,3 @@ def dump_toml(cfg: RunConfig) -> str:
         lines.append(f"\n[{section}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in d[section].items()]
     return "\n".join(lines) + "\n"
-
-
-def make_dir(path: Path, what: str = "--out") -> Path:
-    """Create `path` (and its parents) or raise ConfigError saying why it cannot be."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot create {path}: {e.strerror or e}") from None
-    return path

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from edgefcl.config import ConfigError, RunConfig, apply, dump_toml, load_toml, make_dir
+from edgefcl.config import ConfigError, RunConfig, apply, dump_toml, load_toml
 from edgefcl.data.types import DataError
 from edgefcl.learn.drift import stream_lines
 from edgefcl.learn.export import GLOBAL_FILE
 from edgefcl.metrics import CommStats, per_task_final, sample_std
 from edgefcl.results import RunResult
-from edgefcl.runtime.state import save_tensors
+from edgefcl.statefiles import make_dir, save_tensors
 
 RESULTS, CONFIG, ROUNDS = "results.json", "config.toml", "rounds.jsonl"
 
@@ -165,8 +165,9 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
 def _expected(cfg: RunConfig, label: str, seed: int) -> dict[str, Any]:
     import dataclasses
 
+    from edgefcl.build import for_method
     from edgefcl.config import run_entries
-    from edgefcl.simulate import cfg_dict, for_method
+    from edgefcl.results import cfg_dict
 
     fed = next(f for lbl, _, f in run_entries(cfg) if lbl == label)
     method = next(m for lbl, m, _ in run_entries(cfg) if lbl == label)
@@ -179,7 +180,8 @@ def _comparable(cfg: RunConfig) -> str:
 
 
 # -- plots -----------------------------------------------------------------------------------
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (imported on first use)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,7 +201,7 @@ def _seen(m: np.ndarray) -> np.ndarray:
 def plot_accuracy_matrix(r: RunResult, path: Path) -> None:
     """Heat map of accuracy on task i (columns) after task t (rows), mean over clients; tasks
     not yet seen are blank."""
-    plt = _plt()
+    plt = pyplot()
     m = _seen(100.0 * r.acc.mean(axis=0))
     T = m.shape[0]
     fig, ax = plt.subplots(figsize=(2.4 + 0.7 * T, 1.6 + 0.6 * T))
@@ -225,7 +227,7 @@ def plot_accuracy_matrix(r: RunResult, path: Path) -> None:
 
 def plot_accuracy_over_tasks(r: RunResult, path: Path) -> None:
     """Accuracy on each task as later tasks are learned, mean over clients."""
-    plt = _plt()
+    plt = pyplot()
     m = 100.0 * r.acc.mean(axis=0)
     T = m.shape[0]
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -248,7 +250,7 @@ def plot_accuracy_over_tasks(r: RunResult, path: Path) -> None:
 
 def plot_comparison(summary: dict[str, dict[str, float]], path: Path) -> None:
     """Bar chart of A and F per method, mean ± sample std over seeds."""
-    plt = _plt()
+    plt = pyplot()
     methods = list(summary)
     x = np.arange(len(methods))
     fig, ax = plt.subplots(figsize=(3.0 + 1.1 * len(methods), 4.0))
@@ -288,7 +290,7 @@ def read_rounds(path: Path) -> list[dict[str, Any]]:
 def plot_rounds(rounds: list[dict[str, Any]], path: Path, title: str) -> None:
     """Per round: bytes received by the aggregator (bars) and the accuracy of the new global on
     held-out data (line, when the aggregator ran with --eval-data)."""
-    plt = _plt()
+    plt = pyplot()
     x = [int(r["round"]) for r in rounds]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     ax.bar(x, [r.get("bytes_in", 0) / 1024 for r in rounds], color="tab:gray", alpha=0.5,

@@ -20,7 +20,7 @@ from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_message
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
-from edgefcl.learn.export import global_state, model_spec
+from edgefcl.learn.export import architecture_spec, global_state
 from edgefcl.learn.params import tensors_sha256
 from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult, cfg_dict  # noqa: F401  (re-exported)
@@ -89,7 +89,7 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
                       "background_timings": dict(sum((c.background for c in clients),
                                                      Counter())),
                       "aggregator": dict(agg.counters),
-                      "model_spec": model_spec(cfg.learn.model, setup.dataset.sample_shape,
+                      "model_spec": architecture_spec(cfg.learn.model, setup.dataset.sample_shape,
                                                setup.dataset.n_classes, cfg.learn.hidden),
                       "labels": (list(g.prototypes.labels) if g.prototypes is not None
                                  else setup.dataset.labels),  # prototypes: library order

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,11 +46,9 @@ import numpy as np
 
 from edgefcl.config import ConfigError, RunConfig
 from edgefcl.data.types import Batch, TaskData
-from edgefcl.federation.messages import Tick, Update
 from edgefcl.learn.client import Client
 from edgefcl.runtime.device import END, DeviceRunner
-from edgefcl.runtime.links import wire_dtype
-from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode
+from edgefcl.transport.codec import CodecError, Message, as_batch, decode
 from edgefcl.transport.mqtt import TransportError
 from firmware_sim.flash import Flash
 from firmware_sim.profile import DeviceProfile
@@ -208,12 +206,7 @@ class Firmware(DeviceRunner):
         self.fw["save_s"] += time.perf_counter() - t0
 
     # -- inbound: the write-ahead inbox ---------------------------------------------------
-    def _on_message(self, topic: str, payload: bytes) -> None:
-        if topic == self.topics.stream(self.cid) and not self._to_inbox(payload):
-            return
-        super()._on_message(topic, payload)
-
-    def _to_inbox(self, payload: bytes) -> bool:
+    def admit_stream(self, payload: bytes) -> bool:
         """Store a new stream message in flash; False for a redelivery already held."""
         try:
             msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload)
@@ -237,33 +230,28 @@ class Firmware(DeviceRunner):
             self._received = key
         return True
 
-    def _wait(self, ready: Callable[[], Any], timeout: float | None = None,
-              on_timeout: Callable[[], None] | None = None) -> Any:
-        def ready_or_crash() -> Any:
-            if self.crash.is_set():
-                raise Crash
-            return ready()
-        return super()._wait(ready_or_crash, timeout, on_timeout)
+    def check_alive(self) -> None:
+        if self.crash.is_set():
+            raise Crash
 
     # -- the mini-batch loop --------------------------------------------------------------
-    def _stream(self) -> Iterator[Batch]:
+    def before_stream(self) -> bool:
         if self.done:
-            return
-        self._resend_pending()
-        for batch in super()._stream():
-            self._before_batch()
-            yield batch
-            if self.crash.is_set():  # trained, but the safe point never came
-                raise Crash
-            self._safe_point(batch)
-            self._after_batch()
-        self._drain()
-
-    def _resend_pending(self) -> None:
+            return False
         if self.pending is not None:  # restored from flash: it may never have left
             self.fw["resent_updates"] += 1
             log.info("%s: re-sending update seq %d after boot", self.cid, self.pending[0])
             self._offer(self.pending)
+        return True
+
+    def before_batch(self, batch: Batch) -> None:
+        self._check_budget()
+
+    def after_batch(self, batch: Batch) -> None:
+        if self.crash.is_set():  # trained, but the safe point never came
+            raise Crash
+        self._safe_point(batch)
+        self._throttle()
 
     def _offer(self, update: tuple[int, bytes]) -> None:
         """Queue an update for the radio; it replaces one that is still waiting."""
@@ -282,11 +270,10 @@ class Firmware(DeviceRunner):
         self.bytes_up += len(held[1])
         self.fw["updates_sent"] += 1
 
-    def _get_batch(self):
+    def on_idle(self) -> None:
         self._flush()  # polled every 50 ms while the device waits for data
-        return super()._get_batch()
 
-    def _drain(self) -> None:
+    def after_stream(self) -> None:
         """End of stream: wait (bounded) until the last update went out."""
         deadline = time.monotonic() + FINAL_WAIT_S
         while self._held is not None and time.monotonic() < deadline:
@@ -294,12 +281,8 @@ class Firmware(DeviceRunner):
             if self.crash.wait(0.05):
                 raise Crash
 
-    def _send(self, msg: Update | Tick) -> bytes:
-        if not isinstance(msg, Update):
-            return super()._send(msg)
-        payload = encode(msg, fleet=self.cfg.mqtt.fleet, wire_dtype=wire_dtype(self.cfg.mqtt))
-        self._unsaved = (msg.seq, payload)  # published after the safe point
-        return payload
+    def send_update(self, seq: int, payload: bytes) -> None:
+        self._unsaved = (seq, payload)  # published after the safe point
 
     def _safe_point(self, batch: Batch) -> None:
         key = (batch.task, batch.index)
@@ -318,7 +301,7 @@ class Firmware(DeviceRunner):
             self._flush()
 
     # -- compute budget -------------------------------------------------------------------
-    def _before_batch(self) -> None:
+    def _check_budget(self) -> None:
         c = self.profile.compute
         self._timing0 = dict(self.client.timings)
         predicted_ms = (self._ema_train + self._ema_score) * c.slowdown * 1000
@@ -327,7 +310,7 @@ class Firmware(DeviceRunner):
         self.client.skip_scoring = over and c.skip_scoring_over_budget
         self.fw["skipped_scoring"] += self.client.skip_scoring
 
-    def _after_batch(self) -> None:
+    def _throttle(self) -> None:
         t = self.client.timings
         d = {k: t.get(k, 0.0) - self._timing0.get(k, 0.0) for k in t}
         score = d.get("score", 0.0)
@@ -346,32 +329,27 @@ class Firmware(DeviceRunner):
         """The device's wall clock (skewed)."""
         return time.time() + self.skew_s
 
-    def _status(self, state: str, wait: bool = False, **extra) -> None:
-        extra |= {"clock": round(self.clock(), 3), "boots": self.fw["boots"],
-                  "profile": self.profile.name}
-        if not wait:
-            super()._status(state, **extra)
-            return
+    def status_fields(self) -> dict[str, Any]:
+        return {"clock": round(self.clock(), 3), "boots": self.fw["boots"],
+                "profile": self.profile.name}
+
+    def final_status(self, state: str, **extra) -> None:
         self.link.wait_connected(FINAL_WAIT_S)  # flush the last update before closing
         try:
-            super()._status(state, wait=True, **extra)
+            super().final_status(state, **extra)
         except TransportError as e:
             log.warning("%s: final status not acknowledged: %s", self.cid, e)
 
-    def run(self) -> dict:
-        results = super().run()
+    def after_run(self, state: str) -> None:
         if not self.stop.is_set():
             self.done = True
             self.save()
             n = self._inbox_ids.pop(None, None)
             if n is not None:
                 self.flash.inbox_drop(n)
-        return results
 
-    def results(self) -> dict:
-        out = super().results()
+    def result_fields(self) -> dict[str, Any]:
         link = self.link_totals + Counter(self.link.counters() if self.link else {})
-        out |= {"profile": self.profile.name, "consumed": self.consumed, "link": dict(link),
+        return {"profile": self.profile.name, "consumed": self.consumed, "link": dict(link),
                 "firmware": dict(self.fw), "trained": dataclasses.asdict(self.trained),
                 "flash_writes": self.flash.writes, "clock_skew_s": self.skew_s}
-        return out

@@ -29,7 +29,6 @@ configuration whose model and replay memory do not fit, with a message saying wh
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgefcl.config import ConfigError, read_toml
 from edgefcl.learn.methods import get_method
+from edgefcl.tomlfields import apply_table
 
 if TYPE_CHECKING:
     from edgefcl.learn.client import Client
@@ -121,23 +121,6 @@ SECTIONS: dict[str, type] = {"memory": MemoryProfile, "compute": ComputeProfile,
                              "link": LinkProfile, "flash": FlashProfile, "reboot": RebootProfile}
 
 
-def _coerce(where: str, section: str, cls: type, key: str, value: Any) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    if key not in fields:
-        raise ProfileError(f"{where}: unknown key '{key}' in [{section}]; known: "
-                           + ", ".join(fields))
-    default = fields[key].default
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ProfileError(f"{where}: [{section}] {key} must be true or false, got {value!r}")
-        return value
-    if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProfileError(f"{where}: [{section}] {key} must be a number, got {value!r}")
-        return float(value)
-    return value
-
-
 def profile_from_dict(values: dict[str, Any], where: str = "profile") -> DeviceProfile:
     """A validated DeviceProfile from a TOML-shaped dict; raises ProfileError."""
     p = DeviceProfile()
@@ -147,11 +130,7 @@ def profile_from_dict(values: dict[str, Any], where: str = "profile") -> DeviceP
                 raise ProfileError(f"{where}: name must be a non-empty string")
             p.name = value
         elif key in SECTIONS:
-            if not isinstance(value, dict):
-                raise ProfileError(f"{where}: [{key}] must be a table")
-            section = getattr(p, key)
-            for k, v in value.items():
-                setattr(section, k, _coerce(where, key, SECTIONS[key], k, v))
+            apply_table(getattr(p, key), key, value, ProfileError, prefix=f"{where}: ")
         else:
             raise ProfileError(f"{where}: unknown key or table '{key}'; known: name, "
                                + ", ".join(f"[{s}]" for s in SECTIONS))

@@ -99,7 +99,7 @@ def test_missing_broker_is_a_clear_error(capsys):
 def test_aggregator_daemon_stops_gracefully_on_sigterm(embedded_broker, tmp_path):
     import numpy as np
 
-    from edgefcl.runtime.state import save_tensors
+    from edgefcl.statefiles import save_tensors
 
     save_tensors(tmp_path / "init.npz", {"w": np.zeros(3, np.float32)})
     p = subprocess.Popen([sys.executable, "-m", "edgefcl", "aggregator", "--broker",

@@ -17,7 +17,7 @@ from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.transport import chunks, codec
 from edgefcl.transport.chunks import CHUNK_OVERHEAD, Reassembler, is_chunk, split
-from edgefcl.transport.codec import CodecError, Message, check_tensors, model_spec, spec_hash
+from edgefcl.transport.codec import CodecError, Message, check_tensors, spec_hash, tensor_spec
 from edgefcl.transport.topics import Topics
 
 FLEET = "f1"
@@ -239,9 +239,9 @@ def test_bad_messages_are_rejected() -> None:
 # ---------------------------------------------------------------- model spec
 
 
-def test_model_spec_hash_and_check() -> None:
+def test_tensor_spec_hash_and_check() -> None:
     t = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
-    spec = model_spec(t)
+    spec = tensor_spec(t)
     assert spec == {"w": ((4, 3), "<f4"), "b": ((3,), "<f4")}
     h = spec_hash(spec)
     assert len(h) == 16 and int(h, 16) >= 0

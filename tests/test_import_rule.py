@@ -1,7 +1,8 @@
 """The import rule, checked by parsing source with `ast` (nothing is imported): imports only go
 down. learn/ never imports transport, runtime, cli or simulate; federation/ never imports learn,
-transport or runtime; runtime/ and firmware_sim/ never import cli or simulate; no import cycles
-among edgefcl modules (module-level imports only; imports inside functions are deferred)."""
+transport or runtime; runtime/ and firmware_sim/ never import cli or simulate; statefiles (state
+file I/O) is ground floor; only `edgefcl.__main__` imports the CLI; no import cycles among
+edgefcl modules (module-level imports only; imports inside functions are deferred)."""
 
 from __future__ import annotations
 
@@ -20,21 +21,19 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "firmware_sim": ("edgefcl.cli", "edgefcl.simulate"),
 }
 
-# Known violations, to be removed as they are fixed (each (importer, imported) pair):
-# - runtime/launcher.py dispatches every role through `edgefcl.cli.main` in a child process, and
-#   runtime/preload.py warms the forkserver with the same modules; untangling needs a role table
-#   below the CLI.
-# - firmware_sim/__main__.py reuses the CLI's parser helpers (Parser, HelpFormatter, logging
-#   options, run_command); they belong in a small module below both.
-# - learn/export.py reads run directories with runtime.state's atomic_write/load_json/
-#   load_tensors; those file helpers belong below learn.
-KNOWN: set[tuple[str, str]] = {
-    ("edgefcl.runtime.launcher", "edgefcl.cli"),
-    ("edgefcl.runtime.preload", "edgefcl.cli"),
-    ("edgefcl.runtime.preload", "edgefcl.simulate"),
-    ("firmware_sim.__main__", "edgefcl.cli"),
-    ("edgefcl.learn.export", "edgefcl.runtime"),
-}
+# Known violations, to be removed as they are fixed (each (importer, imported) pair). Empty: the
+# roles start through runtime/roles.py, the parser helpers live in edgefcl/options.py and the
+# state-file helpers in edgefcl/statefiles.py.
+KNOWN: set[tuple[str, str]] = set()
+
+ABOVE_GROUND = ("edgefcl.learn", "edgefcl.federation", "edgefcl.transport", "edgefcl.runtime",
+                "edgefcl.build", "edgefcl.cli", "edgefcl.simulate")
+FORBIDDEN.update({
+    "edgefcl.statefiles": ABOVE_GROUND,  # ground floor: file I/O of state
+    "edgefcl.options": ("edgefcl.cli", "edgefcl.simulate", "edgefcl.runtime"),
+})
+CLI_IMPORTERS = {"edgefcl.__main__"}
+"""The only modules that may import `edgefcl.cli`: nothing below the CLI imports it."""
 
 
 def _module_name(path: Path) -> str:
@@ -96,6 +95,13 @@ def test_imports_only_go_down(layer: str) -> None:
                 if _under(imported, forbidden) and (module, forbidden) not in KNOWN:
                     bad.append(f"{module} imports {imported}")
     assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_nothing_imports_the_cli() -> None:
+    bad = sorted(module for module, path in SOURCES.items()
+                 if module not in CLI_IMPORTERS and module != "edgefcl.cli"
+                 and any(_under(i, "edgefcl.cli") for i in _imports(path, module, False)))
+    assert not bad, bad
 
 
 def test_known_exceptions_still_exist() -> None:

@@ -11,10 +11,10 @@ import pytest
 
 from edgefcl import bench_crash
 from edgefcl.runtime.store import StateError, StateStore, tensors_digest, tensors_to_bytes
-from edgefcl.transport.codec import model_spec
+from edgefcl.transport.codec import tensor_spec
 
 T = {"w": np.ones((2, 3), np.float32)}
-SPEC = model_spec(T)
+SPEC = tensor_spec(T)
 
 
 def fresh_store(tmp_path, **kw) -> StateStore:
@@ -56,7 +56,7 @@ def test_foreign_and_finished_states_are_refused_with_what_to_do(tmp_path) -> No
     fresh_store(tmp_path, resume=True).close()
     with pytest.raises(StateError, match="fleet.*--fresh"):
         StateStore.open(tmp_path / "st", fleet="other", spec=SPEC)
-    other_spec = model_spec({"w": np.ones(4, np.float32)})
+    other_spec = tensor_spec({"w": np.ones(4, np.float32)})
     with pytest.raises(StateError, match="spec_hash.*--fresh"):
         StateStore.open(tmp_path / "st", fleet="f", spec=other_spec)
     s = StateStore.open(tmp_path / "st", fleet="other", spec=other_spec, fresh=True)
@@ -99,7 +99,7 @@ def test_a_legacy_state_without_the_database_is_refused(tmp_path) -> None:
 
 def test_the_crash_check_detects_republished_versions_and_double_counts(tmp_path) -> None:
     d = tmp_path / "state"
-    s = StateStore.open(d, fleet="crash", spec=model_spec(bench_crash.INITIAL))
+    s = StateStore.open(d, fleet="crash", spec=tensor_spec(bench_crash.INITIAL))
     s.commit({"version": 0, "rounds": 0}, bench_crash.INITIAL)
     one = {k: v + 1 for k, v in bench_crash.INITIAL.items()}
     s.commit({"version": 1, "rounds": 1}, one,
@@ -136,7 +136,7 @@ def test_cli_refuses_a_finished_state_in_one_line(tmp_path) -> None:
     import subprocess
     import sys
 
-    from edgefcl.runtime.state import save_tensors
+    from edgefcl.statefiles import save_tensors
 
     save_tensors(tmp_path / "init.npz", T)
     s = StateStore.open(tmp_path / "st", fleet="f", spec=SPEC)
@@ -155,7 +155,7 @@ def test_the_crash_check_skips_publish_records_cut_by_a_kill(tmp_path) -> None:
     """A record the kill cut (inside the digest, or inside the version number, later run into
     by the next child's record) is skipped and counted, never read as another version."""
     d = tmp_path / "state"
-    s = StateStore.open(d, fleet="crash", spec=model_spec(bench_crash.INITIAL))
+    s = StateStore.open(d, fleet="crash", spec=tensor_spec(bench_crash.INITIAL))
     s.commit({"version": 0, "rounds": 0}, bench_crash.INITIAL)
     s.close()
     whole = bench_crash._record(0, tensors_digest(bench_crash.INITIAL))

@@ -33,7 +33,7 @@ from edgefcl.learn.perturb import eval_mode
 from edgefcl.learn.prototypes import ProtoNet, proto_model
 from edgefcl.learn.variational import client_hooks
 from edgefcl.ondevice import OnnxModel
-from edgefcl.runtime.state import atomic_write, load_json, load_tensors
+from edgefcl.statefiles import atomic_write, load_json, load_tensors
 
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel, Tensors
@@ -122,7 +122,7 @@ def max_logit_diff(model: nn.Module, onnx_bytes: bytes, x: np.ndarray) -> float:
 
 
 # -- run directories ------------------------------------------------------------------------
-def model_spec(model: str, sample_shape: tuple[int, ...], n_classes: int,
+def architecture_spec(model: str, sample_shape: tuple[int, ...], n_classes: int,
                hidden: int) -> dict[str, Any]:
     """What rebuilds a run's architecture: the concrete model name, sample shape, classes and
     MLP width (stored as "model_spec" in results.json)."""

@@ -18,7 +18,7 @@ from edgefcl.runtime.fleet_results import FleetResults
 from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.links import open_link, topics, wire_dtype
 from edgefcl.runtime.store import StateStore
-from edgefcl.transport.codec import CodecError, Message, decode, encode, model_spec, spec_hash
+from edgefcl.transport.codec import CodecError, Message, decode, encode, spec_hash, tensor_spec
 
 log = logging.getLogger("edgefcl.aggregator")
 
@@ -42,7 +42,7 @@ class AggregatorDaemon:
         self.topics = topics(cfg.mqtt)
         self.agg = Aggregator(initial, cfg.fed, batch_size=cfg.data.batch_size,
                               prototypes=initial_library(cfg, initial))
-        self.spec_hash = spec_hash(model_spec(initial))
+        self.spec_hash = spec_hash(tensor_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every
         self.inbox = Inbox(max_bytes=inbox_bytes or 4 * cfg.mqtt.max_payload)
@@ -53,7 +53,7 @@ class AggregatorDaemon:
         self.round_bytes_in = 0
         self.rounds_log: list[dict] = []  # the last rounds, for the status
         self.last_answer: bytes | None = None
-        self.spec = model_spec(self.agg.global_.tensors)
+        self.spec = tensor_spec(self.agg.global_.tensors)
         self.store = StateStore.open(self.state_dir, fleet=cfg.mqtt.fleet, spec=self.spec,
                                      fresh=fresh, resume=resume)
         if not self._load_state():

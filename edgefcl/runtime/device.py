@@ -31,8 +31,8 @@ from edgefcl.learn.global_format import global_tensors
 from edgefcl.metrics import forgetting
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, topics, wire_dtype
-from edgefcl.runtime.state import save_json
-from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode, model_spec
+from edgefcl.statefiles import save_json
+from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode, tensor_spec
 
 log = logging.getLogger("edgefcl.client")
 
@@ -50,6 +50,11 @@ class DeviceRunner:
     aggregator's answer for that tick, then merges the global if it took part (Algorithm 1).
     async: the device never waits; a global it took part in is merged with the delta rule
     theta_global + (theta_now - theta_sent) before the next mini-batch.
+
+    Hooks for a device built on this runner (firmware_sim.Firmware: flash, radio, compute
+    budget), no-ops here: `admit_stream`, `check_alive`, `on_idle`, `before_stream`,
+    `before_batch`, `after_batch`, `after_stream`, `send_update`, `status_fields`,
+    `final_status`, `result_fields` and `after_run`.
     """
 
     def __init__(self, cfg: RunConfig, client: Client, source: Iterator[Batch] | None = None,
@@ -81,7 +86,7 @@ class DeviceRunner:
         self.rejected = 0
         self.duplicates = 0
         # every global is checked against this device's own model before it is adopted
-        self.global_spec = model_spec(global_tensors(client.model, cfg.fed.encoding))
+        self.global_spec = tensor_spec(global_tensors(client.model, cfg.fed.encoding))
         self.rejections: Counter[str] = Counter()
         # this installation's session: its sequence numbers start at 1 (kept on flash by
         # devices that resume their sequence numbers, see firmware_sim)
@@ -99,6 +104,8 @@ class DeviceRunner:
     # -- inbound --------------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
         """Handle one message; never raises: every failure is logged and counted."""
+        if topic == self.topics.stream(self.cid) and not self.admit_stream(payload):
+            return
         try:
             self._handle(topic, payload)
         except CodecError as e:
@@ -182,6 +189,8 @@ class DeviceRunner:
         self.link.subscribe(self.topics.global_, self._on_message, qos=0, wait=False)
 
     def _stream(self) -> Iterator[Batch]:
+        if not self.before_stream():
+            return
         if self.source is not None:
             yield from self.source
             return
@@ -197,6 +206,7 @@ class DeviceRunner:
             yield item
 
     def _get_batch(self):
+        self.on_idle()  # polled every 50 ms while the device waits for data
         try:
             return self.batches.get_nowait()
         except queue.Empty:
@@ -209,6 +219,7 @@ class DeviceRunner:
             while True:
                 if self.stop.is_set():
                     raise Stopped
+                self.check_alive()
                 value = ready()
                 if value is not None:
                     return value
@@ -222,9 +233,10 @@ class DeviceRunner:
     # -- outbound -------------------------------------------------------------------------
     def _send(self, msg: Update | Tick) -> bytes:
         payload = encode(msg, fleet=self.cfg.mqtt.fleet, wire_dtype=wire_dtype(self.cfg.mqtt))
-        self.link.publish(self.topics.update(self.cid), payload, qos=1)
         if isinstance(msg, Update):
-            self.bytes_up += len(payload)
+            self.send_update(msg.seq, payload)
+        else:
+            self.link.publish(self.topics.update(self.cid), payload, qos=1)
         return payload
 
     def _status(self, state: str, wait: bool = False, **extra) -> None:
@@ -234,7 +246,7 @@ class DeviceRunner:
                 "version": c.version, "consumed": self.consumed, "rounds": self.rounds,
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
                 "rejected": self.rejected, "time": round(time.time(), 3),
-                "prequential": self._prequential(), **extra}
+                "prequential": self._prequential(), **extra, **self.status_fields()}
         self.link.publish(self.topics.status(self.cid),
                           encode(Message("status", body), fleet=self.cfg.mqtt.fleet,
                                  sender=self.cid), qos=1, retain=True, wait=wait)
@@ -280,7 +292,7 @@ class DeviceRunner:
             check_join(self.cid, self.cfg.mqtt.fleet, self.join_profile, fleet)
             self.link.unsubscribe(self.topics.aggregator_status)
         except JoinRefused as e:
-            self._status("refused", wait=True, reason=str(e))
+            self.final_status("refused", reason=str(e))
             self.link.close()
             raise
 
@@ -315,6 +327,7 @@ class DeviceRunner:
         sync = self.cfg.fed.mode == "sync"
         try:
             for batch in self._stream():
+                self.before_batch(batch)
                 self._wait(lambda: True if not self.paused else None)
                 upd = self.client.step(batch)
                 self.consumed += 1
@@ -329,16 +342,19 @@ class DeviceRunner:
                                             for t in self.eval_tasks]
                 if self.consumed % self.status_every == 0:
                     self._status("online")
+                self.after_batch(batch)
+            self.after_stream()
             state = "done"
         except Stopped:
             state = "stopped"
         results = self.results()
-        self._status(state, wait=True, accuracy=results.get("accuracy"),
-                     forgetting=results.get("forgetting"),
-                     accuracy_matrix=results["accuracy_matrix"])
+        self.final_status(state, accuracy=results.get("accuracy"),
+                          forgetting=results.get("forgetting"),
+                          accuracy_matrix=results["accuracy_matrix"])
         self.link.close()
         if self.out is not None:
             save_json(self.out / f"{self.cid}.json", results)
+        self.after_run(state)
         return results
 
     def _sync_round(self, upd: Update | None) -> None:
@@ -387,4 +403,48 @@ class DeviceRunner:
             acc = np.nan_to_num(self.acc)
             out["accuracy"] = float(100 * acc[-1].mean())
             out["forgetting"] = float(100 * forgetting(acc[None]))
-        return out | stream_report([c])
+        return out | stream_report([c]) | self.result_fields()
+
+    # -- hooks (no-ops here; see the class docstring) -------------------------------------
+    def admit_stream(self, payload: bytes) -> bool:
+        """A payload on this device's stream topic arrived; False drops it unhandled."""
+        return True
+
+    def check_alive(self) -> None:
+        """Called while the device waits (every 50 ms at most); may raise to end the run."""
+
+    def on_idle(self) -> None:
+        """Called whenever the device polls for its next mini-batch."""
+
+    def before_stream(self) -> bool:
+        """Called before the stream is consumed; False: consume nothing."""
+        return True
+
+    def before_batch(self, batch: Batch) -> None:
+        """Called before a mini-batch is trained."""
+
+    def after_batch(self, batch: Batch) -> None:
+        """Called after a mini-batch was trained and its update sent or held."""
+
+    def after_stream(self) -> None:
+        """Called once the whole stream was consumed (not when stopped)."""
+
+    def send_update(self, seq: int, payload: bytes) -> None:
+        """Publish an encoded update (QoS 1)."""
+        self.link.publish(self.topics.update(self.cid), payload, qos=1)
+        self.bytes_up += len(payload)
+
+    def status_fields(self) -> dict:
+        """Extra fields of every status message."""
+        return {}
+
+    def final_status(self, state: str, **extra) -> None:
+        """The last status before the link closes (acknowledged)."""
+        self._status(state, wait=True, **extra)
+
+    def result_fields(self) -> dict:
+        """Extra fields of the results."""
+        return {}
+
+    def after_run(self, state: str) -> None:
+        """Called at the end of `run` ('done' or 'stopped'), after the results were written."""

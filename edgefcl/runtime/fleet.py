@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,31 +21,17 @@ from edgefcl.build import Setup, initial_global, make_client, prepare
 from edgefcl.config import RunConfig, dump_toml
 from edgefcl.data.streams import count_batches
 from edgefcl.data.workload import client_id
-from edgefcl.errors import UserError
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.drift import summarize_drift
-from edgefcl.learn.export import global_state, model_spec
+from edgefcl.learn.export import architecture_spec, global_state
 from edgefcl.learn.params import tensors_sha256
 from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult, cfg_dict
-from edgefcl.runtime.launcher import Role, start_role, warm_up
-from edgefcl.runtime.links import open_link, topics
-from edgefcl.runtime.state import load_json, load_tensors, save_tensors
+from edgefcl.runtime.launcher import start_role, warm_up
+from edgefcl.runtime.links import open_link
+from edgefcl.runtime.supervisor import Deadline, FleetError, FleetProgress, Supervisor
+from edgefcl.statefiles import load_json, load_tensors, save_tensors
 from edgefcl.transport.broker import EmbeddedBroker
-from edgefcl.transport.codec import CodecError, Message, decode
-
-
-class FleetError(UserError):
-    """A fleet process failed; the message is its error line and where its log is."""
-
-
-def _failure(name: str, code: int | None, log: Path) -> FleetError:
-    """One line: which process failed, its own error line (or last log line), its log."""
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines()[-200:]
-             if ln.strip()] if log.exists() else []
-    errors = [ln for ln in lines if ": error: " in ln]
-    why = errors[-1] if errors else (lines[-1] if lines else "no output")
-    return FleetError(f"{name} exited with code {code}: {why} (log: {log})")
 
 
 def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None = None,
@@ -82,88 +69,55 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
         initial = workdir / "initial.npz"
         setup = prepare(run_cfg, seed)
         save_tensors(initial, initial_global(run_cfg, setup))
-        procs = {"aggregator": start_role(["aggregator", *base, "--state-dir", str(state_dir),
-                                       "--initial", str(initial), "--exit-when-done"],
-                                      logs / "aggregator.log")}
-        K = cfg.fed.clients
-        for k in range(K):
-            procs[client_id(k)] = start_role(["client", *base, "--index", str(k), "--results",
-                                          str(results_dir)], logs / f"{client_id(k)}.log")
-        procs["replayer"] = start_role(["replay", *base], logs / "replayer.log")
+        procs = Supervisor(logs)
+        procs.start("aggregator", partial(start_role, [
+            "aggregator", *base, "--state-dir", str(state_dir), "--initial", str(initial),
+            "--exit-when-done"]))
+        for k in range(cfg.fed.clients):
+            procs.start(client_id(k), partial(start_role, [
+                "client", *base, "--index", str(k), "--results", str(results_dir)]))
+        procs.start("replayer", partial(start_role, ["replay", *base]))
         try:
             total = sum(sum(count_batches(t, cfg.data.batch_size)) for t in setup.tasks)
-            _watch(run_cfg, procs, logs, progress, timeout, total)
+            _watch(run_cfg, procs, progress, timeout, total)
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs.values():
-                try:
-                    p.wait(10)
-                except TimeoutError:
-                    p.kill()
+            procs.stop_all(grace=10)
         return _collect(run_cfg, method, seed, state_dir, results_dir,
                         time.perf_counter() - start, setup)
 
 
-def _watch(cfg: RunConfig, procs: dict[str, Role], logs: Path,
+def _watch(cfg: RunConfig, procs: Supervisor,
            progress: Callable[[int, int, str], None] | None, timeout: float,
            total: int) -> None:
-    """Wait for every process to exit, reporting progress from the clients' status."""
-    t = topics(cfg.mqtt)
-    consumed: dict[str, int] = {}
-    agg_status: dict = {}
-
-    def on_status(topic: str, payload: bytes) -> None:
-        try:
-            msg = decode(payload, cfg.mqtt.fleet)
-        except CodecError:
-            return
-        if isinstance(msg, Message) and msg.kind == "status":
-            if topic == t.aggregator_status:
-                agg_status.update(msg.body)
-            else:
-                consumed[t.client_from(topic)] = int(msg.body.get("consumed", 0))
-
-    link = None
-    if progress is not None:
-        link = open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-watch-{secrets.token_hex(3)}",
-                         clean_start=True)
-        link.subscribe(t.statuses, on_status)
-        link.subscribe(t.aggregator_status, on_status)
-    deadline = time.monotonic() + timeout
+    """Wait for every process to exit with 0, reporting progress from the status topics."""
+    status = FleetProgress(cfg, total) if progress is not None else None
+    deadline = Deadline(timeout, lambda: "")
     orphaned_since: float | None = None
     try:
-        while any(p.poll() is None for p in procs.values()):
-            for name, p in procs.items():
-                if p.poll() not in (None, 0):
-                    raise _failure(name, p.returncode, logs / f"{name}.log")
+        while procs.running():
+            procs.check()
+            deadline.check()
             now = time.monotonic()
-            if now > deadline:
-                raise FleetError(f"fleet did not finish within {timeout:.0f} s")
             if procs["aggregator"].poll() is not None:
                 orphaned_since = orphaned_since or now
                 if now - orphaned_since > 30:
                     raise FleetError("the aggregator exited but clients are still running; "
-                                     f"see the logs in {logs}")
-            if progress is not None:
-                progress(sum(consumed.values()), total,
-                         f"rounds {agg_status.get('rounds', 0)}")
+                                     f"see the logs in {procs.logs}")
+            if progress is not None and status is not None:
+                progress(status.batches, total, f"rounds {status.aggregator.get('rounds', 0)}")
             time.sleep(0.2)
-        for name, p in procs.items():
-            if p.returncode != 0:
-                raise _failure(name, p.returncode, logs / f"{name}.log")
+        procs.check()
     finally:
-        if link is not None:
-            link.close()
+        if status is not None:
+            status.close()
 
 
 def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_dir: Path,
              wall: float, setup: Setup) -> RunResult:
     K, T = cfg.fed.clients, cfg.data.tasks
     client0 = make_client(cfg, setup, 0, method, seed)  # decodes the global as a client would
-    setup_spec = model_spec(cfg.learn.model, setup.dataset.sample_shape, setup.dataset.n_classes,
-                            cfg.learn.hidden)
+    setup_spec = architecture_spec(cfg.learn.model, setup.dataset.sample_shape,
+                                   setup.dataset.n_classes, cfg.learn.hidden)
     acc = np.zeros((K, T, T))
     comm = CommStats()
     extra = {"scored_samples": 0, "batches": 0, "timings": {}}

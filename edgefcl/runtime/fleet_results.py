@@ -16,7 +16,7 @@ import numpy as np
 from edgefcl.config import RunConfig, to_dict
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.metrics import forgetting, last_accuracy, sample_std
-from edgefcl.runtime.state import save_json, save_tensors
+from edgefcl.statefiles import save_json, save_tensors
 from edgefcl.transport.codec import CodecError
 
 log = logging.getLogger("edgefcl.aggregator")

@@ -9,8 +9,7 @@ from edgefcl.config import RunConfig
 from edgefcl.data.types import Dataset
 from edgefcl.errors import UserError
 from edgefcl.federation.messages import Tensors
-from edgefcl.transport.codec import model_spec as tensor_spec
-from edgefcl.transport.codec import spec_hash
+from edgefcl.transport.codec import spec_hash, tensor_spec
 
 KEYS = ("model", "sample_shape", "n_classes", "method", "encoding", "aggregation", "wire_dtype")
 """What must agree between a device and its aggregator, in the order differences are named."""
@@ -31,9 +30,9 @@ def fleet_profile(cfg: RunConfig, initial: Tensors | None = None,
     if initial is not None:
         out["spec_hash"] = spec_hash(tensor_spec(initial))
     if dataset is not None:
-        from edgefcl.learn.export import model_spec  # torch: only once the model is built
+        from edgefcl.learn.export import architecture_spec  # torch: only once the model is built
 
-        spec = model_spec(cfg.learn.model, dataset.sample_shape, dataset.n_classes,
+        spec = architecture_spec(cfg.learn.model, dataset.sample_shape, dataset.n_classes,
                           cfg.learn.hidden)
         out.update(model=spec["model"], sample_shape=spec["sample_shape"],
                    n_classes=spec["n_classes"])

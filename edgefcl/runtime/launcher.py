@@ -1,6 +1,7 @@
 """Start fleet roles (`edgefcl aggregator|client|replay ...`) as separate processes, fast.
 
-Every role is a separate OS process running `edgefcl.cli.main(args)`, exactly as from a shell.
+Every role is a separate OS process running `edgefcl.runtime.roles.main(args)`, exactly as
+`edgefcl ROLE ...` from a shell.
 They are forked from one forkserver that imported torch (and the `torch._dynamo` that the first
 optimizer pulls in), scikit-learn, kornia and the runtime once, so a fleet of K clients pays
 those ~4 s of imports once instead of K + 2 times on a 2-core machine. The server is
@@ -12,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +28,7 @@ def _run_role(args: list[str], log: str) -> None:
         os.dup2(fd, std)
     os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    from edgefcl.cli import main
+    from edgefcl.runtime.roles import main
 
     code = main(args)
     sys.stdout.flush()
@@ -35,7 +37,7 @@ def _run_role(args: list[str], log: str) -> None:
 
 
 class Role:
-    """A running role with the subset of `subprocess.Popen` the fleet launcher uses."""
+    """A running role with the subset of `subprocess.Popen` the supervisor uses."""
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.proc = _ctx.Process(target=_run_role, args=(args, str(log)), daemon=False)
@@ -51,8 +53,12 @@ class Role:
     def wait(self, timeout: float | None = None) -> int | None:
         self.proc.join(timeout)
         if self.proc.exitcode is None:
-            raise TimeoutError(f"role still running after {timeout} s")
+            raise subprocess.TimeoutExpired(f"role {self.proc.name}", timeout or 0.0)
         return self.proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc.pid is not None and self.proc.exitcode is None:
+            os.kill(self.proc.pid, sig)
 
     def terminate(self) -> None:
         self.proc.terminate()

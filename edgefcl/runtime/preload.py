@@ -6,8 +6,10 @@ import sklearn.datasets  # noqa: F401
 import torch  # noqa: F401
 import torch._dynamo  # noqa: F401  (the first torch.optim optimizer imports it: ~2 s)
 
-import edgefcl.cli  # noqa: F401
+import edgefcl.build  # noqa: F401
+import edgefcl.data.workload  # noqa: F401
+import edgefcl.learn.export  # noqa: F401
 import edgefcl.runtime.aggregator_daemon  # noqa: F401
 import edgefcl.runtime.device  # noqa: F401
 import edgefcl.runtime.replayer  # noqa: F401
-import edgefcl.simulate  # noqa: F401
+import edgefcl.runtime.roles  # noqa: F401

@@ -34,8 +34,8 @@ import numpy as np
 
 from edgefcl.config import ConfigError
 from edgefcl.federation.messages import Tensors
-from edgefcl.runtime.state import atomic_write
-from edgefcl.transport.codec import CodecError, ModelSpec, check_tensors, model_spec, spec_hash
+from edgefcl.statefiles import atomic_write
+from edgefcl.transport.codec import CodecError, TensorSpec, check_tensors, spec_hash, tensor_spec
 
 DB_NAME = "state.db"
 FRESH_HINT = "start over with --fresh, or use another --state-dir"
@@ -85,7 +85,7 @@ class StateStore:
 
     # -- opening --------------------------------------------------------------------------
     @classmethod
-    def open(cls, directory: Path, *, fleet: str, spec: ModelSpec, fresh: bool = False,
+    def open(cls, directory: Path, *, fleet: str, spec: TensorSpec, fresh: bool = False,
              resume: bool = False, keep: int = 4) -> StateStore:
         """Open (or create) the state of fleet `fleet` with model `spec`; raises StateError."""
         directory = Path(directory)
@@ -154,7 +154,7 @@ class StateStore:
         return _Txn()
 
     # -- loading --------------------------------------------------------------------------
-    def load(self, spec: ModelSpec) -> tuple[dict[str, Any], Tensors] | None:
+    def load(self, spec: TensorSpec) -> tuple[dict[str, Any], Tensors] | None:
         """(state, tensors of the current global), validated; None for a new run."""
         row = self.conn.execute("SELECT json FROM state WHERE id = 1").fetchone()
         if row is None:
@@ -249,4 +249,4 @@ class StateStore:
         self.conn.close()
 
 
-__all__ = ["StateError", "StateStore", "model_spec", "tensors_digest"]
+__all__ = ["StateError", "StateStore", "tensor_spec", "tensors_digest"]

@@ -52,7 +52,7 @@ CONTROL_COMMANDS = frozenset(["pause", "resume", "stop"])
 RESERVED_KEYS = frozenset(["schema", "kind", "fleet", "sender", integrity.DIGEST_KEY])
 _TENSOR_KEYS = frozenset(["dtype", "shape", "data"])
 
-ModelSpec = dict[str, tuple[tuple[int, ...], str]]
+TensorSpec = dict[str, tuple[tuple[int, ...], str]]
 """Tensor name -> (shape, dtype string such as '<f4'), in state_dict order."""
 
 
@@ -191,18 +191,18 @@ def _decode_prototypes(m: Any) -> PrototypeTable | None:
 # ---------------------------------------------------------------- model spec
 
 
-def model_spec(tensors: Tensors) -> ModelSpec:
+def tensor_spec(tensors: Tensors) -> TensorSpec:
     """Shapes and dtypes of a set of tensors, in their order."""
     return {k: (tuple(int(d) for d in v.shape), _dtype_str(v.dtype)) for k, v in tensors.items()}
 
 
-def spec_hash(spec: ModelSpec) -> str:
-    """Short (16 hex chars) sha256 of a ModelSpec, independent of the tensor order."""
+def spec_hash(spec: TensorSpec) -> str:
+    """Short (16 hex chars) sha256 of a TensorSpec, independent of the tensor order."""
     canon = json.dumps(sorted((k, list(s), d) for k, (s, d) in spec.items()), separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
-def check_tensors(tensors: Tensors, spec: ModelSpec) -> None:
+def check_tensors(tensors: Tensors, spec: TensorSpec) -> None:
     """Raise CodecError("names" | "shape" | "dtype") unless `tensors` matches `spec` exactly."""
     missing = [k for k in spec if k not in tensors]
     extra = [k for k in tensors if k not in spec]

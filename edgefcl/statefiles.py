@@ -1,4 +1,5 @@
-"""Atomic on-disk state: write to a temporary file, fsync, then rename over the old one."""
+"""Atomic on-disk state files (ground floor: numpy and the standard library only): write to a
+temporary file, fsync, then rename over the old one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from edgefcl.federation.messages import Tensors
+from edgefcl.config import ConfigError
+
+Tensors = dict[str, np.ndarray]
 
 
 def atomic_write(path: Path, data: bytes, fsync: bool = True) -> None:
@@ -54,3 +57,12 @@ def save_tensors(path: Path, tensors: Tensors) -> None:
 def load_tensors(path: Path) -> Tensors:
     with np.load(path) as z:
         return {k: z[k] for k in z.files}
+
+
+def make_dir(path: Path, what: str = "--out") -> Path:
+    """Create `path` (and its parents) or raise ConfigError saying why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot create {path}: {e.strerror or e}") from None
+    return path

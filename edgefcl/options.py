@@ -1,0 +1,170 @@
+"""Command-line building blocks shared by `edgefcl` (cli.py), the fleet roles
+(runtime/roles.py) and `python -m firmware_sim`: the parser with one-line errors, the help
+formatter, the logging options, one flag per config field, and `run_command`, which turns user
+errors into one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml
+from edgefcl.errors import UserError
+
+DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
+RUN_ONLY = ("seeds", "compare", "transport", "out", "quiet")
+"""Run options that only `simulate` and `bench` use (several runs, a run directory)."""
+DAEMON_HELP = {"broker": "broker URL mqtt://HOST:PORT or mqtts://HOST:PORT (default: [mqtt] "
+               f"broker of --config, else {DEFAULT_BROKER})"}
+"""Help texts of config fields whose meaning differs for the commands that join a fleet."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `PROG: error: MESSAGE (see PROG --help)`, exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless its help already states it or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def logging_options() -> argparse.ArgumentParser:
+    """-v / -q / --log-level / --log-json: accepted before or after any subcommand."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("logging")
+    g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="debug logging")
+    g.add_argument("-q", dest="log_quiet", action="store_true", default=argparse.SUPPRESS,
+                   help="log errors only")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   default=argparse.SUPPRESS,
+                   help="log level (default: info for the daemons, status and broker; "
+                   "warning for the others)")
+    g.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS,
+                   help="log one JSON object per line (for log collectors)")
+    return p
+
+
+def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                     helps: dict[str, str] | None = None,
+                     sections: tuple[str, ...] | None = None) -> None:
+    """One flag per config field (`memory_size` -> `--memory-size`), grouped by section;
+    fields in `skip` get no flag, `helps` replaces the help text of some fields, `sections`
+    (default: all, "run" included) limits the flags to those sections."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML config file; flags given on the command line override it")
+    groups = [("run", RunConfig)] + list(SECTIONS.items())
+    helps = helps or {}
+    for section, cls in groups:
+        if sections is not None and section not in sections:
+            continue
+        group = parser.add_argument_group(f"[{section}] options" if section != "run"
+                                          else "run options")
+        for f in dataclasses.fields(cls):
+            if f.name in SECTIONS or f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = helps.get(f.name) or f"{f.metadata.get('help', '')} (default: {f.default})"
+            dest = f"{section}.{f.name}"
+            if isinstance(f.default, bool) and f.default:  # on by default: --no-X turns off
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                   default=None, help=help_text)
+            elif isinstance(f.default, bool):
+                group.add_argument(flag, dest=dest, action="store_const", const=True,
+                                   default=None, help=help_text)
+            else:
+                group.add_argument(flag, dest=dest, type=type(f.default), default=None,
+                                   metavar=f.name.upper(), help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Defaults, then the TOML file, then the flags given on the command line."""
+    cfg = load_toml(args.config) if getattr(args, "config", None) else RunConfig()
+    values: dict[str, Any] = {}
+    for dest, value in vars(args).items():
+        if "." not in dest or value is None:
+            continue
+        section, key = dest.split(".", 1)
+        if section == "run":
+            values[key] = value
+        else:
+            values.setdefault(section, {})[key] = value
+    return apply(cfg, values)
+
+
+def check_runs(cfg: RunConfig) -> None:
+    """Refuse, before any work starts, what would only fail later: a CUDA device on a
+    machine without one (names are checked by the config against the registries)."""
+    if cfg.learn.device != "cpu":
+
+        from edgefcl.learn.client import resolve_device
+
+        try:
+            resolve_device(cfg.learn.device)
+        except RuntimeError as e:
+            raise ConfigError(f"--device {cfg.learn.device}: {e}") from None
+
+
+def daemon_config(args: argparse.Namespace) -> RunConfig:
+    """Config for a command that connects to a broker (no embedded default)."""
+    cfg = config_from_args(args)
+    if not cfg.mqtt.broker:
+        cfg.mqtt.broker = DEFAULT_BROKER
+    return cfg
+
+
+def add_command(sub, name: str, help: str, description: str, func) -> argparse.ArgumentParser:
+    """A subcommand `name` of `sub` that runs `func(args)`, with the logging options."""
+    p = sub.add_parser(name, help=help, description=description, parents=[logging_options()],
+                       formatter_class=HelpFormatter)
+    p.set_defaults(func=func)
+    return p
+
+
+DAEMONS = ("aggregator", "client", "replay", "broker", "status")
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR}
+
+
+def log_level(args: argparse.Namespace) -> int:
+    """--log-level, else -v (debug) / -q (errors), else info for daemons, warning otherwise."""
+    if getattr(args, "log_level", None):
+        return LEVELS[args.log_level]
+    if getattr(args, "verbose", False):
+        return logging.DEBUG
+    if getattr(args, "log_quiet", False):
+        return logging.ERROR
+    return logging.INFO if args.command in DAEMONS else logging.WARNING
+
+
+def run_command(args: argparse.Namespace, prog: str) -> int:
+    """Run `args.func(args)`: bad input, bad data, an unreachable broker and a failed fleet
+    process end with one clear line and exit code 2 (never a traceback), Ctrl-C with 130."""
+    from edgefcl.data.types import DataError
+    from edgefcl.transport.mqtt import TransportError
+
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, TransportError, UserError) as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def one_line(e: BaseException) -> str:
+    """The message of `e` on one line."""
+    return " ".join(str(e).split()) or type(e).__name__
