@@ -159,7 +159,7 @@ def _tensor_flood(links: dict, tp: Topics, mib: int) -> int:
 
 def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
     """`edgefcl bench flood`: `count` MiB offered per flood (default 1024)."""
-    from edgefcl.runtime.state import save_tensors
+    from edgefcl.statefiles import save_tensors
     from edgefcl.transport.broker import EmbeddedBroker, start_mosquitto
     from edgefcl.transport.mqtt import MqttLink
 
