@@ -79,7 +79,7 @@ def test_conversion_keeps_mean_function(model) -> None:
 
 def test_conv_layer_matches_conv2d() -> None:
     ref = torch.nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=True)
-    layer = BayesConv2d.from_conv(ref, 0.1).eval()
+    layer = BayesConv2d.from_module(ref, 0.1).eval()
     x = torch.randn(2, 2, 7, 7)
     torch.testing.assert_close(layer(x), ref(x))
 

@@ -55,6 +55,24 @@ class BayesianLayer(nn.Module):
         state["last_sample"] = {}
         return state
 
+    def _init_weight_bias(self, ref: nn.Module, sigma: float) -> None:
+        """Gaussians over `ref`'s weight (and bias, if it has one), centred on its values."""
+        self._init_gaussian("weight", ref.weight, sigma)
+        self.has_bias = ref.bias is not None
+        if self.has_bias:
+            self._init_gaussian("bias", ref.bias, sigma)
+
+    @classmethod
+    def from_module(cls, ref: nn.Module, sigma: float) -> BayesianLayer:
+        """A Bayesian copy of `ref`: mu = its weights, sigma everywhere."""
+        layer = cls.__new__(cls)
+        BayesianLayer.__init__(layer)
+        layer._init_from(ref, sigma)
+        return layer
+
+    def _init_from(self, ref: nn.Module, sigma: float) -> None:
+        raise NotImplementedError
+
     def _init_gaussian(self, name: str, mean: Tensor, sigma: float) -> None:
         if sigma <= 0:
             raise ConfigError(f"initial sigma of Bayesian layers must be > 0, got {sigma}")
@@ -99,24 +117,12 @@ class BayesLinear(BayesianLayer):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  sigma: float = 0.05) -> None:
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
         ref = nn.Linear(in_features, out_features, bias=bias)
         self._init_from(ref, sigma)
 
     def _init_from(self, ref: nn.Linear, sigma: float) -> None:
-        self._init_gaussian("weight", ref.weight, sigma)
-        self.has_bias = ref.bias is not None
-        if self.has_bias:
-            self._init_gaussian("bias", ref.bias, sigma)
-
-    @classmethod
-    def from_linear(cls, ref: nn.Linear, sigma: float) -> BayesLinear:
-        """A Bayesian copy of `ref`: mu = its weights, sigma everywhere."""
-        layer = cls.__new__(cls)
-        BayesianLayer.__init__(layer)
-        layer.in_features, layer.out_features = ref.in_features, ref.out_features
-        layer._init_from(ref, sigma)
-        return layer
+        self.in_features, self.out_features = ref.in_features, ref.out_features
+        self._init_weight_bias(ref, sigma)
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weights(x)
@@ -143,18 +149,7 @@ class BayesConv2d(BayesianLayer):
         self.in_channels, self.out_channels = ref.in_channels, ref.out_channels
         self.kernel_size, self.stride = ref.kernel_size, ref.stride
         self.padding, self.dilation, self.groups = ref.padding, ref.dilation, ref.groups
-        self._init_gaussian("weight", ref.weight, sigma)
-        self.has_bias = ref.bias is not None
-        if self.has_bias:
-            self._init_gaussian("bias", ref.bias, sigma)
-
-    @classmethod
-    def from_conv(cls, ref: nn.Conv2d, sigma: float) -> BayesConv2d:
-        """A Bayesian copy of `ref`: mu = its kernel, sigma everywhere."""
-        layer = cls.__new__(cls)
-        BayesianLayer.__init__(layer)
-        layer._init_from(ref, sigma)
-        return layer
+        self._init_weight_bias(ref, sigma)
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weights(x)
@@ -174,9 +169,9 @@ def to_bayesian(model: nn.Module, sigma: float) -> nn.Module:
         return model
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            new: nn.Module = BayesLinear.from_linear(child, sigma)
+            new: nn.Module = BayesLinear.from_module(child, sigma)
         elif isinstance(child, nn.Conv2d):
-            new = BayesConv2d.from_conv(child, sigma)
+            new = BayesConv2d.from_module(child, sigma)
         else:
             to_bayesian(child, sigma)
             continue

@@ -48,6 +48,19 @@ class Selection(ABC):
         """Boolean mask of the kept candidates: exactly keep[c] per class c."""
 
 
+class FeatureSelection(Selection):
+    """A rule that picks in feature space (penultimate features), without scores."""
+
+    needs_scores = False
+    needs_features = True
+
+    def features(self, c: Candidates) -> Tensor:
+        """The candidates' features as float (n, d); ValueError when the memory gave none."""
+        if c.features is None:
+            raise ValueError(f"{self.name} needs candidate features")
+        return c.features.float().flatten(1)
+
+
 def grouped_rank(cls: Tensor, key: Tensor, counts: Tensor) -> Tensor:
     """Rank (from 0) of every candidate within its class by ascending `key` (ties: lower index
     first)."""

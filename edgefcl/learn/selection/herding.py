@@ -5,23 +5,14 @@ representative allotment that still covers the class. Needs no uncertainty score
 import torch
 from torch import Tensor
 
-from edgefcl.learn.selection.base import (
-    Candidates,
-    Selection,
-    class_means,
-    greedy_per_class,
-)
+from edgefcl.learn.selection.base import Candidates, FeatureSelection, class_means, greedy_per_class
 
 
-class Herding(Selection):
+class Herding(FeatureSelection):
     name = "herding"
-    needs_scores = False
-    needs_features = True
 
     def select(self, c: Candidates) -> Tensor:
-        if c.features is None:
-            raise ValueError("herding needs candidate features")
-        f = torch.nn.functional.normalize(c.features.float().flatten(1), dim=1)
+        f = torch.nn.functional.normalize(self.features(c), dim=1)
         mean = class_means(c, f)
         total = torch.zeros_like(mean)  # sum of the kept features per class
 

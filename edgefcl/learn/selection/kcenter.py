@@ -5,23 +5,14 @@ starting from the candidate nearest the class mean. Needs no uncertainty scores.
 import torch
 from torch import Tensor
 
-from edgefcl.learn.selection.base import (
-    Candidates,
-    Selection,
-    class_means,
-    greedy_per_class,
-)
+from edgefcl.learn.selection.base import Candidates, FeatureSelection, class_means, greedy_per_class
 
 
-class KCenter(Selection):
+class KCenter(FeatureSelection):
     name = "kcenter"
-    needs_scores = False
-    needs_features = True
 
     def select(self, c: Candidates) -> Tensor:
-        if c.features is None:
-            raise ValueError("kcenter needs candidate features")
-        f = c.features.float().flatten(1)
+        f = self.features(c)
         n, m = f.shape[0], c.counts.numel()
         # distance to the nearest kept candidate; before the first pick, to the class mean
         # negated (so the first pick is the candidate nearest the mean)
