@@ -62,9 +62,16 @@ def check_dense(tensors: Tensors, spec: Spec) -> str | None:
 
 
 class Strategy:
-    """Base of all strategies: one instance accumulates one round."""
+    """Base of all strategies: one instance accumulates one round.
+
+    `decomposable` strategies can split a round over shards: `partial()` is what this
+    instance accumulated (float64 sums and their weights, msgpack-able), and `merge(partial)`
+    adds another instance's partial, so that merging the partials of disjoint sets of updates
+    gives the result of adding all of them to one instance (up to float64 rounding).
+    """
 
     encoding = "dense"
+    decomposable = False
 
     def __init__(self, mix_weight: float = 0.5) -> None:
         self.mix_weight = mix_weight
@@ -82,6 +89,8 @@ class Strategy:
 class FedAvg(Strategy):
     """FedAvg weighted by the samples each client saw in its current task."""
 
+    decomposable = True
+
     def __init__(self, mix_weight: float = 0.5) -> None:
         super().__init__(mix_weight)
         self.acc = WeightedSum()
@@ -92,10 +101,20 @@ class FedAvg(Strategy):
     def result(self, previous: Tensors) -> Tensors:
         return mix(self.acc.mean(), previous, self.mix_weight)
 
+    def partial(self) -> dict:
+        """{"weight": w, "sums": {name: float64 sum of w * tensor}}."""
+        return {"weight": self.acc.weight, "sums": dict(self.acc.sums or {})}
+
+    def merge(self, partial: dict) -> None:
+        """Add another shard's `partial()`."""
+        merge_weighted_sum(self.acc, partial)
+
 
 class ClassWeightedFedAvg(Strategy):
     """'Weighted FedAvg': average the models per class present in the round (weighted by the
     client's samples of that class), then average the class models equally."""
+
+    decomposable = True
 
     def __init__(self, mix_weight: float = 0.5) -> None:
         super().__init__(mix_weight)
@@ -113,6 +132,27 @@ class ClassWeightedFedAvg(Strategy):
         means = [self.per_class[c].mean() for c in sorted(self.per_class)]
         avg = {k: sum(m[k] for m in means) / len(means) for k in means[0]}
         return mix(avg, previous, self.mix_weight)
+
+    def partial(self) -> dict:
+        """{"classes": {class: {"weight": w, "sums": {...}}}} (class ids as strings)."""
+        return {"classes": {str(c): {"weight": a.weight, "sums": dict(a.sums or {})}
+                            for c, a in sorted(self.per_class.items())}}
+
+    def merge(self, partial: dict) -> None:
+        """Add another shard's `partial()`, class by class."""
+        for c, p in sorted(partial["classes"].items(), key=lambda kv: int(kv[0])):
+            merge_weighted_sum(self.per_class.setdefault(int(c), WeightedSum()), p)
+
+
+def merge_weighted_sum(acc: WeightedSum, partial: dict) -> None:
+    """Add a partial {"weight", "sums"} into `acc` (no-op for an empty one)."""
+    if not partial["sums"]:
+        return
+    if acc.sums is None:
+        acc.sums = {k: np.zeros(np.shape(v), np.float64) for k, v in partial["sums"].items()}
+    for k, v in partial["sums"].items():
+        acc.sums[k] += np.asarray(v, np.float64)
+    acc.weight += float(partial["weight"])
 
 
 STRATEGIES: dict[tuple[str, str], Callable[[float], Strategy]] = {

@@ -363,6 +363,7 @@ class SparseFedAvg(Strategy):
 
     encoding = "sparse"
     forms = frozenset({*INDEX_FORMATS, "dense"})
+    decomposable = True
 
     def __init__(self, mix_weight: float = 0.5) -> None:
         super().__init__(mix_weight)
@@ -406,6 +407,20 @@ class SparseFedAvg(Strategy):
         if not self.acc.sums:
             raise ValueError("no contributions to average")
         return self.acc.result(previous, self.mix_weight)
+
+    def partial(self) -> dict:
+        """Per tensor, the flat per-entry sums of weight * absolute value and of weight (the
+        deltas were already turned into absolute values against their base)."""
+        return {"sums": dict(self.acc.sums), "weights": dict(self.acc.weights)}
+
+    def merge(self, partial: dict) -> None:
+        """Add another shard's `partial()`, entry by entry."""
+        for k in sorted(partial["sums"]):
+            s = np.asarray(partial["sums"][k], np.float64).ravel()
+            if k not in self.acc.sums:
+                self.acc.sums[k], self.acc.weights[k] = np.zeros_like(s), np.zeros_like(s)
+            self.acc.sums[k] += s
+            self.acc.weights[k] += np.asarray(partial["weights"][k], np.float64).ravel()
 
 
 STRATEGIES[("sparse", "fedavg")] = SparseFedAvg
