@@ -30,8 +30,8 @@ from edgefcl.federation.aggregation import (
     Spec,
     Strategy,
     WeightedSum,
-    merge_weighted_sum,
     check_dense,
+    merge_weighted_sum,
 )
 from edgefcl.federation.encodings import ENCODERS
 from edgefcl.federation.messages import Tensors, Update

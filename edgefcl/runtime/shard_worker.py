@@ -57,14 +57,17 @@ class WorkerDaemon:
         self.partials_sent = 0
         self.bytes_out = 0
         self.link = self.up = None
+        self._latest_global: bytes | None = None
 
     # -- messages -------------------------------------------------------------------------
     def _seal(self, body: dict) -> bytes:
         return encode(Message("status", body), fleet=self.cfg.mqtt.fleet, sender=self.id)
 
     def _on_global(self, topic: str, payload: bytes) -> None:
-        """Network thread: the first retained global starts the worker; later ones queue."""
-        if self.agg is None and not self.first_global.is_set():
+        """Network thread: the newest global waits in one slot, ahead of the queued updates
+        (a worker behind on updates must still check them against the root's version)."""
+        self._latest_global = payload
+        if not self.first_global.is_set():
             try:
                 g = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
                            require_digest=True)
@@ -74,8 +77,11 @@ class WorkerDaemon:
             if isinstance(g, GlobalModel):
                 self.initial = g
                 self.first_global.set()
-            return
-        self.inbox.put(topic, payload)
+
+    def _take_global(self) -> None:
+        payload, self._latest_global = self._latest_global, None
+        if payload is not None:
+            self.handle(self.topics.global_, payload)
 
     def handle(self, topic: str, payload: bytes | CodecError) -> None:
         """Apply one message; never raises (failures are counted as `rejected_<reason>`)."""
@@ -120,9 +126,9 @@ class WorkerDaemon:
             inc = body.get("incarnation")
             if body.get("state") == "online" and isinstance(inc, str) and 0 < len(inc) <= 64:
                 agg.admission.session(client, inc)
-        elif isinstance(msg, Message) and msg.kind == "control":
-            if msg.body.get("command") == "stop":
-                self.stop_event.set()
+        elif isinstance(msg, Message) and msg.kind == "control" and \
+                msg.body.get("command") == "stop":
+            self.stop_event.set()
 
     def flush(self) -> None:
         p = self.agg.flush()
@@ -178,6 +184,7 @@ class WorkerDaemon:
                      self.cfg.mqtt.broker, updates, g.version)
             next_status = 0.0
             while not self.stop_event.is_set():
+                self._take_global()
                 item = self.inbox.get(timeout=0.05)
                 if item is not None:
                     self.handle(*item)
