@@ -138,3 +138,13 @@ def test_worker_checks_updates_like_the_aggregator(tmp_path):
     assert w.agg.global_.version == 3
     w.handle(t.global_, encode(Message("status", {"state": "online"}, sender="x"), fleet=FLEET))
     assert c["rejected_global"] == 2
+
+
+def test_bench_shard_measures_every_cost_through_the_handlers():
+    from edgefcl.bench_shard import measure
+
+    r = measure(INITIAL, {k: v + 1 for k, v in INITIAL.items()}, "dense", 6, 2, 2, RunConfig())
+    assert r["rounds"] == 2 and r["workers"] == 2 and r["update_bytes"] > 0
+    for k in ("cpu_ms_per_update_single", "cpu_ms_per_update_worker",
+              "cpu_ms_per_partial_root"):
+        assert r[k] > 0
