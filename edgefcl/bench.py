@@ -183,7 +183,7 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
 
 def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
               study: dict | None = None, count: int = 0) -> int:
-    """Run benchmark `what` (client, transport, crash, fuzz, memory); JSON goes to
+    """Run benchmark `what` (client, transport, crash, fuzz, flood, memory); JSON goes to
     out/bench_<what>.json."""
     out.mkdir(parents=True, exist_ok=True)
     if what == "memory":
@@ -239,7 +239,13 @@ def _bench_fuzz(cfg: RunConfig, out: Path, count: int) -> dict:
     return bench_fuzz(cfg, out, count)
 
 
-BOUNDARY_BENCHES = {"crash": _bench_crash, "fuzz": _bench_fuzz}
+def _bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
+    from edgefcl.bench_flood import bench_flood
+
+    return bench_flood(cfg, out, count)
+
+
+BOUNDARY_BENCHES = {"crash": _bench_crash, "fuzz": _bench_fuzz, "flood": _bench_flood}
 """Benchmarks of the trust boundary; `--count` is their size (kills, payloads)."""
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefcl.config import METHODS, ConfigError, RunConfig
+from edgefcl.config import ConfigError, RunConfig
+from edgefcl.learn.methods import METHODS
 from edgefcl.learn.selection import get_selection
 from edgefcl.simulate import simulate
 

@@ -105,21 +105,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def check_runs(cfg: RunConfig) -> None:
-    """Refuse, before any work starts, what would only fail later: an aggregation the
-    encoding has no strategy for, a CUDA device on a machine without one."""
-    from edgefcl.config import run_entries
-    from edgefcl.federation.aggregation import STRATEGIES
-    from edgefcl.federation.aggregator import Aggregator  # noqa: F401  (registers strategies)
-
-    for _, _, fed in run_entries(cfg):
-        encodings = sorted({e for e, _ in STRATEGIES})
-        if fed.encoding not in encodings:
-            raise ConfigError(f"unknown encoding '{fed.encoding}'; choose from "
-                              f"{', '.join(encodings)}")
-        if (fed.encoding, fed.aggregation) not in STRATEGIES:
-            known = sorted(a for e, a in STRATEGIES if e == fed.encoding)
-            raise ConfigError(f"unknown aggregation '{fed.aggregation}' for encoding "
-                              f"'{fed.encoding}'; choose from {', '.join(known)}")
+    """Refuse, before any work starts, what would only fail later: a CUDA device on a
+    machine without one (names are checked by the config against the registries)."""
     if cfg.learn.device != "cpu":
 
         from edgefcl.learn.client import resolve_device
@@ -187,6 +174,8 @@ BENCHES = {
              "of the root (dense and sparse demo updates, through the daemons' handlers)",
     "crash": "SIGKILL the aggregator at random moments and check its state after each restart",
     "fuzz": "mutated payloads through the aggregator's and the device's message handlers",
+    "flood": "the aggregator process's resident memory under chunk and tensor-count floods "
+             "over Mosquitto, with honest devices' rounds timed",
     "memory": "the memory study: selection rules x datasets x memory sizes x seeds (A, F as "
               "mean ± sample std, wall time per run; table, JSON and plot)",
 }
@@ -265,7 +254,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
         return WorkerDaemon(cfg, args.id, share_group=group, upstream=args.upstream,
                             flush_every=args.flush_every).run()
     state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
-    from edgefcl.report import make_dir
+    from edgefcl.config import make_dir  # not edgefcl.report: the aggregator needs no torch
 
     make_dir(state_dir, "--state-dir")
     setup = None
@@ -307,12 +296,11 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
 def check_shard_role(cfg: RunConfig, args: argparse.Namespace) -> None:
     """Refuse a sharded role the configuration cannot run (one line, exit 2)."""
-    from edgefcl.federation.aggregation import make_strategy
     from edgefcl.federation.shard import ShardError, check_shardable
     from edgefcl.transport.topics import validate_id
 
     try:
-        check_shardable(cfg.fed, make_strategy(cfg.fed.encoding, cfg.fed.aggregation))
+        check_shardable(cfg.fed)
         if args.role == "root":
             from edgefcl.federation.admission import parse_roster
 
@@ -554,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "%(default)s)")
     b.add_argument("--repeats", type=int, default=3, help="timing repeats (default: 3)")
     b.add_argument("--count", type=int, default=0,
-                   help="crash: SIGKILLs (default 100); fuzz: payloads (default 100000)")
+                   help="crash: SIGKILLs (default 100); fuzz: payloads (default 100000); flood: "
+                   "MiB offered per flood (default 1024)")
     from edgefcl.loadgen.options import add_fleet_arguments
 
     add_fleet_arguments(b)

@@ -159,11 +159,13 @@ class FedConfig:
     encoding: str = opt(
         "dense", "update encoding on the wire: dense | gaussian (mu and sigma of Bayesian "
         "layers; the model is converted to a Bayesian one) | sparse (top-k of the delta to the "
-        "last global, error feedback) | apc (FedWeIT decomposition; implied by method apc)"
+        "last global, error feedback) | apc (FedWeIT decomposition; implied by method apc) | "
+        "q8 (8-bit per-tensor affine quantisation of the dense update); the registry is "
+        "edgefcl.federation.registry"
     )
     aggregation: str = opt(
-        "fedavg", "dense: fedavg (weighted by samples) | class-weighted | median | trimmed-mean "
-        "(coordinate-wise, robust); gaussian: conflation "
+        "fedavg", "dense and q8: fedavg (weighted by samples) | class-weighted | median | "
+        "trimmed-mean (coordinate-wise, robust); sparse, apc: fedavg; gaussian: conflation "
         "(product, VFCL) | fedbnn (prior times likelihoods) | moments (moment matching)"
     )
     bnn_init_rounds: int = opt(
@@ -174,6 +176,9 @@ class FedConfig:
     min_clients: int = opt(2, "eligible updates needed to close a round")
     mode: str = opt("sync", "sync (lock-step, Algorithm 1) | async (deployment default)")
     round_timeout: float = opt(5.0, "async: seconds after which a round closes on quorum")
+    quorum: float = opt(0.5, "async: share of the active clients whose updates a round needs "
+                        "to close at round_timeout (0: min_clients alone), so that a few "
+                        "clients that report first cannot own a round")
     max_staleness: int = opt(3, "async: drop updates based on globals this many versions old")
     topk: float = opt(0.1, "sparse: fraction of each tensor's entries sent (largest deltas; "
                       "0: no cap, use threshold)")
@@ -303,11 +308,13 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-METHODS = ("bi", "lc", "ms", "rc", "en", "ag", "er", "cbr", "fedavg", "fedprox", "vfcl", "fedbnn",
-           "apc")
-BAYES_METHODS = {"vfcl": "conflation", "fedbnn": "fedbnn"}
-"""Bayesian methods and the gaussian aggregation each uses unless another is given."""
-GAUSSIAN_AGGREGATIONS = ("conflation", "fedbnn", "moments")
+def _registries():  # noqa: ANN202
+    """(methods, encodings): the registries the names of a config are checked against.
+    Imported on use: they are built from this module's dataclasses (numpy, no torch)."""
+    from edgefcl.federation.registry import ENCODINGS
+    from edgefcl.learn.methods import METHODS
+
+    return METHODS, ENCODINGS
 
 
 def parse_entry(entry: str) -> tuple[str, str | None, str | None]:
@@ -324,17 +331,19 @@ def parse_entry(entry: str) -> tuple[str, str | None, str | None]:
 
 def resolve_fed(method: str, fed: FedConfig, encoding: str | None = None,
                 aggregation: str | None = None) -> FedConfig:
-    """The federation config a run of `method` uses: explicit encoding/aggregation first;
-    vfcl and fedbnn imply the gaussian encoding; a gaussian run whose aggregation is a dense
-    one takes the method's (fedbnn) or conflation."""
+    """The federation config a run of `method` uses: explicit encoding/aggregation first; a
+    method that needs an encoding (vfcl, fedbnn: gaussian; apc: apc) implies it over the
+    default dense; an aggregation left at the default fedavg that the encoding does not offer
+    becomes the method's (fedbnn) or the encoding's default (conflation)."""
+    methods, encodings = _registries()
+    m = methods.get(method)
     enc = encoding or fed.encoding
-    if encoding is None and method in BAYES_METHODS and enc == "dense":
-        enc = "gaussian"
-    if encoding is None and method == "apc" and enc == "dense":
-        enc = "apc"
+    if encoding is None and m is not None and m.encoding and enc == "dense":
+        enc = m.encoding
     agg = aggregation or fed.aggregation
-    if aggregation is None and enc == "gaussian" and agg not in GAUSSIAN_AGGREGATIONS:
-        agg = BAYES_METHODS.get(method, "conflation")
+    e = encodings.get(enc)
+    if aggregation is None and e is not None and agg == "fedavg" and agg not in e.rules:
+        agg = m.aggregation if m is not None and m.aggregation else e.default_rule
     if (enc, agg) == (fed.encoding, fed.aggregation):
         return fed
     return dataclasses.replace(fed, encoding=enc, aggregation=agg)
@@ -351,24 +360,33 @@ def run_entries(cfg: RunConfig) -> list[tuple[str, str, FedConfig]]:
 
 
 def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
-    if method not in METHODS:
-        raise ConfigError(f"unknown method '{method}'; choose from {', '.join(METHODS)}")
-    if fed.encoding == "gaussian" and fed.aggregation not in GAUSSIAN_AGGREGATIONS:
-        raise ConfigError(f"aggregation '{fed.aggregation}' does not take gaussian updates; "
-                          f"choose from {', '.join(GAUSSIAN_AGGREGATIONS)}")
-    if fed.encoding != "gaussian" and fed.aggregation in GAUSSIAN_AGGREGATIONS:
-        raise ConfigError(f"aggregation '{fed.aggregation}' needs --encoding gaussian")
-    if method in BAYES_METHODS and fed.encoding != "gaussian":
-        raise ConfigError(f"method {method} needs --encoding gaussian")
-    if (method == "apc") != (fed.encoding == "apc"):
-        raise ConfigError("method apc and encoding apc go together (--method apc sets both)")
-    if fed.encoding in ("sparse", "apc") and fed.aggregation != "fedavg":
-        raise ConfigError(f"encoding {fed.encoding} aggregates with fedavg only")
-    if fed.downlink == "sparse" and fed.encoding == "gaussian":
-        raise ConfigError("downlink sparse works with the dense, sparse and apc encodings")
-    if learn.score_source != "tta" and fed.encoding != "gaussian":
+    """Names against the registries (methods, encodings, each encoding's aggregation rules)
+    and the pairings their descriptors declare."""
+    methods, encodings = _registries()
+    m = methods.get(method)
+    if m is None:
+        raise ConfigError(f"unknown method '{method}'; choose from {', '.join(methods)}")
+    e = encodings.get(fed.encoding)
+    if e is None:
+        raise ConfigError(f"unknown encoding '{fed.encoding}'; choose from "
+                          f"{', '.join(encodings)}")
+    if fed.aggregation not in e.rules:
+        others = [n for n, x in encodings.items() if fed.aggregation in x.rules]
+        hint = f" (it needs --encoding {' or '.join(others)})" if others else ""
+        raise ConfigError(f"unknown aggregation '{fed.aggregation}' for encoding '{e.name}'"
+                          f"{hint}; choose from {', '.join(e.rules)}")
+    if m.encoding and fed.encoding != m.encoding:
+        raise ConfigError(f"method {method} needs --encoding {m.encoding}")
+    if e.method and method != e.method:
+        raise ConfigError(f"encoding {e.name} needs method {e.method} (--method {e.method} "
+                          "sets both)")
+    if fed.downlink == "sparse" and not e.sparse_downlink:
+        ok = ", ".join(n for n, x in encodings.items() if x.sparse_downlink)
+        raise ConfigError(f"downlink sparse works with the {ok} encodings")
+    if learn.score_source != "tta" and not e.bayesian:
+        bayes = " or ".join(n for n, x in encodings.items() if x.bayesian)
         raise ConfigError(f"score_source {learn.score_source} needs a Bayesian model: use "
-                          "--encoding gaussian or method vfcl/fedbnn")
+                          f"--encoding {bayes} or method vfcl/fedbnn")
 
 
 def validate(cfg: RunConfig) -> None:
@@ -413,6 +431,7 @@ def validate(cfg: RunConfig) -> None:
         (f.jump >= 1, "jump must be >= 1"),
         (0 <= f.mix <= 1, "mix must be in [0, 1]"),
         (f.min_clients >= 1, "min_clients must be >= 1"),
+        (0 <= f.quorum <= 1, "quorum must be in [0, 1] (a share of the active clients)"),
         (f.mode in ("sync", "async"), "mode must be sync or async"),
         (0 <= f.topk <= 1, "topk must be in [0, 1] (fraction of entries sent)"),
         (f.threshold >= 0, "threshold must be >= 0"),
@@ -463,3 +482,12 @@ def dump_toml(cfg: RunConfig) -> str:
         lines.append(f"\n[{section}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in d[section].items()]
     return "\n".join(lines) + "\n"
+
+
+def make_dir(path: Path, what: str = "--out") -> Path:
+    """Create `path` (and its parents) or raise ConfigError saying why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot create {path}: {e.strerror or e}") from None
+    return path

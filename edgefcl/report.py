@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefcl.config import ConfigError, RunConfig, apply, dump_toml, load_toml
+from edgefcl.config import ConfigError, RunConfig, apply, dump_toml, load_toml, make_dir
 from edgefcl.data.types import DataError
 from edgefcl.learn.drift import stream_lines
 from edgefcl.learn.export import GLOBAL_FILE
@@ -29,15 +29,6 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
-
-
-def make_dir(path: Path, what: str = "--out") -> Path:
-    """Create `path` (and its parents) or raise ConfigError saying why it cannot be."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{what}: cannot create {path}: {e.strerror or e}") from None
-    return path
 
 
 def run_table(r: RunResult) -> str:

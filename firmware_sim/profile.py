@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgefcl.config import ConfigError, read_toml
-from edgefcl.learn.client import MEMORY_POLICY
+from edgefcl.learn.methods import get_method
 
 if TYPE_CHECKING:
     from edgefcl.learn.client import Client
@@ -209,7 +209,7 @@ def memory_footprint(client: Client, sample_shape: tuple[int, ...]) -> dict[str,
                     if p.requires_grad)
     scored = client.perturber is not None
     replay = 0
-    if client.learn.memory_size > 0 and MEMORY_POLICY.get(client.method) is not None:
+    if client.learn.memory_size > 0 and get_method(client.method).memory is not None:
         replay = client.learn.memory_size * (math.prod(sample_shape) * 4 + SLOT_BYTES)
     return {
         "model": params + buffers,

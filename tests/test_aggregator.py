@@ -23,14 +23,14 @@ ZERO = {"w": np.zeros(2, np.float32)}
 
 
 def test_fedavg_weights_by_samples():
-    s = FedAvg(mix_weight=1.0)
+    s = FedAvg(FedConfig(mix=1.0), {})
     s.add(upd("a", 1.0, n=10))
     s.add(upd("b", 4.0, n=30))
     np.testing.assert_allclose(s.result(ZERO)["w"], [(10 * 1 + 30 * 4) / 40] * 2)
 
 
 def test_class_weighted_fedavg_by_hand():
-    s = ClassWeightedFedAvg(mix_weight=1.0)
+    s = ClassWeightedFedAvg(FedConfig(mix=1.0), {})
     s.add(upd("a", 0.0, classes={0: 10, 1: 10}))
     s.add(upd("b", 6.0, classes={1: 30}))
     # class 0: only a -> 0; class 1: (10*0 + 30*6)/40 = 4.5; equal mean of classes -> 2.25
@@ -51,7 +51,7 @@ def test_weighted_sum_memory_does_not_grow():
 
 
 def make(mode="sync", **kw):
-    fed = FedConfig(clients=3, burn_in=2, jump=2, mode=mode, **kw)
+    fed = FedConfig(**({"clients": 3, "burn_in": 2, "jump": 2, "mode": mode} | kw))
     return Aggregator({"w": np.zeros(2, np.float32)}, fed)
 
 
@@ -142,3 +142,34 @@ def test_state_round_trip():
     other.load_state(agg.state())
     assert other.global_.version == 1 and other.last_seq == {"a": 1, "b": 1, "c": 1}
     np.testing.assert_array_equal(other.global_.tensors["w"], agg.global_.tensors["w"])
+
+
+@pytest.mark.parametrize("quorum, closes_on_attackers_alone", [(0.5, False), (0.0, True)])
+def test_attackers_sending_first_cannot_close_an_async_round_alone(quorum,
+                                                                   closes_on_attackers_alone):
+    """min_clients attackers that report first used to own the round at the timeout; with
+    `quorum` the timeout closes a round only once that share of the active clients reported
+    (0 restores the count-only rule, shown as the attack that then works)."""
+    agg = make("async", round_timeout=1.0, min_clients=2, quorum=quorum, clients=6)
+    for cid in ("x1", "x2", "h1", "h2", "h3", "h4"):
+        agg.join(cid, now=0.0)
+    agg.submit(upd("x1", 100.0), now=0.0)
+    agg.submit(upd("x2", 100.0), now=0.1)
+    closed = agg.poll(now=1.5)  # the timeout passed with only the attackers in
+    assert (closed is not None) == closes_on_attackers_alone
+    if closes_on_attackers_alone:
+        assert closed.participants == ("x1", "x2")
+        return
+    assert agg.submit(upd("h1", 1.0), now=1.6) is not None  # 3 of 6 active: the round closes
+    assert agg.global_.participants == ("h1", "x1", "x2")
+
+
+def test_the_quorum_shrinks_with_the_active_set():
+    """Clients that leave (done, offline, silent) no longer count: the round still closes."""
+    agg = make("async", round_timeout=1.0, min_clients=1, quorum=0.5, clients=4)
+    for cid in "abcd":
+        agg.join(cid, now=0.0)
+    agg.submit(upd("a", 1.0), now=0.0)
+    assert agg.poll(now=2.0) is None  # 1 of 4
+    assert agg.leave("b", now=2.1) is None  # 1 of 3
+    assert agg.leave("c", now=2.2) is not None  # 1 of 2

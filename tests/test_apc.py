@@ -10,10 +10,10 @@ from torch import nn
 
 from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, apply, resolve_fed
 from edgefcl.federation.aggregator import Aggregator
-from edgefcl.federation.apc import KB_NEXT, APCFedAvg
+from edgefcl.federation.apc import KB_NEXT, APCEncoder, APCFedAvg
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.sparse import IDX, KB, ROWS, VAL, decode_indices, encode_indices
-from edgefcl.learn.apc import APC, APCEncoder, APCLayer, decompose, local_keys, shared_tensors
+from edgefcl.learn.apc import APC, APCLayer, decompose, local_keys, shared_tensors
 from edgefcl.learn.params import get_tensors
 
 sig = torch.sigmoid
@@ -184,8 +184,7 @@ def test_aggregator_rejects_bad_apc_rows(rows, vals, reason):
 
 
 def test_server_strategy_without_knowledge_base():
-    s = APCFedAvg(1.0)
-    s.bind(make_agg(kb_size=0))
+    s = APCFedAvg(FedConfig(mix=1.0, apc_kb_size=0), {"w": (2, 2), "b": (2,)})
     s.add(apc_update("a", [1], [3.0, 3.0], kb=([0], [1.0])))
     g = s.result({"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)})
     assert set(g) == {"w", "b"} and g["w"].tolist() == [[0, 0], [3, 3]]
@@ -194,9 +193,9 @@ def test_server_strategy_without_knowledge_base():
 def test_method_apc_implies_the_apc_encoding():
     assert resolve_fed("apc", FedConfig()).encoding == "apc"
     assert apply(RunConfig(), {"learn": {"method": "apc"}}).fed.encoding == "apc"
-    with pytest.raises(ConfigError, match="go together"):
+    with pytest.raises(ConfigError, match="needs"):
         apply(RunConfig(), {"compare": "bi", "fed": {"encoding": "apc"}})
-    with pytest.raises(ConfigError, match="go together"):
+    with pytest.raises(ConfigError, match="needs"):
         apply(RunConfig(), {"learn": {"method": "apc"}, "fed": {"encoding": "sparse"}})
 
 

@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-from edgefcl.config import METHODS, ConfigError, RunConfig, apply, validate
+from edgefcl.config import ConfigError, RunConfig, apply, validate
+from edgefcl.federation.registry import ENCODINGS
+from edgefcl.federation.rules import DENSE_RULES
+from edgefcl.learn.methods import MEMORIES, METHODS, SCORES, Method, load
 
 
 def _checked(values: dict) -> RunConfig:
@@ -27,9 +30,18 @@ def test_defaults_are_valid() -> None:
     ({"learn": {"nope": 1}}, "unknown key 'nope'"),
     ({"learn": "x"}, "[learn] must be a table"),
     ({"fed": {"encoding": "dense", "aggregation": "conflation"}}, "needs --encoding gaussian"),
-    ({"fed": {"encoding": "sparse", "aggregation": "median"}}, "aggregates with fedavg only"),
+    ({"fed": {"encoding": "sparse", "aggregation": "median"}},
+     "unknown aggregation 'median' for encoding 'sparse' (it needs --encoding dense or q8); "
+     "choose from fedavg"),
     ({"learn": {"method": "apc"}, "fed": {"encoding": "dense"}, "compare": "apc+dense"},
-     "go together"),
+     "method apc needs --encoding apc"),
+    ({"compare": "bi+apc"}, "encoding apc needs method apc"),
+    ({"fed": {"encoding": "gaussian", "downlink": "sparse"}},
+     "downlink sparse works with the dense, sparse, apc, q8 encodings"),
+    ({"learn": {"score_source": "posterior"}}, "needs a Bayesian model: use --encoding gaussian"),
+    ({"learn": {"method": "vfcl"}, "compare": "vfcl+dense"}, "method vfcl needs --encoding "
+     "gaussian"),
+    ({"fed": {"encoding": "q9"}}, "unknown encoding 'q9'; choose from " + ", ".join(ENCODINGS)),
     ({"data": {"tasks": 0}}, "tasks must be >= 1"),
 ])
 def test_bad_values_are_one_line_errors(values: dict, message: str) -> None:
@@ -46,7 +58,32 @@ def test_unknown_method_lists_every_method() -> None:
 
 
 def test_bayes_method_implies_gaussian_encoding() -> None:
-    _checked({"learn": {"method": "vfcl"}})
+    cfg = _checked({"learn": {"method": "vfcl"}})
+    assert (cfg.fed.encoding, cfg.fed.aggregation) == ("gaussian", "conflation")
+    cfg = _checked({"learn": {"method": "fedbnn"}})
+    assert (cfg.fed.encoding, cfg.fed.aggregation) == ("gaussian", "fedbnn")
+
+
+def test_every_score_is_a_method_ranked_by_it() -> None:
+    for name in SCORES:
+        assert METHODS[name] == Method(name, "balanced-score", score=name,
+                                       help=METHODS[name].help)
+        assert callable(load(SCORES[name].fn))
+    for m in METHODS.values():
+        assert m.memory in (None, *MEMORIES) and m.score in SCORES
+        assert not m.hooks or callable(load(m.hooks))
+
+
+def test_names_come_from_the_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name added to a registry is valid at once, and the errors list it (no second list)."""
+    monkeypatch.setitem(METHODS, "mine", Method("mine", None))
+    _checked({"learn": {"method": "mine"}})
+    monkeypatch.setitem(DENSE_RULES, "mine", DENSE_RULES["fedavg"])
+    _checked({"fed": {"aggregation": "mine"}})
+    with pytest.raises(ConfigError, match="choose from .*mine"):
+        _checked({"fed": {"aggregation": "nope"}})
+    for enc in ENCODINGS.values():  # every encoding's default rule is one of its rules
+        assert enc.default_rule in enc.rules
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -63,8 +100,13 @@ def test_cli_unknown_method_exits_2_with_one_line() -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--encoding", "nope"), "unknown encoding 'nope'; choose from apc, dense, gaussian, sparse"),
-    (("--aggregation", "nope"), "unknown aggregation 'nope' for encoding 'dense'; choose from"),
+    (("--encoding", "nope"), "unknown encoding 'nope'; choose from " + ", ".join(ENCODINGS)),
+    (("--aggregation", "nope"), "unknown aggregation 'nope' for encoding 'dense'; choose from "
+     + ", ".join(DENSE_RULES)),
+    (("--aggregation", "foo"), "unknown aggregation 'foo'"),
+    (("--encoding", "q8", "--aggregation", "conflation"), "unknown aggregation 'conflation' for "
+     "encoding 'q8' (it needs --encoding gaussian)"),
+    (("--method", "apc", "--encoding", "sparse"), "method apc needs --encoding apc"),
 ])
 def test_cli_unknown_encoding_or_aggregation_exits_2(args: tuple[str, ...], message: str) -> None:
     out = _cli("simulate", *args)

@@ -95,7 +95,7 @@ def test_aggregator_counts_rejected_sigma() -> None:
 # -- conflation --------------------------------------------------------------------------------
 def test_conflation_of_two_gaussians_matches_closed_form() -> None:
     # N(1, 1) x N(3, 2^2): precision 1 + 1/4 = 1.25, var 0.8, mu = 0.8 (1 + 3/4) = 1.4
-    s = Conflation(mix_weight=1.0)
+    s = Conflation(FedConfig(mix=1.0), {})
     s.add(upd(wire([1.0], [1.0]), n=1))
     s.add(upd(wire([3.0], [2.0]), n=1000, client="b"))  # sample counts do not matter
     out = s.result(wire([0.0], [1.0]))
@@ -105,7 +105,7 @@ def test_conflation_of_two_gaussians_matches_closed_form() -> None:
 
 def test_mixing_with_previous_global_on_both_moments() -> None:
     # 0.5 N(1.4, 0.8) + 0.5 N(0, 1): mu 0.7, var 0.4 + 0.5 + 0.25 * 1.4^2 = 1.39
-    s = Conflation(mix_weight=0.5)
+    s = Conflation(FedConfig(mix=0.5), {})
     s.add(upd(wire([1.0], [1.0])))
     s.add(upd(wire([3.0], [2.0]), client="b"))
     out = s.result(wire([0.0], [1.0]))
@@ -116,7 +116,7 @@ def test_mixing_with_previous_global_on_both_moments() -> None:
 
 
 def test_plain_tensors_are_averaged_by_samples() -> None:
-    s = Conflation(mix_weight=1.0)
+    s = Conflation(FedConfig(mix=1.0), {})
     s.add(upd(wire([0.0], [1.0], plain=[1.0]), n=1))
     s.add(upd(wire([0.0], [1.0], plain=[5.0]), n=3, client="b"))
     assert s.result(wire([0.0], [1.0], plain=[0.0]))["bn.running_mean"][0] == pytest.approx(4.0)
@@ -139,33 +139,33 @@ def test_fedbnn_product_of_prior_and_likelihoods() -> None:
     # lik (-2, 1). Product: precision 1 + 3 + 1 = 5, mu = (0 + 4 - 2) / 5 = 0.4.
     prior = state([0.0], [1.0])
     enc = GaussianEncoder(likelihood=True)
-    s = FedBNNProduct(mix_weight=1.0)
+    s = FedBNNProduct(FedConfig(mix=1.0), {})
     s.add(upd(enc.encode(state([1.0], [0.5]), prior)))
     s.add(upd(enc.encode(state([-1.0], [np.sqrt(0.5)]), prior), client="b"))
     out = s.result(to_wire(prior))
     assert out["w::mu"][0] == pytest.approx(0.4, rel=1e-5)
     assert out["w::sigma"][0] == pytest.approx(np.sqrt(0.2), rel=1e-5)
-    assert s.counters["fedbnn_clamped"] == 0 and enc.clamped == 0
+    assert s.counters()["fedbnn_clamped"] == 0 and enc.clamped == 0
 
 
 def test_fedbnn_gives_back_the_prior_when_clients_learned_nothing() -> None:
     mu, sd = np.array([0.3, -1.2, 2.0], f32), np.array([0.05, 0.2, 1.0], f32)
     prior = state(mu, sd)
     enc = GaussianEncoder(likelihood=True)
-    s = FedBNNProduct(mix_weight=1.0)
+    s = FedBNNProduct(FedConfig(mix=1.0), {})
     for c in "abc":
         s.add(upd(enc.encode(prior, prior), client=c))
     out = s.result(to_wire(prior))
     # three likelihoods clamped to the floor precision: the prior up to 3 * LIK_FLOOR
     np.testing.assert_allclose(out["w::mu"], mu, rtol=1e-5)
     np.testing.assert_allclose(out["w::sigma"], to_wire(prior)["w::sigma"], rtol=1e-5)
-    assert s.counters["fedbnn_clamped"] == 9 == enc.clamped
+    assert s.counters()["fedbnn_clamped"] == 9 == enc.clamped
     assert LIK_FLOOR * 3 < 1e-5
 
 
 def test_fedbnn_standard_network_phase_averages() -> None:
-    s = FedBNNProduct(mix_weight=1.0)
-    s.configure(FedConfig(encoding="gaussian", aggregation="fedbnn", bnn_init_rounds=2))
+    s = FedBNNProduct(FedConfig(encoding="gaussian", aggregation="fedbnn", bnn_init_rounds=2,
+                                mix=1.0), {})
     s.add(upd(wire([1.0], [0.05]), n=1, base_version=1))
     s.add(upd(wire([3.0], [0.05]), n=3, base_version=1, client="b"))
     out = s.result(wire([0.0], [0.05]))
@@ -178,7 +178,7 @@ def test_moment_matching_of_identical_inputs_is_the_identity() -> None:
     rng = np.random.default_rng(0)
     mu = rng.normal(size=50).astype(f32)
     sd = rng.uniform(1e-4, 1.0, size=50).astype(f32)
-    s = MomentMatching(mix_weight=0.5)
+    s = MomentMatching(FedConfig(mix=0.5), {})
     for c, n in zip("abc", (1, 7, 30), strict=True):
         s.add(upd(wire(mu, sd), n=n, client=c))
     out = s.result(wire(mu, sd))
@@ -188,7 +188,7 @@ def test_moment_matching_of_identical_inputs_is_the_identity() -> None:
 
 def test_moment_matching_weights_by_samples() -> None:
     # weights 1/4, 3/4; mu 0 and 2, sigma 1: mu 1.5, var 0.25 * 1 + 0.75 * 5 - 2.25 = 1.75
-    s = MomentMatching(mix_weight=1.0)
+    s = MomentMatching(FedConfig(mix=1.0), {})
     s.add(upd(wire([0.0], [1.0]), n=1))
     s.add(upd(wire([2.0], [1.0]), n=3, client="b"))
     out = s.result(wire([0.0], [1.0]))

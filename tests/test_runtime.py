@@ -95,6 +95,17 @@ def test_lockstep_mqtt_reproduces_inprocess_bit_for_bit(broker, request, tmp_pat
     assert remote.global_sha256 == local.global_sha256
 
 
+def test_q8_over_mqtt_reproduces_inprocess(embedded_broker, tmp_path):
+    """uint8 codes and float32 ranges cross the codec and the daemon's validation intact."""
+    cfg = small_config(mqtt={"broker": embedded_broker}, fed={"encoding": "q8"})
+    local = simulate(cfg)
+    remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=tmp_path / "fleet")
+    assert local.rounds > 0 and remote.rounds == local.rounds
+    assert remote.global_sha256 == local.global_sha256
+    assert remote.comm.bytes_up < 0.4 * simulate(small_config(mqtt={"broker": embedded_broker})
+                                                 ).comm.bytes_up
+
+
 def test_sparse_downlink_over_mqtt_reproduces_inprocess_and_sends_less(embedded_broker,
                                                                         tmp_path):
     cfg = small_config(mqtt={"broker": embedded_broker}, fed={"encoding": "sparse"})

@@ -14,6 +14,7 @@ from hypothesis.extra.numpy import arrays
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
 from edgefcl.learn import scores
+from edgefcl.learn.methods import SCORES
 
 LN2 = math.log(2.0)
 
@@ -109,7 +110,7 @@ def test_large_logits_are_stable() -> None:
     assert scores.bregman_information(z).item() == pytest.approx(500.0 - LN2, rel=1e-6)
     confident = torch.tensor([[[1000.0, 0.0, 0.0]], [[900.0, 0.0, -50.0]]])
     assert scores.entropy(confident).item() == pytest.approx(0.0, abs=1e-6)
-    for name in scores.UNCERTAINTIES:
+    for name in SCORES:
         assert torch.isfinite(scores.uncertainty(name, z)).all(), name
 
 

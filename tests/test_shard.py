@@ -10,13 +10,15 @@ import pytest
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Update
+from edgefcl.federation.q8 import Q8Encoder
 from edgefcl.federation.shard import Partial, ShardError, ShardRoot, ShardWorker
 from edgefcl.federation.sparse import SparseEncoder
 
 N = 7
 SHAPES = {"fc.weight": (6, 5), "fc.bias": (6,)}
 RULES = [("dense", "fedavg"), ("dense", "class-weighted"), ("gaussian", "conflation"),
-         ("gaussian", "moments"), ("sparse", "fedavg")]
+         ("gaussian", "moments"), ("sparse", "fedavg"), ("q8", "fedavg"),
+         ("q8", "class-weighted")]
 
 
 def fed_for(encoding: str, aggregation: str, **kw) -> FedConfig:
@@ -44,6 +46,8 @@ def updates_for(encoding: str, initial, rng: np.random.Generator, seq: int = 1,
             t["fc.weight::sigma"] = np.abs(t["fc.weight::sigma"]) + np.float32(0.05)
         if encoding == "sparse":
             t = SparseEncoder(topk=0.3, value_dtype="float32").encode(t, initial)
+        if encoding == "q8":
+            t = Q8Encoder().encode(t, initial)
         n = int(rng.integers(3, 20))
         a = int(rng.integers(1, n))
         counts = {int(rng.integers(0, 3)): a}
@@ -94,6 +98,39 @@ def test_sharded_global_equals_single_aggregator_global(encoding, aggregation, w
 
 
 @pytest.mark.parametrize("encoding,aggregation", RULES)
+def test_long_lived_strategies_give_the_single_global_round_after_round(encoding, aggregation):
+    """Three rounds: each process keeps its one strategy object, and every round's sharded
+    global equals the single aggregator's (updates based on the last global)."""
+    rng = np.random.default_rng(11)
+    fed = fed_for(encoding, aggregation)
+    initial = initial_for(encoding, rng)
+    single = Aggregator(initial, fed, batch_size=32)
+    ws = [ShardWorker(initial, fed, batch_size=32, worker=f"w{j}") for j in range(2)]
+    root = ShardRoot(initial, fed, batch_size=32)
+    strategies = [single.strategy, root.strategy, *(w.strategy for w in ws)]
+    for w in ws:
+        root.worker_online(w.worker)
+    base = initial
+    for r in range(3):
+        updates = updates_for(encoding, base, rng, seq=r + 1, version=r)
+        a = [single.submit(u, 0.0) for u in updates][-1]
+        for i, u in enumerate(updates):
+            assert ws[i % 2].submit(u, 0.0) is None
+        b = None
+        for w in ws:
+            assert root.merge(w.flush(), 0.0) is None
+            b = root.poll(0.0) or b
+        assert a.global_.version == b.global_.version == r + 1
+        for k in a.global_.tensors:
+            np.testing.assert_allclose(b.global_.tensors[k], a.global_.tensors[k], rtol=1e-6,
+                                       atol=1e-7, err_msg=f"round {r} {k}")
+        for w in ws:
+            assert w.set_global(b.global_)
+        base = a.global_.tensors
+    assert [single.strategy, root.strategy, *(w.strategy for w in ws)] == strategies
+
+
+@pytest.mark.parametrize("encoding,aggregation", RULES)
 def test_partial_round_trips_through_the_wire(encoding, aggregation):
     from edgefcl.transport.partials import decode_partial, encode_partial
 
@@ -114,11 +151,15 @@ def test_partial_round_trips_through_the_wire(encoding, aggregation):
         assert np.array_equal(a[k], b[k])
 
 
-@pytest.mark.parametrize("aggregation", ["median", "trimmed-mean"])
-def test_rules_that_do_not_decompose_are_refused(aggregation):
+@pytest.mark.parametrize("encoding,aggregation", [
+    ("dense", "median"), ("dense", "trimmed-mean"), ("q8", "median"), ("q8", "trimmed-mean"),
+    ("gaussian", "fedbnn"), ("apc", "fedavg")])
+def test_rules_that_do_not_decompose_are_refused(encoding, aggregation):
     initial = initial_for("dense", np.random.default_rng(0))
     with pytest.raises(ShardError, match="does not decompose"):
-        ShardWorker(initial, fed_for("dense", aggregation))
+        ShardWorker(initial, fed_for(encoding, aggregation))
+    with pytest.raises(ShardError, match="does not decompose"):
+        ShardRoot(initial, fed_for(encoding, aggregation))
     with pytest.raises(ShardError, match="async"):
         ShardRoot(initial, fed_for("dense", "fedavg", mode="sync"))
 

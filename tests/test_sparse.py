@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgefcl.config import ConfigError, FedConfig, RunConfig, apply
-from edgefcl.federation.aggregation import FedAvg
+from edgefcl.federation.aggregation import FedAvg, RoundInput
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.sparse import (
@@ -245,8 +245,9 @@ def test_topk_one_reproduces_dense_fedavg():
          .astype(np.float32)}
     clients = [{k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in g.items()}
                for _ in range(3)]
-    dense, sparse = FedAvg(0.5), SparseFedAvg(0.5)
-    sparse.bind(Aggregator(g, FedConfig(encoding="sparse")))
+    dense = FedAvg(FedConfig(), {})
+    sparse = SparseFedAvg(FedConfig(encoding="sparse"), {k: v.shape for k, v in g.items()})
+    sparse.configure_round(RoundInput(0, g, {0: g}.get))
     for i, x in enumerate(clients):
         dense.add(Update(f"c{i}", 0, 1, 0, 4, 10 * (i + 1), x))
         payload = SparseEncoder(topk=1.0).encode(x, g)

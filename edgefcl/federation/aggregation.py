@@ -1,17 +1,26 @@
-"""Aggregation strategies: validate one encoding's payload and fold it into running sums
-(memory independent of the client count), then produce the next global.
+"""The Strategy contract and the dense rules: validate nothing (the encoding does), fold updates
+into running sums (memory independent of the client count), produce the next global.
 
-A strategy is chosen by (encoding, aggregation) through `make_strategy`; new encodings register
-their strategies in `STRATEGIES`. `result(previous)` returns the new global tensors already mixed
-with the previous global.
+A strategy is ONE long-lived object per run (the Aggregator builds it from the encoding
+registry, `edgefcl.federation.registry`), so server state across rounds may live in it. Per
+round: `configure_round(RoundInput)` opens the round (fresh accumulators), `add(update)` for
+every update, `result(previous)` returns the new global, mixed with the previous one by
+`mix` (the only place mixing happens), and `counters()` what the round counted.
+
+Sum-decomposable strategies (`decomposable = True`) can also hand their round's weighted sums
+to another process (`partial()`, msgpack-able) and fold one in (`merge(partial)`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
+from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
 
 Spec = dict[str, tuple[int, ...]]
@@ -39,51 +48,123 @@ class WeightedSum:
         return {k: v / self.weight for k, v in self.sums.items()}
 
 
-def mix(new: dict[str, np.ndarray], previous: Tensors, weight: float) -> Tensors:
-    """weight * new + (1 - weight) * previous, as float32 (the paper's 0.5/0.5 smoothing)."""
-    return {
-        k: (weight * new[k] + (1.0 - weight) * previous[k].astype(np.float64)).astype(np.float32)
-        for k in previous
-    }
+def mix(new: dict[str, np.ndarray], previous: Tensors, weight: float,
+        sent: dict[str, np.ndarray] | None = None) -> Tensors:
+    """weight * new + (1 - weight) * previous, as float32 (the paper's 0.5/0.5 smoothing).
+
+    Tensors absent from `new` keep their previous value; with `sent` (flat boolean masks per
+    tensor), so do the entries nobody sent."""
+    out: Tensors = {}
+    for k, prev in previous.items():
+        if k not in new:
+            out[k] = prev
+            continue
+        mixed = weight * new[k].reshape(prev.shape) + (1.0 - weight) * prev.astype(np.float64)
+        if sent is not None and k in sent:
+            mixed = np.where(sent[k].reshape(prev.shape), mixed, prev)
+        out[k] = mixed.astype(np.float32)
+    return out
 
 
-def check_dense(tensors: Tensors, spec: Spec) -> str | None:
-    """Reason to reject a dense payload: names, shapes, dtype, finiteness."""
-    if set(tensors) != set(spec):
-        return "names"
-    for k, t in tensors.items():
-        if t.shape != spec[k]:
-            return "shape"
-        if t.dtype != np.float32:
-            return "dtype"
-        if not np.isfinite(t).all():
-            return "nonfinite"
+def check_tensor(t: np.ndarray, shape: tuple[int, ...]) -> str | None:
+    """Reason to reject one dense tensor: shape, dtype (float32), finiteness."""
+    if tuple(t.shape) != tuple(shape):
+        return "shape"
+    if t.dtype != np.float32:
+        return "dtype"
+    if not np.isfinite(t).all():
+        return "nonfinite"
     return None
 
 
-class Strategy:
-    """Base of all strategies: one instance accumulates one round.
+def check_dense(tensors: Tensors, spec: Spec) -> str | None:
+    """Reason to reject a dense payload: names, then `check_tensor` for each tensor."""
+    if set(tensors) != set(spec):
+        return "names"
+    for k, t in tensors.items():
+        reason = check_tensor(t, spec[k])
+        if reason is not None:
+            return reason
+    return None
 
-    `decomposable` strategies can split a round over shards: `partial()` is what this
-    instance accumulated (float64 sums and their weights, msgpack-able), and `merge(partial)`
-    adds another instance's partial, so that merging the partials of disjoint sets of updates
-    gives the result of adding all of them to one instance (up to float64 rounding).
+
+@dataclass(frozen=True)
+class RoundInput:
+    """What a strategy is told when a round opens."""
+
+    version: int
+    """Version of the current global (the one the round's result replaces)."""
+    previous: Tensors
+    """The current global."""
+    bases: Callable[[int], Tensors | None] = lambda version: None
+    """The global of a past version, if still held (bases of delta encodings)."""
+    participants: tuple[str, ...] = ()
+    """Clients whose updates the round aggregates, in the order they are added."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """What else a rule needs from the scheduler (free-form, empty today)."""
+
+
+class Strategy:
+    """Base of every aggregation rule: one long-lived object per run.
+
+    Subclasses set up per-round accumulators in `reset()`, fold one update in `add()` and
+    return the unmixed estimate from `estimate()`; `result()` mixes it with the previous
+    global (`mix`, overridden only where the mixture is not linear: Gaussians).
     """
 
-    encoding = "dense"
-    decomposable = False
+    decomposable: ClassVar[bool] = False
+    """True for rules whose round state is sums (`partial()` / `merge()` work)."""
 
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        self.mix_weight = mix_weight
+    def __init__(self, fed: FedConfig, spec: Spec) -> None:
+        self.fed = fed
+        self.spec = dict(spec)
+        self.mix_weight = fed.mix
+        self.counts: Counter[str] = Counter()
+        self.round = RoundInput(-1, {})
+        self.reset()
 
-    def check(self, update: Update, spec: Spec) -> str | None:
-        return check_dense(update.tensors, spec)
+    # -- the contract ----------------------------------------------------------------------
+    def configure_round(self, rnd: RoundInput) -> None:
+        """Open a round: fresh accumulators and counters."""
+        self.round = rnd
+        self.counts = Counter()
+        self.reset()
 
     def add(self, update: Update) -> None:
+        """Fold one (validated, decoded) update into the round."""
         raise NotImplementedError
 
     def result(self, previous: Tensors) -> Tensors:
+        """The new global: the round's estimate mixed with `previous`."""
+        new, sent = self.estimate(previous)
+        return self.mix(new, previous, sent)
+
+    def counters(self) -> Counter[str]:
+        """What this round counted (added to the aggregator's counters when it closes)."""
+        return self.counts
+
+    def partial(self) -> dict:
+        """The round's weighted sums and weights (msgpack-able), for a coordinator to merge."""
+        raise NotImplementedError(f"{type(self).__name__} is not sum-decomposable")
+
+    def merge(self, partial: dict) -> None:
+        """Fold another worker's `partial()` into this round."""
+        raise NotImplementedError(f"{type(self).__name__} is not sum-decomposable")
+
+    # -- for subclasses --------------------------------------------------------------------
+    def reset(self) -> None:
+        """Create the per-round accumulators."""
+
+    def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray],
+                                                   dict[str, np.ndarray] | None]:
+        """(new values per tensor, float64; flat masks of the entries someone sent, or None
+        when every entry of every new tensor was)."""
         raise NotImplementedError
+
+    def mix(self, new: dict[str, np.ndarray], previous: Tensors,
+            sent: dict[str, np.ndarray] | None) -> Tensors:
+        """Mix the estimate with the previous global (linear, `mix_weight`)."""
+        return mix(new, previous, self.mix_weight, sent)
 
 
 class FedAvg(Strategy):
@@ -91,15 +172,14 @@ class FedAvg(Strategy):
 
     decomposable = True
 
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        super().__init__(mix_weight)
+    def reset(self) -> None:
         self.acc = WeightedSum()
 
     def add(self, update: Update) -> None:
         self.acc.add(update.tensors, float(max(update.num_samples, 1)))
 
-    def result(self, previous: Tensors) -> Tensors:
-        return mix(self.acc.mean(), previous, self.mix_weight)
+    def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
+        return self.acc.mean(), None
 
     def partial(self) -> dict:
         """{"weight": w, "sums": {name: float64 sum of w * tensor}}."""
@@ -116,8 +196,7 @@ class ClassWeightedFedAvg(Strategy):
 
     decomposable = True
 
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        super().__init__(mix_weight)
+    def reset(self) -> None:
         self.per_class: dict[int, WeightedSum] = {}
 
     def add(self, update: Update) -> None:
@@ -126,12 +205,11 @@ class ClassWeightedFedAvg(Strategy):
             if n > 0:
                 self.per_class.setdefault(int(c), WeightedSum()).add(update.tensors, float(n))
 
-    def result(self, previous: Tensors) -> Tensors:
+    def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
         if not self.per_class:
             raise ValueError("no contributions to average")
         means = [self.per_class[c].mean() for c in sorted(self.per_class)]
-        avg = {k: sum(m[k] for m in means) / len(means) for k in means[0]}
-        return mix(avg, previous, self.mix_weight)
+        return {k: sum(m[k] for m in means) / len(means) for k in means[0]}, None
 
     def partial(self) -> dict:
         """{"classes": {class: {"weight": w, "sums": {...}}}} (class ids as strings)."""
@@ -153,19 +231,3 @@ def merge_weighted_sum(acc: WeightedSum, partial: dict) -> None:
     for k, v in partial["sums"].items():
         acc.sums[k] += np.asarray(v, np.float64)
     acc.weight += float(partial["weight"])
-
-
-STRATEGIES: dict[tuple[str, str], Callable[[float], Strategy]] = {
-    ("dense", "fedavg"): FedAvg,
-    ("dense", "class-weighted"): ClassWeightedFedAvg,
-}
-
-
-def make_strategy(encoding: str, aggregation: str, mix_weight: float = 0.5) -> Strategy:
-    """A fresh accumulator for one round of `encoding` updates aggregated by `aggregation`."""
-    try:
-        return STRATEGIES[(encoding, aggregation)](mix_weight)
-    except KeyError:
-        known = ", ".join(f"{e}/{a}" for e, a in sorted(STRATEGIES))
-        raise ValueError(f"no aggregation '{aggregation}' for encoding '{encoding}'; "
-                         f"known: {known}") from None

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-import edgefcl.federation.apc  # noqa: F401  (registers the apc strategy)
-import edgefcl.federation.gaussian  # noqa: F401  (registers the gaussian strategies)
-import edgefcl.federation.sparse  # noqa: F401  (registers the sparse strategy)
 from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
-from edgefcl.federation.aggregation import make_strategy
+from edgefcl.federation.aggregation import RoundInput, Strategy
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import check_variances, prepare_round
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import GlobalHistory
@@ -54,9 +53,11 @@ class Aggregator:
     updates are aggregated if there are at least `min_clients`, in client-id order so that the
     result does not depend on arrival order.
     Async: a round closes when `min_clients` updates are in and every active client has
-    reported or `round_timeout` seconds passed (`poll`). A round keeps at most one update per
-    client (a newer one replaces the older) and the quorum counts distinct clients; the
-    updates are aggregated in client-id order when the round closes.
+    reported, or once `round_timeout` seconds passed (`poll`) and the updates also come from
+    at least a `quorum` share of the active clients (so that `min_clients` clients that report
+    first cannot own a round; clients that leave or go silent stop counting). A round keeps at
+    most one update per client (a newer one replaces the older) and the quorum counts distinct
+    clients; the updates are aggregated in client-id order when the round closes.
 
     Every report first passes `Admission` (roster, sequence, batch, base version, sample and
     class counts); `batch_size` (of the data stream) bounds the samples an update may claim.
@@ -79,15 +80,12 @@ class Aggregator:
         self.rounds = 0
         self.counters: Counter[str] = Counter()
         self._round = _Round()
-        self._acc = self._new_strategy()
+        self.encoding = get_encoding(fed.encoding)
+        self.strategy = self._new_strategy()
 
-    def _new_strategy(self):
-        strategy = make_strategy(self.fed.encoding, self.fed.aggregation, self.fed.mix)
-        if hasattr(strategy, "configure"):  # strategies that read more options
-            strategy.configure(self.fed)
-        if hasattr(strategy, "bind"):  # strategies that read the global history or spec
-            strategy.bind(self)
-        return strategy
+    def _new_strategy(self) -> Strategy:
+        """The run's one strategy (it lives as long as the aggregator)."""
+        return self.encoding.strategy(self.fed.aggregation, self.fed, self.spec)
 
     @property
     def last_seq(self) -> dict[str, int]:
@@ -135,9 +133,9 @@ class Aggregator:
             return reason
         if isinstance(msg, Tick):
             return None if self.fed.mode == "sync" else "tick-in-async"
-        if msg.encoding != self._acc.encoding:
+        if msg.encoding != self.encoding.name:
             return "encoding"
-        reason = self._acc.check(msg, self.spec) or check_variances(msg.tensors)
+        reason = self.encoding.validate(msg.tensors, self.spec) or check_variances(msg.tensors)
         if reason is not None:
             return reason
         if not eligible(msg.batch, self.fed.burn_in, self.fed.jump):
@@ -189,9 +187,11 @@ class Aggregator:
             return self._close_tick()
         if len(rnd.updates) < self.fed.min_clients:
             return None
+        if self.active <= rnd.reported:
+            return self._close_round(None)
         timed_out = (now is not None and rnd.opened_at is not None
                      and now - rnd.opened_at >= self.fed.round_timeout)
-        if self.active <= rnd.reported or timed_out:
+        if timed_out and len(rnd.updates) >= math.ceil(self.fed.quorum * len(self.active)):
             return self._close_round(None)
         return None
 
@@ -205,17 +205,19 @@ class Aggregator:
     def _close_round(self, tick: int | None) -> RoundClosed:
         participants = tuple(sorted(self._round.updates))
         seqs = {c: self._round.updates[c].seq for c in participants}
-        updates = prepare_round([self._round.updates[c] for c in participants],
-                                self.global_.tensors, self.fed, self.counters)
-        for u in updates:
-            self._acc.add(u)
-        tensors = self._acc.result(self.global_.tensors)
-        self.counters.update(getattr(self._acc, "counters", {}))
+        self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
+                                                 self.history.get, participants))
+        decoded = [replace(u, tensors=self.encoding.decode(u.tensors))
+                   for u in (self._round.updates[c] for c in participants)]
+        for u in prepare_round(decoded, self.global_.tensors, self.fed, self.counters,
+                               self.encoding.form):
+            self.strategy.add(u)
+        tensors = self.strategy.result(self.global_.tensors)
+        self.counters.update(self.strategy.counters())
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self._round = _Round()
-        self._acc = self._new_strategy()
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants, seqs)

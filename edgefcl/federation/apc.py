@@ -14,16 +14,15 @@ cost nothing on a delta downlink), and `apc::kb_next`, the next contribution num
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from edgefcl.federation.aggregation import STRATEGIES, Spec, Strategy
+from edgefcl.config import ConfigError
+from edgefcl.federation.aggregation import Spec, Strategy
+from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors, Update
-from edgefcl.federation.sparse import KB, EntrySums, SparseError, decode_payload, entries
-
-if TYPE_CHECKING:
-    from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.sparse import KB, EntrySums, decode_payload, entries, payload_reason
 
 KB_NEXT = "apc::kb_next"
 
@@ -33,27 +32,11 @@ class APCFedAvg(Strategy):
     senders, both mixed with the previous global; knowledge-base contributions go into the
     ring in the order they are added (client order in lock-step)."""
 
-    encoding = "apc"
     forms = frozenset({"dense", "idx", "rows"})
 
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        super().__init__(mix_weight)
+    def reset(self) -> None:
         self.acc = EntrySums()
-        self.kb_size = 0
-        self.spec: Spec = {}
         self.contributions: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
-
-    def bind(self, agg: Aggregator) -> None:
-        """Read the spec and the knowledge-base size from the aggregator."""
-        self.spec = dict(agg.spec)
-        self.kb_size = agg.fed.apc_kb_size
-
-    def check(self, update: Update, spec: Spec) -> str | None:
-        try:
-            decode_payload(update.tensors, spec, self.forms, kb=True)
-        except SparseError as e:
-            return e.reason
-        return None
 
     def add(self, update: Update) -> None:
         payload = decode_payload(update.tensors, self.spec, self.forms, kb=True)
@@ -62,19 +45,22 @@ class APCFedAvg(Strategy):
             self.acc.add(name, int(np.prod(self.spec[name])), pos, vals, w)
         for name, t in payload.dense.items():
             self.acc.add(name, t.size, None, t, w)
-        if payload.kb and self.kb_size > 0:
+        if payload.kb and self.fed.apc_kb_size > 0:
             self.contributions.append(payload.kb)
 
+    def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray],
+                                                   dict[str, np.ndarray]]:
+        return self.acc.means()
+
     def result(self, previous: Tensors) -> Tensors:
-        if not self.acc.sums:
-            raise ValueError("no contributions to average")
-        out = self.acc.result(previous, self.mix_weight)
+        """The mixed base and dense tensors, plus the knowledge-base ring (not mixed)."""
+        out = super().result(previous)
         if self.contributions:
             out.update(self._knowledge_base(previous))
         return out
 
     def _knowledge_base(self, previous: Tensors) -> Tensors:
-        K = self.kb_size
+        K = self.fed.apc_kb_size
         names = sorted({n for c in self.contributions for n in c}
                        | {k[: -len(KB)] for k in previous if k.endswith(KB)})
         kb = {n: (np.array(previous[n + KB], np.float32) if n + KB in previous
@@ -93,4 +79,55 @@ class APCFedAvg(Strategy):
         return out
 
 
-STRATEGIES[("apc", "fedavg")] = APCFedAvg
+def check_apc(tensors: Tensors, spec: Spec) -> str | None:
+    """Reason to reject an apc payload (rows of B, dense tensors, optional `::kb` pairs)."""
+    return payload_reason(tensors, spec, APCFedAvg.forms, kb=True)
+
+
+# -- client side -------------------------------------------------------------------------------
+class PayloadSource(Protocol):
+    """What the APC client hooks (`edgefcl.learn.apc.APC`) give the encoder."""
+
+    local_keys: frozenset[str]
+
+    def payload(self, current: Tensors) -> Tensors: ...
+
+
+class APCEncoder:
+    """Client encoder of the `apc` encoding; the APC hooks bind it to the decomposed model
+    (they know which rows and task-adaptive parameters to send)."""
+
+    name = "apc"
+
+    def __init__(self) -> None:
+        self.hooks: PayloadSource | None = None
+        self._sent: Tensors | None = None
+
+    def bind(self, hooks: PayloadSource) -> None:
+        self.hooks = hooks
+
+    def encode(self, current: Tensors, base: Tensors) -> Tensors:
+        if self.hooks is None:
+            raise ConfigError("encoding apc needs method apc (--method apc)")
+        self._sent = current
+        return self.hooks.payload(current)
+
+    def decode_global(self, tensors: Tensors, current: Tensors) -> Tensors:
+        """Shared tensors from the global; local ones (m, A, alpha) as they were when the
+        update was sent, so both the replace and the delta merge of the client keep them."""
+        local = self.hooks.local_keys if self.hooks is not None else frozenset()
+        ref = self._sent if self._sent is not None else current
+        return {k: (ref.get(k, current[k]) if k in local else tensors[k]) for k in current}
+
+
+APC = Encoding(
+    name="apc",
+    help="FedWeIT decomposition: rows of the base B, sparse task-adaptive parameters "
+    "(implied by method apc)",
+    make_encoder=lambda fed: APCEncoder(),
+    validate=check_apc,
+    rules={"fedavg": APCFedAvg},
+    form="sparse",
+    downlink="sparse",
+    method="apc",
+)

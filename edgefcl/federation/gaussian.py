@@ -6,7 +6,7 @@ every other federated tensor (BatchNorm affine parameters and statistics) travel
 is averaged like a dense update (weighted by samples). The model state keeps `W_mu` and `W_rho`
 (sigma = softplus(rho)); `to_wire` / `from_wire` convert.
 
-Strategies, registered as STRATEGIES[("gaussian", ...)]:
+Strategies (the `rules` of the `GAUSSIAN` encoding descriptor):
 - `conflation` (VFCL Eq. 11): precision-weighted product of the client posteriors;
 - `fedbnn`: the previous global (the clients' prior) times the clients' likelihoods (the
   client sends posterior / prior), likelihood precisions at or below LIK_FLOOR are clamped to
@@ -20,20 +20,17 @@ mix * new + (1 - mix) * previous).
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 
-from edgefcl.config import FedConfig
 from edgefcl.federation.aggregation import (
-    STRATEGIES,
     Spec,
     Strategy,
     WeightedSum,
     check_dense,
     merge_weighted_sum,
+    mix,
 )
-from edgefcl.federation.encodings import ENCODERS
+from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors, Update
 
 MU, SIGMA = "::mu", "::sigma"
@@ -46,7 +43,6 @@ LIK_FLOOR = 1.0 / LIK_SIGMA_MAX**2
 """Precision floor of FedBNN likelihoods (sigma >= LIK_SIGMA_MAX)."""
 LIK_REL_FLOOR = 1e-3
 """A client likelihood precision below this fraction of its prior's is treated as invalid."""
-GAUSSIAN_AGGREGATIONS = ("conflation", "fedbnn", "moments")
 
 
 # -- names and conversions ----------------------------------------------------------------------
@@ -151,20 +147,8 @@ class GaussianStrategy(Strategy):
     """Common part: plain tensors averaged by samples, Gaussians per subclass, mixing on both
     moments with the previous global."""
 
-    encoding = "gaussian"
-
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        super().__init__(mix_weight)
+    def reset(self) -> None:
         self.plain = WeightedSum()
-        self.counters: Counter[str] = Counter()
-        self.bnn_init_rounds = 0
-
-    def configure(self, fed: FedConfig) -> None:
-        """Read the federation options a strategy needs (called by the Aggregator)."""
-        self.bnn_init_rounds = fed.bnn_init_rounds
-
-    def check(self, update: Update, spec: Spec) -> str | None:
-        return check_gaussian(update.tensors, spec)
 
     def add(self, update: Update) -> None:
         bases, plain = split_wire(update.tensors)
@@ -179,20 +163,27 @@ class GaussianStrategy(Strategy):
         """New (mu, sigma) per base before mixing."""
         raise NotImplementedError
 
-    def result(self, previous: Tensors) -> Tensors:
+    def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
+        """New mu and sigma per base (`W::mu`, `W::sigma`) and averaged plain tensors."""
         bases, plain = split_wire(previous)
-        out: Tensors = {}
-        new = self._gaussians(previous, bases)
-        for b in bases:
-            mu, s = mix_gaussian(*new[b], previous[b + MU], previous[b + SIGMA], self.mix_weight)
-            out[b + MU] = mu.astype(np.float32)
-            out[b + SIGMA] = np.maximum(s, SIGMA_MIN).astype(np.float32)
+        new = {}
+        for b, (mu, s) in self._gaussians(previous, bases).items():
+            new[b + MU], new[b + SIGMA] = mu, s
         if plain:
             avg = self.plain.mean()
-            for k in plain:
-                prev = previous[k].astype(np.float64)
-                out[k] = (self.mix_weight * avg[k] + (1 - self.mix_weight) * prev).astype(
-                    np.float32)
+            new.update({k: avg[k] for k in plain})
+        return new, None
+
+    def mix(self, new: dict[str, np.ndarray], previous: Tensors,
+            sent: dict[str, np.ndarray] | None) -> Tensors:
+        """Moment-matched mixture on the Gaussians, linear on the plain tensors."""
+        bases, plain = split_wire(previous)
+        out = mix({k: new[k] for k in plain}, {k: previous[k] for k in plain}, self.mix_weight)
+        for b in bases:
+            mu, s = mix_gaussian(new[b + MU], new[b + SIGMA], previous[b + MU],
+                                 previous[b + SIGMA], self.mix_weight)
+            out[b + MU] = mu.astype(np.float32)
+            out[b + SIGMA] = np.maximum(s, SIGMA_MIN).astype(np.float32)
         return {k: out[k] for k in previous}
 
 
@@ -218,8 +209,8 @@ class Conflation(GaussianStrategy):
 
     decomposable = True
 
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        super().__init__(mix_weight)
+    def reset(self) -> None:
+        super().reset()
         self.sums = _PrecisionSums()
 
     def _add_gaussians(self, update: Update, bases: list[str]) -> None:
@@ -259,8 +250,8 @@ class MomentMatching(GaussianStrategy):
 
     decomposable = True
 
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        super().__init__(mix_weight)
+    def reset(self) -> None:
+        super().reset()
         self.first = WeightedSum()
         self.second = WeightedSum()
         self.origin: dict[str, np.ndarray] = {}
@@ -318,13 +309,13 @@ class FedBNNProduct(GaussianStrategy):
     `bnn_init_rounds` come from the standard-network phase and are averaged (FedAvg of mu and
     sigma); they are ignored for the Gaussians of a round that also has Bayesian updates."""
 
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        super().__init__(mix_weight)
+    def reset(self) -> None:
+        super().reset()
         self.sums = _PrecisionSums()
         self.snn = WeightedSum()
 
     def _add_gaussians(self, update: Update, bases: list[str]) -> None:
-        if update.base_version < self.bnn_init_rounds:
+        if update.base_version < self.fed.bnn_init_rounds:
             self.snn.add({k: update.tensors[k] for b in bases for k in (b + MU, b + SIGMA)},
                          float(max(update.num_samples, 1)))
             return
@@ -332,8 +323,8 @@ class FedBNNProduct(GaussianStrategy):
             s = update.tensors[b + SIGMA].astype(np.float64)
             lam = 1.0 / np.square(s)
             low = lam <= LIK_FLOOR * (1 + 1e-6)
-            self.counters["fedbnn_clamped"] += int(low.sum())
-            self.counters["fedbnn_entries"] += int(lam.size)
+            self.counts["fedbnn_clamped"] += int(low.sum())
+            self.counts["fedbnn_entries"] += int(lam.size)
             self.sums.add(b, update.tensors[b + MU], np.maximum(lam, LIK_FLOOR))
         self.sums.count += 1
 
@@ -342,7 +333,7 @@ class FedBNNProduct(GaussianStrategy):
             snn = self.snn.mean()
             return {b: (snn[b + MU], snn[b + SIGMA]) for b in bases}
         if self.snn.weight > 0:
-            self.counters["fedbnn_snn_ignored"] += 1
+            self.counts["fedbnn_snn_ignored"] += 1
         out = {}
         for b in bases:
             p_prior = 1.0 / np.square(previous[b + SIGMA].astype(np.float64))
@@ -350,11 +341,6 @@ class FedBNNProduct(GaussianStrategy):
             eta = p_prior * previous[b + MU].astype(np.float64) + self.sums.eta[b]
             out[b] = (eta / prec, 1.0 / np.sqrt(prec))
         return out
-
-
-STRATEGIES[("gaussian", "conflation")] = Conflation
-STRATEGIES[("gaussian", "fedbnn")] = FedBNNProduct
-STRATEGIES[("gaussian", "moments")] = MomentMatching
 
 
 # -- client side -----------------------------------------------------------------------------
@@ -388,4 +374,15 @@ class GaussianEncoder:
         return from_wire(tensors)
 
 
-ENCODERS["gaussian"] = GaussianEncoder
+GAUSSIAN = Encoding(
+    name="gaussian",
+    help="mu and sigma of Bayesian layers (the model is converted to a Bayesian one)",
+    make_encoder=lambda fed: GaussianEncoder(),
+    validate=check_gaussian,
+    rules={"conflation": Conflation, "fedbnn": FedBNNProduct, "moments": MomentMatching},
+    form="gaussian",
+    initial=to_wire,
+    sparse_downlink=False,
+    bayesian=True,
+    default_rule="conflation",
+)

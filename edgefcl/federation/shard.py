@@ -14,21 +14,29 @@ when its distinct participants reach `min_clients` and every live worker has sen
 since the round opened, or `round_timeout` seconds after its first partial: a dead worker
 delays a round by at most the timeout.
 
-Only strategies with `decomposable = True` can be sharded (FedAvg, class-weighted, conflation,
-moments, sparse FedAvg). Robust rules that look at the whole round run per shard: clipping
-by the shard's median norm and the share cap among the shard's participants (with all rules
-off, a sharded round equals the single-aggregator round up to float64 rounding).
+Each process keeps one long-lived strategy (the Aggregator's), as the single aggregator does:
+a worker opens a round on it (`configure_round`) at every flush, adds its share's decoded
+updates and hands `partial()` on; the root opens a round when the previous one closes, folds
+the partials in with `merge()` and calls `result()` once when it closes.
+
+Only rules with `decomposable = True` can be sharded (FedAvg and class-weighted over every
+dense-form encoding, dense and q8; conflation, moments; sparse FedAvg). Robust rules that
+look at the whole round run per shard: clipping by the shard's median norm and the share cap
+among the shard's participants (with all rules off, a sharded round equals the
+single-aggregator round up to float64 rounding).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from edgefcl.config import FedConfig
+from edgefcl.federation.aggregation import RoundInput
 from edgefcl.federation.aggregator import Aggregator, RoundClosed, _Round
 from edgefcl.federation.messages import GlobalModel, Tensors
+from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import prepare_round
 
 log = logging.getLogger("edgefcl.shard")
@@ -41,12 +49,14 @@ class ShardError(ValueError):
     """A configuration that cannot be sharded (the message says why)."""
 
 
-def check_shardable(fed: FedConfig, strategy: object) -> None:
-    """Raise ShardError unless rounds of `fed` with `strategy` can be split over workers."""
+def check_shardable(fed: FedConfig) -> None:
+    """Raise ShardError unless rounds of `fed` (its encoding's rule `fed.aggregation`) can be
+    split over workers."""
     if fed.mode != "async":
         raise ShardError("sharded aggregation runs async rounds only (--mode async); "
                          "lock-step needs every report at one aggregator")
-    if not getattr(strategy, "decomposable", False):
+    rule = get_encoding(fed.encoding).rules.get(fed.aggregation)
+    if rule is None or not rule.decomposable:
         raise ShardError(f"aggregation '{fed.aggregation}' ({fed.encoding}) does not decompose "
                          "into partial sums; run it with --role single")
 
@@ -71,8 +81,8 @@ class ShardWorker(Aggregator):
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
                  batch_size: int | None = None, worker: str = "worker") -> None:
+        check_shardable(fed)
         super().__init__(initial, fed, version, batch_size)
-        check_shardable(fed, self._acc)
         self.worker = worker
 
     def _maybe_close(self, now: float | None) -> RoundClosed | None:
@@ -101,34 +111,46 @@ class ShardWorker(Aggregator):
         if not rnd.updates:
             return None
         participants = tuple(sorted(rnd.updates))
+        self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
+                                                 self.history.get, participants))
+        decoded = [replace(u, tensors=self.encoding.decode(u.tensors))
+                   for u in (rnd.updates[p] for p in participants)]
         c: Counter[str] = Counter()
-        for u in prepare_round([rnd.updates[p] for p in participants], self.global_.tensors,
-                               self.fed, c):
-            self._acc.add(u)
-        c.update(getattr(self._acc, "counters", {}))
+        for u in prepare_round(decoded, self.global_.tensors, self.fed, c, self.encoding.form):
+            self.strategy.add(u)
+        c.update(self.strategy.counters())
         self.counters.update(c)
         part = Partial(self.worker, self.global_.version, participants,
-                       {p: rnd.updates[p].seq for p in participants}, self._acc.partial(),
+                       {p: rnd.updates[p].seq for p in participants}, self.strategy.partial(),
                        dict(c))
         self._round = _Round()
-        self._acc = self._new_strategy()
         self.rounds += 1
         return part
 
 
 class ShardRoot(Aggregator):
-    """An Aggregator whose rounds are built from workers' partials (`merge`)."""
+    """An Aggregator whose rounds are built from workers' partials (`merge`).
+
+    Its strategy's round is opened when the previous one closes (`RoundInput.participants` is
+    empty then: the participants come with the partials), partials are merged into it, and
+    `result()` is called once when the round closes."""
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
                  batch_size: int | None = None) -> None:
+        check_shardable(fed)
         super().__init__(initial, fed, version, batch_size)
-        check_shardable(fed, self._acc)
+        self._open_round()
         self.live_workers: set[str] = set()
         self.reported: set[str] = set()
         self.in_round: dict[str, int] = {}
         """client -> seq of its update merged into the open round."""
         self.deferred: list[Partial] = []
         self._merged: list[Partial] = []
+
+    def load_state(self, state: dict) -> None:
+        """Resume from `state()` output; the open round starts over on the loaded global."""
+        super().load_state(state)
+        self._open_round()
 
     def check_partial(self, p: Partial) -> str | None:
         """The reason to reject a well-formed partial, or None."""
@@ -161,11 +183,16 @@ class ShardRoot(Aggregator):
             return None
         return self._merge_now(p, now)
 
+    def _open_round(self) -> None:
+        """Open the strategy's round on the current global (no partial merged yet)."""
+        self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
+                                                 self.history.get))
+
     def _merge_now(self, p: Partial, now: float | None) -> str | None:
         try:
-            self._acc.merge(p.state)
+            self.strategy.merge(p.state)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            self._acc = self._rebuild()  # a merge that failed half-way leaves no trace
+            self._rebuild()  # a merge that failed half-way leaves no trace
             self.counters["rejected_partial_structure"] += 1
             log.warning("rejected partial of %s: %s", p.worker, e)
             return "structure"
@@ -182,12 +209,11 @@ class ShardRoot(Aggregator):
         self.counters.update(p.counters)
         return None
 
-    def _rebuild(self):
-        """A fresh strategy holding the partials merged so far this round."""
-        acc = self._new_strategy()
+    def _rebuild(self) -> None:
+        """Reopen the strategy's round with only the partials merged so far."""
+        self._open_round()
         for q in self._merged:
-            acc.merge(q.state)
-        return acc
+            self.strategy.merge(q.state)
 
     def _maybe_close(self, now: float | None) -> RoundClosed | None:
         if len(self.in_round) < max(self.fed.min_clients, 1):
@@ -202,12 +228,13 @@ class ShardRoot(Aggregator):
     def _close_merged(self, now: float | None) -> RoundClosed:
         participants = tuple(sorted(self.in_round))
         seqs = dict(sorted(self.in_round.items()))
-        tensors = self._acc.result(self.global_.tensors)
+        tensors = self.strategy.result(self.global_.tensors)
+        self.counters.update(self.strategy.counters())
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self._round = _Round()
-        self._acc = self._new_strategy()
+        self._open_round()
         self._merged = []
         self.in_round = {}
         self.reported = set()

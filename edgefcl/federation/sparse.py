@@ -26,16 +26,13 @@ keep their previous value.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgefcl.config import FedConfig
-from edgefcl.federation.aggregation import STRATEGIES, Spec, Strategy
-from edgefcl.federation.encodings import ENCODERS
+from edgefcl.federation.aggregation import Spec, Strategy, check_tensor
+from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.indexing import INDEX_FORMATS, decode_positions, encode_cheapest
 from edgefcl.federation.indexing.base import SparseError
 from edgefcl.federation.indexing.gaps import (  # noqa: F401  (re-exported)
@@ -46,9 +43,6 @@ from edgefcl.federation.indexing.gaps import (  # noqa: F401  (re-exported)
     pad_gaps,
 )
 from edgefcl.federation.messages import Tensors, Update
-
-if TYPE_CHECKING:
-    from edgefcl.federation.aggregator import Aggregator
 
 IDX, ROWS, VAL, BF16 = "::idx", "::rows", "::val", "::bf16"
 VALUE_SUFFIXES = ("val", "bf16")
@@ -160,11 +154,6 @@ class SparseEncoder:
         self.topk, self.threshold, self.value_dtype, self.mix = topk, threshold, value_dtype, mix
         self.allowed = None if index_format == "auto" else (index_format,)
 
-    def configure(self, fed: FedConfig) -> None:
-        """Take topk, threshold, value dtype, index format and the aggregator's mix from the
-        config."""
-        self._set(fed.topk, fed.threshold, fed.value_dtype, fed.mix, fed.index_format)
-
     def encode(self, current: Tensors, base: Tensors) -> Tensors:
         out: Tensors = {}
         pending: Tensors = {}
@@ -247,12 +236,10 @@ def decode_group(parts: dict[str, np.ndarray], shape: tuple[int, ...],
     keys = frozenset(parts)
     if keys == {"dense"} and "dense" in forms:
         t = parts["dense"]
-        if tuple(t.shape) != tuple(shape):
-            raise SparseError("shape", f"shape {t.shape}, expected {shape}")
-        if t.dtype != np.float32:
-            raise SparseError("dtype", f"dense tensors must be float32, got {t.dtype}")
-        if not np.isfinite(t).all():
-            raise SparseError("nonfinite", "NaN or Inf values")
+        reason = check_tensor(t, shape)
+        if reason is not None:
+            raise SparseError(reason, f"dense part: {reason} (shape {t.shape}, expected "
+                              f"{shape}, dtype {t.dtype}, float32 and finite)")
         return t
     n = math.prod(shape)
     vkeys = keys & set(VALUE_SUFFIXES)
@@ -322,21 +309,15 @@ class EntrySums:
         self.sums[name][where] += weight * np.asarray(values, np.float64).ravel()
         self.weights[name][where] += weight
 
-    def result(self, previous: Tensors, mix_weight: float) -> Tensors:
-        """Previous global with every entry someone sent replaced by
-        mix * (weighted mean) + (1 - mix) * previous (float32)."""
-        out: Tensors = {}
-        for k, prev in previous.items():
-            if k not in self.sums:
-                out[k] = prev
-                continue
-            w = self.weights[k]
-            sent = w > 0
-            flat = np.asarray(prev, np.float32).ravel().copy()
-            mean = self.sums[k][sent] / w[sent]
-            flat[sent] = mix_weight * mean + (1.0 - mix_weight) * flat[sent].astype(np.float64)
-            out[k] = flat.reshape(prev.shape)
-        return out
+    def means(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(weighted mean per entry, flat; which entries someone sent), for `mix`."""
+        if not self.sums:
+            raise ValueError("no contributions to average")
+        new, sent = {}, {}
+        for k, w in self.weights.items():
+            sent[k] = w > 0
+            new[k] = np.divide(self.sums[k], w, out=np.zeros_like(w), where=sent[k])
+        return new, sent
 
 
 def entries(payload: Payload, base: Tensors | None) -> Iterator[tuple[str, np.ndarray,
@@ -353,7 +334,7 @@ class SparseFedAvg(Strategy):
     """FedAvg of sparse deltas, per entry, weighted by samples.
 
     Each delta is relative to the global the client merged (`base_version`). The aggregator
-    keeps the last `max_staleness + 1` globals (`Aggregator.history`), so the delta is turned
+    keeps the last `max_staleness + 1` globals (`RoundInput.bases`), so the delta is turned
     back into the client's absolute value, base + delta, and every entry is averaged over the
     clients that sent it, then mixed with the previous global. This reproduces dense FedAvg
     exactly when every entry is sent (topk 1), also for clients that missed rounds. A delta
@@ -361,36 +342,17 @@ class SparseFedAvg(Strategy):
     `sparse_rebased`); memory stays bounded by the history length.
     """
 
-    encoding = "sparse"
     forms = frozenset({*INDEX_FORMATS, "dense"})
     decomposable = True
 
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        super().__init__(mix_weight)
+    def reset(self) -> None:
         self.acc = EntrySums()
-        self.agg: Aggregator | None = None
-        self.counters: Counter[str] = Counter()
-
-    def bind(self, agg: Aggregator) -> None:
-        """Give the strategy the aggregator (its global history and current version)."""
-        self.agg = agg
-
-    def check(self, update: Update, spec: Spec) -> str | None:
-        if self.agg is not None and update.base_version > self.agg.global_.version:
-            return "base"
-        try:
-            decode_payload(update.tensors, spec, self.forms)
-        except SparseError as e:
-            return e.reason
-        return None
 
     def _base(self, version: int) -> Tensors:
-        if self.agg is None:
-            raise RuntimeError("SparseFedAvg needs bind(aggregator) before add()")
-        base = self.agg.history.get(version)
+        base = self.round.bases(version)
         if base is None:
-            self.counters["sparse_rebased"] += 1
-            base = self.agg.global_.tensors
+            self.counts["sparse_rebased"] += 1
+            base = self.round.previous
         return base
 
     def add(self, update: Update) -> None:
@@ -403,10 +365,9 @@ class SparseFedAvg(Strategy):
         for name, t in payload.dense.items():
             self.acc.add(name, t.size, None, t, w)
 
-    def result(self, previous: Tensors) -> Tensors:
-        if not self.acc.sums:
-            raise ValueError("no contributions to average")
-        return self.acc.result(previous, self.mix_weight)
+    def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray],
+                                                   dict[str, np.ndarray]]:
+        return self.acc.means()
 
     def partial(self) -> dict:
         """Per tensor, the flat per-entry sums of weight * absolute value and of weight (the
@@ -423,5 +384,28 @@ class SparseFedAvg(Strategy):
             self.acc.weights[k] += np.asarray(partial["weights"][k], np.float64).ravel()
 
 
-STRATEGIES[("sparse", "fedavg")] = SparseFedAvg
-ENCODERS["sparse"] = SparseEncoder
+def payload_reason(tensors: Tensors, spec: Spec, forms: frozenset[str],
+                   kb: bool = False) -> str | None:
+    """Reason to reject a payload `decode_payload` reads (sparse, apc), or None."""
+    try:
+        decode_payload(tensors, spec, forms, kb)
+    except SparseError as e:
+        return e.reason
+    return None
+
+
+def check_sparse(tensors: Tensors, spec: Spec) -> str | None:
+    """Reason to reject a sparse payload, or None."""
+    return payload_reason(tensors, spec, SparseFedAvg.forms)
+
+
+SPARSE = Encoding(
+    name="sparse",
+    help="top-k of the delta to the last global, error feedback",
+    make_encoder=lambda fed: SparseEncoder(fed.topk, fed.threshold, fed.value_dtype, fed.mix,
+                                           fed.index_format),
+    validate=check_sparse,
+    rules={"fedavg": SparseFedAvg},
+    form="sparse",
+    downlink="sparse",
+)

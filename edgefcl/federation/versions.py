@@ -17,6 +17,7 @@ import numpy as np
 from edgefcl.config import FedConfig
 from edgefcl.federation.indexing import INDEX_FORMATS, decode_positions, encode_cheapest
 from edgefcl.federation.messages import GlobalModel, Tensors
+from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.sparse import VAL, SparseError
 
 DELTA_FROM = "::delta_from"
@@ -106,10 +107,10 @@ def apply_global_delta(delta: Tensors, held: Tensors) -> Tensors:
 
 
 def delta_downlink(fed: FedConfig) -> bool:
-    """Whether globals go to clients as deltas (downlink sparse, or auto with a sparse or apc
-    encoding)."""
+    """Whether globals go to clients as deltas (downlink sparse, or auto with an encoding
+    whose descriptor says sparse: sparse, apc)."""
     return fed.downlink == "sparse" or (fed.downlink == "auto"
-                                        and fed.encoding in ("sparse", "apc"))
+                                        and get_encoding(fed.encoding).downlink == "sparse")
 
 
 def downlink_message(g: GlobalModel, history: GlobalHistory, held_version: int) -> GlobalModel:

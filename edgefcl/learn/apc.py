@@ -37,12 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgefcl.config import ConfigError, FedConfig, LearnConfig
-from edgefcl.federation.apc import KB
-from edgefcl.federation.encodings import ENCODERS
+from edgefcl.config import ConfigError, LearnConfig
+from edgefcl.federation.apc import KB, APCEncoder
 from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.sparse import IDX, ROWS, VAL, encode_indices, to_values
-from edgefcl.learn.objectives import HOOKS, MethodHooks
+from edgefcl.learn.objectives import MethodHooks
 
 if TYPE_CHECKING:
     from edgefcl.learn.client import Client
@@ -246,36 +245,3 @@ class APC(MethodHooks):
                 out[k + KB + VAL] = to_values(a.ravel()[nz], self.value_dtype)
             self.kb_sent = True
         return out
-
-
-class APCEncoder:
-    """Client encoder of the `apc` encoding; the APC hooks bind it to the decomposed model."""
-
-    name = "apc"
-
-    def __init__(self) -> None:
-        self.hooks: APC | None = None
-        self._sent: Tensors | None = None
-
-    def configure(self, fed: FedConfig) -> None:
-        """Nothing to read: the APC hooks pass the options when they bind."""
-
-    def bind(self, hooks: APC) -> None:
-        self.hooks = hooks
-
-    def encode(self, current: Tensors, base: Tensors) -> Tensors:
-        if self.hooks is None:
-            raise ConfigError("encoding apc needs method apc (--method apc)")
-        self._sent = current
-        return self.hooks.payload(current)
-
-    def decode_global(self, tensors: Tensors, current: Tensors) -> Tensors:
-        """Shared tensors from the global; local ones (m, A, alpha) as they were when the
-        update was sent, so both the replace and the delta merge of the client keep them."""
-        local = self.hooks.local_keys if self.hooks is not None else frozenset()
-        ref = self._sent if self._sent is not None else current
-        return {k: (ref.get(k, current[k]) if k in local else tensors[k]) for k in current}
-
-
-HOOKS["apc"] = APC
-ENCODERS["apc"] = APCEncoder

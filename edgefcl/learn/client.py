@@ -13,12 +13,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import edgefcl.federation.sparse  # noqa: F401  (registers the sparse encoder)
-import edgefcl.learn.apc  # noqa: F401  (registers method apc and its encoder)
 from edgefcl.config import ConfigError, FedConfig, LearnConfig
 from edgefcl.data.types import Batch
-from edgefcl.federation.encodings import make_encoder
 from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import DownlinkState
 from edgefcl.learn.bayes import predict_logits, score_logits
@@ -26,18 +24,13 @@ from edgefcl.learn.checkpoint import client_state, load_client_state
 from edgefcl.learn.drift import make_monitor
 from edgefcl.learn.export import make_client_onnx
 from edgefcl.learn.memory import ReplayMemory
+from edgefcl.learn.methods import get_method
 from edgefcl.learn.models import penultimate
 from edgefcl.learn.params import get_tensors, set_tensors
 from edgefcl.learn.perturb import augment_batch, eval_mode, make_perturber
 from edgefcl.learn.scores import uncertainty
 from edgefcl.learn.selection import get_selection
 from edgefcl.learn.variational import client_hooks
-
-SCORED_METHODS = ("bi", "lc", "ms", "rc", "en", "ag")
-MEMORY_POLICY = {**{m: "balanced-score" for m in SCORED_METHODS},
-                 "er": "reservoir", "cbr": "balanced-random",
-                 "vfcl": "balanced-score", "fedbnn": "balanced-score",  # Bayesian: BI scores
-                 "apc": "balanced-random"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,12 +66,13 @@ class Client:
         params = list(self.model.parameters())
         self.opt = (torch.optim.Adam(params, lr=learn.lr) if learn.optimizer == "adam"
                     else torch.optim.SGD(params, lr=learn.lr))
-        self._policy = MEMORY_POLICY.get(self.method) if learn.memory_size > 0 else None
+        spec = get_method(self.method)
+        self._policy = spec.memory if learn.memory_size > 0 else None
         self.selection = get_selection(learn.selection)  # unknown names fail here, early
         self.memory: ReplayMemory | None = None  # allocated on the first batch (sample shape)
-        self.score_method = self.method if self.method in SCORED_METHODS else "bi"
+        self.score_method = spec.score
         self.perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
-                          if MEMORY_POLICY.get(self.method) == "balanced-score" else None)
+                          if spec.memory == "balanced-score" else None)
         self.score_model: torch.nn.Module | None = None
         self.score_version = 0
         self.version = 0
@@ -87,9 +81,7 @@ class Client:
         self.bn = 0
         self.samples_in_task = 0
         self.class_counts: dict[int, int] = {}
-        self.encoder = make_encoder(fed.encoding)
-        if hasattr(self.encoder, "configure"):  # encoders with options (sparse: topk, ...)
-            self.encoder.configure(fed)
+        self.encoder = get_encoding(fed.encoding).make_encoder(fed)
         self.base = get_tensors(self.model)  # state of the last global merged
         self.downlink = DownlinkState(self.base)  # turns delta globals into whole ones
         self.sent: dict[str, np.ndarray] | None = None

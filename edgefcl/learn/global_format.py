@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from edgefcl.federation.gaussian import to_wire
 from edgefcl.federation.messages import Tensors
-from edgefcl.learn.apc import shared_tensors
+from edgefcl.federation.registry import get_encoding
+from edgefcl.learn.apc import local_keys
 from edgefcl.learn.params import get_tensors
 
 
 def global_tensors(model: nn.Module, encoding: str) -> Tensors:
-    """`model`'s federated tensors named like a global of `encoding` (gaussian: W::mu and
-    W::sigma; apc: without the decomposed layers' local parts)."""
-    tensors = get_tensors(model)
-    if encoding == "apc":
-        return shared_tensors(model, tensors)
-    return to_wire(tensors) if encoding == "gaussian" else tensors
+    """`model`'s federated tensors (without the local parameters of APC layers) named like a
+    global of `encoding` (the descriptor's `initial`: gaussian gives W::mu and W::sigma)."""
+    local = local_keys(model)
+    shared = {k: v for k, v in get_tensors(model).items() if k not in local}
+    return get_encoding(encoding).initial(shared)

@@ -6,12 +6,12 @@ task-boundary and global-merge bookkeeping, a model transformation).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from edgefcl.config import LearnConfig
+from edgefcl.learn.methods import get_method, load
 
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel
@@ -60,10 +60,7 @@ class FedProx(MethodHooks):
         self._snapshot(client)
 
 
-HOOKS: dict[str, Callable[[LearnConfig], MethodHooks]] = {"fedprox": FedProx}
-
-
 def make_hooks(method: str, learn: LearnConfig) -> MethodHooks:
-    """The hooks of `method` (plain MethodHooks when the method needs none)."""
-    factory = HOOKS.get(method)
-    return factory(learn) if factory is not None else MethodHooks()
+    """The hooks of `method` (its descriptor's `hooks`; plain MethodHooks when it has none)."""
+    ref = get_method(method).hooks
+    return load(ref)(learn) if ref else MethodHooks()

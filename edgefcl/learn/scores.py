@@ -1,8 +1,9 @@
 """Uncertainty scores from test-time-augmented logits.
 
 Every score takes a (P, N, C) logit tensor (P views, N samples, C classes) and returns a (N,)
-float tensor. p_i = softmax(z_i) and pbar = mean_i p_i. `uncertainty(method, logits)` maps a
-method name to an uncertainty where larger always means more uncertain.
+float tensor. p_i = softmax(z_i) and pbar = mean_i p_i. The registry of scores is
+`edgefcl.learn.methods.SCORES`; `uncertainty(name, logits)` computes one, larger always
+meaning more uncertain.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
+from edgefcl.learn.methods import get_score, load
 
 
 def _checked(logits: Tensor, min_classes: int = 1) -> Tensor:
@@ -90,27 +91,18 @@ def agreement(logits: Tensor) -> Tensor:
     return 1.0 - votes.amax(dim=-1).to(z.dtype) / z.shape[0]
 
 
-def _one_minus_margin(logits: Tensor) -> Tensor:
+def one_minus_margin(logits: Tensor) -> Tensor:
+    """1 - MS: larger means more uncertain (the memory's convention)."""
     return 1.0 - margin(logits)
 
 
-UNCERTAINTIES: dict[str, Callable[[Tensor], Tensor]] = {
-    "bi": bregman_information,
-    "lc": least_confidence,
-    "ms": _one_minus_margin,
-    "rc": ratio,
-    "en": entropy,
-    "ag": agreement,
-}
-"""Method name -> uncertainty (larger = more uncertain)."""
+_LOADED: dict[str, Callable[[Tensor], Tensor]] = {}
 
 
 def uncertainty(name: str, logits: Tensor) -> Tensor:
-    """The uncertainty of method `name` (bi, lc, ms, rc, en, ag) per sample, shape (N,);
-    larger is more uncertain for every method ("ms" gives 1 - margin)."""
-    fn = UNCERTAINTIES.get(name)
+    """The uncertainty of score `name` (`edgefcl.learn.methods.SCORES`) per sample, shape (N,);
+    larger is more uncertain for every score ("ms" gives 1 - margin)."""
+    fn = _LOADED.get(name)
     if fn is None:
-        raise ConfigError(
-            f"unknown uncertainty method '{name}'; choose from {', '.join(UNCERTAINTIES)}"
-        )
+        fn = _LOADED[name] = load(get_score(name).fn)
     return fn(logits)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from edgefcl.config import ConfigError, FedConfig, LearnConfig
 from edgefcl.federation.gaussian import STATE_MU, STATE_RHO, GaussianEncoder
+from edgefcl.federation.registry import get_encoding
 from edgefcl.learn.bayes import (
     gaussians,
     kl_normal,
@@ -36,7 +37,8 @@ from edgefcl.learn.bayes import (
     set_mode,
     to_bayesian,
 )
-from edgefcl.learn.objectives import HOOKS, MethodHooks, make_hooks
+from edgefcl.learn.methods import get_method
+from edgefcl.learn.objectives import MethodHooks, make_hooks
 
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel, Tensors
@@ -156,13 +158,9 @@ class FedBNNHooks(BayesHooks):
     optional standard-network start (`bnn_init_rounds`)."""
 
 
-HOOKS["vfcl"] = VFCLHooks
-HOOKS["fedbnn"] = FedBNNHooks
-
-
 def client_hooks(method: str, learn: LearnConfig, fed: FedConfig) -> MethodHooks:
     """The hooks of a client: the method's own, or Bayes by Backprop against the last global
     for a method without Bayesian hooks that runs with the gaussian encoding."""
-    if method in ("vfcl", "fedbnn") or fed.encoding != "gaussian":
+    if get_method(method).encoding == fed.encoding or not get_encoding(fed.encoding).bayesian:
         return make_hooks(method, learn)
     return BayesHooks(learn)

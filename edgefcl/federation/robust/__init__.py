@@ -28,11 +28,11 @@ from collections.abc import Callable
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.robust import clipping, share, sigma_floor
-from edgefcl.federation.robust import median as median  # noqa: F401  (registers strategies)
-from edgefcl.federation.robust import trimmed_mean as trimmed_mean  # noqa: F401
 from edgefcl.federation.robust.variance import check_variances
 
-Rule = Callable[[list[Update], Tensors, FedConfig, Counter], list[Update]]
+Rule = Callable[[list[Update], Tensors, FedConfig, Counter, str], list[Update]]
+"""(updates, current global, options, counters, form of the decoded updates: the encoding's
+`form`, dense | sparse | gaussian) -> updates."""
 
 ROUND_RULES: dict[str, Rule] = {
     "clipping": clipping.apply,
@@ -43,10 +43,11 @@ ROUND_RULES: dict[str, Rule] = {
 
 
 def prepare_round(updates: list[Update], global_: Tensors, fed: FedConfig,
-                  counters: Counter) -> list[Update]:
-    """The round's updates after every robust rule (unchanged when all are off)."""
+                  counters: Counter, form: str = "dense") -> list[Update]:
+    """The round's (decoded) updates after every robust rule (unchanged when all are off);
+    `form` is the encoding's decoded form (dense, sparse or gaussian)."""
     for rule in ROUND_RULES.values():
-        updates = rule(updates, global_, fed, counters)
+        updates = rule(updates, global_, fed, counters, form)
     return updates
 
 

@@ -37,9 +37,9 @@ def clip(update: Update, global_: Tensors, tau: float, norm: float) -> Update:
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
-          counters: Counter) -> list[Update]:
-    """Clip dense updates (other encodings pass through)."""
-    if fed.encoding != "dense" or (fed.clip_norm <= 0 and fed.clip_factor <= 0) or not updates:
+          counters: Counter, form: str = "dense") -> list[Update]:
+    """Clip dense updates (other forms pass through)."""
+    if form != "dense" or (fed.clip_norm <= 0 and fed.clip_factor <= 0) or not updates:
         return updates
     norms = [delta_norm(u.tensors, global_) for u in updates]
     tau = fed.clip_norm if fed.clip_norm > 0 else fed.clip_factor * float(np.median(norms))

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.federation.aggregation import STRATEGIES, Strategy, mix
+from edgefcl.federation.aggregation import Strategy
 from edgefcl.federation.messages import Tensors, Update
 
 
 class CoordinateMedian(Strategy):
     """Coordinate-wise median (unweighted), mixed with the previous global."""
 
-    def __init__(self, mix_weight: float = 0.5) -> None:
-        super().__init__(mix_weight)
+    def reset(self) -> None:
         self.tensors: list[Tensors] = []
 
     def add(self, update: Update) -> None:
@@ -23,12 +22,8 @@ class CoordinateMedian(Strategy):
     def combine(self, stack: np.ndarray) -> np.ndarray:
         return np.median(stack, axis=0)
 
-    def result(self, previous: Tensors) -> Tensors:
+    def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
         if not self.tensors:
             raise ValueError("no contributions to aggregate")
-        new = {k: self.combine(np.stack([t[k].astype(np.float64) for t in self.tensors]))
-               for k in previous}
-        return mix(new, previous, self.mix_weight)
-
-
-STRATEGIES[("dense", "median")] = CoordinateMedian
+        return {k: self.combine(np.stack([t[k].astype(np.float64) for t in self.tensors]))
+                for k in previous}, None

@@ -33,7 +33,7 @@ def capped_weights(weights: np.ndarray, cap: float) -> np.ndarray:
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
-          counters: Counter) -> list[Update]:
+          counters: Counter, form: str = "dense") -> list[Update]:
     if fed.max_share >= 1 or len(updates) < 2:
         return updates
     cap = fed.max_share if fed.max_share > 0 else 2.0 / len(updates)

@@ -22,8 +22,8 @@ NO_INFORMATION = 1024.0
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
-          counters: Counter) -> list[Update]:
-    if fed.encoding != "gaussian" or fed.sigma_floor <= 0 or len(updates) < 3:
+          counters: Counter, form: str = "gaussian") -> list[Update]:
+    if form != "gaussian" or fed.sigma_floor <= 0 or len(updates) < 3:
         return updates
     names = [k for k in updates[0].tensors if k.endswith(SIGMA)]
     floors = {}

@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.config import FedConfig
-from edgefcl.federation.aggregation import STRATEGIES
 from edgefcl.federation.robust.median import CoordinateMedian
 
 
 class TrimmedMean(CoordinateMedian):
     """Mean of the middle values of every entry, mixed with the previous global."""
 
-    trim = 0.2
-
-    def configure(self, fed: FedConfig) -> None:
-        self.trim = fed.trim
-
     def combine(self, stack: np.ndarray) -> np.ndarray:
         n = stack.shape[0]
-        k = min(int(self.trim * n), (n - 1) // 2)
+        k = min(int(self.fed.trim * n), (n - 1) // 2)
         return np.sort(stack, axis=0)[k:n - k].mean(axis=0)
-
-
-STRATEGIES[("dense", "trimmed-mean")] = TrimmedMean

@@ -1,20 +1,31 @@
-"""Memory selection rules, one per file, registered by name (see `base`)."""
+"""Memory selection rules, one per file; the registry `SELECTIONS` lists them (one line each)."""
 
-from edgefcl.learn.selection import (  # noqa: F401 (register the rules)
-    bottom,
-    herding,
-    kcenter,
-    mix,
-    step,
-    top,
-)
-from edgefcl.learn.selection.base import (
-    SELECTIONS,
-    Candidates,
-    Selection,
-    get_selection,
-    grouped_rank,
-    register,
-)
+from edgefcl.config import ConfigError
+from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
+from edgefcl.learn.selection.bottom import Bottom
+from edgefcl.learn.selection.herding import Herding
+from edgefcl.learn.selection.kcenter import KCenter
+from edgefcl.learn.selection.mix import Mix
+from edgefcl.learn.selection.step import Step
+from edgefcl.learn.selection.top import Top
 
-__all__ = ["SELECTIONS", "Candidates", "Selection", "get_selection", "grouped_rank", "register"]
+SELECTIONS: dict[str, Selection] = {r.name: r for r in (
+    Bottom(),
+    Top(),
+    Step(),
+    Mix(),
+    KCenter(),
+    Herding(),
+)}
+"""Rule name -> rule."""
+
+
+def get_selection(name: str) -> Selection:
+    """The rule called `name`, or a ConfigError listing the known ones."""
+    rule = SELECTIONS.get(name)
+    if rule is None:
+        raise ConfigError(f"unknown selection '{name}'; choose from {', '.join(SELECTIONS)}")
+    return rule
+
+
+__all__ = ["SELECTIONS", "Candidates", "Selection", "get_selection", "grouped_rank"]

@@ -1,9 +1,9 @@
 """Selection rules of the class-balanced memory: which candidates an over-quota class keeps.
 
-A rule is one small object registered by name (`@register`), like Avalanche's buffer
-selection strategies. The memory decides how many candidates every class keeps (water-filling)
-and which classes are ranked; a rule then picks, for every class at once (vectorized, no
-per-class Python loop), which candidates fill the class's allotment.
+A rule is one small object listed by name in `SELECTIONS` (`edgefcl.learn.selection`), like
+Avalanche's buffer selection strategies. The memory decides how many candidates every class
+keeps (water-filling) and which classes are ranked; a rule then picks, for every class at
+once (vectorized, no per-class Python loop), which candidates fill the class's allotment.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from edgefcl.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -48,24 +46,6 @@ class Selection(ABC):
     @abstractmethod
     def select(self, c: Candidates) -> Tensor:
         """Boolean mask of the kept candidates: exactly keep[c] per class c."""
-
-
-SELECTIONS: dict[str, Selection] = {}
-"""Rule name -> rule."""
-
-
-def register(cls: type[Selection]) -> type[Selection]:
-    """Class decorator: add one instance of the rule to `SELECTIONS` under its name."""
-    SELECTIONS[cls.name] = cls()
-    return cls
-
-
-def get_selection(name: str) -> Selection:
-    """The rule called `name`, or a ConfigError listing the known ones."""
-    rule = SELECTIONS.get(name)
-    if rule is None:
-        raise ConfigError(f"unknown selection '{name}'; choose from {', '.join(SELECTIONS)}")
-    return rule
 
 
 def grouped_rank(cls: Tensor, key: Tensor, counts: Tensor) -> Tensor:

@@ -2,10 +2,9 @@
 
 from torch import Tensor
 
-from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank, register
+from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
 
 
-@register
 class Bottom(Selection):
     name = "bottom"
 

@@ -10,11 +10,9 @@ from edgefcl.learn.selection.base import (
     Selection,
     class_means,
     greedy_per_class,
-    register,
 )
 
 
-@register
 class Herding(Selection):
     name = "herding"
     needs_scores = False

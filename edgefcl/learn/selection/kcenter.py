@@ -10,11 +10,9 @@ from edgefcl.learn.selection.base import (
     Selection,
     class_means,
     greedy_per_class,
-    register,
 )
 
 
-@register
 class KCenter(Selection):
     name = "kcenter"
     needs_scores = False

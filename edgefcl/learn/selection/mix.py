@@ -4,10 +4,9 @@ rest is drawn uniformly from the other candidates."""
 import torch
 from torch import Tensor
 
-from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank, register
+from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
 
 
-@register
 class Mix(Selection):
     name = "mix"
     low_fraction = 0.5

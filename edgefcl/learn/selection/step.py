@@ -5,10 +5,9 @@ diversity-aware sampling)."""
 import torch
 from torch import Tensor
 
-from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank, register
+from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
 
 
-@register
 class Step(Selection):
     name = "step"
 
