@@ -18,6 +18,7 @@ import pytest
 from edgefcl.config import RunConfig, apply
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import GlobalModel, Update
+from edgefcl.federation.q8 import Q8Encoder
 from edgefcl.federation.sparse import SparseEncoder
 from edgefcl.runtime.links import topics
 from edgefcl.runtime.shard_root import RootDaemon
@@ -47,6 +48,8 @@ def device_updates(encoding: str, rng, seq: int = 1, version: int = 0, base=None
         t = {k: (v + rng.normal(size=v.shape)).astype(np.float32) for k, v in base.items()}
         if encoding == "sparse":
             t = SparseEncoder(topk=0.3, value_dtype="float32").encode(t, base)
+        if encoding == "q8":
+            t = Q8Encoder().encode(t, base)
         n = int(rng.integers(2, 30))
         out.append(Update(f"d{i:02d}", version, seq, 0, seq, n, t, encoding,
                           {i % 3: n // 2 + 1, 3: n - n // 2 - 1} if n > 2 else {0: n}))
@@ -83,7 +86,8 @@ def start(daemon) -> threading.Thread:
 
 @pytest.mark.parametrize("encoding,aggregation", [("dense", "fedavg"),
                                                   ("dense", "class-weighted"),
-                                                  ("sparse", "fedavg")])
+                                                  ("sparse", "fedavg"),
+                                                  ("q8", "class-weighted")])
 def test_root_and_two_workers_over_mosquitto_equal_one_aggregator(mosquitto, tmp_path,
                                                                   encoding, aggregation):
     cfg = cfg_for(mosquitto, encoding=encoding, aggregation=aggregation)
