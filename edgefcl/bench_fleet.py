@@ -226,34 +226,68 @@ def stop_daemon(daemon: subprocess.Popen) -> None:
         daemon.wait(10)
 
 
+def daemon_commands(opts: FleetOptions, base: list[str], state: Path) -> list[tuple[str,
+                                                                                  list[str]]]:
+    """(name, command) of the aggregator tier: one `edgefcl aggregator`, or with W > 1 workers
+    a root and W workers sharing the updates (MQTT 5 shared subscription)."""
+    if opts.workers == 1:
+        return [("aggregator", [*base, "--state-dir", str(state)])]
+    ids = [f"w{j}" for j in range(opts.workers)]
+    return [("root", [*base, "--state-dir", str(state), "--role", "root",
+                      "--worker-ids", ",".join(ids)])] + [
+        (w, [*base, "--role", "worker", "--id", w]) for w in ids]
+
+
 def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: Fleet,
                      fleet_name: str, encoding: str, initial_npz: Path, workdir: Path,
                      go) -> dict:
-    """The same fleet against the `edgefcl aggregator` daemon (async mode, its own process)."""
+    """The same fleet against the `edgefcl aggregator` daemon (async mode, its own process),
+    or a root and `opts.workers` workers."""
     root = cfg.mqtt.topic_root
-    state = workdir / f"state-{n}"
-    cmd = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", broker.url,
-           "--fleet", fleet_name, "--topic-root", root, "--mode", "async",
-           "--encoding", encoding, "--clients", str(n), "--initial", str(initial_npz),
-           "--state-dir", str(state), "--topk", str(cfg.fed.topk)]
+    state = workdir / f"state-{n}-{opts.workers}"
+    base = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", broker.url,
+            "--fleet", fleet_name, "--topic-root", root, "--mode", "async",
+            "--encoding", encoding, "--clients", str(n), "--initial", str(initial_npz),
+            "--topk", str(cfg.fed.topk)]
     watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status")
+    daemons: dict[str, subprocess.Popen] = {}
     try:
-        daemon = start_daemon(cmd, workdir / f"aggregator-{n}.log", watcher)
-        print(f"{n} devices: aggregator, {opts.duration:.0f} s...", flush=True)
-        rss = [0.0, 0.0]  # highest and latest RSS in the window
+        for name, cmd in daemon_commands(opts, base, state):
+            log = workdir / f"{name}-{n}-{opts.workers}.log"
+            if not daemons:
+                daemons[name] = start_daemon(cmd, log, watcher)
+            else:
+                with open(log, "wb") as f:
+                    daemons[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f,
+                                                     stderr=f)
+        if opts.workers > 1:
+            wait_until(lambda: len(watcher.seen[-1][1].get("workers", [])) >= opts.workers,
+                       60, f"{opts.workers} workers")
+        print(f"{n} devices: aggregator tier ({len(daemons)} processes), "
+              f"{opts.duration:.0f} s...", flush=True)
+        rss = [0.0, 0.0]  # highest and latest RSS (all processes) in the window
+        per = {k: 0.0 for k in daemons}
 
         def sample() -> None:
-            rss[1] = rss_mb(daemon.pid)
+            now = {k: rss_mb(d.pid) for k, d in daemons.items()}
+            for k, v in now.items():
+                per[k] = max(per[k], v)
+            rss[1] = sum(now.values())
             rss[0] = max(rss[0], rss[1])
 
         before = {k: fleet.total(k) for k in ("published", "skipped", "lagged")}
         bc0, wall0 = cpu_seconds(broker.pid), time.time()
+        cpu0 = {k: cpu_seconds(d.pid) for k, d in daemons.items()}
+        load0 = os.getloadavg()[0]
         t0, t1, published = measure_window(opts, fleet, go, sample)
         wall1, bc1 = time.time(), cpu_seconds(broker.pid)
+        cpu = {k: cpu_seconds(d.pid) - cpu0[k] for k, d in daemons.items()}
+        load1 = os.getloadavg()[0]
         time.sleep(2.5)  # one more status after the window
         rate, last = watcher.accepted_rate(t0, t1 + 2.5)  # a fallback: statuses every 2 s
-        stop_daemon(daemon)
     finally:
+        for d in reversed(list(daemons.values())):
+            stop_daemon(d)
         watcher.close()
     rounds = read_rounds(state / "rounds.jsonl", wall0 + opts.warmup, wall1)
     intervals = list(np.diff([t for t, _ in rounds])) if len(rounds) > 1 else []
@@ -264,11 +298,30 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
         "round_latency_p50_s": percentile(intervals, 50),
         "round_latency_p99_s": percentile(intervals, 99), "rounds_in_window": len(intervals),
         "aggregator_rss_mb": rss[0], "aggregator_rss_end_mb": rss[1],
+        "process_rss_mb": per, "process_cpu_s": cpu,
+        "max_updates_per_client_round": max_per_client(state / "rounds.jsonl"),
+        "load_average_1min": [load0, load1],
         "broker_cpu_s": bc1 - bc0, "seconds": t1 - t0,
         **{k: fleet.total(k) - v for k, v in before.items()},
         "dropped_connections": fleet.total("dropped"),
         "aggregator_counters": last.get("counters", {}),
     }
+
+
+def max_per_client(path: Path) -> int:
+    """The most times one client appears in one round of the round log (1 when the rule
+    'one update per client and round' held)."""
+    import json
+    from collections import Counter
+
+    if not path.exists():
+        return 0
+    worst = 0
+    for line in path.read_text().splitlines():
+        if line.strip():
+            c = Counter(json.loads(line)["participants"])
+            worst = max(worst, max(c.values(), default=0))
+    return worst
 
 
 def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_npz: Path,
@@ -325,21 +378,22 @@ def len_payload(tensors: dict, encoding: str, fleet: str) -> int:
 
 # -- report ---------------------------------------------------------------------------------
 def table(runs: list[dict]) -> str:
-    head = (f"{'devices':>7} {'payload':>7} {'bytes':>7} {'offered/s':>9} {'sent/s':>8} "
+    head = (f"{'devices':>7} {'W':>2} {'payload':>7} {'bytes':>7} {'offered/s':>9} {'sent/s':>8} "
             f"{'agg/s':>8} {'raw/s':>8} {'agg/raw':>7} {'round p50':>9} {'p99 s':>7} "
-            f"{'agg RSS MB':>10} {'broker cpu s':>12}")
+            f"{'agg RSS MB':>10} {'broker cpu s':>12} {'load':>5}")
     lines = [head]
     for r in runs:
         ratio = r["updates_per_s"] / r["raw_broker_updates_per_s"] if r[
             "raw_broker_updates_per_s"] else float("nan")
         p50, p99 = r["round_latency_p50_s"], r["round_latency_p99_s"]
         lines.append(
-            f"{r['devices']:7d} {r['payload']:>7} {r['payload_bytes']:7d} "
+            f"{r['devices']:7d} {r['workers']:2d} {r['payload']:>7} {r['payload_bytes']:7d} "
             f"{r['offered_per_s']:9.0f} {r['published_per_s']:8.1f} {r['updates_per_s']:8.1f} "
             f"{r['raw_broker_updates_per_s']:8.1f} {ratio:7.2f} "
             f"{p50 if p50 is not None else float('nan'):9.2f} "
             f"{p99 if p99 is not None else float('nan'):7.2f} "
-            f"{r['aggregator_rss_mb']:10.0f} {r['broker_cpu_s']:12.1f}")
+            f"{r['aggregator_rss_mb']:10.0f} {r['broker_cpu_s']:12.1f} "
+            f"{r['load_average_1min'][1]:5.1f}")
     return "\n".join(lines)
 
 
@@ -395,11 +449,10 @@ def bench_fleet(opts: FleetOptions, cfg: RunConfig, out: Path) -> dict:
             runs.append(run_one(opts, n, cfg, tensors, initial_npz, work))
             print(table(runs[-1:]).splitlines()[1], flush=True)
         for n in opts.devices:
-            keep = work / f"aggregator-{n}.log"
-            if keep.exists():
-                shutil.copy(keep, out / f"bench_fleet_aggregator-{n}.log")
+            for keep in work.glob(f"*-{n}-{opts.workers}.log"):
+                shutil.copy(keep, out / f"bench_fleet_{keep.name}")
     report = {"runs": runs, "rate": opts.rate, "duration_s": opts.duration,
-              "cpus": os.cpu_count()}
+              "cpus": os.cpu_count(), "load_average": os.getloadavg()}
     (out / "bench_fleet.json").write_text(json.dumps(report, indent=1, default=_jsonable))
     print()
     print(table(runs))

@@ -79,6 +79,8 @@ BENCHES = {
                  "updates",
     "fleet": "lightweight devices (one MQTT connection each) against Mosquitto and the "
              "aggregator daemon, vs the raw broker rate (see the fleet options)",
+    "shard": "CPU time per update of one aggregator vs an aggregator worker, and per partial "
+             "of the root (dense and sparse demo updates, through the daemons' handlers)",
     "crash": "SIGKILL the aggregator at random moments and check its state after each restart",
     "fuzz": "mutated payloads through the aggregator's and the device's message handlers",
     "flood": "the aggregator process's resident memory under chunk and tensor-count floods "
@@ -97,6 +99,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from edgefcl.bench_fleet import run_from_args
 
         return run_from_args(args, cfg, Path(cfg.out or "runs/bench"))
+    if args.what == "shard":
+        from edgefcl.bench_shard import bench_shard
+
+        bench_shard(cfg, Path(cfg.out or "runs/bench"))
+        return 0
     return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats,
                      study={"datasets": args.datasets, "per_class": args.per_class,
                             "rules": args.rules}, count=args.count)

@@ -58,25 +58,28 @@ def test_template_payloads_are_updates_the_codec_and_aggregator_accept(encoding)
 def test_options_are_checked():
     assert FleetOptions([100, 1000]).procs(1000) == 4
     assert FleetOptions([5]).procs(5) == 2
-    for bad in (FleetOptions([10], workers=2), FleetOptions([0]), FleetOptions([5], rate=0)):
+    FleetOptions([10], workers=2).check()
+    for bad in (FleetOptions([10], workers=0), FleetOptions([0]), FleetOptions([5], rate=0)):
         with pytest.raises(ConfigError):
             bad.check()
 
 
-def test_workers_above_one_exit_2_with_one_line():
-    r = subprocess.run([sys.executable, "-m", "edgefcl", "bench", "fleet", "--workers", "2"],
+def test_workers_below_one_exit_2_with_one_line():
+    r = subprocess.run([sys.executable, "-m", "edgefcl", "bench", "fleet", "--workers", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "worker role" in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "--workers" in r.stderr
 
 
 @pytest.mark.mqtt
 @pytest.mark.skipif(not HAVE_MOSQUITTO, reason="mosquitto is not installed")
-def test_a_small_fleet_run_over_mosquitto(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_small_fleet_run_over_mosquitto(tmp_path, workers):
     from edgefcl.bench_fleet import bench_fleet
 
     cfg = RunConfig()
-    opts = FleetOptions([6], payload="sparse", rate=2.0, duration=3.0, warmup=1.5)
+    opts = FleetOptions([6], workers=workers, payload="sparse", rate=2.0, duration=3.0,
+                        warmup=1.5)
     report = bench_fleet(opts, cfg, tmp_path)
     saved = json.loads((tmp_path / "bench_fleet.json").read_text())
     (run,) = saved["runs"]
@@ -91,6 +94,8 @@ def test_a_small_fleet_run_over_mosquitto(tmp_path):
     assert run["aggregator_counters"]["accepted"] > 0
     assert not any(k.startswith("rejected") for k in run["aggregator_counters"])
     assert run["round_latency_p50_s"] is not None and run["aggregator_rss_mb"] > 10
+    assert run["max_updates_per_client_round"] == 1
+    assert len(run["process_rss_mb"]) == (1 if workers == 1 else 1 + workers)
     assert (tmp_path / "bench_fleet.png").stat().st_size > 1000
 
 

@@ -170,6 +170,8 @@ class Strategy:
 class FedAvg(Strategy):
     """FedAvg weighted by the samples each client saw in its current task."""
 
+    decomposable = True
+
     def reset(self) -> None:
         self.acc = WeightedSum()
 
@@ -179,10 +181,20 @@ class FedAvg(Strategy):
     def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
         return self.acc.mean(), None
 
+    def partial(self) -> dict:
+        """{"weight": w, "sums": {name: float64 sum of w * tensor}}."""
+        return {"weight": self.acc.weight, "sums": dict(self.acc.sums or {})}
+
+    def merge(self, partial: dict) -> None:
+        """Add another shard's `partial()`."""
+        merge_weighted_sum(self.acc, partial)
+
 
 class ClassWeightedFedAvg(Strategy):
     """'Weighted FedAvg': average the models per class present in the round (weighted by the
     client's samples of that class), then average the class models equally."""
+
+    decomposable = True
 
     def reset(self) -> None:
         self.per_class: dict[int, WeightedSum] = {}
@@ -198,3 +210,24 @@ class ClassWeightedFedAvg(Strategy):
             raise ValueError("no contributions to average")
         means = [self.per_class[c].mean() for c in sorted(self.per_class)]
         return {k: sum(m[k] for m in means) / len(means) for k in means[0]}, None
+
+    def partial(self) -> dict:
+        """{"classes": {class: {"weight": w, "sums": {...}}}} (class ids as strings)."""
+        return {"classes": {str(c): {"weight": a.weight, "sums": dict(a.sums or {})}
+                            for c, a in sorted(self.per_class.items())}}
+
+    def merge(self, partial: dict) -> None:
+        """Add another shard's `partial()`, class by class."""
+        for c, p in sorted(partial["classes"].items(), key=lambda kv: int(kv[0])):
+            merge_weighted_sum(self.per_class.setdefault(int(c), WeightedSum()), p)
+
+
+def merge_weighted_sum(acc: WeightedSum, partial: dict) -> None:
+    """Add a partial {"weight", "sums"} into `acc` (no-op for an empty one)."""
+    if not partial["sums"]:
+        return
+    if acc.sums is None:
+        acc.sums = {k: np.zeros(np.shape(v), np.float64) for k, v in partial["sums"].items()}
+    for k, v in partial["sums"].items():
+        acc.sums[k] += np.asarray(v, np.float64)
+    acc.weight += float(partial["weight"])

@@ -22,7 +22,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.federation.aggregation import Spec, Strategy, WeightedSum, check_dense, mix
+from edgefcl.federation.aggregation import (
+    Spec,
+    Strategy,
+    WeightedSum,
+    check_dense,
+    merge_weighted_sum,
+    mix,
+)
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors, Update
 
@@ -200,6 +207,8 @@ class Conflation(GaussianStrategy):
     """VFCL Eq. 11: 1/sigma^2 = sum_c 1/sigma_c^2, mu = sigma^2 sum_c mu_c / sigma_c^2
     (every client counts once, whatever its sample count)."""
 
+    decomposable = True
+
     def reset(self) -> None:
         super().reset()
         self.sums = _PrecisionSums()
@@ -216,10 +225,30 @@ class Conflation(GaussianStrategy):
         return {b: (self.sums.eta[b] / self.sums.prec[b], 1.0 / np.sqrt(self.sums.prec[b]))
                 for b in bases}
 
+    def partial(self) -> dict:
+        """Plain tensors' weighted sums, and per base the precision and precision * mean
+        sums with the number of clients."""
+        return {"plain": {"weight": self.plain.weight, "sums": dict(self.plain.sums or {})},
+                "prec": dict(self.sums.prec), "eta": dict(self.sums.eta),
+                "count": self.sums.count}
+
+    def merge(self, partial: dict) -> None:
+        """Add another shard's `partial()`."""
+        merge_weighted_sum(self.plain, partial["plain"])
+        for b in sorted(partial["prec"]):
+            prec = np.asarray(partial["prec"][b], np.float64)
+            if b not in self.sums.prec:
+                self.sums.prec[b], self.sums.eta[b] = np.zeros_like(prec), np.zeros_like(prec)
+            self.sums.prec[b] += prec
+            self.sums.eta[b] += np.asarray(partial["eta"][b], np.float64)
+        self.sums.count += int(partial["count"])
+
 
 class MomentMatching(GaussianStrategy):
     """Sample-weighted moment matching of the client posteriors (FedBNN's reference code):
     mu = sum_k w_k mu_k, sigma^2 = sum_k w_k (mu_k^2 + sigma_k^2) - mu^2, w_k = n_k / sum n."""
+
+    decomposable = True
 
     def reset(self) -> None:
         super().reset()
@@ -242,6 +271,33 @@ class MomentMatching(GaussianStrategy):
         mean, second = self.first.mean(), self.second.mean()
         return {b: (mean[b], np.sqrt(np.maximum(second[b] - np.square(mean[b] - self.origin[b]),
                                                 0.0))) for b in bases}
+
+    def partial(self) -> dict:
+        """Plain tensors' weighted sums, the weighted sums of means and of second moments
+        (about `origin`), and the origin of each base."""
+        return {"plain": {"weight": self.plain.weight, "sums": dict(self.plain.sums or {})},
+                "first": {"weight": self.first.weight, "sums": dict(self.first.sums or {})},
+                "second": {"weight": self.second.weight, "sums": dict(self.second.sums or {})},
+                "origin": dict(self.origin)}
+
+    def merge(self, partial: dict) -> None:
+        """Add another shard's `partial()`; its second moments are moved to this instance's
+        origins: sum w (x - o)^2 = sum w (x - o')^2 + 2 (o' - o) (sum w x - W o') + W (o' - o)^2."""
+        merge_weighted_sum(self.plain, partial["plain"])
+        first, second = partial["first"], partial["second"]
+        if not first["sums"]:
+            return
+        w = float(first["weight"])
+        shifted = {}
+        for b in sorted(first["sums"]):
+            theirs = np.asarray(partial["origin"][b], np.float64)
+            ours = self.origin.setdefault(b, theirs)
+            d = theirs - ours
+            s1 = np.asarray(first["sums"][b], np.float64)
+            shifted[b] = (np.asarray(second["sums"][b], np.float64)
+                          + 2.0 * d * (s1 - w * theirs) + w * np.square(d))
+        merge_weighted_sum(self.first, first)
+        merge_weighted_sum(self.second, {"weight": second["weight"], "sums": shifted})
 
 
 class FedBNNProduct(GaussianStrategy):

@@ -343,6 +343,7 @@ class SparseFedAvg(Strategy):
     """
 
     forms = frozenset({*INDEX_FORMATS, "dense"})
+    decomposable = True
 
     def reset(self) -> None:
         self.acc = EntrySums()
@@ -367,6 +368,20 @@ class SparseFedAvg(Strategy):
     def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray],
                                                    dict[str, np.ndarray]]:
         return self.acc.means()
+
+    def partial(self) -> dict:
+        """Per tensor, the flat per-entry sums of weight * absolute value and of weight (the
+        deltas were already turned into absolute values against their base)."""
+        return {"sums": dict(self.acc.sums), "weights": dict(self.acc.weights)}
+
+    def merge(self, partial: dict) -> None:
+        """Add another shard's `partial()`, entry by entry."""
+        for k in sorted(partial["sums"]):
+            s = np.asarray(partial["sums"][k], np.float64).ravel()
+            if k not in self.acc.sums:
+                self.acc.sums[k], self.acc.weights[k] = np.zeros_like(s), np.zeros_like(s)
+            self.acc.sums[k] += s
+            self.acc.weights[k] += np.asarray(partial["weights"][k], np.float64).ravel()
 
 
 def payload_reason(tensors: Tensors, spec: Spec, forms: frozenset[str],

@@ -17,8 +17,9 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", default="100", metavar="N[,N...]",
                    help="device counts to measure, one run each (default: 100)")
     g.add_argument("--workers", type=int, default=1, metavar="W",
-                   help="aggregator workers (default: 1); W > 1 needs the aggregator worker "
-                   "role of sharded aggregation, which is not built yet: exits with an error")
+                   help="aggregator workers (default: 1: one `edgefcl aggregator`; W > 1: a "
+                   "root and W workers sharing the updates over an MQTT 5 shared "
+                   "subscription)")
     g.add_argument("--payload", choices=["dense", "sparse"], default="dense",
                    help="update payload: the demo model's dense update, or its sparse update "
                    "at --topk (default: dense)")
@@ -56,9 +57,6 @@ class FleetOptions:
         return opts
 
     def check(self) -> None:
-        if self.workers > 1:
-            raise ConfigError("--workers > 1 needs the aggregator worker role (sharded "
-                              "aggregation over MQTT 5 shared subscriptions), not built yet")
         if self.workers < 1 or not self.devices or min(self.devices) < 1:
             raise ConfigError("--workers and every --devices count must be >= 1")
         if not self.rate > 0 or not self.duration > 0 or self.device_procs < 0:

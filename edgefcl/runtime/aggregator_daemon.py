@@ -34,14 +34,17 @@ class AggregatorDaemon:
     (continue a finished run). `state.json`, `global.npz` and `rounds.jsonl` are views of it.
     """
 
+    aggregator_class = Aggregator
+    """The core it runs (the sharded root runs a subclass: runtime/shard_root.py)."""
+
     def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
                  exit_when_done: bool = False, status_every: float = 2.0,
                  inbox_bytes: int = 0, fresh: bool = False, resume: bool = False) -> None:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.topics = topics(cfg.mqtt)
-        self.agg = Aggregator(initial, cfg.fed, batch_size=cfg.data.batch_size,
-                              prototypes=initial_library(cfg, initial))
+        self.agg = self.aggregator_class(initial, cfg.fed, batch_size=cfg.data.batch_size,
+                                         prototypes=initial_library(cfg, initial))
         self.spec_hash = spec_hash(tensor_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every
@@ -234,6 +237,10 @@ class AggregatorDaemon:
         if self.cfg.fed.mode == "sync":
             self._answer(closed)
 
+    def subscriptions(self) -> list[str]:
+        """What the daemon listens to: device updates and statuses, operator control."""
+        return [self.topics.updates, self.topics.statuses, self.topics.control]
+
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> int:
         """Serve until stopped; returns an exit code."""
@@ -247,10 +254,8 @@ class AggregatorDaemon:
                               on_reject=self.inbox.put)
         self.results = FleetResults(self.cfg, self.state_dir, self.profile, self.evaluator,
                                     self.labels)
-        put = self.inbox.put
-        self.link.subscribe(self.topics.updates, put)
-        self.link.subscribe(self.topics.statuses, put)
-        self.link.subscribe(self.topics.control, put)
+        for pattern in self.subscriptions():
+            self.link.subscribe(pattern, self.inbox.put)
         self._publish_config()
         self._publish_global(self.agg.global_)
         log.info("aggregator for fleet %s serving on %s (mode %s, version %d)",

@@ -22,11 +22,13 @@ def wire_dtype(m: MqttConfig) -> str | None:
 
 def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, bool] | None = None,
               clean_start: bool = False, connect: bool = True,
-              on_reject: Callable[[str, CodecError], None] | None = None) -> MqttLink:
+              on_reject: Callable[[str, CodecError], None] | None = None,
+              protocol: str = "3.1.1") -> MqttLink:
     """An MqttLink configured from `m` (credentials, TLS, chunking), connected unless asked not.
 
     With a username the client id IS the username (the broker enforces it with
-    `use_username_as_clientid`, so one device cannot take over another's session)."""
+    `use_username_as_clientid`, so one device cannot take over another's session).
+    `protocol="5"` is needed for shared subscriptions (aggregator workers)."""
     password = m.password or os.environ.get("EDGEFCL_MQTT_PASSWORD", "")
     client_id = m.username or client_id
     link = MqttLink(
@@ -34,6 +36,7 @@ def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, boo
         tls_ca=m.tls_ca or None, tls_cert=m.tls_cert or None, tls_key=m.tls_key or None,
         tls_insecure=m.tls_insecure, clean_start=clean_start, will=will,
         chunk_size=m.chunk_size, max_bytes=m.max_payload, on_reject=on_reject,
+        protocol=protocol,
     )
     if connect:
         link.connect(m.connect_timeout)

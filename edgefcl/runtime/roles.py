@@ -9,7 +9,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from edgefcl.config import ConfigError
+from edgefcl.config import ConfigError, RunConfig
 from edgefcl.logs import setup_logging
 from edgefcl.options import (
     DAEMON_HELP,
@@ -33,6 +33,17 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
     cfg = daemon_config(args)
     check_runs(cfg)
+    from edgefcl.runtime.threads import one_blas_thread
+
+    one_blas_thread()
+    if args.role != "single":
+        check_shard_role(cfg, args)
+    if args.role in ("worker", "site"):
+        from edgefcl.runtime.shard_worker import WorkerDaemon
+
+        group = args.share_group if args.role == "worker" else ""
+        return WorkerDaemon(cfg, args.id, share_group=group, upstream=args.upstream,
+                            flush_every=args.flush_every).run()
     state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
     from edgefcl.statefiles import make_dir
 
@@ -56,9 +67,15 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     from edgefcl.runtime.join import fleet_profile
     from edgefcl.runtime.store import StateError
 
+    kind, extra = AggregatorDaemon, {}
+    if args.role == "root":
+        from edgefcl.federation.admission import parse_roster
+        from edgefcl.runtime.shard_root import RootDaemon
+
+        kind, extra = RootDaemon, {"workers": parse_roster(args.worker_ids)}
     try:
-        daemon = AggregatorDaemon(cfg, initial, state_dir, exit_when_done=args.exit_when_done,
-                                  fresh=args.fresh, resume=args.resume)
+        daemon = kind(cfg, initial, state_dir, exit_when_done=args.exit_when_done,
+                      fresh=args.fresh, resume=args.resume, **extra)
     except StateError as e:  # waiting devices learn of it from the retained status
         announce_refusal(cfg, str(e))
         raise
@@ -66,6 +83,33 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     daemon.evaluator = evaluator
     daemon.labels = setup.dataset.labels if setup else None
     return daemon.run()
+
+
+def check_shard_role(cfg: RunConfig, args: argparse.Namespace) -> None:
+    """Refuse a sharded role the configuration cannot run (one line, exit 2)."""
+    from edgefcl.config import resolve_head
+    from edgefcl.federation.admission import parse_roster
+    from edgefcl.federation.shard import ShardError, check_shardable
+    from edgefcl.transport.topics import validate_id
+
+    try:
+        if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
+            raise ShardError("head prototypes does not shard yet (partials carry no prototype "
+                             "library); run it with --role single")
+        check_shardable(cfg.fed)
+        if args.role == "root":
+            if not parse_roster(args.worker_ids):
+                raise ValueError("--role root needs --worker-ids ID[,ID...]")
+            for w in parse_roster(args.worker_ids):
+                validate_id(w, "worker id")
+        else:
+            validate_id(args.id, "worker id")
+            if args.share_group:
+                validate_id(args.share_group, "share group")
+        if args.flush_every <= 0:
+            raise ValueError("--flush-every must be > 0")
+    except (ShardError, ValueError) as e:
+        raise ConfigError(f"--role {args.role}: {e}") from None
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -146,6 +190,22 @@ def add_role_commands(sub) -> None:
                  "--state-dir in one transaction per round and resumed from after a restart or "
                  "crash; a state of another fleet or model, or of a finished run, is refused "
                  "(see --fresh, --resume). SIGTERM/SIGINT stop it gracefully.", cmd_aggregator)
+    a.add_argument("--role", choices=("single", "root", "worker", "site"), default="single",
+                   help="single: one process folds every update; root: combines the workers' "
+                   "partial aggregates, owns state and schedule; worker: folds a share of the "
+                   "updates (MQTT 5 shared subscription) into partials for the root; site: "
+                   "folds a site broker's updates, partials go up its bridge (default: single)")
+    a.add_argument("--worker-ids", default="w0,w1",
+                   help="root: the worker ids it takes partials from (default: w0,w1)")
+    a.add_argument("--id", default="w0", help="worker/site: this worker's id (default: w0)")
+    a.add_argument("--share-group", default="aggregators",
+                   help="worker: MQTT 5 shared subscription group (default: aggregators)")
+    a.add_argument("--upstream", default="", metavar="URL",
+                   help="worker/site: broker of the root (its global; partials go there); "
+                   "default: the device broker")
+    a.add_argument("--flush-every", type=float, default=0.5, metavar="S",
+                   help="worker/site: send a partial this many seconds after the first update "
+                   "it holds (default: 0.5)")
     a.add_argument("--state-dir", help="state directory (default: state/<fleet>)")
     a.add_argument("--initial", metavar="FILE.npz",
                    help="initial global model tensors (default: built from the config's model "

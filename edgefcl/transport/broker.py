@@ -209,6 +209,18 @@ def render_acl(
     return text
 
 
+def render_bridge(fleet: str, site: str, central: str, root: str = "edgefcl",
+                  template: Path | None = None) -> str:
+    """broker/bridge.conf.example filled in: the bridge of site aggregator `site`'s broker to
+    the central broker at `central` (host:port)."""
+    validate_id(fleet, "fleet id")
+    validate_id(site, "site id")
+    text = (template or _template("bridge.conf.example", None)).read_text()
+    for k, v in {"@ROOT@": root, "@FLEET@": fleet, "@SITE@": site, "@CENTRAL@": central}.items():
+        text = text.replace(k, v)
+    return text
+
+
 def add_mosquitto_user(path: str | Path, user: str, password: str) -> None:
     """Add or update `user` in a Mosquitto password file (with mosquitto_passwd)."""
     tool = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"

@@ -46,8 +46,9 @@ FLOAT_DTYPES = frozenset(["<f2", "<f4", "<f8"])
 WIRE_DTYPES = frozenset(["<f4", "<f2"])
 MAX_NDIM = 32
 
-DICT_KINDS = frozenset(["config", "status", "control", "stream", "answer"])
-"""Kinds carried as plain dicts (`Message`): `answer` is the aggregator's lock-step reply."""
+DICT_KINDS = frozenset(["config", "status", "control", "stream", "answer", "partial"])
+"""Kinds carried as plain dicts (`Message`): `answer` is the aggregator's lock-step reply,
+`partial` a worker's partial aggregate (checked further by `transport.partials`)."""
 CONTROL_COMMANDS = frozenset(["pause", "resume", "stop"])
 RESERVED_KEYS = frozenset(["schema", "kind", "fleet", "sender", integrity.DIGEST_KEY])
 _TENSOR_KEYS = frozenset(["dtype", "shape", "data"])

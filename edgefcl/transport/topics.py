@@ -10,6 +10,8 @@ All topics live under `<root>/<fleet>/`:
     stream/<client>     replayer -> client      QoS 1
     control             operator -> all         QoS 1
     aggregator/status   aggregator -> all       QoS 1, retained (last will: offline)
+    partial/<worker>    worker -> root          QoS 1 (sharded aggregation)
+    workers/<worker>    worker -> root          QoS 1, retained (last will: offline)
 """
 
 from __future__ import annotations
@@ -100,6 +102,39 @@ class Topics:
     def stream(self, client: str) -> str:
         """Mini-batches replayed to `client`."""
         return f"{self.base}/stream/{validate_id(client)}"
+
+    def partial(self, worker: str) -> str:
+        """Where aggregator worker `worker` sends its partial aggregates to the root."""
+        return f"{self.base}/partial/{validate_id(worker, 'worker id')}"
+
+    def worker_status(self, worker: str) -> str:
+        """Retained status of aggregator worker `worker` (its last will says offline)."""
+        return f"{self.base}/workers/{validate_id(worker, 'worker id')}"
+
+    @property
+    def partials(self) -> str:
+        """Subscription pattern for every worker's partials."""
+        return f"{self.base}/partial/+"
+
+    @property
+    def worker_statuses(self) -> str:
+        """Subscription pattern for every worker's status."""
+        return f"{self.base}/workers/+"
+
+    def shared(self, pattern: str, group: str) -> str:
+        """`pattern` as an MQTT 5 shared subscription of `group` (each message goes to one
+        member of the group)."""
+        return f"$share/{validate_id(group, 'share group')}/{pattern}"
+
+    def worker_from(self, topic: str) -> tuple[str, str]:
+        """(kind, worker id) of a `partial/<worker>` or `workers/<worker>` topic; raises
+        ValueError for any other topic."""
+        prefix = self.base + "/"
+        parts = topic[len(prefix):].split("/") if topic.startswith(prefix) else []
+        if len(parts) != 2 or parts[0] not in ("partial", "workers"):
+            raise ValueError(f"topic {topic!r} is not a partial/<worker> or workers/<worker> "
+                             f"topic of fleet {self.fleet!r}")
+        return parts[0], validate_id(parts[1], "worker id")
 
     @property
     def updates(self) -> str:

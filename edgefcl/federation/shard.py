@@ -1,0 +1,261 @@
+"""Sharded aggregation without transport: workers fold a share of the updates into partial
+aggregates, the root merges the partials and owns versions and the schedule.
+
+A worker (`ShardWorker`) runs every boundary check of the single aggregator (admission,
+encoding validation, staleness, eligibility) on the updates it gets, keeps at most one update
+per client (the newest), and at each flush applies the robust round rules to its share,
+folds it in client-id order and returns a `Partial`: the strategy's `partial()` plus the
+participants and their sequence numbers.
+
+The root (`ShardRoot`) merges partials in arrival order into one strategy (each partial is a
+sum, so the order changes only float64 rounding), never lets a client count twice in a round
+(a partial naming a client already in the round waits for the next round), and closes a round
+when its distinct participants reach `min_clients` and every live worker has sent a partial
+since the round opened, or `round_timeout` seconds after its first partial: a dead worker
+delays a round by at most the timeout.
+
+Each process keeps one long-lived strategy (the Aggregator's), as the single aggregator does:
+a worker opens a round on it (`configure_round`) at every flush, adds its share's decoded
+updates and hands `partial()` on; the root opens a round when the previous one closes, folds
+the partials in with `merge()` and calls `result()` once when it closes.
+
+Only rules with `decomposable = True` can be sharded (FedAvg and class-weighted over every
+dense-form encoding, dense and q8; conflation, moments; sparse FedAvg). Robust rules that
+look at the whole round run per shard: clipping by the shard's median norm and the share cap
+among the shard's participants (with all rules off, a sharded round equals the
+single-aggregator round up to float64 rounding).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from edgefcl.config import FedConfig
+from edgefcl.federation.aggregation import RoundInput
+from edgefcl.federation.aggregator import Aggregator, RoundClosed, _Round
+from edgefcl.federation.messages import GlobalModel, Tensors
+from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.registry import get_encoding
+from edgefcl.federation.robust import prepare_round
+
+log = logging.getLogger("edgefcl.shard")
+
+MAX_DEFERRED = 64
+"""Partials the root holds for the next round (their clients were already in this one)."""
+
+
+class ShardError(ValueError):
+    """A configuration that cannot be sharded (the message says why)."""
+
+
+def check_shardable(fed: FedConfig, prototypes: PrototypeTable | None = None) -> None:
+    """Raise ShardError unless rounds of `fed` (its encoding's rule `fed.aggregation`) can be
+    split over workers; a run with a prototype library (`prototypes`) cannot yet (partials
+    carry no library)."""
+    if prototypes is not None:
+        raise ShardError("head prototypes does not shard yet (partials carry no prototype "
+                         "library); run it with --role single")
+    if fed.mode != "async":
+        raise ShardError("sharded aggregation runs async rounds only (--mode async); "
+                         "lock-step needs every report at one aggregator")
+    rule = get_encoding(fed.encoding).rules.get(fed.aggregation)
+    if rule is None or not rule.decomposable:
+        raise ShardError(f"aggregation '{fed.aggregation}' ({fed.encoding}) does not decompose "
+                         "into partial sums; run it with --role single")
+
+
+@dataclass
+class Partial:
+    """One worker's share of a round: a strategy partial and who is in it."""
+
+    worker: str
+    version: int
+    """The global version the worker held when it flushed (its updates' staleness was
+    checked against it)."""
+    participants: tuple[str, ...]
+    seqs: dict[str, int]
+    state: dict
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class ShardWorker(Aggregator):
+    """An Aggregator that never closes rounds itself: `flush()` turns what it accepted into a
+    Partial for the root; `set_global` takes the root's new globals."""
+
+    def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
+                 batch_size: int | None = None, worker: str = "worker",
+                 prototypes: PrototypeTable | None = None) -> None:
+        check_shardable(fed, prototypes)
+        super().__init__(initial, fed, version, batch_size)
+        self.worker = worker
+
+    def _maybe_close(self, now: float | None) -> RoundClosed | None:
+        return None  # the root closes rounds
+
+    def set_global(self, g: GlobalModel) -> bool:
+        """Take a newer global from the root (staleness and sparse bases are checked against
+        it); False for one not newer than the current."""
+        if g.version <= self.global_.version:
+            return False
+        self.global_ = GlobalModel(g.version, dict(g.tensors), tuple(g.participants))
+        self.history.push(g.version, self.global_.tensors)
+        return True
+
+    def pending(self) -> int:
+        """Updates waiting for the next flush."""
+        return len(self._round.updates)
+
+    def flush_due(self, now: float, interval: float) -> bool:
+        rnd = self._round
+        return bool(rnd.updates) and rnd.opened_at is not None and now - rnd.opened_at >= interval
+
+    def flush(self) -> Partial | None:
+        """The partial of every update accepted since the last flush (None if none)."""
+        rnd = self._round
+        if not rnd.updates:
+            return None
+        participants = tuple(sorted(rnd.updates))
+        self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
+                                                 self.history.get, participants))
+        decoded = [replace(u, tensors=self.encoding.decode(u.tensors))
+                   for u in (rnd.updates[p] for p in participants)]
+        c: Counter[str] = Counter()
+        for u in prepare_round(decoded, self.global_.tensors, self.fed, c, self.encoding.form):
+            self.strategy.add(u)
+        c.update(self.strategy.counters())
+        self.counters.update(c)
+        part = Partial(self.worker, self.global_.version, participants,
+                       {p: rnd.updates[p].seq for p in participants}, self.strategy.partial(),
+                       dict(c))
+        self._round = _Round()
+        self.rounds += 1
+        return part
+
+
+class ShardRoot(Aggregator):
+    """An Aggregator whose rounds are built from workers' partials (`merge`).
+
+    Its strategy's round is opened when the previous one closes (`RoundInput.participants` is
+    empty then: the participants come with the partials), partials are merged into it, and
+    `result()` is called once when the round closes."""
+
+    def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
+                 batch_size: int | None = None, prototypes: PrototypeTable | None = None) -> None:
+        check_shardable(fed, prototypes)
+        super().__init__(initial, fed, version, batch_size)
+        self._open_round()
+        self.live_workers: set[str] = set()
+        self.reported: set[str] = set()
+        self.in_round: dict[str, int] = {}
+        """client -> seq of its update merged into the open round."""
+        self.deferred: list[Partial] = []
+        self._merged: list[Partial] = []
+
+    def load_state(self, state: dict) -> None:
+        """Resume from `state()` output; the open round starts over on the loaded global."""
+        super().load_state(state)
+        self._open_round()
+
+    def check_partial(self, p: Partial) -> str | None:
+        """The reason to reject a well-formed partial, or None."""
+        if p.version > self.global_.version or p.version < 0:
+            return "base"
+        if self.global_.version - p.version > self.fed.max_staleness:
+            return "stale"
+        if not p.participants or len(set(p.participants)) != len(p.participants):
+            return "participants"
+        if len(p.participants) > self.admission.cap:
+            return "participants"
+        if any(not self.admission.may_join(c) for c in p.participants):
+            return "roster"
+        return None
+
+    def merge(self, p: Partial, now: float | None = None) -> str | None:
+        """Merge a partial into the open round (or hold it for the next one when one of its
+        clients is already in this round); returns a rejection reason or None."""
+        reason = self.check_partial(p)
+        if reason is not None:
+            self.counters[f"rejected_partial_{reason}"] += 1
+            return reason
+        self.reported.add(p.worker)
+        if set(p.participants) & set(self.in_round):
+            if len(self.deferred) >= MAX_DEFERRED:
+                self.counters["rejected_partial_deferred_full"] += 1
+                return "deferred_full"
+            self.deferred.append(p)
+            self.counters["partials_deferred"] += 1
+            return None
+        return self._merge_now(p, now)
+
+    def _open_round(self) -> None:
+        """Open the strategy's round on the current global (no partial merged yet)."""
+        self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
+                                                 self.history.get))
+
+    def _merge_now(self, p: Partial, now: float | None) -> str | None:
+        try:
+            self.strategy.merge(p.state)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            self._rebuild()  # a merge that failed half-way leaves no trace
+            self.counters["rejected_partial_structure"] += 1
+            log.warning("rejected partial of %s: %s", p.worker, e)
+            return "structure"
+        if self._round.opened_at is None:
+            self._round.opened_at = now
+        for c in p.participants:
+            self.in_round[c] = p.seqs.get(c, 0)
+            self.admission.admit(c)
+            self.admission.last_seq[c] = max(self.admission.last_seq.get(c, 0),
+                                             int(p.seqs.get(c, 0)))
+        self._merged.append(p)
+        self.counters["accepted"] += len(p.participants)
+        self.counters["partials"] += 1
+        self.counters.update(p.counters)
+        return None
+
+    def _rebuild(self) -> None:
+        """Reopen the strategy's round with only the partials merged so far."""
+        self._open_round()
+        for q in self._merged:
+            self.strategy.merge(q.state)
+
+    def _maybe_close(self, now: float | None) -> RoundClosed | None:
+        if len(self.in_round) < max(self.fed.min_clients, 1):
+            return None
+        rnd = self._round
+        timed_out = (now is not None and rnd.opened_at is not None
+                     and now - rnd.opened_at >= self.fed.round_timeout)
+        if self.live_workers <= self.reported or timed_out:
+            return self._close_merged(now)
+        return None
+
+    def _close_merged(self, now: float | None) -> RoundClosed:
+        participants = tuple(sorted(self.in_round))
+        seqs = dict(sorted(self.in_round.items()))
+        tensors = self.strategy.result(self.global_.tensors)
+        self.counters.update(self.strategy.counters())
+        self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
+        self.history.push(self.global_.version, tensors)
+        self.rounds += 1
+        self._round = _Round()
+        self._open_round()
+        self._merged = []
+        self.in_round = {}
+        self.reported = set()
+        log.info("round %d closed from partials: version %d, %d participants", self.rounds,
+                 self.global_.version, len(participants))
+        closed = RoundClosed(None, self.global_, participants, seqs)
+        held, self.deferred = self.deferred, []
+        for p in held:  # what waited for this round, in arrival order
+            self.merge(p, now)
+        return closed
+
+    def worker_online(self, worker: str) -> None:
+        self.live_workers.add(worker)
+
+    def worker_offline(self, worker: str, now: float | None = None) -> RoundClosed | None:
+        """A worker left (its last will): the open round no longer waits for it."""
+        self.live_workers.discard(worker)
+        return self._maybe_close(now)

@@ -1,0 +1,78 @@
+"""The root of a sharded aggregation: the aggregator daemon (state directory, versions,
+schedule, global, config and status) with its rounds built from workers' partials instead of
+device updates.
+
+It does not subscribe to device updates (the workers share them); it listens to device
+statuses (who is active, who is done), operator control, `partial/<worker>` and the workers'
+retained `workers/<worker>` statuses (last will: offline). Partials are taken only from the
+worker ids it is given (`--worker-ids`); everything else on those topics is counted and
+dropped like any rejected message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from edgefcl.config import RunConfig
+from edgefcl.federation.messages import Tensors
+from edgefcl.federation.shard import ShardRoot
+from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+from edgefcl.transport.codec import CodecError, Message, decode
+from edgefcl.transport.partials import decode_partial
+
+log = logging.getLogger("edgefcl.aggregator")
+
+
+class RootDaemon(AggregatorDaemon):
+    """AggregatorDaemon running a ShardRoot fed by the workers in `workers`."""
+
+    aggregator_class = ShardRoot
+    agg: ShardRoot
+
+    def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
+                 workers: frozenset[str], **kw) -> None:
+        super().__init__(cfg, initial, state_dir, **kw)
+        if not workers:
+            raise ValueError("a root needs the ids of its workers (--worker-ids)")
+        self.workers = frozenset(workers)
+        self.spec_shapes = {k: v.shape for k, v in self.agg.global_.tensors.items()}
+
+    def subscriptions(self) -> list[str]:
+        t = self.topics
+        return [t.statuses, t.control, t.partials, t.worker_statuses]
+
+    def status(self) -> dict:
+        return super().status() | {"role": "root", "workers": sorted(self.agg.live_workers),
+                                   "deferred": len(self.agg.deferred)}
+
+    def _handle(self, topic: str, payload: bytes | CodecError) -> None:
+        try:
+            kind, worker = self.topics.worker_from(topic)
+        except ValueError:
+            return super()._handle(topic, payload)
+        if isinstance(payload, CodecError):
+            raise payload
+        if worker not in self.workers:
+            raise CodecError("worker", f"{worker} is not one of this root's workers")
+        now = time.monotonic()
+        if kind == "workers":
+            msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=64 << 10, require_digest=True)
+            if not isinstance(msg, Message) or msg.kind != "status" or msg.sender != worker:
+                raise CodecError("kind", f"a worker status on {topic} must be {worker}'s status")
+            if msg.body.get("state") == "online":
+                self.agg.worker_online(worker)
+            else:
+                self._closed(self.agg.worker_offline(worker, now))
+            return
+        p = decode_partial(payload, self.cfg.mqtt.fleet, self.spec_shapes, worker=worker,
+                           max_bytes=self.cfg.mqtt.max_payload)
+        self.round_bytes_in += len(payload)
+        self.bytes_in[f"worker:{worker}"] = self.bytes_in.get(f"worker:{worker}", 0) + len(
+            payload)
+        reason = self.agg.merge(p, now)
+        if reason is not None:
+            log.warning("rejected partial of %s (%d participants): %s", worker,
+                        len(p.participants), reason)
+        self._closed(self.agg.poll(now))

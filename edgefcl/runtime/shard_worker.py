@@ -1,0 +1,206 @@
+"""An aggregator worker (role `worker`) or site aggregator (role `site`): takes a share of the
+device updates, runs the aggregator's boundary checks on them, and sends the root one
+partial aggregate every `flush_every` seconds in which it accepted updates.
+
+- worker: device updates come through the MQTT 5 shared subscription
+  `$share/<group>/<root>/<fleet>/update/+`, so each update reaches one worker of the group and
+  a worker that dies stops getting any (the broker gives its share to the others). A device
+  update must then travel as one MQTT message (no chunks: chunk_size above the update size),
+  since the chunks of one payload could go to different workers.
+- site: every device update of the site broker (plain subscription; a shared one with
+  `share_group`); its partials reach the central root through the site broker's bridge
+  (broker/bridge.conf.example), which also brings the root's global and config down.
+
+The worker holds no state: it learns the current global (and the spec it checks updates
+against) from the root's retained global, on `upstream` when given (a second connection),
+else on the device broker. Its retained `workers/<id>` status says online, and its last will
+offline, so the root stops waiting for it when it dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from edgefcl.config import RunConfig
+from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.federation.shard import ShardWorker
+from edgefcl.runtime.inbox import Inbox
+from edgefcl.runtime.links import open_link, topics
+from edgefcl.transport.codec import CodecError, Message, decode, encode
+from edgefcl.transport.mqtt import TransportError
+from edgefcl.transport.partials import encode_partial
+
+log = logging.getLogger("edgefcl.worker")
+
+
+class WorkerDaemon:
+    """Serve as worker `worker_id` until stopped (SIGTERM/SIGINT or `control` stop)."""
+
+    def __init__(self, cfg: RunConfig, worker_id: str, *, share_group: str = "aggregators",
+                 upstream: str = "", flush_every: float = 0.5, status_every: float = 2.0,
+                 inbox_bytes: int = 0) -> None:
+        self.cfg = cfg
+        self.id = worker_id
+        self.topics = topics(cfg.mqtt)
+        self.topics.worker_status(worker_id)  # validates the id
+        self.share_group = share_group
+        self.upstream = upstream
+        self.flush_every = flush_every
+        self.status_every = status_every
+        self.inbox = Inbox(max_bytes=inbox_bytes or 4 * cfg.mqtt.max_payload)
+        self.stop_event = threading.Event()
+        self.agg: ShardWorker | None = None
+        self.first_global = threading.Event()
+        self.partials_sent = 0
+        self.bytes_out = 0
+        self.link = self.up = None
+        self._latest_global: bytes | None = None
+
+    # -- messages -------------------------------------------------------------------------
+    def _seal(self, body: dict) -> bytes:
+        return encode(Message("status", body), fleet=self.cfg.mqtt.fleet, sender=self.id)
+
+    def _on_global(self, topic: str, payload: bytes) -> None:
+        """Network thread: the newest global waits in one slot, ahead of the queued updates
+        (a worker behind on updates must still check them against the root's version)."""
+        self._latest_global = payload
+        if not self.first_global.is_set():
+            try:
+                g = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+                           require_digest=True)
+            except CodecError as e:
+                log.warning("rejected global: %s", e)
+                return
+            if isinstance(g, GlobalModel):
+                self.initial = g
+                self.first_global.set()
+
+    def _take_global(self) -> None:
+        payload, self._latest_global = self._latest_global, None
+        if payload is not None:
+            self.handle(self.topics.global_, payload)
+
+    def handle(self, topic: str, payload: bytes | CodecError) -> None:
+        """Apply one message; never raises (failures are counted as `rejected_<reason>`)."""
+        try:
+            self._handle(topic, payload)
+        except CodecError as e:
+            self.agg.counters[f"rejected_{e.reason}"] += 1
+            log.warning("rejected payload on %s: %s", topic, e)
+        except Exception:
+            self.agg.counters["rejected_internal"] += 1
+            log.exception("internal error while handling a message on %s", topic)
+
+    def _handle(self, topic: str, payload: bytes | CodecError) -> None:
+        if isinstance(payload, CodecError):
+            raise payload
+        agg = self.agg
+        t = self.topics
+        if topic == t.global_:
+            g = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+                       require_digest=True)
+            if not isinstance(g, GlobalModel) or \
+                    {k: v.shape for k, v in g.tensors.items()} != agg.spec:
+                raise CodecError("global", "a global that does not match the model")
+            agg.set_global(g)
+            return
+        allowed = t.kinds_on(topic)
+        if not allowed:
+            raise CodecError("topic", f"no message is accepted on {topic}")
+        msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+                     require_digest=True)
+        kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
+        if kind not in allowed:
+            raise CodecError("kind", f"a {kind} message on {topic}")
+        now = time.monotonic()
+        if isinstance(msg, (Update, Tick)):
+            if msg.client != t.client_from(topic):
+                agg.counters["rejected_sender"] += 1
+                return
+            agg.submit(msg, now)
+        elif isinstance(msg, Message) and msg.kind == "status" and topic != t.control:
+            client, body = t.client_from(topic), msg.body
+            inc = body.get("incarnation")
+            if body.get("state") == "online" and isinstance(inc, str) and 0 < len(inc) <= 64:
+                agg.admission.session(client, inc)
+        elif isinstance(msg, Message) and msg.kind == "control" and \
+                msg.body.get("command") == "stop":
+            self.stop_event.set()
+
+    def flush(self) -> None:
+        p = self.agg.flush()
+        if p is None:
+            return
+        payload = encode_partial(p, fleet=self.cfg.mqtt.fleet)
+        self.bytes_out += self.up.publish(self.topics.partial(self.id), payload, qos=1)
+        self.partials_sent += 1
+        log.info("partial %d: %d updates at version %d (%d bytes)", self.partials_sent,
+                 len(p.participants), p.version, len(payload))
+
+    def status(self) -> dict:
+        a = self.agg
+        return {"state": "online", "role": "worker", "version": a.global_.version if a else -1,
+                "partials": self.partials_sent, "pending": a.pending() if a else 0,
+                "counters": (dict(a.counters) if a else {}) | (
+                    {"rejected_inbox_full": self.inbox.shed} if self.inbox.shed else {}),
+                "bytes_out": self.bytes_out}
+
+    # -- main loop ------------------------------------------------------------------------
+    def _connect(self) -> None:
+        m, t = self.cfg.mqtt, self.topics
+        will = (t.worker_status(self.id), self._seal({"state": "offline"}), 1, True)
+        cid = f"{m.fleet}-worker-{self.id}"
+        # clean start: a dead worker leaves no session holding updates for it
+        self.link = open_link(m, cid, clean_start=True, protocol="5", on_reject=self.inbox.put,
+                              will=None if self.upstream else will)
+        self.up = self.link
+        if self.upstream:
+            up_cfg = type(m)(**{**m.__dict__, "broker": self.upstream})
+            self.up = open_link(up_cfg, cid + "-up", clean_start=True, will=will)
+        self.up.subscribe(t.global_, self._on_global)
+        if not self.first_global.wait(m.connect_timeout):
+            raise TransportError(f"no global model on {t.global_} within {m.connect_timeout:g} s: "
+                                 "start the root aggregator first (--role root)")
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(sig, lambda *_: self.stop_event.set())
+        try:
+            self._connect()
+            g = self.initial
+            self.agg = ShardWorker(g.tensors, self.cfg.fed, g.version,
+                                   batch_size=self.cfg.data.batch_size, worker=self.id)
+            t, put = self.topics, self.inbox.put
+            updates = t.shared(t.updates, self.share_group) if self.share_group else t.updates
+            self.link.subscribe(updates, put)
+            self.link.subscribe(t.statuses, put)
+            self.up.subscribe(t.control, put)
+            self.up.publish(t.worker_status(self.id), self._seal(self.status()), retain=True)
+            log.info("worker %s for fleet %s on %s (%s), version %d", self.id, t.fleet,
+                     self.cfg.mqtt.broker, updates, g.version)
+            next_status = 0.0
+            while not self.stop_event.is_set():
+                self._take_global()
+                item = self.inbox.get(timeout=0.05)
+                if item is not None:
+                    self.handle(*item)
+                now = time.monotonic()
+                if self.agg.flush_due(now, self.flush_every):
+                    self.flush()
+                self.link.expire_pending()
+                if now >= next_status:
+                    self.up.publish(t.worker_status(self.id), self._seal(self.status()),
+                                    retain=True)
+                    next_status = now + self.status_every
+            self.flush()
+            self.up.publish(t.worker_status(self.id), self._seal({"state": "stopped"}),
+                            retain=True, wait=True, timeout=5.0)
+        finally:
+            for link in {id(x): x for x in (self.link, self.up) if x is not None}.values():
+                link.close()
+        log.info("worker %s stopped after %d partials", self.id, self.partials_sent)
+        return 0

@@ -1,0 +1,256 @@
+"""Sharded aggregation, in process: workers' partials merged at the root give the
+single-aggregator global for every decomposable rule; non-decomposable rules are refused; the
+root keeps one update per client and round and does not wait for a dead worker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgefcl.config import FedConfig
+from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.messages import Update
+from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.q8 import Q8Encoder
+from edgefcl.federation.shard import Partial, ShardError, ShardRoot, ShardWorker
+from edgefcl.federation.sparse import SparseEncoder
+
+N = 7
+SHAPES = {"fc.weight": (6, 5), "fc.bias": (6,)}
+RULES = [("dense", "fedavg"), ("dense", "class-weighted"), ("gaussian", "conflation"),
+         ("gaussian", "moments"), ("sparse", "fedavg"), ("q8", "fedavg"),
+         ("q8", "class-weighted")]
+
+
+def fed_for(encoding: str, aggregation: str, **kw) -> FedConfig:
+    base = dict(mode="async", clients=N, min_clients=N, encoding=encoding,
+                aggregation=aggregation, clip_factor=0.0, max_share=1.0, sigma_floor=0.0,
+                burn_in=0, jump=1, round_timeout=1e9, topk=0.3)
+    return FedConfig(**(base | kw))
+
+
+def initial_for(encoding: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    if encoding == "gaussian":
+        return {"fc.weight::mu": rng.normal(size=(6, 5)).astype(np.float32),
+                "fc.weight::sigma": rng.uniform(0.1, 1, (6, 5)).astype(np.float32),
+                "fc.bias": rng.normal(size=6).astype(np.float32)}
+    return {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def updates_for(encoding: str, initial, rng: np.random.Generator, seq: int = 1,
+                version: int = 0) -> list[Update]:
+    out = []
+    for i in range(N):
+        t = {k: (v + rng.normal(scale=0.5, size=v.shape)).astype(np.float32)
+             for k, v in initial.items()}
+        if encoding == "gaussian":
+            t["fc.weight::sigma"] = np.abs(t["fc.weight::sigma"]) + np.float32(0.05)
+        if encoding == "sparse":
+            t = SparseEncoder(topk=0.3, value_dtype="float32").encode(t, initial)
+        if encoding == "q8":
+            t = Q8Encoder().encode(t, initial)
+        n = int(rng.integers(3, 20))
+        a = int(rng.integers(1, n))
+        counts = {int(rng.integers(0, 3)): a}
+        counts[3 + i % 2] = n - a
+        out.append(Update(f"c{i:02d}", version, seq, 0, seq, n, t, encoding, counts))
+    return out
+
+
+def single_global(fed, initial, updates):
+    agg = Aggregator(initial, fed, batch_size=32)
+    closed = None
+    for u in updates:
+        closed = agg.submit(u, 0.0) or closed
+    assert closed is not None and closed.global_ is not None
+    return closed.global_.tensors
+
+
+def sharded_global(fed, initial, updates, workers: int = 2):
+    ws = [ShardWorker(initial, fed, batch_size=32, worker=f"w{j}") for j in range(workers)]
+    root = ShardRoot(initial, fed, batch_size=32)
+    for w in ws:
+        root.worker_online(w.worker)
+    for i, u in enumerate(updates):
+        assert ws[i % workers].submit(u, 0.0) is None  # workers never close rounds
+    closed = None
+    for w in reversed(ws):  # arrival order differs from the client order
+        p = w.flush()
+        assert p is not None
+        assert root.merge(p, 0.0) is None
+        closed = root.poll(0.0) or closed
+    assert closed is not None and closed.global_ is not None
+    assert closed.participants == tuple(sorted(u.client for u in updates))
+    return closed.global_.tensors
+
+
+@pytest.mark.parametrize("encoding,aggregation", RULES)
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_sharded_global_equals_single_aggregator_global(encoding, aggregation, workers):
+    rng = np.random.default_rng(7)
+    fed = fed_for(encoding, aggregation)
+    initial = initial_for(encoding, rng)
+    updates = updates_for(encoding, initial, rng)
+    single = single_global(fed, initial, updates)
+    sharded = sharded_global(fed, initial, updates, workers)
+    assert set(single) == set(sharded)
+    for k in single:
+        np.testing.assert_allclose(sharded[k], single[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("encoding,aggregation", RULES)
+def test_long_lived_strategies_give_the_single_global_round_after_round(encoding, aggregation):
+    """Three rounds: each process keeps its one strategy object, and every round's sharded
+    global equals the single aggregator's (updates based on the last global)."""
+    rng = np.random.default_rng(11)
+    fed = fed_for(encoding, aggregation)
+    initial = initial_for(encoding, rng)
+    single = Aggregator(initial, fed, batch_size=32)
+    ws = [ShardWorker(initial, fed, batch_size=32, worker=f"w{j}") for j in range(2)]
+    root = ShardRoot(initial, fed, batch_size=32)
+    strategies = [single.strategy, root.strategy, *(w.strategy for w in ws)]
+    for w in ws:
+        root.worker_online(w.worker)
+    base = initial
+    for r in range(3):
+        updates = updates_for(encoding, base, rng, seq=r + 1, version=r)
+        a = [single.submit(u, 0.0) for u in updates][-1]
+        for i, u in enumerate(updates):
+            assert ws[i % 2].submit(u, 0.0) is None
+        b = None
+        for w in ws:
+            assert root.merge(w.flush(), 0.0) is None
+            b = root.poll(0.0) or b
+        assert a.global_.version == b.global_.version == r + 1
+        for k in a.global_.tensors:
+            np.testing.assert_allclose(b.global_.tensors[k], a.global_.tensors[k], rtol=1e-6,
+                                       atol=1e-7, err_msg=f"round {r} {k}")
+        for w in ws:
+            assert w.set_global(b.global_)
+        base = a.global_.tensors
+    assert [single.strategy, root.strategy, *(w.strategy for w in ws)] == strategies
+
+
+@pytest.mark.parametrize("encoding,aggregation", RULES)
+def test_partial_round_trips_through_the_wire(encoding, aggregation):
+    from edgefcl.transport.partials import decode_partial, encode_partial
+
+    rng = np.random.default_rng(3)
+    fed = fed_for(encoding, aggregation)
+    initial = initial_for(encoding, rng)
+    w = ShardWorker(initial, fed, batch_size=32, worker="w0")
+    for u in updates_for(encoding, initial, rng):
+        w.submit(u, 0.0)
+    p = w.flush()
+    spec = {k: v.shape for k, v in initial.items()}
+    q = decode_partial(encode_partial(p, fleet="f"), "f", spec, worker="w0")
+    assert q.participants == p.participants and q.seqs == p.seqs
+    root_a, root_b = ShardRoot(initial, fed), ShardRoot(initial, fed)
+    assert root_a.merge(p) is None and root_b.merge(q) is None
+    a, b = root_a._close_merged(None).global_.tensors, root_b._close_merged(None).global_.tensors
+    for k in a:
+        assert np.array_equal(a[k], b[k])
+
+
+@pytest.mark.parametrize("encoding,aggregation", [
+    ("dense", "median"), ("dense", "trimmed-mean"), ("q8", "median"), ("q8", "trimmed-mean"),
+    ("gaussian", "fedbnn"), ("apc", "fedavg")])
+def test_rules_that_do_not_decompose_are_refused(encoding, aggregation):
+    initial = initial_for("dense", np.random.default_rng(0))
+    with pytest.raises(ShardError, match="does not decompose"):
+        ShardWorker(initial, fed_for(encoding, aggregation))
+    with pytest.raises(ShardError, match="does not decompose"):
+        ShardRoot(initial, fed_for(encoding, aggregation))
+    with pytest.raises(ShardError, match="async"):
+        ShardRoot(initial, fed_for("dense", "fedavg", mode="sync"))
+
+
+def test_a_prototype_library_is_refused_until_partials_carry_one():
+    initial = initial_for("dense", np.random.default_rng(0))
+    library = PrototypeTable.empty(4)
+    for kind in (ShardWorker, ShardRoot):
+        with pytest.raises(ShardError, match="prototypes"):
+            kind(initial, fed_for("dense", "fedavg"), prototypes=library)
+
+
+def _root_and_partials(rng, fed=None):
+    fed = fed or fed_for("dense", "fedavg", min_clients=2, round_timeout=5.0)
+    initial = initial_for("dense", rng)
+    ups = updates_for("dense", initial, rng)
+    return fed, initial, ups
+
+
+def test_a_client_in_two_partials_waits_for_the_next_round():
+    rng = np.random.default_rng(1)
+    fed, initial, ups = _root_and_partials(rng)
+    root = ShardRoot(initial, fed)
+    root.worker_online("w0")
+    root.worker_online("w1")
+    wa = ShardWorker(initial, fed, worker="w0")
+    wb = ShardWorker(initial, fed, worker="w1")
+    wa.submit(ups[0], 0.0)
+    wa.submit(ups[1], 0.0)
+    again = Update(**{**ups[0].__dict__, "seq": 2, "batch": 2})
+    wb.submit(again, 0.0)
+    assert root.merge(wa.flush(), 0.0) is None
+    assert root.merge(wb.flush(), 0.0) is None  # held: c00 is already in this round
+    assert root.counters["partials_deferred"] == 1
+    closed = root.poll(0.1)
+    assert closed.participants == ("c00", "c01")
+    assert set(root.in_round) == {"c00"}  # the held partial opened the next round
+    assert root.in_round["c00"] == 2
+
+
+def test_a_round_does_not_wait_for_a_dead_worker():
+    rng = np.random.default_rng(2)
+    fed, initial, ups = _root_and_partials(rng)
+    root = ShardRoot(initial, fed)
+    for w in ("w0", "w1"):
+        root.worker_online(w)
+    wa = ShardWorker(initial, fed, worker="w0")
+    for u in ups[:3]:
+        wa.submit(u, 0.0)
+    assert root.merge(wa.flush(), 10.0) is None
+    assert root.poll(10.5) is None  # quorum, but w1 may still send
+    assert root.worker_offline("w1", 11.0) is not None  # its last will: close now
+    root.worker_online("w1")  # back, but silent: the next round closes at its timeout
+    assert root.merge(_partial(wa, ups[3:5]), 20.0) is None
+    assert root.poll(20.5) is None
+    assert root.poll(25.0) is not None
+
+
+def _partial(w: ShardWorker, ups) -> Partial:
+    for u in ups:
+        w.submit(u, 0.0)
+    return w.flush()
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("version", 5, "base"), ("version", -1, "base"), ("participants", (), "participants"),
+    ("participants", ("c00", "c00"), "participants"),
+])
+def test_root_rejects_partials_that_claim_too_much(field, value, reason):
+    rng = np.random.default_rng(4)
+    fed, initial, ups = _root_and_partials(rng)
+    root = ShardRoot(initial, fed)
+    p = _partial(ShardWorker(initial, fed, worker="w0"), ups[:2])
+    setattr(p, field, value)
+    assert root.merge(p) == reason
+    assert root.counters[f"rejected_partial_{reason}"] == 1
+    assert not root.in_round
+
+
+def test_a_partial_that_fails_to_merge_leaves_no_trace():
+    rng = np.random.default_rng(5)
+    fed, initial, ups = _root_and_partials(rng)
+    root = ShardRoot(initial, fed)
+    good = _partial(ShardWorker(initial, fed, worker="w0"), ups[:2])
+    assert root.merge(good) is None
+    bad = _partial(ShardWorker(initial, fed, worker="w1"), ups[2:4])
+    bad.state["sums"]["fc.weight"] = np.zeros((3, 3))
+    assert root.merge(bad) == "structure"
+    ref = ShardRoot(initial, fed)
+    ref.merge(_partial(ShardWorker(initial, fed, worker="w0"), ups[:2]))
+    a = root._close_merged(None).global_.tensors
+    b = ref._close_merged(None).global_.tensors
+    assert all(np.array_equal(a[k], b[k]) for k in a)

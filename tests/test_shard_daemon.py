@@ -1,0 +1,150 @@
+"""Attacks on the root's partial path and the worker's update path, driven through the daemons'
+`handle` as the MQTT inbox delivers them: a partial is taken only from a configured worker on
+its own topic, sealed, float64, finite, shaped like the model, with no negative weights."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from edgefcl.config import RunConfig, apply
+from edgefcl.federation.messages import GlobalModel, Update
+from edgefcl.federation.shard import Partial, ShardWorker
+from edgefcl.runtime.links import NullLink, topics
+from edgefcl.runtime.shard_root import RootDaemon
+from edgefcl.runtime.shard_worker import WorkerDaemon
+from edgefcl.transport.codec import Message, encode
+from edgefcl.transport.partials import encode_partial
+
+FLEET = "t"
+INITIAL = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(2, np.float32)}
+
+
+def cfg_for(**fed) -> RunConfig:
+    values = {"fed": {"clients": 4, "burn_in": 0, "jump": 1, "mode": "async",
+                      "min_clients": 2, "round_timeout": 60.0, "clip_factor": 0.0,
+                      "max_share": 1.0, **fed},
+              "mqtt": {"fleet": FLEET, "max_payload": 1 << 20}, "quiet": True}
+    return apply(RunConfig(), values)
+
+
+def make_root(tmp_path, **fed) -> RootDaemon:
+    d = RootDaemon(cfg_for(**fed), INITIAL, tmp_path / "state", workers=frozenset({"w0", "w1"}))
+    d.link = NullLink()
+    return d
+
+
+def update(client: str, value: float, seq: int = 1, n: int = 4) -> Update:
+    t = {k: np.full(v.shape, value, np.float32) for k, v in INITIAL.items()}
+    return Update(client, 0, seq, 0, seq, n, t, class_counts={0: n})
+
+
+def partial(worker="w0", clients=("a", "b"), **cfg) -> Partial:
+    w = ShardWorker(INITIAL, cfg_for(**cfg).fed, worker=worker)
+    for i, c in enumerate(clients):
+        w.submit(update(c, float(i + 1)), 0.0)
+    return w.flush()
+
+
+def topic(worker="w0") -> str:
+    return topics(cfg_for().mqtt).partial(worker)
+
+
+def test_two_partials_close_a_round_with_the_weighted_mean(tmp_path):
+    d = make_root(tmp_path)
+    d.agg.worker_online("w0")
+    d.agg.worker_online("w1")
+    d.handle(topic("w0"), encode_partial(partial("w0", ("a",)), fleet=FLEET))
+    assert d.agg.global_.version == 0
+    d.handle(topic("w1"), encode_partial(partial("w1", ("b", "c")), fleet=FLEET))
+    assert d.agg.global_.version == 1
+    # a: 1.0 (4 samples), b: 1.0, c: 2.0 -> mean 4/3, mixed 0.5 with zeros
+    assert np.allclose(d.agg.global_.tensors["w"], 0.5 * 4 / 3)
+    assert d.store.round_lines()[-1]["participants"] == ["a", "b", "c"]
+
+
+def tamper(p: Partial, path: str, value) -> bytes:
+    payload = msgpack.unpackb(encode_partial(p, fleet=FLEET), raw=False, strict_map_key=False)
+    node = payload
+    *levels, leaf = path.split(".")
+    for level in levels:
+        node = node[level]
+    node[leaf] = value
+    from edgefcl.transport import integrity
+
+    payload.pop(integrity.DIGEST_KEY, None)
+    return integrity.seal(payload, lambda m: msgpack.packb(m, use_bin_type=True))
+
+
+def f64(shape, fill=1.0, dtype="<f8"):
+    arr = np.full(shape, fill, np.dtype(dtype))
+    return {"dtype": dtype, "shape": list(shape), "data": arr.tobytes()}
+
+
+@pytest.mark.parametrize("path,value,reason", [
+    ("tensors.sums/w", f64((2, 3), np.nan), "nonfinite"),
+    ("tensors.sums/w", f64((3, 3)), "shape"),
+    ("tensors.sums/w", f64((2, 3), dtype="<f4"), "dtype"),
+    ("tensors.sums/zz", f64((2,)), "names"),
+    ("scalars.weight", -5.0, "negative"),
+    ("scalars.weight", float("inf"), "malformed"),
+    ("participants", ["a", "a/b"], "malformed"),
+    ("seqs", {"a": 1}, "malformed"),
+    ("seqs", {"a": 1, "b": 0}, "malformed"),
+    ("worker", "w1", "sender"),
+    ("version", 7, None),  # decodes, then the root refuses a base from the future
+])
+def test_root_rejects_tampered_partials(tmp_path, path, value, reason):
+    d = make_root(tmp_path)
+    d.handle(topic("w0"), tamper(partial(), path, value))
+    rejected = {k: v for k, v in d.agg.counters.items() if k.startswith("rejected")}
+    assert rejected == ({f"rejected_{reason}": 1} if reason else {"rejected_partial_base": 1})
+    assert not d.agg.in_round
+
+
+def test_partials_only_from_configured_workers_on_their_own_topic(tmp_path):
+    d = make_root(tmp_path)
+    d.handle(topic("w9"), encode_partial(partial("w9"), fleet=FLEET))
+    d.handle(topic("w1"), encode_partial(partial("w0"), fleet=FLEET))
+    unsealed = msgpack.packb({"schema": 1, "kind": "partial", "fleet": FLEET, "sender": "w0"})
+    d.handle(topic("w0"), unsealed)
+    # a device's update on a partial topic, and a partial on a device's update topic
+    d.handle(topic("w0"), encode(update("a", 1.0), fleet=FLEET))
+    d.handle(topics(cfg_for().mqtt).update("a"), encode_partial(partial(), fleet=FLEET))
+    c = d.agg.counters
+    assert (c["rejected_worker"], c["rejected_sender"], c["rejected_digest"]) == (1, 1, 1)
+    assert c["rejected_kind"] == 2
+    assert not d.agg.in_round and d.agg.global_.version == 0
+
+
+def test_worker_checks_updates_like_the_aggregator(tmp_path):
+    cfg = cfg_for()
+    w = WorkerDaemon(cfg, "w0")
+    w.agg = ShardWorker(INITIAL, cfg.fed, worker="w0")
+    t = topics(cfg.mqtt)
+    w.handle(t.update("a"), encode(update("a", 1.0), fleet=FLEET))
+    w.handle(t.update("a"), encode(update("a", 1.0), fleet=FLEET))  # replayed
+    w.handle(t.update("b"), encode(update("a", 1.0, seq=2), fleet=FLEET))  # not its topic
+    w.handle(t.update("c"), encode(update("c", float("nan")), fleet=FLEET))
+    w.handle(t.update("d"), b"\x93junk")
+    c = w.agg.counters
+    assert (c["accepted"], c["rejected_duplicate"], c["rejected_sender"]) == (1, 1, 1)
+    assert c["rejected_nonfinite"] == 1 and c["rejected_malformed"] == 1
+    # globals: only ones that match the model, newer than the held one
+    w.handle(t.global_, encode(GlobalModel(3, {"w": np.zeros(3, np.float32)}), fleet=FLEET))
+    assert c["rejected_global"] == 1 and w.agg.global_.version == 0
+    w.handle(t.global_, encode(GlobalModel(3, INITIAL), fleet=FLEET))
+    assert w.agg.global_.version == 3
+    w.handle(t.global_, encode(Message("status", {"state": "online"}, sender="x"), fleet=FLEET))
+    assert c["rejected_global"] == 2
+
+
+def test_bench_shard_measures_every_cost_through_the_handlers():
+    from edgefcl.bench_shard import measure
+
+    r = measure(INITIAL, {k: v + 1 for k, v in INITIAL.items()}, "dense", 6, 2, 2, RunConfig())
+    assert r["rounds"] == 2 and r["workers"] == 2 and r["update_bytes"] > 0
+    for k in ("cpu_ms_per_update_single", "cpu_ms_per_update_worker",
+              "cpu_ms_per_partial_root"):
+        assert r[k] > 0
