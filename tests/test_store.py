@@ -262,4 +262,18 @@ def test_a_restarted_aggregator_keeps_the_prototype_library(tmp_path) -> None:
     send(again, "d3", 1, ("cat",))
     assert again.agg.global_.prototypes.labels == ("cat", "dog", "owl", "yak")
     assert bench_crash.check(state_dir)["version"] == 2
+    # the fleet's results.json and model.npz (what `edgefcl export` reads) carry the library
+    import json
+
+    from edgefcl.learn.params import global_sha256
+    from edgefcl.runtime.fleet_results import FleetResults
+
+    profile = {"model": "mlp", "sample_shape": [64], "n_classes": 2}
+    FleetResults(cfg, state_dir, profile, labels=["0", "1"]).write({}, again)
+    res = json.loads((state_dir / "results.json").read_text())
+    g = again.agg.global_
+    assert res["labels"] == list(g.prototypes.labels)
+    assert res["global_sha256"] == global_sha256(g.tensors, g.prototypes)
+    assert res["global_sha256"] != global_sha256(g.tensors)
+    assert (np.load(state_dir / "model.npz")["prototypes::rows"] == g.prototypes.rows).all()
     again.store.close()
