@@ -9,7 +9,9 @@ while it serves, timed from when it is ready so that a slow machine still gets r
 restarts it on the same state directory, and after every kill checks that:
 
 - the state opens and validates (spec hash, finite tensors, versions agree);
-- no version was ever published with two different tensors (publish log vs. state);
+- no version was ever published with two different tensors or prototype libraries (publish
+  log vs. state: the aggregator runs head `prototypes`, and the updates carry rows of labels
+  drawn from a pool, so the library grows and changes with the rounds);
 - no update (client, seq) is counted in two rounds;
 - the round lines are numbered 1..rounds and their versions increase by one.
 
@@ -36,10 +38,13 @@ from edgefcl.config import RunConfig, apply
 
 CLIENTS = ["d0", "d1", "d2", "d3"]
 INITIAL = {"w": np.zeros((64, 64), np.float32), "b": np.zeros(64, np.float32)}
+LABELS = ("cat", "dog", "owl", "élan", "fox", "yak")
+"""The pool the updates' prototype labels are drawn from (the library's row width is 65)."""
 
 
 def _config() -> RunConfig:
     return apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": "crash"},
+                               "learn": {"head": "prototypes"},
                                "fed": {"clients": 4, "mode": "async", "min_clients": 2,
                                        "burn_in": 0, "jump": 1, "round_timeout": 0.0,
                                        "max_staleness": 1000}})
@@ -59,11 +64,11 @@ class _PublishLog:
 
     def publish(self, topic, payload, qos=1, retain=False, wait=False) -> int:
         if topic.endswith("/global"):
-            from edgefcl.runtime.store import tensors_digest
+            from edgefcl.runtime.store import global_digest
             from edgefcl.transport.codec import decode
 
             g = decode(payload)
-            os.write(self.fd, _record(g.version, tensors_digest(g.tensors)))
+            os.write(self.fd, _record(g.version, global_digest(g.tensors, g.prototypes)))
             os.fsync(self.fd)
         return len(payload)
 
@@ -98,6 +103,7 @@ def read_publish_log(path: Path) -> tuple[list[tuple[int, str]], int]:
 def child(state_dir: Path) -> None:
     """Serve deterministic updates forever (until killed)."""
     from edgefcl.federation.messages import Update
+    from edgefcl.federation.prototypes import PrototypeTable
     from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
     from edgefcl.transport.codec import encode
 
@@ -113,8 +119,11 @@ def child(state_dir: Path) -> None:
         seq = d.agg.last_seq.get(c, 0) + 1
         value = np.random.default_rng(zlib.crc32(f"{c}:{seq}".encode()))
         tensors = {k: value.normal(size=v.shape).astype(np.float32) for k, v in INITIAL.items()}
+        labels = tuple(sorted(value.choice(LABELS, size=2, replace=False)))
+        table = PrototypeTable(labels, value.normal(size=(2, 65)).astype(np.float32),
+                               value.integers(0, 5, size=2))
         payload = encode(Update(c, d.agg.global_.version, seq, 0, seq, 8, tensors,
-                                class_counts={0: 8}), fleet=cfg.mqtt.fleet)
+                                class_counts={0: 8}, prototypes=table), fleet=cfg.mqtt.fleet)
         d.handle(d.topics.update(c), payload)
         d._closed(d.agg.poll(time.monotonic()))
 
@@ -127,7 +136,7 @@ def check(state_dir: Path) -> dict:
     spec = tensor_spec(INITIAL)
     store = StateStore.open(state_dir, fleet="crash", spec=spec)
     try:
-        loaded = store.load(spec)
+        loaded = store.load(spec, library_width=65)
         lines = store.round_lines()
         seen: dict[int, str] = {}
         records, torn = read_publish_log(state_dir / "published.log")

@@ -1,12 +1,15 @@
 """`edgefcl bench fuzz`: mutated payloads through the aggregator's and a device's message
 handlers, as a device with a valid credential could send them.
 
-Three kinds of mutation of a corpus of valid payloads (updates, ticks, statuses, commands,
-globals):
+Four kinds of mutation of a corpus of valid payloads (updates and globals carrying prototype
+libraries, ticks, statuses, commands):
 - bytes: flips, cuts, insertions and appended bytes (mostly stopped by structure or digest);
 - fields: one field, at any depth, replaced by junk (huge or negative numbers, wrong types,
   nested bombs, long lists, NaN / 1e30 / negative-variance tensors, thousands of classes), then
   sealed again with a valid digest, as an attacker's own encoder would;
+- tables: a prototype library's label names (too long, empty, duplicated, not strings, too
+  many, one missing or extra), counts (negative, past MAX_COUNT, floats, wrong length) or rows
+  (NaN, 1e30, wrong width or dtype), sealed again;
 - attacks: the fixed payloads of the trust-boundary issue (nesting bomb, 10^5 zero-size
   tensors, control on a device topic, num_samples 10^12, seq 2^64-1, ...).
 Each payload goes to a random topic of the fleet. The report counts escaped exceptions (an
@@ -33,9 +36,16 @@ import numpy as np
 
 from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.federation.prototypes import (
+    MAX_COUNT,
+    MAX_LABEL_CHARS,
+    MAX_LABELS,
+    PrototypeTable,
+    check_table,
+)
 from edgefcl.runtime.links import NullLink
 from edgefcl.transport import integrity
-from edgefcl.transport.codec import Message, encode
+from edgefcl.transport.codec import Message, encode, encode_tensor
 
 FLEET = "fuzz"
 CLIENTS = ["d0", "d1", "d2"]
@@ -107,6 +117,59 @@ def _field_mutation(payload: bytes, rng: np.random.Generator) -> bytes:
         return payload
 
 
+def _label_junk(labels: list, rng: np.random.Generator) -> list:
+    """The label names with one mutation."""
+    labels = list(labels)
+    i = int(rng.integers(len(labels))) if labels else 0
+    choice = int(rng.integers(8))
+    if choice == 0 and labels:
+        labels[i] = "x" * (MAX_LABEL_CHARS + int(rng.integers(1, 5000)))
+    elif choice == 1 and labels:
+        labels[i] = ""
+    elif choice == 2 and len(labels) > 1:
+        labels[i] = labels[i - 1]  # a duplicate
+    elif choice == 3 and labels:
+        labels[i] = _junk(rng)  # not a string
+    elif choice == 4:
+        labels = [f"l{k}" for k in range(MAX_LABELS + int(rng.integers(1, 3)))]
+    elif choice == 5 and labels:
+        labels.pop(i)  # rows and counts no longer match
+    elif choice == 6:
+        labels.append("é" * MAX_LABEL_CHARS)  # a valid name, one row too few
+    else:
+        labels = [str(s) + "\x00\u202e" if isinstance(s, str) else s for s in labels]
+    return labels
+
+
+def _table_mutation(payload: bytes, rng: np.random.Generator) -> bytes:
+    """One mutation of the prototype library of an update or a global (the payload as it is
+    when it carries none)."""
+    m = msgpack.unpackb(payload, strict_map_key=False)
+    table = m.get("prototypes")
+    if not isinstance(table, dict) or set(table) != {"labels", "rows", "counts"}:
+        return payload
+    m.pop(integrity.DIGEST_KEY, None)
+    n = len(table["labels"])
+    width = int(table["rows"]["shape"][1])
+    part = int(rng.integers(3))
+    if part == 0:
+        table["labels"] = _label_junk(table["labels"], rng)
+    elif part == 1:
+        counts = [np.full(n, -1, np.int64), np.full(n, MAX_COUNT + 1, np.int64),
+                  np.full(n, 2**63 - 1, np.int64), np.full(n, 3.0, np.float32),
+                  np.ones(n + 1, np.int64), np.full(n, MAX_COUNT, np.int64)]
+        table["counts"] = encode_tensor(counts[int(rng.integers(len(counts)))])
+    else:
+        rows = [np.full((n, width), np.nan, np.float32), np.full((n, width), 1e30, np.float32),
+                np.zeros((n, width + 1), np.float32), np.zeros((n, width), np.float64),
+                np.zeros((n + 1, width), np.float32), np.zeros(n * width, np.float32)]
+        table["rows"] = encode_tensor(rows[int(rng.integers(len(rows)))])
+    try:
+        return integrity.seal(m, _pack)
+    except (OverflowError, ValueError, TypeError):
+        return payload
+
+
 def _byte_mutation(payload: bytes, rng: np.random.Generator) -> bytes:
     b = bytearray(payload)
     op = int(rng.integers(4))
@@ -121,6 +184,35 @@ def _byte_mutation(payload: bytes, rng: np.random.Generator) -> bytes:
     else:
         b += rng.bytes(int(rng.integers(1, 64)))
     return bytes(b)
+
+
+def library(width: int, labels: tuple[str, ...] = ("cat", "dog"), seed: int = 0
+            ) -> PrototypeTable:
+    """A valid prototype library of `labels` with rows of `width`."""
+    rng = np.random.default_rng(seed)
+    return PrototypeTable(labels, rng.normal(size=(len(labels), width)).astype(np.float32),
+                          np.full(len(labels), 4, np.int64))
+
+
+def table_attacks(tensors: dict[str, np.ndarray], width: int) -> list[bytes]:
+    """Fixed updates whose prototype library is hostile (each from a fresh sequence number,
+    so that admission lets it reach the library checks)."""
+    good = library(width)
+    hostile = [
+        PrototypeTable(tuple(f"l{k}" for k in range(MAX_LABELS)),
+                       np.zeros((MAX_LABELS, width), np.float32),
+                       np.full(MAX_LABELS, MAX_COUNT, np.int64)),  # valid, at every bound
+        PrototypeTable(("cat",), good.rows[:1], np.array([MAX_COUNT], np.int64)),  # repeated:
+        PrototypeTable(("cat",), good.rows[:1], np.array([MAX_COUNT], np.int64)),  # saturates
+        PrototypeTable(("x" * MAX_LABEL_CHARS,), np.full((1, width), 1e30, np.float32),
+                       np.ones(1, np.int64)),
+        PrototypeTable(good.labels, np.zeros((2, width + 1), np.float32), good.counts),
+        PrototypeTable(good.labels, good.rows, np.array([-1, 2**63 - 1], np.int64)),
+        PrototypeTable(good.labels, good.rows, np.array([MAX_COUNT + 1, 1], np.int64)),
+    ]
+    return [encode(Update(CLIENTS[i % len(CLIENTS)], 0, 100 + i, 0, 100 + i, 8, tensors,
+                          class_counts={0: 8}, prototypes=t), fleet=FLEET)
+            for i, t in enumerate(hostile)]
 
 
 def attacks(tensors: dict[str, np.ndarray]) -> list[bytes]:
@@ -152,10 +244,12 @@ def payloads(corpus: list[bytes], extra: list[bytes], n: int, seed: int = 0) -> 
     for _ in range(max(0, n - len(extra))):
         base = corpus[int(rng.integers(len(corpus)))]
         r = rng.random()
-        if r < 0.45:
+        if r < 0.4:
             yield _byte_mutation(base, rng)
-        elif r < 0.95:
+        elif r < 0.75:
             yield _field_mutation(base, rng)
+        elif r < 0.95:
+            yield _table_mutation(base, rng)
         else:
             yield base
 
@@ -255,17 +349,23 @@ def _model(size: int = 64) -> dict[str, np.ndarray]:
 
 
 def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = False) -> dict:
-    """`n` payloads through `AggregatorDaemon.handle` (async rounds, robust rules on)."""
+    """`n` payloads through `AggregatorDaemon.handle` (async rounds, robust rules on, head
+    prototypes: the updates carry prototype libraries)."""
+    from edgefcl.federation.prototypes import feature_width
     from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
 
     cfg = apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": FLEET, "max_payload": 4 << 20},
+                              "learn": {"head": "prototypes"},
                               "fed": {"clients": 3, "mode": "async", "min_clients": 2,
-                                      "burn_in": 0, "jump": 1, "round_timeout": 0.0}})
+                                      "burn_in": 0, "jump": 1, "round_timeout": 0.0,
+                                      "max_staleness": 10**6}})
     tensors = _model()
     d = AggregatorDaemon(cfg, tensors, state_dir, fresh=True)
     d.link = NullLink()
     tp = d.topics
-    corpus = [encode(Update(c, 0, s, 0, s, 8, tensors, class_counts={0: 8}), fleet=FLEET)
+    width = feature_width(tensors)
+    corpus = [encode(Update(c, 0, s, 0, s, 8, tensors, class_counts={0: 8},
+                            prototypes=library(width, ("cat", f"{c}-{s}"), seed=s)), fleet=FLEET)
               for c in CLIENTS for s in (1, 2)]
     corpus += [encode(Tick("d0", 3, 0, 3), fleet=FLEET),
                encode(Message("status", {"state": "online"}, sender="d1"), fleet=FLEET),
@@ -274,14 +374,23 @@ def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = Fal
                                                 f"{tp.base}/update/x/y", f"{tp.base}/global"]
 
     def handle(topic: str, payload: bytes) -> None:
+        # sequence numbers are forgotten before every payload, so that a mutated copy of a
+        # corpus update reaches the checks behind admission (encoding, prototype library,
+        # robust rules) instead of stopping as a duplicate
+        d.agg.admission.last_seq.clear()
+        d.agg.admission.last_batch.clear()
         d.handle(topic, payload)
         d._closed(d.agg.poll(time.monotonic()))
         d.stop_event.clear()  # a genuine stop on the control topic: keep fuzzing
 
     report = drive(handle, lambda: dict(d.agg.counters), topics,
-                   payloads(corpus, attacks(tensors), n, seed), seed, progress,
-                   traced=traced_share(n))
+                   payloads(corpus, attacks(tensors) + table_attacks(tensors, width), n, seed),
+                   seed, progress, traced=traced_share(n))
     report["rounds"] = d.agg.rounds
+    lib = d.agg.global_.prototypes  # what every device must still accept
+    report["library_labels"] = len(lib.labels)
+    report["library_valid"] = check_table(lib, width) is None and bool(
+        lib.rows.size == 0 or np.abs(lib.rows).max() <= 1e6)
     report["global_finite"] = bool(all(np.isfinite(t).all()
                                        for t in d.agg.global_.tensors.values()))
     report["global_max_abs"] = float(max(np.abs(t).max() for t in d.agg.global_.tensors.values()))
@@ -290,31 +399,41 @@ def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = Fal
 
 
 def fuzz_device(n: int, seed: int = 0, progress: bool = False) -> dict:
-    """`n` payloads through a device's message handler (`DeviceRunner._on_message`)."""
+    """`n` payloads through a device's message handler (`DeviceRunner._on_message`); the
+    device runs head prototypes, the globals carry libraries, and every global it adopts is
+    merged into its client as its training loop would (a global that passed the checks but
+    cannot be merged escapes)."""
     from edgefcl.build import make_client, prepare
     from edgefcl.learn.global_format import global_tensors
     from edgefcl.runtime.device import DeviceRunner
 
     cfg = apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": FLEET},
                               "data": {"tasks": 2, "classes_per_task": 2},
-                              "learn": {"model": "mlp", "hidden": 64},
+                              "learn": {"model": "mlp", "hidden": 64, "head": "prototypes"},
                               "fed": {"downlink": "dense"}})
     client = make_client(cfg, prepare(cfg, 0), 0, "fedavg", 0)
     r = DeviceRunner(cfg, client)
     r.link = NullLink()
     tp = r.topics
     good = global_tensors(client.model, cfg.fed.encoding)
-    corpus = [encode(GlobalModel(v, good, ("c0",)), fleet=FLEET) for v in (1, 2)]
+    width = client.protos.library.dim + 1
+    corpus = [encode(GlobalModel(v, good, ("c0",), library(width, ("0", "1", f"new{v}"), v)),
+                     fleet=FLEET) for v in (1, 2)]
     corpus += [encode(Message("answer", {"tick": 1, "version": 1, "participants": ["c0"]},
                               sender="aggregator"), fleet=FLEET),
                encode(Message("control", {"command": "pause"}, sender="op"), fleet=FLEET)]
     extra = [encode(GlobalModel(2**63 - 1, good, ()), fleet=FLEET),
+             encode(GlobalModel(3, good, (), library(width + 1)), fleet=FLEET),  # other width
+             encode(GlobalModel(3, good, (), library(width - 1)), fleet=FLEET),
              encode(GlobalModel(1, {**good, "x": np.zeros(1, np.float32)}, ()), fleet=FLEET),
              encode(Message("control", {"command": "stop"}, sender="d0"), fleet=FLEET)]
     topics = [tp.global_, tp.global_, tp.tick, tp.control, tp.stream(client.cid)]
 
     def handle(topic: str, payload: bytes) -> None:
+        before = r.latest
         r._on_message(topic, payload)
+        if r.latest is not before and r.latest.version > client.version:
+            client.apply_global(r.latest)  # what the training loop does with it
         r.stop.clear()
         r.paused = False
 

@@ -21,7 +21,7 @@ from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.export import architecture_spec, global_state
-from edgefcl.learn.params import tensors_sha256
+from edgefcl.learn.params import global_sha256
 from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult, cfg_dict  # noqa: F401  (re-exported)
 from edgefcl.transport import codec
@@ -81,7 +81,7 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
         if progress is not None:
             progress(min(tick, total), total, f"rounds {agg.rounds}")
     g = agg.global_
-    return RunResult(method, seed, acc, agg.rounds, comm, tensors_sha256(g.tensors),
+    return RunResult(method, seed, acc, agg.rounds, comm, global_sha256(g.tensors, g.prototypes),
                      cfg_dict(cfg, method, seed), time.perf_counter() - start,
                      {"scored_samples": int(sum(c.scored for c in clients)),
                       "batches": int(sum(c.batches for c in clients)),

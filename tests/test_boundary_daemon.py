@@ -163,6 +163,98 @@ def test_ten_thousand_mutated_payloads_through_both_handlers(tmp_path) -> None:
     assert agg["rejections"]["rejected_limits"] > 0 and dev["rejections"]["limits"] > 0
 
 
+# ---------------------------------------------------------------- prototype libraries
+
+PROTO_INITIAL = {"fc.weight": np.zeros((3, 4), np.float32), "fc.bias": np.zeros(3, np.float32)}
+WIDTH = 4  # rows of the library: fc's 3 outputs + 1
+
+
+def make_proto_daemon(tmp_path) -> AggregatorDaemon:
+    cfg = apply(RunConfig(), {"fed": {"clients": 3, "burn_in": 0, "jump": 1, "mode": "async",
+                                      "min_clients": 2, "max_staleness": 1000},
+                              "learn": {"head": "prototypes"},
+                              "mqtt": {"fleet": FLEET, "max_payload": 1 << 20}, "quiet": True})
+    d = AggregatorDaemon(cfg, PROTO_INITIAL, tmp_path / "state")
+    d.link = Sink()
+    return d
+
+
+def proto_update(client, seq, labels, value=1.0, counts=None, rows=None):
+    from edgefcl.federation.prototypes import PrototypeTable
+
+    n = len(labels)
+    table = PrototypeTable(tuple(labels), rows if rows is not None else
+                           np.full((n, WIDTH), value, np.float32),
+                           np.asarray(counts if counts is not None else [4] * n, np.int64))
+    t = {k: np.full(v.shape, value, np.float32) for k, v in PROTO_INITIAL.items()}
+    return encode(Update(client, 0, seq, 0, seq, 8, t, class_counts={0: 8}, prototypes=table),
+                  fleet=FLEET)
+
+
+_GOOD_PROTO = [proto_update("a", s, ["cat", f"a{s}"], value=s) for s in (1, 2, 3)] + [
+    proto_update("b", s, ["dog", "cat"], value=-s) for s in (1, 2, 3)]
+
+
+def _library_ok(d: AggregatorDaemon) -> bool:
+    from edgefcl.federation.prototypes import check_table
+
+    return check_table(d.agg.global_.prototypes, WIDTH) is None
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["update/a", "update/b"]),
+                          st.sampled_from(range(len(_GOOD_PROTO))),
+                          st.integers(0, 2**32 - 1), st.sampled_from(["table", "field", "none"])),
+                min_size=1, max_size=6))
+def test_any_sequence_of_mutated_prototype_libraries_never_escapes(tmp_path_factory,
+                                                                   msgs) -> None:
+    """Updates whose library has mutated label names, counts or rows (sealed again, as an
+    attacker's encoder would) never escape, and the global library stays one that every
+    device accepts (check_table with the run's width)."""
+    from edgefcl.bench_fuzz import _field_mutation, _table_mutation
+
+    d = make_proto_daemon(tmp_path_factory.mktemp("d"))
+    tp = topics(d.cfg.mqtt)
+    try:
+        for topic, which, seed, how in msgs:
+            rng = np.random.default_rng(seed)
+            payload = _GOOD_PROTO[which]
+            if how == "table":
+                payload = _table_mutation(payload, rng)
+            elif how == "field":
+                payload = _field_mutation(payload, rng)
+            d.handle(f"{tp.base}/{topic}", payload)  # must never raise
+            d._closed(d.agg.poll(1e9))
+    finally:
+        d.store.close()
+    assert d.agg.counters["rejected_internal"] == 0
+    assert _library_ok(d)
+
+
+def test_hostile_libraries_are_rejected_with_their_reason(tmp_path) -> None:
+    from edgefcl.federation.prototypes import MAX_COUNT, MAX_LABEL_CHARS
+
+    d = make_proto_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+    cases = [
+        (["x" * MAX_LABEL_CHARS, "cat"], {"rows": np.full((2, WIDTH), 1e30, np.float32)},
+         "rejected_range"),
+        (["cat"], {"counts": [MAX_COUNT + 1]}, "rejected_prototype_count"),
+        (["cat"], {"counts": [-1]}, "rejected_prototype_count"),
+        (["cat"], {"rows": np.zeros((1, WIDTH + 1), np.float32)}, "rejected_prototype_shape"),
+        (["cat", "cat"], {}, "rejected_prototype_duplicate"),
+    ]
+    for seq, (labels, kw, reason) in enumerate(cases, 1):
+        d.handle(tp.update("a"), proto_update("a", seq, labels, **kw))
+        assert d.agg.counters[reason] >= 1, (reason, dict(d.agg.counters))
+    d.handle(tp.update("a"), proto_update("a", 9, ["cat"], counts=[MAX_COUNT]))
+    d.handle(tp.update("b"), proto_update("b", 1, ["cat"], counts=[MAX_COUNT]))
+    assert d.agg.rounds == 1 and d.agg.global_.prototypes.counts.tolist() == [MAX_COUNT]
+    assert _library_ok(d) and d.agg.counters["rejected_internal"] == 0
+    d.store.close()
+
+
 def test_a_reinstalled_device_starts_a_new_session(tmp_path) -> None:
     d = make_daemon(tmp_path)
     tp = topics(d.cfg.mqtt)

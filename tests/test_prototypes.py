@@ -18,6 +18,7 @@ from edgefcl.data.types import Batch
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.prototypes import (
+    MAX_COUNT,
     MAX_LABEL_CHARS,
     MAX_LABELS,
     PrototypeTable,
@@ -155,6 +156,8 @@ def test_check_table_reasons():
     assert check_table(table([""]), 3) == "prototype_label"
     assert check_table(table(["a"], value=float("inf")), 3) == "nonfinite"
     assert check_table(table(["a"], counts=[-1]), 3) == "prototype_count"
+    assert check_table(table(["a"], counts=[MAX_COUNT + 1]), 3) == "prototype_count"
+    assert check_table(table(["a"], value=2e6), 3) == "range"  # every device would refuse it
     assert check_table("junk", 3) == "prototypes"
 
 
@@ -402,7 +405,35 @@ def test_a_resumed_aggregator_still_takes_libraries():
     agg.join("c0")
     agg.submit(Update("c0", 0, 1, 0, 2, 10, initial, prototypes=table(["a"])))
     again = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
-    again.load_state(agg.state())
+    again.load_state(agg.state() | {"prototypes": agg.global_.prototypes})  # as the daemon
     again.join("c0")
     closed = again.submit(Update("c0", 1, 2, 0, 3, 10, initial, prototypes=table(["b"])))
-    assert closed is not None and closed.global_.prototypes.labels == ("b",)
+    assert closed is not None and closed.global_.prototypes.labels == ("a", "b")
+
+
+def test_global_counts_saturate_instead_of_wrapping():
+    prev = PrototypeTable(("a",), np.zeros((1, 3), np.float32), np.array([MAX_COUNT], np.int64))
+    sent = [table(["a"], counts=[MAX_COUNT]), table(["a"], counts=[MAX_COUNT])]
+    out = average_tables(sent, prev, 0.5)
+    assert out.counts.tolist() == [MAX_COUNT] and check_table(out, 3) is None
+
+
+def test_a_device_refuses_a_global_library_of_another_width():
+    from edgefcl.build import make_client, prepare
+    from edgefcl.federation.global_check import check_global
+    from edgefcl.learn.global_format import global_tensors
+    from edgefcl.runtime.device import DeviceRunner
+    from edgefcl.transport.codec import tensor_spec
+
+    cfg = apply(RunConfig(), {"quiet": True, "data": {"tasks": 2, "classes_per_task": 2},
+                              "learn": {"model": "mlp", "hidden": 16, "head": "prototypes"}})
+    client = make_client(cfg, prepare(cfg, 0), 0, "fedavg", 0)
+    runner = DeviceRunner(cfg, client)
+    good = global_tensors(client.model, cfg.fed.encoding)
+    spec = tensor_spec(good)
+    assert runner.library_width == 17
+    for width, reason in ((17, None), (18, "prototype_shape"), (16, "prototype_shape")):
+        g = GlobalModel(1, good, (), table(["a"], width=width))
+        assert check_global(g, spec, 0, library_width=runner.library_width) == reason
+    with pytest.raises(CodecError, match="does not fit"):
+        runner._check(GlobalModel(1, good, (), table(["a"], width=18)))

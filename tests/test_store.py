@@ -10,11 +10,19 @@ import numpy as np
 import pytest
 
 from edgefcl import bench_crash
-from edgefcl.runtime.store import StateError, StateStore, tensors_digest, tensors_to_bytes
+from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.runtime.store import (
+    StateError,
+    StateStore,
+    global_digest,
+    tensors_digest,
+    tensors_to_bytes,
+)
 from edgefcl.transport.codec import tensor_spec
 
 T = {"w": np.ones((2, 3), np.float32)}
 SPEC = tensor_spec(T)
+CRASH_LIBRARY = PrototypeTable.empty(65)  # bench_crash runs head prototypes (rows of width 65)
 
 
 def fresh_store(tmp_path, **kw) -> StateStore:
@@ -31,8 +39,8 @@ def test_round_trip_and_views(tmp_path) -> None:
     save_round(s, 0, T)
     save_round(s, 1, {"w": T["w"] * 2}, rnd=1)
     s.write_views({"version": 1, "rounds": 1}, T, rewrite=True)
-    state, tensors = s.load(SPEC)
-    assert state["version"] == 1 and (tensors["w"] == 2).all()
+    state, tensors, library = s.load(SPEC)
+    assert state["version"] == 1 and (tensors["w"] == 2).all() and library is None
     assert (tmp_path / "st" / "rounds.jsonl").read_text().count("\n") == 1
     s.close()
 
@@ -100,19 +108,20 @@ def test_a_legacy_state_without_the_database_is_refused(tmp_path) -> None:
 def test_the_crash_check_detects_republished_versions_and_double_counts(tmp_path) -> None:
     d = tmp_path / "state"
     s = StateStore.open(d, fleet="crash", spec=tensor_spec(bench_crash.INITIAL))
-    s.commit({"version": 0, "rounds": 0}, bench_crash.INITIAL)
+    s.commit({"version": 0, "rounds": 0}, bench_crash.INITIAL, prototypes=CRASH_LIBRARY)
     one = {k: v + 1 for k, v in bench_crash.INITIAL.items()}
     s.commit({"version": 1, "rounds": 1}, one,
-             {"round": 1, "version": 1, "seqs": {"d0": 1, "d1": 1}})
+             {"round": 1, "version": 1, "seqs": {"d0": 1, "d1": 1}}, CRASH_LIBRARY)
     s.close()
     log = d / "published.log"
-    log.write_bytes(bench_crash._record(0, tensors_digest(bench_crash.INITIAL)))
+    log.write_bytes(bench_crash._record(0, global_digest(bench_crash.INITIAL, CRASH_LIBRARY)))
     assert bench_crash.check(d)["version"] == 1
     with open(log, "ab") as f:  # v1 published with v0's tensors
-        f.write(bench_crash._record(1, tensors_digest(bench_crash.INITIAL)))
+        f.write(bench_crash._record(1, global_digest(bench_crash.INITIAL, CRASH_LIBRARY)))
     with pytest.raises(AssertionError, match="version 1 published as .* but saved as"):
         bench_crash.check(d)
-    log.write_bytes(bench_crash._record(2, tensors_digest(one)))  # published, never saved
+    # published, never saved
+    log.write_bytes(bench_crash._record(2, global_digest(one, CRASH_LIBRARY)))
     with pytest.raises(AssertionError, match="version 2 published as .* but saved never"):
         bench_crash.check(d)
     (d / "published.log").write_text("")
@@ -156,9 +165,9 @@ def test_the_crash_check_skips_publish_records_cut_by_a_kill(tmp_path) -> None:
     by the next child's record) is skipped and counted, never read as another version."""
     d = tmp_path / "state"
     s = StateStore.open(d, fleet="crash", spec=tensor_spec(bench_crash.INITIAL))
-    s.commit({"version": 0, "rounds": 0}, bench_crash.INITIAL)
+    s.commit({"version": 0, "rounds": 0}, bench_crash.INITIAL, prototypes=CRASH_LIBRARY)
     s.close()
-    whole = bench_crash._record(0, tensors_digest(bench_crash.INITIAL))
+    whole = bench_crash._record(0, global_digest(bench_crash.INITIAL, CRASH_LIBRARY))
     log = d / "published.log"
     log.write_bytes(whole + whole[:30])  # the last record cut inside the digest
     assert bench_crash.check(d)["torn_records"] == 1
@@ -169,3 +178,102 @@ def test_the_crash_check_skips_publish_records_cut_by_a_kill(tmp_path) -> None:
     assert log.read_bytes() == whole + b"8\n" + whole
     assert bench_crash.check(d) == {"version": 0, "rounds": 0, "published": 1,
                                     "torn_records": 1}
+
+
+LIB = PrototypeTable(("cat", "dög"), np.arange(8, dtype=np.float32).reshape(2, 4),
+                     np.array([3, 5], np.int64))
+
+
+def test_the_library_is_saved_with_its_global_under_one_sha256(tmp_path) -> None:
+    s = fresh_store(tmp_path)
+    s.commit({"version": 0, "rounds": 0}, T, prototypes=LIB)
+    state, tensors, library = s.load(SPEC, library_width=4)
+    assert set(tensors) == {"w"} and library.labels == LIB.labels
+    assert (library.rows == LIB.rows).all() and (library.counts == LIB.counts).all()
+    assert s.published(0) == global_digest(T, LIB) != tensors_digest(T)
+    other = PrototypeTable(LIB.labels, LIB.rows + 1, LIB.counts)
+    with pytest.raises(StateError, match="other tensors"):  # same tensors, another library
+        s.commit({"version": 0, "rounds": 0}, T, prototypes=other)
+    with pytest.raises(StateError, match="head is fixed"):
+        s.load(SPEC)
+    with pytest.raises(StateError, match="width 4, the model 9"):
+        s.load(SPEC, library_width=9)
+    s.close()
+
+
+def test_a_damaged_library_is_refused(tmp_path) -> None:
+    from edgefcl.federation.prototypes import table_arrays
+
+    s = fresh_store(tmp_path)
+    s.commit({"version": 0, "rounds": 0}, T)
+    with pytest.raises(StateError, match="head is prototypes"):
+        s.load(SPEC, library_width=4)
+    for bad in ({"prototypes::rows": LIB.rows},  # partial
+                table_arrays(PrototypeTable(("a", "a"), LIB.rows, LIB.counts)),  # duplicate
+                table_arrays(LIB) | {"prototypes::labels": np.frombuffer(b"[1, 2]", np.uint8)},
+                table_arrays(PrototypeTable(LIB.labels, LIB.rows * np.nan, LIB.counts))):
+        blob = T | bad
+        s.conn.execute("UPDATE globals SET tensors = ?, sha256 = ? WHERE version = 0",
+                       (tensors_to_bytes(blob), tensors_digest(blob)))
+        with pytest.raises(StateError, match="prototype|nonfinite"):
+            s.load(SPEC, library_width=4)
+    s.close()
+
+
+def test_a_restarted_aggregator_keeps_the_prototype_library(tmp_path) -> None:
+    """The real daemon message path and store: a round with prototype rows, a restart on the
+    same state directory, the same library (and version digest) afterwards; global.npz and
+    the next round's library build on it."""
+    from edgefcl.federation.messages import Update
+    from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+    from edgefcl.transport.codec import encode
+
+    cfg = bench_crash._config()
+    state_dir = tmp_path / "state"
+
+    def daemon() -> AggregatorDaemon:
+        d = AggregatorDaemon(cfg, bench_crash.INITIAL, state_dir)
+        d.link = bench_crash._PublishLog(state_dir / "published.log")
+        return d
+
+    def send(d, client, seq, labels):
+        rows = np.full((len(labels), 65), seq, np.float32)
+        table = PrototypeTable(labels, rows, np.full(len(labels), 4))
+        tensors = {k: np.full(v.shape, seq, np.float32) for k, v in bench_crash.INITIAL.items()}
+        d.handle(d.topics.update(client), encode(
+            Update(client, d.agg.global_.version, seq, 0, seq, 8, tensors, class_counts={0: 8},
+                   prototypes=table), fleet=cfg.mqtt.fleet))
+
+    d = daemon()
+    send(d, "d0", 1, ("cat", "owl"))
+    send(d, "d1", 1, ("dog",))
+    assert d.agg.rounds == 1 and d.agg.global_.prototypes.labels == ("cat", "dog", "owl")
+    before = d.agg.global_
+    d.store.close()
+    again = daemon()
+    lib = again.agg.global_.prototypes
+    assert again.agg.global_.version == 1 and lib.labels == before.prototypes.labels
+    assert (lib.rows == before.prototypes.rows).all()
+    assert (lib.counts == before.prototypes.counts).all()
+    assert again.store.published(1) == global_digest(before.tensors, before.prototypes)
+    saved = np.load(state_dir / "global.npz")
+    assert (saved["prototypes::rows"] == before.prototypes.rows).all()
+    send(again, "d2", 1, ("yak",))
+    send(again, "d3", 1, ("cat",))
+    assert again.agg.global_.prototypes.labels == ("cat", "dog", "owl", "yak")
+    assert bench_crash.check(state_dir)["version"] == 2
+    # the fleet's results.json and model.npz (what `edgefcl export` reads) carry the library
+    import json
+
+    from edgefcl.learn.params import global_sha256
+    from edgefcl.runtime.fleet_results import FleetResults
+
+    profile = {"model": "mlp", "sample_shape": [64], "n_classes": 2}
+    FleetResults(cfg, state_dir, profile, labels=["0", "1"]).write({}, again)
+    res = json.loads((state_dir / "results.json").read_text())
+    g = again.agg.global_
+    assert res["labels"] == list(g.prototypes.labels)
+    assert res["global_sha256"] == global_sha256(g.tensors, g.prototypes)
+    assert res["global_sha256"] != global_sha256(g.tensors)
+    assert (np.load(state_dir / "model.npz")["prototypes::rows"] == g.prototypes.rows).all()
+    again.store.close()

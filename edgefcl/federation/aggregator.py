@@ -256,11 +256,11 @@ class Aggregator:
                 "admission": self.admission.state(), "counters": dict(self.counters)}
 
     def load_state(self, state: dict) -> None:
-        """Resume from `state()` output."""
-        # the saved state holds no prototype library: a resumed run starts the library anew
+        """Resume from `state()` output, with the global's prototype library under
+        "prototypes" (saved by the daemon next to the tensors; absent: the current one)."""
         self.global_ = GlobalModel(int(state["version"]), dict(state["tensors"]),
                                    tuple(state.get("participants", ())),
-                                   self.global_.prototypes)
+                                   state.get("prototypes", self.global_.prototypes))
         self.history.clear()
         self.history.push(self.global_.version, self.global_.tensors)
         self.tick = int(state.get("tick", 0))

@@ -6,7 +6,8 @@ tensor has exactly the name, shape and dtype of its own model's global (`expecte
 are finite and at most MAX_ABS in magnitude, BatchNorm variances and Gaussian sigmas are
 positive, and the version moves forward by at most `max_step`. APC globals may also carry the
 knowledge base (`<name>::kb`, shape (K, *shape)) and its ring position (`apc::kb_next`, an
-int64 scalar). A prototype library must pass `federation.prototypes.check_table` and MAX_ABS.
+int64 scalar). A prototype library must pass `federation.prototypes.check_table` and MAX_ABS,
+and have the device's row width where the device merges it (`library_width`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from edgefcl.federation.messages import GlobalModel
-from edgefcl.federation.prototypes import check_table
+from edgefcl.federation.prototypes import MAX_ROW_ABS, check_table
 from edgefcl.federation.robust.variance import check_variances
 from edgefcl.federation.sparse import KB
 
 KB_NEXT = "apc::kb_next"
-MAX_ABS = 1e6
+MAX_ABS = MAX_ROW_ABS
 """Largest magnitude of a float in a global (weights and statistics of a trained model are
 far below; 3e38 is finite but poisons every prediction)."""
 MAX_VERSION_STEP = 1_000_000
@@ -38,10 +39,12 @@ def _optional(name: str, t: np.ndarray, expected: Spec) -> bool:
 
 
 def check_global(g: GlobalModel, expected: Spec, held_version: int,
-                 max_step: int = MAX_VERSION_STEP) -> str | None:
+                 max_step: int = MAX_VERSION_STEP,
+                 library_width: int | None = None) -> str | None:
     """The reason to reject global `g` (a whole one, deltas resolved), or None. A version at
     or below `held_version` may be valid (a retained global re-delivered); the caller simply
-    does not merge it."""
+    does not merge it. `library_width`: the row width of the library the device merges the
+    global's into (None: the device does not merge one)."""
     if g.version < 0 or g.version - held_version > max_step:
         return "version-jump"
     if any(k not in g.tensors for k in expected):
@@ -62,10 +65,8 @@ def check_global(g: GlobalModel, expected: Spec, held_version: int,
             return "range"
         if k.endswith("::sigma") and not (t > 0).all():
             return "sigma"
-    if g.prototypes is not None:  # the prototype library (its width is checked on merge)
-        reason = check_table(g.prototypes, None)
+    if g.prototypes is not None:  # the prototype library
+        reason = check_table(g.prototypes, library_width)  # MAX_ROW_ABS = MAX_ABS
         if reason is not None:
             return reason
-        if g.prototypes.rows.size and np.abs(g.prototypes.rows).max() > MAX_ABS:
-            return "range"
     return check_variances({k: g.tensors[k] for k in expected})

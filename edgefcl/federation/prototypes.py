@@ -10,7 +10,9 @@ learns of labels it has never met.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +23,16 @@ MAX_LABELS = 1024
 """Labels one library (an update or the global) may hold."""
 MAX_LABEL_CHARS = 64
 """Characters of one label name."""
+MAX_ROW_ABS = 1e6
+"""Largest magnitude of a row value (the bound of `global_check.MAX_ABS`: a weighted mean of
+accepted rows stays within it, so the global library is never one every device rejects)."""
+MAX_COUNT = 1 << 40
+"""Samples one label's row may claim (an update's) and the most a global row counts (sums
+saturate there, so that no int64 overflows: a wrapped count would be negative, and every
+device would reject the global)."""
+LABELS_KEY, ROWS_KEY, COUNTS_KEY = "prototypes::labels", "prototypes::rows", "prototypes::counts"
+"""Names of the library's arrays where it is saved next to a global's tensors (the aggregator's
+state, global.npz): labels as UTF-8 JSON bytes (exact round trip of any name), rows, counts."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,8 @@ def initial_library(cfg: RunConfig, initial: dict[str, np.ndarray]) -> Prototype
 
 def check_table(table: object, width: int | None) -> str | None:
     """Reason to reject a library from a device (None: acceptable). Bounds first (count, name
-    length), then types, shapes, duplicates and finiteness; `width` None skips the width check."""
+    length), then types, shapes, duplicates, finiteness, magnitude (MAX_ROW_ABS) and counts
+    (0..MAX_COUNT); `width` None skips the width check."""
     if not isinstance(table, PrototypeTable):
         return "prototypes"
     labels, rows, counts = table.labels, table.rows, table.counts
@@ -83,7 +96,9 @@ def check_table(table: object, width: int | None) -> str | None:
         return "prototype_dtype"
     if not np.isfinite(rows).all():
         return "nonfinite"
-    if (counts < 0).any():
+    if rows.size and np.abs(rows).max() > MAX_ROW_ABS:
+        return "range"
+    if (counts < 0).any() or (counts > MAX_COUNT).any():
         return "prototype_count"
     return None
 
@@ -119,7 +134,55 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     had = np.array([str(n) in old for n in names])
     out_rows[at] = np.where(had[:, None], mix_weight * mean + (1 - mix_weight) * out_rows[at],
                             mean)
-    out_counts[at] += weight.astype(np.int64)
+    out_counts[at] = np.minimum(out_counts[at] + np.minimum(weight, MAX_COUNT), MAX_COUNT
+                                ).astype(np.int64)
     keep = min(len(out_labels), MAX_LABELS)  # the global stays within what devices accept
     return PrototypeTable(tuple(out_labels[:keep]), out_rows[:keep].astype(np.float32),
                           out_counts[:keep])
+
+
+def table_arrays(table: PrototypeTable | None) -> dict[str, np.ndarray]:
+    """The library as named arrays (LABELS_KEY, ROWS_KEY, COUNTS_KEY); empty for None."""
+    if table is None:
+        return {}
+    names = json.dumps(list(table.labels), ensure_ascii=False).encode()
+    return {LABELS_KEY: np.frombuffer(names, np.uint8).copy(),
+            ROWS_KEY: np.asarray(table.rows, np.float32),
+            COUNTS_KEY: np.asarray(table.counts, np.int64)}
+
+
+def split_table(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
+                                                           PrototypeTable | None]:
+    """(the arrays other than the library's, the library or None): the inverse of
+    `table_arrays` merged into tensors. Raises ValueError for a partial or invalid library
+    (`check_table`, width not checked)."""
+    keys = {k for k in arrays if k.startswith("prototypes::")}
+    rest = {k: v for k, v in arrays.items() if k not in keys}
+    if not keys:
+        return rest, None
+    if keys != {LABELS_KEY, ROWS_KEY, COUNTS_KEY}:
+        raise ValueError(f"a partial prototype library ({sorted(keys)})")
+    raw = arrays[LABELS_KEY]
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise ValueError("prototype labels are not UTF-8 JSON bytes")
+    try:
+        labels = json.loads(raw.tobytes().decode())
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("prototype labels are not UTF-8 JSON") from None
+    if not isinstance(labels, list):
+        raise ValueError("prototype labels are not a list")
+    table = PrototypeTable(tuple(labels), arrays[ROWS_KEY], arrays[COUNTS_KEY])
+    reason = check_table(table, None)
+    if reason is not None:
+        raise ValueError(f"invalid prototype library ({reason})")
+    return rest, table
+
+
+def table_digest(table: PrototypeTable) -> str:
+    """sha256 over the library's names, dtypes, shapes and bytes (labels in library order)."""
+    h = hashlib.sha256()
+    for k, v in sorted(table_arrays(table).items()):
+        v = np.ascontiguousarray(v)
+        h.update(f"{k}|{v.dtype.str}|{v.shape}".encode())
+        h.update(v.tobytes())
+    return h.hexdigest()

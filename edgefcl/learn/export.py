@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from edgefcl.config import ConfigError, FedConfig, LearnConfig
 from edgefcl.data.types import DataError
+from edgefcl.federation.prototypes import ROWS_KEY
 from edgefcl.learn.models import build_model, model_device, resolve_model_name
 from edgefcl.learn.params import get_tensors, set_tensors
 from edgefcl.learn.perturb import eval_mode
@@ -46,7 +47,7 @@ OPSET = 17
 EXAMPLE_BATCH = 2
 GLOBAL_FILE = "global.npz"
 """The final global model in a run directory (written by `edgefcl simulate --out`)."""
-PROTOTYPE_ROWS = "prototypes::rows"
+PROTOTYPE_ROWS = ROWS_KEY
 """global.npz entry of a prototype-library run: the library's rows, in results.json's labels
 order (the classifier of the exported model)."""
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from edgefcl.federation.messages import Tensors
+from edgefcl.federation.prototypes import PrototypeTable, table_digest
 
 
 def shared_names(model: torch.nn.Module) -> list[str]:
@@ -28,6 +29,15 @@ def set_tensors(model: torch.nn.Module, tensors: Tensors) -> None:
     with torch.no_grad():
         for k, v in tensors.items():
             state[k].copy_(torch.from_numpy(np.asarray(v)).to(state[k].device, state[k].dtype))
+
+
+def global_sha256(tensors: Tensors, prototypes: PrototypeTable | None = None) -> str:
+    """A global's sha256 (results' `global_sha256`): `tensors_sha256` of its tensors, and for
+    a run with a prototype library the sha256 of that and the library's `table_digest`."""
+    base = tensors_sha256(tensors)
+    if prototypes is None:
+        return base
+    return hashlib.sha256(f"{base}|{table_digest(prototypes)}".encode()).hexdigest()
 
 
 def tensors_sha256(tensors: Tensors) -> str:

@@ -29,7 +29,8 @@ class AggregatorDaemon:
     """Runs an Aggregator over MQTT until stopped (SIGTERM/SIGINT, `control` stop, or when
     `exit_when_done` and no client is active any more after at least one finished).
 
-    State directory: `state.db`, one transaction per round (`runtime.store`), validated on
+    State directory: `state.db`, one transaction per round (`runtime.store`; the global's
+    prototype library, head `prototypes`, is saved with its tensors), validated on
     start; a foreign or finished state is refused unless `fresh` (start over) or `resume`
     (continue a finished run). `state.json`, `global.npz` and `rounds.jsonl` are views of it.
     """
@@ -71,12 +72,13 @@ class AggregatorDaemon:
 
     # -- persistence ----------------------------------------------------------------------
     def _load_state(self) -> bool:
-        loaded = self.store.load(self.spec)
+        library = self.agg.global_.prototypes  # the initial (empty) library sets the width
+        loaded = self.store.load(self.spec, None if library is None else library.width)
         if loaded is None:
             return False
-        state, tensors = loaded
-        self.store.write_views(state, tensors, rewrite=True)
-        self.agg.load_state(state | {"tensors": tensors})
+        state, tensors, library = loaded
+        self.store.write_views(state, tensors, rewrite=True, prototypes=library)
+        self.agg.load_state(state | {"tensors": tensors, "prototypes": library})
         self.done = set(state.get("done", []))
         self.rounds_log = self.store.round_lines()[-20:]
         log.info("resumed run %s from %s at version %d (round %d)", self.store.meta()["run_id"],
@@ -103,8 +105,10 @@ class AggregatorDaemon:
             self.rounds_log.append(line)
             del self.rounds_log[:-20]
         with_global = line is not None or initial
-        self.store.commit(state, tensors if with_global else None, line)
-        self.store.write_views(state, tensors if with_global else None, line)
+        library = self.agg.global_.prototypes  # saved with the tensors, under one sha256
+        self.store.commit(state, tensors if with_global else None, line, library)
+        self.store.write_views(state, tensors if with_global else None, line,
+                               prototypes=library)
 
     # -- MQTT -----------------------------------------------------------------------------
     def _publish(self, topic: str, payload: bytes, retain: bool = False) -> None:

@@ -87,6 +87,9 @@ class DeviceRunner:
         self.duplicates = 0
         # every global is checked against this device's own model before it is adopted
         self.global_spec = tensor_spec(global_tensors(client.model, cfg.fed.encoding))
+        protos = client.protos  # head prototypes with a shared library: rows of its width
+        self.library_width = (protos.library.dim + 1 if protos is not None and protos.share
+                              else None)
         self.rejections: Counter[str] = Counter()
         # this installation's session: its sequence numbers start at 1 (kept on flash by
         # devices that resume their sequence numbers, see firmware_sim)
@@ -177,7 +180,8 @@ class DeviceRunner:
 
     def _check(self, g: GlobalModel) -> None:
         """Raise CodecError(reason) unless `g` fits this device's model (never adopted)."""
-        reason = check_global(g, self.global_spec, self.client.version)
+        reason = check_global(g, self.global_spec, self.client.version,
+                              library_width=self.library_width)
         if reason is not None:
             raise CodecError(reason, f"global v{g.version} does not fit this device's model")
 

@@ -22,9 +22,10 @@ from edgefcl.config import RunConfig, dump_toml
 from edgefcl.data.streams import count_batches
 from edgefcl.data.workload import client_id
 from edgefcl.federation.messages import GlobalModel
+from edgefcl.federation.prototypes import split_table
 from edgefcl.learn.drift import summarize_drift
 from edgefcl.learn.export import architecture_spec, global_state
-from edgefcl.learn.params import tensors_sha256
+from edgefcl.learn.params import global_sha256
 from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult, cfg_dict
 from edgefcl.runtime.launcher import start_role, warm_up
@@ -141,7 +142,7 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
         per_client = {cid: d["per_client"][cid] for cid, d in drift.items()}
         extra["drift"] = summarize_drift(per_client, next(iter(drift.values()))["signal"])
     state = load_json(state_dir / "state.json")
-    tensors = load_tensors(state_dir / "global.npz")
+    tensors, library = split_table(load_tensors(state_dir / "global.npz"))
     extra["aggregator"] = state.get("counters", {})
     rounds_log = state_dir / "rounds.jsonl"
     for line in rounds_log.read_text().splitlines() if rounds_log.exists() else []:
@@ -149,7 +150,10 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
         comm.per_round_up.append(entry["bytes_in"])
         comm.per_round_down.append(entry["global_bytes"] * K)  # every client receives it
     extra["model_spec"] = setup_spec
-    extra["labels"] = setup.dataset.labels
-    return RunResult(method, seed, acc, int(state["rounds"]), comm, tensors_sha256(tensors),
+    extra["labels"] = (list(library.labels) if library is not None  # prototypes: library order
+                       else setup.dataset.labels)
+    final = GlobalModel(state["version"], tensors, prototypes=library)
+    return RunResult(method, seed, acc, int(state["rounds"]), comm,
+                     global_sha256(tensors, library),
                      cfg_dict(cfg, method, seed), wall, extra,
-                     global_state=global_state(client0, GlobalModel(state["version"], tensors)))
+                     global_state=global_state(client0, final))

@@ -15,6 +15,7 @@ import numpy as np
 
 from edgefcl.config import RunConfig, to_dict
 from edgefcl.federation.messages import GlobalModel
+from edgefcl.federation.prototypes import ROWS_KEY
 from edgefcl.metrics import forgetting, last_accuracy, sample_std
 from edgefcl.statefiles import save_json, save_tensors
 from edgefcl.transport.codec import CodecError
@@ -136,19 +137,25 @@ class FleetResults:
             "bytes_up": sum(bytes_in.values()), "bytes_down": daemon.bytes_out,
             "bytes_up_per_client": bytes_in, "bytes_down_per_client": {},
             "aggregator": dict(agg.counters), "config": _redacted(to_dict(self.cfg)),
-            "global_sha256": _sha(agg.global_.tensors), "wall_s": 0.0,
+            "global_sha256": _sha(agg.global_), "wall_s": 0.0,
         }
         if "accuracy_matrix" in summary:
             res.update(accuracy=summary["accuracy"], forgetting=summary["forgetting"],
                        accuracy_matrix=summary["accuracy_matrix"])
-        if self.labels is not None:
+        library = agg.global_.prototypes
+        if library is not None:  # head prototypes: class c of the exported model is label c
+            res["labels"] = list(library.labels)
+        elif self.labels is not None:
             res["labels"] = self.labels
         p = self.profile
         if all(k in p for k in ("model", "sample_shape", "n_classes")) and \
                 self.cfg.fed.encoding in EXPORTABLE:
             res["model_spec"] = {"model": p["model"], "sample_shape": p["sample_shape"],
                                  "n_classes": p["n_classes"], "hidden": self.cfg.learn.hidden}
-            save_tensors(self.state_dir / MODEL_FILE, agg.global_.tensors)
+            tensors = dict(agg.global_.tensors)
+            if library is not None:  # the library's rows are the exported classifier
+                tensors[ROWS_KEY] = np.asarray(library.rows, np.float32)
+            save_tensors(self.state_dir / MODEL_FILE, tensors)
             res["global_file"] = MODEL_FILE
         save_json(self.state_dir / RESULTS_FILE, res)
 
@@ -180,10 +187,10 @@ def _redacted(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _sha(tensors) -> str:
-    from edgefcl.learn.params import tensors_sha256
+def _sha(g: GlobalModel) -> str:
+    from edgefcl.learn.params import global_sha256
 
-    return tensors_sha256(tensors)
+    return global_sha256(g.tensors, g.prototypes)
 
 
 def fleet_table(state_dir: Path, rounds: list[dict[str, Any]]) -> str:

@@ -3,8 +3,11 @@
 `state.db` (sqlite3 from the standard library, WAL journal, synchronous FULL) holds
 
 - `meta`: the fleet run the directory belongs to (fleet, model spec hash, run id, finished);
-- `globals`: version -> tensors (npz bytes) and their sha256; the last `keep` versions keep
-  their tensors, older ones only the hash (a version is never re-used with other tensors);
+- `globals`: version -> tensors (npz bytes) and their sha256; with a prototype library (head
+  `prototypes`) the library's arrays (`federation.prototypes.table_arrays`) are saved in the
+  same npz and covered by the same sha256, so a version is never published with two libraries;
+  the last `keep` versions keep their tensors, older ones only the hash (a version is never
+  re-used with other tensors);
 - `rounds`: one line per closed round (what `rounds.jsonl` shows);
 - `state`: the aggregator's counters, roster and sequence numbers as JSON.
 
@@ -34,6 +37,7 @@ import numpy as np
 
 from edgefcl.config import ConfigError
 from edgefcl.federation.messages import Tensors
+from edgefcl.federation.prototypes import PrototypeTable, split_table, table_arrays
 from edgefcl.statefiles import atomic_write
 from edgefcl.transport.codec import CodecError, TensorSpec, check_tensors, spec_hash, tensor_spec
 
@@ -73,6 +77,11 @@ def tensors_digest(tensors: Tensors) -> str:
         h.update(f"{k}|{t.dtype.str}|{t.shape}".encode())
         h.update(t.tobytes())
     return h.hexdigest()
+
+
+def global_digest(tensors: Tensors, prototypes: PrototypeTable | None = None) -> str:
+    """The sha256 a version is saved under: its tensors and (head prototypes) its library."""
+    return tensors_digest(tensors | table_arrays(prototypes))
 
 
 class StateStore:
@@ -154,8 +163,11 @@ class StateStore:
         return _Txn()
 
     # -- loading --------------------------------------------------------------------------
-    def load(self, spec: TensorSpec) -> tuple[dict[str, Any], Tensors] | None:
-        """(state, tensors of the current global), validated; None for a new run."""
+    def load(self, spec: TensorSpec, library_width: int | None = None
+             ) -> tuple[dict[str, Any], Tensors, PrototypeTable | None] | None:
+        """(state, tensors and prototype library of the current global), validated; None for
+        a new run. `library_width`: the row width of the run's library (None: the run has no
+        library, and a saved one is refused)."""
         row = self.conn.execute("SELECT json FROM state WHERE id = 1").fetchone()
         if row is None:
             return None
@@ -178,6 +190,19 @@ class StateStore:
         if tensors_digest(tensors) != g[1]:
             raise StateError(f"{where}: the global of version {version} fails its sha256; "
                              f"{FRESH_HINT}")
+        try:
+            tensors, library = split_table(tensors)
+        except ValueError as e:
+            raise StateError(f"{where}: the global of version {version} holds {e}; "
+                             f"{FRESH_HINT}") from None
+        if (library is None) != (library_width is None):
+            has = "no prototype library" if library is None else "a prototype library"
+            run = "prototypes" if library is None else "fixed"
+            raise StateError(f"{where}: the global of version {version} holds {has} but this "
+                             f"run's head is {run}; {FRESH_HINT}")
+        if library is not None and library.width != library_width:
+            raise StateError(f"{where}: the saved prototype library has rows of width "
+                             f"{library.width}, the model {library_width}; {FRESH_HINT}")
         if not all(np.isfinite(t).all() for t in tensors.values() if t.dtype.kind == "f"):
             raise StateError(f"{where}: the global of version {version} holds NaN or Inf; "
                              f"{FRESH_HINT}")
@@ -190,7 +215,7 @@ class StateStore:
         if int(state.get("rounds", 0)) != rounds:
             raise StateError(f"{where}: {rounds} round lines but the state counts "
                              f"{state.get('rounds')}; {FRESH_HINT}")
-        return state, tensors
+        return state, tensors, library
 
     def published(self, version: int) -> str | None:
         """The sha256 recorded for `version`, if it was ever saved."""
@@ -204,17 +229,20 @@ class StateStore:
 
     # -- saving ---------------------------------------------------------------------------
     def commit(self, state: dict[str, Any], tensors: Tensors | None,
-               line: dict | None = None) -> None:
-        """Save `state`, and with `tensors` the global of `state["version"]` and its round
-        `line`, in one transaction. Refuses (StateError) to store a version again with other
-        tensors."""
+               line: dict | None = None, prototypes: PrototypeTable | None = None) -> None:
+        """Save `state`, and with `tensors` the global of `state["version"]` (with its
+        prototype library, if any) and its round `line`, in one transaction. Refuses
+        (StateError) to store a version again with other tensors or another library."""
         version = int(state["version"])
+        if tensors is not None:
+            tensors = tensors | table_arrays(prototypes)
         with self._txn():
             if tensors is not None:
                 digest = tensors_digest(tensors)
                 old = self.published(version)
                 if old is not None and old != digest:
-                    raise StateError(f"version {version} was saved with other tensors")
+                    raise StateError(f"version {version} was saved with other tensors "
+                                     "(or another prototype library)")
                 if old is None:
                     self.conn.execute("INSERT INTO globals VALUES (?, ?, ?)",
                                       (version, digest, tensors_to_bytes(tensors)))
@@ -231,13 +259,16 @@ class StateStore:
         self._write_meta({"finished": "1"})
 
     def write_views(self, state: dict[str, Any], tensors: Tensors | None = None,
-                    line: dict | None = None, rewrite: bool = False) -> None:
-        """state.json, global.npz (with `tensors`) and rounds.jsonl (`line` appended, or all
-        lines with `rewrite`) for tools; never read back."""
+                    line: dict | None = None, rewrite: bool = False,
+                    prototypes: PrototypeTable | None = None) -> None:
+        """state.json, global.npz (with `tensors`, and the library's arrays with `prototypes`)
+        and rounds.jsonl (`line` appended, or all lines with `rewrite`) for tools; never read
+        back."""
         view = json.dumps(state | {"run": self.meta()}, indent=1, sort_keys=True)
         atomic_write(self.directory / "state.json", view.encode(), fsync=False)
         if tensors is not None:
-            atomic_write(self.directory / "global.npz", tensors_to_bytes(tensors), fsync=False)
+            atomic_write(self.directory / "global.npz",
+                         tensors_to_bytes(tensors | table_arrays(prototypes)), fsync=False)
         if rewrite:
             lines = "".join(json.dumps(x) + "\n" for x in self.round_lines())
             atomic_write(self.directory / "rounds.jsonl", lines.encode(), fsync=False)
@@ -249,4 +280,4 @@ class StateStore:
         self.conn.close()
 
 
-__all__ = ["StateError", "StateStore", "tensor_spec", "tensors_digest"]
+__all__ = ["StateError", "StateStore", "global_digest", "tensor_spec", "tensors_digest"]
