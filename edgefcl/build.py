@@ -6,19 +6,29 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from edgefcl.config import RunConfig, resolve_fed
+from edgefcl.config import FedConfig, LearnConfig, RunConfig, resolve_fed
 from edgefcl.data.types import Dataset, TaskData
 from edgefcl.data.workload import client_id, load_workload
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.registry import get_encoding
 from edgefcl.learn.client import Client
+from edgefcl.learn.drift import make_monitor
+from edgefcl.learn.export import make_client_onnx
 from edgefcl.learn.global_format import global_tensors
+from edgefcl.learn.learner import Clock, Learner, resolve_device
+from edgefcl.learn.memory import ClassBalanced, MemorySpec
+from edgefcl.learn.methods import get_method
 from edgefcl.learn.models import build_model
+from edgefcl.learn.perturb import make_perturber
+from edgefcl.learn.proto_train import PrototypeHead
 from edgefcl.learn.prototypes import ProtoNet, proto_model, resolve_head
+from edgefcl.learn.selection import get_selection
 from edgefcl.learn.variational import client_hooks
 
 
@@ -62,8 +72,41 @@ def for_method(cfg: RunConfig, method: str) -> RunConfig:
                                fed=resolve_fed(method, cfg.fed))
 
 
-def make_client(cfg: RunConfig, setup: Setup, k: int, method: str, seed: int) -> Client:
-    """Client k of a run, starting from the shared initial model."""
+def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedConfig,
+               data_kind: str, seed: int = 0,
+               label_names: Sequence[str] | None = None) -> Client:
+    """A client `cid` training `model` (taken over, not copied): builds its collaborators
+    from the configuration and injects them into a Learner and its federated wrapper."""
+    device = resolve_device(learn.device)
+    if learn.score_chunk == 0:
+        learn = dataclasses.replace(learn, score_chunk=4096 if device.type == "cuda" else 256)
+    hooks = client_hooks(learn.method, learn, fed)
+    model = hooks.prepare_model(model).to(device)
+    params = list(model.parameters())
+    opt = (torch.optim.Adam(params, lr=learn.lr) if learn.optimizer == "adam"
+           else torch.optim.SGD(params, lr=learn.lr))
+    spec = get_method(learn.method)
+    selection = get_selection(learn.selection)  # unknown names fail here, early
+    memory = (MemorySpec(learn.memory_size, spec.memory, selection, device, learn.rank_past,
+                         ClassBalanced())
+              if learn.memory_size > 0 and spec.memory is not None else None)
+    perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
+                 if spec.memory == "balanced-score" else None)
+    encoder = get_encoding(fed.encoding).make_encoder(fed)
+    protos = (PrototypeHead(model, learn.optimizer, learn.lr, device, label_names,
+                            learn.warmup_steps, not learn.prototypes_local)
+              if isinstance(model, ProtoNet) else None)
+    learner = Learner(cid, model, learn, data_kind, device, opt,
+                      torch.Generator().manual_seed(seed), memory, spec.score, perturber,
+                      make_monitor(learn), make_client_onnx(learn), protos, Clock(device))
+    return Client(learner, fed, encoder, hooks)
+
+
+def make_client(cfg: RunConfig, setup: Setup, k: int, method: str, seed: int,
+                cid: str | None = None) -> Client:
+    """Client k of a run (named `cid`, by default its index's id), starting from the shared
+    initial model."""
     learn = dataclasses.replace(cfg.learn, method=method)
-    return Client(client_id(k), copy.deepcopy(setup.initial), learn, cfg.fed,
-                  setup.dataset.kind, seed=seed * 1000 + k, label_names=setup.dataset.labels)
+    return new_client(cid or client_id(k), copy.deepcopy(setup.initial), learn, cfg.fed,
+                      setup.dataset.kind, seed=seed * 1000 + k,
+                      label_names=setup.dataset.labels)

@@ -109,7 +109,7 @@ def check_runs(cfg: RunConfig) -> None:
     machine without one (names are checked by the config against the registries)."""
     if cfg.learn.device != "cpu":
 
-        from edgefcl.learn.client import resolve_device
+        from edgefcl.learn.learner import resolve_device
 
         try:
             resolve_device(cfg.learn.device)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edgefcl.build import new_client
 from edgefcl.config import ConfigError, FedConfig, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.learn.bayes import (
@@ -158,7 +159,7 @@ def _client(method: str, learn: dict | None = None, fed: dict | None = None) -> 
                                "local_epochs": 1, **(learn or {})})
     fed_cfg = FedConfig(encoding="gaussian", burn_in=0, jump=1,
                         aggregation={"vfcl": "conflation"}.get(method, "fedbnn"), **(fed or {}))
-    return Client("c0", MLP(8, 4, hidden=6), learn_cfg, fed_cfg, "vector", seed=0)
+    return new_client("c0", MLP(8, 4, hidden=6), learn_cfg, fed_cfg, "vector", seed=0)
 
 
 def _batch(task: int, seed: int = 0) -> Batch:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgefcl.build import new_client
 from edgefcl.config import FedConfig, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel
@@ -17,9 +18,9 @@ from edgefcl.learn.params import get_tensors
 def make_client(method="bi", burn_in=2, jump=2, memory=20, device="cpu"):
     torch.manual_seed(0)
     model = build_model("mlp", (6,), 4, hidden=16)
-    return Client("c0", model, LearnConfig(method=method, memory_size=memory, local_epochs=2,
-                                           device=device),
-                  FedConfig(burn_in=burn_in, jump=jump), "vector", seed=0)
+    return new_client("c0", model, LearnConfig(method=method, memory_size=memory, local_epochs=2,
+                                               device=device),
+                      FedConfig(burn_in=burn_in, jump=jump), "vector", seed=0)
 
 
 def batch(task, index, classes, n=5, seed=0):
@@ -116,8 +117,8 @@ def test_client_trains_on_cuda():
 def test_delta_merge_never_moves_batchnorm_statistics_below_zero():
     torch.manual_seed(0)
     model = build_model("cnn", (1, 8, 8), 4)
-    c = Client("c0", model, LearnConfig(method="er", memory_size=10, local_epochs=1),
-               FedConfig(burn_in=1, jump=1), "image", seed=0)
+    c = new_client("c0", model, LearnConfig(method="er", memory_size=10, local_epochs=1),
+                   FedConfig(burn_in=1, jump=1), "image", seed=0)
     rng = np.random.default_rng(0)
 
     def img_batch(i):
@@ -143,7 +144,7 @@ def _image_client(overlap: bool, selection: str) -> Client:
     model = build_model("cnn", (1, 8, 8), 4)
     learn = LearnConfig(method="bi", memory_size=8, local_epochs=2, score_overlap=overlap,
                         selection=selection, perturbations=4)
-    return Client("c0", model, learn, FedConfig(burn_in=1, jump=2), "image", seed=0)
+    return new_client("c0", model, learn, FedConfig(burn_in=1, jump=2), "image", seed=0)
 
 
 @pytest.mark.parametrize("selection", ["step", "bottom"])
@@ -165,3 +166,36 @@ def test_scoring_while_training_changes_nothing(selection):
         np.testing.assert_array_equal(v, get_tensors(on.model)[k])
     assert torch.equal(off.memory.x, on.memory.x) and torch.equal(off.memory.score, on.memory.score)
     assert off.scored == on.scored > 0
+
+
+def test_the_learner_learns_alone_and_the_wrapper_only_adds_the_schedule():
+    """Client.step is Learner.learn_one plus the schedule and encoding: same model, same
+    memory, and the learner holds no federation state."""
+    fed_client, alone = make_client(burn_in=0, jump=1), make_client(burn_in=0, jump=1)
+    learner = alone.learner
+    for i in range(1, 6):
+        b = batch(0, i, [0, 1, 2])
+        assert fed_client.step(b) is not None
+        assert learner.learn_one(b) is None
+    for k, v in get_tensors(fed_client.model).items():
+        np.testing.assert_array_equal(v, get_tensors(learner.model)[k])
+    assert torch.equal(fed_client.memory.x, learner.memory.x)
+    assert (learner.bn, learner.batches, fed_client.seq, alone.seq) == (5, 5, 5, 0)
+    assert not any(hasattr(learner, k) for k in ("encoder", "fed", "seq", "version", "base"))
+    assert learner.clock.now() <= learner.clock.now()
+
+
+def test_state_dict_lists_its_parts_explicitly():
+    c = make_client()
+    for i in range(1, 4):
+        c.step(batch(0, i, [0, 1]))
+    state = c.state_dict()
+    assert set(state) == {"format", "fingerprint", "model", "optimizer", "generator", "memory",
+                          "perturber", "score_model", "counters", "class_counts", "timings",
+                          "sample_shape", "monitor", "onnx", "prototypes", "base", "sent",
+                          "downlink", "encoder", "hooks"}
+    assert set(state["counters"]) == {"score_version", "task", "bn", "samples_in_task",
+                                      "scored", "batches", "version", "seq"}
+    fresh = make_client()
+    fresh.load_state_dict(state)
+    assert (fresh.bn, fresh.seq, fresh.memory.size) == (c.bn, c.seq, c.memory.size)

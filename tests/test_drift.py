@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgefcl.build import new_client
 from edgefcl.cli import build_parser, config_from_args
 from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, apply
 from edgefcl.data.types import Batch
@@ -136,7 +137,7 @@ def _class_incremental(n_per_task: int, seed: int = 0) -> list[Batch]:
 def _client(learn: LearnConfig, burn_in: int = 3) -> Client:
     torch.manual_seed(0)
     model = build_model("mlp", (6,), 4, hidden=32)
-    return Client("c0", model, learn, FedConfig(burn_in=burn_in, jump=1), "vector", seed=0)
+    return new_client("c0", model, learn, FedConfig(burn_in=burn_in, jump=1), "vector", seed=0)
 
 
 def test_task_free_segment_drives_burn_in_and_replay():

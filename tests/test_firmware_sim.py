@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgefcl.build import new_client
 from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, apply, resolve_fed
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Update
@@ -52,7 +53,7 @@ def make_client(method: str = "bi", cid: str = "c000", memory: int = 20, dim: in
     fed = resolve_fed(method, FedConfig(burn_in=1, jump=1, **learn.pop("fed", {})))
     lc = LearnConfig(method=method, memory_size=memory, local_epochs=2, optimizer=optimizer,
                      prequential=learn.pop("prequential", False), **learn)
-    return Client(cid, MLP(dim, classes, hidden), lc, fed, "vector", seed=7)
+    return new_client(cid, MLP(dim, classes, hidden), lc, fed, "vector", seed=7)
 
 
 def batches(n: int, dim: int = 40, seed: int = 0, per_task: int = 4) -> list[Batch]:

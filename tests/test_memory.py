@@ -13,7 +13,8 @@ import torch
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.memory import ReplayMemory, water_fill
+from edgefcl.learn.memory import ClassBalanced, Grouping, ReplayMemory, water_fill
+from edgefcl.learn.selection import get_selection
 
 
 def batch(ids, label: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -481,3 +482,42 @@ def test_cuda_memory_keeps_its_invariants():
     res = ReplayMemory(8, (2,), "reservoir", device="cuda", seed=0)
     res.update(*batch(range(20), 0), 0)
     assert res.size == 8 and len(ids_of(res)) == 8
+
+
+# ---------------------------------------------------------------- grouping and selection objects
+
+
+class ByTask(Grouping):
+    """A grouping other than classes: one group per task, equal shares."""
+
+    name = "task"
+
+    def key(self, y: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+        return task
+
+    def allot(self, counts: torch.Tensor, priority: torch.Tensor, capacity: int) -> torch.Tensor:
+        return water_fill(counts, priority, capacity)
+
+
+def test_a_selection_object_acts_like_its_name():
+    named = ReplayMemory(6, (2,), "balanced-score", "top", seed=3)
+    given = ReplayMemory(6, (2,), "balanced-score", get_selection("top"), seed=3)
+    for i, label in enumerate([0, 1, 0, 1, 0]):
+        for mem in (named, given):
+            mem.update(*batch(range(10 * i, 10 * i + 4), label), task=0, scorer=id_score)
+    assert given.selection == "top"
+    assert torch.equal(named.x, given.x) and torch.equal(named.y, given.y)
+    assert named.state_dict()["selection"] == given.state_dict()["selection"]
+
+
+def test_grouping_is_pluggable():
+    mem = ReplayMemory(8, (2,), "balanced-random", grouping=ByTask(), seed=0)
+    mem.update(*batch(range(0, 8), 0), task=0)  # task 0 fills the memory with class 0
+    mem.update(*batch(range(100, 104), 0), task=1)  # same class, another task
+    tasks = mem.task[: mem.size].tolist()
+    assert sorted(tasks) == [0] * 4 + [1] * 4  # shared by task, not by class (all class 0)
+    by_class = ReplayMemory(8, (2,), "balanced-random", seed=0)
+    by_class.update(*batch(range(0, 8), 0), task=0)
+    by_class.update(*batch(range(100, 104), 0), task=1)
+    assert by_class.class_counts() == {0: 8}
+    assert isinstance(by_class.grouping, ClassBalanced)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgefcl.build import new_client
 from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, apply
 from edgefcl.data.types import Batch, DataError
 from edgefcl.federation.messages import GlobalModel
@@ -203,7 +204,7 @@ def test_export_run_errors(tmp_path, run_dir):
 def _client(learn: LearnConfig, seed: int = 0, kind: str = "vector") -> Client:
     torch.manual_seed(seed)
     model = build_model("mlp", (6,), 4, hidden=16)
-    return Client("c007", model, learn, FedConfig(burn_in=0, jump=1), kind, seed=seed)
+    return new_client("c007", model, learn, FedConfig(burn_in=0, jump=1), kind, seed=seed)
 
 
 def _batches(n: int, seed: int = 0) -> list[Batch]:
@@ -239,7 +240,7 @@ def test_onnxruntime_scoring_matches_torch():
     c.apply_global(g)
     ref.apply_global(g)
     x = torch.rand(9, 6)
-    a, b = c._score(x), ref._score(x)  # same perturber seeds: same views
+    a, b = c.learner._score(x), ref.learner._score(x)  # same perturber seeds: same views
     np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
     # the onnxruntime path ran (an export of the snapshot) and matches the torch logits
     assert c.onnx is not None and c.onnx._version == c.score_version

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgefcl.build import new_client
 from edgefcl.config import FedConfig, LearnConfig, RunConfig, apply
 from edgefcl.data.loaders import load_dataset
 from edgefcl.data.types import Batch
@@ -26,7 +27,6 @@ from edgefcl.federation.prototypes import (
     check_table,
     feature_width,
 )
-from edgefcl.learn.client import Client
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
@@ -203,8 +203,8 @@ def run_fleet(method="bi", encoding="dense", share=True):
     torch.manual_seed(0)
     model = proto_model(build_model("mlp", ds.sample_shape, 1, hidden=64))
     model = client_hooks(method, learn, fed).prepare_model(model)
-    clients = [Client(f"c{k}", copy.deepcopy(model), learn, fed, ds.kind, seed=k,
-                      label_names=names) for k in range(3)]
+    clients = [new_client(f"c{k}", copy.deepcopy(model), learn, fed, ds.kind, seed=k,
+                          label_names=names) for k in range(3)]
     agg = Aggregator(global_tensors(model, encoding), fed,
                      prototypes=PrototypeTable.empty(model.dim + 1))
     for c in clients:
@@ -334,9 +334,9 @@ def test_checkpoint_restores_a_prototype_client_bit_for_bit():
     def make():
         torch.manual_seed(0)
         model = proto_model(build_model("mlp", (12,), 1, hidden=8))
-        return Client("c0", model, LearnConfig(method="bi", memory_size=20, local_epochs=2,
-                                               head="prototypes"),
-                      FedConfig(burn_in=1, jump=1), "vector", seed=7)
+        return new_client("c0", model, LearnConfig(method="bi", memory_size=20, local_epochs=2,
+                                                   head="prototypes"),
+                          FedConfig(burn_in=1, jump=1), "vector", seed=7)
 
     rng = np.random.default_rng(0)
     bs = []
@@ -375,9 +375,9 @@ def test_live_export_names_the_library_labels(tmp_path):
 
     torch.manual_seed(0)
     model = proto_model(build_model("mlp", (6,), 1, hidden=8))
-    c = Client("c0", model, LearnConfig(method="er", memory_size=10, head="prototypes",
-                                        export_onnx=str(tmp_path / "{cid}.onnx")),
-               FedConfig(burn_in=1, jump=1), "vector", seed=0, label_names=["cat", "dog"])
+    c = new_client("c0", model, LearnConfig(method="er", memory_size=10, head="prototypes",
+                                            export_onnx=str(tmp_path / "{cid}.onnx")),
+                   FedConfig(burn_in=1, jump=1), "vector", seed=0, label_names=["cat", "dog"])
     y = np.array([0, 1, 1, 0], np.int64)
     upd = c.step(Batch(np.random.default_rng(0).random((4, 6), np.float32), y, 0, 1, False))
     c.apply_global(GlobalModel(1, c.base, ("c0",), upd.prototypes))

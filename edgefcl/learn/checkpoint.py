@@ -1,6 +1,8 @@
-"""Checkpoint and restore an online Client, so a device resumes exactly where it stopped.
+"""Checkpoint helpers for an online Client, so a device resumes exactly where it stopped.
 
-A checkpoint holds everything the next mini-batch depends on:
+`Client.state_dict()` (learn/client.py) and `Learner.state_dict()` (learn/learner.py) list
+their state explicitly; this module holds the format, the configuration fingerprint and the
+helpers for their parts. A checkpoint holds everything the next mini-batch depends on:
 - the model (state_dict, plus the plain-data attributes of every submodule that are not
   parameters or buffers: a Bayesian layer's generator and last sample, APC's knowledge base)
   and the scoring snapshot the same way;
@@ -13,29 +15,24 @@ A checkpoint holds everything the next mini-batch depends on:
   anchor, Bayesian priors, APC bookkeeping), the downlink state and the ONNX helper; the
   stream monitor (prequential metric, drift detector) whole.
 Objects such as modules, configs and cross references are not saved: they are rebuilt by
-constructing the Client from the same configuration, then `load_client_state` fills in the
-state. A checkpoint taken after batch n and restored into a fresh Client continues bit for bit
-like the original client would have (tests/test_firmware_sim.py checks several methods).
+building the Client from the same configuration (`edgefcl.build`), then
+`Client.load_state_dict` fills in the state. A checkpoint taken after batch n and restored
+into a fresh Client continues bit for bit like the original client would have
+(tests/test_firmware_sim.py checks several methods).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from edgefcl.config import ConfigError
-from edgefcl.learn.memory import ReplayMemory
-
-if TYPE_CHECKING:
-    from edgefcl.learn.client import Client
+from edgefcl.config import ConfigError, FedConfig, LearnConfig
 
 FORMAT = 1
-COUNTERS = ("score_version", "version", "seq", "task", "bn", "samples_in_task", "scored",
-            "batches")
 RUNTIME_OPTIONS = ("device", "threads", "export_onnx", "score_backend")
 """LearnConfig fields a device may change between boots without invalidating its state."""
 _GENERATOR = "__torch_generator_state__"
@@ -101,14 +98,16 @@ def load_data_attrs(obj: Any, saved: dict[str, Any], device: torch.device) -> No
         setattr(obj, k, _thaw(v, getattr(obj, k, None), device))
 
 
-def _module_state(model: torch.nn.Module) -> dict[str, Any]:
+def module_state(model: torch.nn.Module) -> dict[str, Any]:
+    """A module's state_dict (CPU copies) plus its submodules' plain-data attributes."""
     extras = {name: data_attrs(m, public_only=True) for name, m in model.named_modules()}
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     return {"state": state, "extras": {k: v for k, v in extras.items() if v}}
 
 
-def _load_module_state(model: torch.nn.Module, saved: dict[str, Any],
+def load_module_state(model: torch.nn.Module, saved: dict[str, Any],
                        device: torch.device) -> None:
+    """Restore a `module_state` into `model` (same architecture)."""
     model.load_state_dict(saved["state"])
     modules = dict(model.named_modules())
     for name, attrs in saved["extras"].items():
@@ -118,43 +117,20 @@ def _load_module_state(model: torch.nn.Module, saved: dict[str, Any],
         load_data_attrs(modules[name], attrs, device)
 
 
-def _fingerprint(client: Client) -> dict[str, Any]:
-    learn = {k: v for k, v in dataclasses.asdict(client.learn).items()
-             if k not in RUNTIME_OPTIONS}
-    return {"cid": client.cid, "learn": learn, "encoding": client.fed.encoding,
-            "aggregation": client.fed.aggregation}
+def fingerprint(cid: str, learn: LearnConfig, fed: FedConfig) -> dict[str, Any]:
+    """What a checkpoint must have been written with to be restored: the client id, the
+    learning configuration (less the runtime options) and the encoding and aggregation."""
+    kept = {k: v for k, v in dataclasses.asdict(learn).items() if k not in RUNTIME_OPTIONS}
+    return {"cid": cid, "learn": kept, "encoding": fed.encoding,
+            "aggregation": fed.aggregation}
 
 
-def client_state(client: Client) -> dict[str, Any]:
-    """Everything needed to resume `client` (CPU tensors, detached copies); torch.save-able."""
-    score_model = client.score_model
-    return {
-        "format": FORMAT,
-        "fingerprint": _fingerprint(client),
-        "model": _module_state(client.model),
-        "optimizer": copy.deepcopy(client.opt.state_dict()),
-        "generator": client.gen.get_state(),
-        "memory": client.memory.state_dict() if client.memory is not None else None,
-        "perturber": client.perturber.state_dict() if client.perturber is not None else None,
-        "score_model": _module_state(score_model) if score_model is not None else None,
-        "counters": {k: getattr(client, k) for k in COUNTERS},
-        "class_counts": dict(client.class_counts),
-        "timings": dict(client.timings),
-        "sample_shape": client.sample_shape,
-        "base": {k: np.array(v, copy=True) for k, v in client.base.items()},
-        "sent": None if client.sent is None else {k: np.array(v, copy=True)
-                                                  for k, v in client.sent.items()},
-        "downlink": data_attrs(client.downlink),
-        "encoder": data_attrs(client.encoder),
-        "hooks": data_attrs(client.hooks),
-        "onnx": data_attrs(client.onnx),
-        "monitor": copy.deepcopy(client.monitor),
-        "prototypes": None if client.protos is None else client.protos.state(score_model),
-    }
-
-
-def _check_fingerprint(client: Client, saved: dict[str, Any]) -> None:
-    mine = _fingerprint(client)
+def check_checkpoint(state: Any, mine: dict[str, Any]) -> None:
+    """ConfigError unless `state` is a checkpoint of this format written with the
+    configuration `mine` (a `fingerprint`)."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ConfigError(f"not a client checkpoint of format {FORMAT}")
+    saved = state["fingerprint"]
     if saved["cid"] != mine["cid"]:
         raise ConfigError(f"checkpoint belongs to client {saved['cid']!r}, not {mine['cid']!r}")
     diff = sorted(k for k in set(mine["learn"]) | set(saved["learn"])
@@ -165,44 +141,3 @@ def _check_fingerprint(client: Client, saved: dict[str, Any]) -> None:
                          f"{mine['learn'].get(k, mine.get(k))!r}" for k in diff)
         raise ConfigError(f"checkpoint of {mine['cid']} was written with another configuration "
                           f"({what}); restore that configuration or delete the state file")
-
-
-def load_client_state(client: Client, state: dict[str, Any]) -> None:
-    """Restore a `client_state` into a Client built from the same configuration."""
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ConfigError(f"not a client checkpoint of format {FORMAT}")
-    _check_fingerprint(client, state["fingerprint"])
-    dev = client.device
-    _load_module_state(client.model, state["model"], dev)
-    client.opt.load_state_dict(state["optimizer"])
-    client.gen.set_state(state["generator"])
-    mem = state["memory"]
-    client.memory = None
-    if mem is not None:
-        client.memory = ReplayMemory(int(mem["capacity"]), tuple(mem["sample_shape"]),
-                                     mem["policy"], mem["selection"], dev,
-                                     rank_past=bool(mem.get("rank_past", False)))
-        client.memory.load_state_dict(mem)
-    if state["perturber"] is not None and client.perturber is not None:
-        client.perturber.load_state_dict(state["perturber"])
-    if state["score_model"] is not None:
-        if client.score_model is None:
-            client.score_model = copy.deepcopy(client.model)
-        _load_module_state(client.score_model, state["score_model"], dev)
-    else:
-        client.score_model = None
-    for k, v in state["counters"].items():
-        setattr(client, k, v)
-    client.class_counts = dict(state["class_counts"])
-    client.timings.clear()
-    client.timings.update(state["timings"])
-    client.sample_shape = state["sample_shape"]
-    client.base = dict(state["base"])
-    client.sent = state["sent"]
-    load_data_attrs(client.downlink, state["downlink"], dev)
-    load_data_attrs(client.encoder, state["encoder"], dev)
-    load_data_attrs(client.hooks, state["hooks"], dev)
-    load_data_attrs(client.onnx, state["onnx"], dev)
-    client.monitor = copy.deepcopy(state["monitor"])
-    if client.protos is not None and state.get("prototypes") is not None:
-        client.protos.load(state["prototypes"], client.score_model)

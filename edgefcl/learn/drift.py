@@ -35,6 +35,7 @@ from edgefcl.learn.perturb import eval_mode
 
 if TYPE_CHECKING:
     from edgefcl.learn.client import Client
+    from edgefcl.learn.learner import Learner
 
 SIGNALS = ("loss", "features")
 DEFAULT_DELTA = {"loss": 0.002, "features": 0.05}
@@ -179,14 +180,14 @@ class StreamMonitor:
         self.drift = DriftDetector(learn.drift_signal, learn.drift_delta) if learn.task_free \
             else None
 
-    def observe(self, client: Client, batch: Batch, x: Tensor, y: Tensor) -> int:
-        """The task id the client should use for the batch (the true one unless task-free)."""
-        t0 = client._clock()
+    def observe(self, client: Learner, batch: Batch, x: Tensor, y: Tensor) -> int:
+        """The task id the learner should use for the batch (the true one unless task-free)."""
+        t0 = client.clock.now()
         need = self.prequential is not None or (self.drift is not None
                                                 and self.drift.signal == "loss")
         logits = peek_logits(client.model, x) if need else None
         if self.prequential is not None and logits is not None:
-            protos = getattr(client, "protos", None)
+            protos = client.protos
             if protos is None:
                 self.prequential.update(batch.y, logits.argmax(1).cpu().numpy())
             else:  # library rows; an empty library or a new label is a miss (-1 != -2)
@@ -194,7 +195,7 @@ class StreamMonitor:
                         else np.full(len(batch.y), -2))
                 self.prequential.update(protos.targets(batch.y), pred)
         task = batch.task if self.drift is None else self.drift.observe(batch, x, y, logits)
-        client.timings["monitor"] += client._clock() - t0
+        client.timings["monitor"] += client.clock.now() - t0
         return task
 
 

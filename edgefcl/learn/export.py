@@ -39,6 +39,7 @@ from edgefcl.statefiles import atomic_write, load_json, load_tensors
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel, Tensors
     from edgefcl.learn.client import Client
+    from edgefcl.learn.learner import Learner
 
 EXPORTERS = ("torchscript", "dynamo")
 INPUT_NAME = "x"
@@ -220,7 +221,7 @@ class ClientOnnx:
         self._version = -1
         self.exports = 0
 
-    def on_global(self, client: Client) -> None:
+    def on_global(self, client: Learner) -> None:
         """Write the live model to the export path (if one is set)."""
         if self.export_path and client.sample_shape is not None:
             path = self.export_path.replace("{cid}", client.cid)
@@ -232,7 +233,7 @@ class ClientOnnx:
                 atomic_write(Path(path), with_labels(data, protos.library.labels))
             self.exports += 1
 
-    def tta_logits(self, client: Client, x: Tensor) -> Tensor | None:
+    def tta_logits(self, client: Learner, x: Tensor) -> Tensor | None:
         """(P, N, C) logits of the TTA views of x from the onnxruntime snapshot, or None when
         scoring should stay on torch."""
         if (not self.ort_scoring or client.score_model is None or client.perturber is None

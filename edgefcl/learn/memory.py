@@ -24,8 +24,9 @@ score: their samples were scored while their task was current), or from any vers
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.selection import Candidates, get_selection, grouped_rank
+from edgefcl.learn.selection import Candidates, Selection, get_selection, grouped_rank
 
 POLICIES = ("reservoir", "balanced-random", "balanced-score")
 _STATE_KEYS = (
@@ -84,6 +85,54 @@ def water_fill(counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
     return keep + (over & (rank < leftover)).to(keep.dtype)
 
 
+class Grouping(ABC):
+    """How a balanced memory groups its candidates and shares its capacity among the groups.
+
+    `key` maps every candidate to an integer group (>= 0); `allot` gives every group's number
+    of kept samples. Groups get a random leftover priority when first seen (the memory draws
+    it), passed to `allot`."""
+
+    name: str = ""
+
+    @abstractmethod
+    def key(self, y: Tensor, task: Tensor) -> Tensor:
+        """(n,) int64 group of every candidate, from its label `y` and task `task`."""
+
+    @abstractmethod
+    def allot(self, counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
+        """(m,) kept samples per group for candidate `counts` (sum > capacity)."""
+
+
+class ClassBalanced(Grouping):
+    """One group per class label; water-filling allotment (`water_fill`)."""
+
+    name = "class"
+
+    def key(self, y: Tensor, task: Tensor) -> Tensor:
+        return y
+
+    def allot(self, counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
+        return water_fill(counts, priority, capacity)
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """What a learner's memory is, before the first batch tells its sample shape: `build`
+    allocates it."""
+
+    capacity: int
+    policy: str
+    selection: Selection
+    device: torch.device
+    rank_past: bool = False
+    grouping: Grouping = field(default_factory=ClassBalanced)
+
+    def build(self, sample_shape: tuple[int, ...], seed: int) -> ReplayMemory:
+        """An empty memory for samples of `sample_shape`, its generator seeded with `seed`."""
+        return ReplayMemory(self.capacity, sample_shape, self.policy, self.selection,
+                            self.device, seed, rank_past=self.rank_past, grouping=self.grouping)
+
+
 @dataclass(frozen=True)
 class _Plan:
     inv: Tensor  # (n,) class index of every candidate
@@ -97,9 +146,10 @@ class ReplayMemory:
     """A replay memory of `capacity` samples of shape `sample_shape` on `device`.
 
     policy: "reservoir" (ER), "balanced-random" (CBR) or "balanced-score" (uncertainty
-    ranked). selection (balanced-score only): the name of a rule in
-    `edgefcl.learn.selection.SELECTIONS` (bottom, top, step, mix, kcenter) applied to the
-    over-quota classes of the current task, and of past tasks too when `rank_past`.
+    ranked). selection (balanced-score only): a rule of `edgefcl.learn.selection` (or its name
+    in `SELECTIONS`) applied to the over-quota groups of the current task, and of past tasks
+    too when `rank_past`. grouping (balanced policies): how candidates are grouped and the
+    capacity shared (`ClassBalanced` by default: classes, water-filling).
     Filled slots are [0, size): x, y, task, score and score_version (-1: no score) hold them.
     """
 
@@ -108,22 +158,24 @@ class ReplayMemory:
         capacity: int,
         sample_shape: tuple[int, ...],
         policy: str,
-        selection: str = "bottom",
+        selection: Selection | str = "bottom",
         device: str | torch.device = "cpu",
         seed: int = 0,
         x_dtype: torch.dtype = torch.float32,
         rank_past: bool = False,
+        grouping: Grouping | None = None,
     ) -> None:
         if capacity < 0:
             raise ConfigError(f"memory capacity must be >= 0, got {capacity}")
         if policy not in POLICIES:
             raise ConfigError(f"unknown memory policy '{policy}'; choose from {POLICIES}")
-        self.rule = get_selection(selection)
+        self.rule = get_selection(selection) if isinstance(selection, str) else selection
+        self.grouping = grouping if grouping is not None else ClassBalanced()
         self.rank_past = bool(rank_past)
         self.capacity = int(capacity)
         self.sample_shape = tuple(int(s) for s in sample_shape)
         self.policy = policy
-        self.selection = selection
+        self.selection = self.rule.name
         self.device = torch.device(device)
         self.size = 0
         self.seen = 0
@@ -132,7 +184,7 @@ class ReplayMemory:
         self.task = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
         self.score = torch.zeros(self.capacity, dtype=torch.float32, device=self.device)
         self.score_version = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
-        # Every label ever offered (sorted) and its leftover-slot priority.
+        # Every group (class label) ever offered, sorted, and its leftover-slot priority.
         self._classes = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._priority = torch.zeros(0, dtype=torch.float32, device=self.device)
         self._gen = torch.Generator(device=self.device)
@@ -193,7 +245,7 @@ class ReplayMemory:
         if self.policy == "reservoir":
             self._reservoir(x, y, task)
             return 0
-        self._note_classes(y)
+        self._note_classes(self.grouping.key(y, torch.full_like(y, task)))
         self.seen += b
         if self.size + b <= self.capacity:
             sl = slice(self.size, self.size + b)
@@ -224,7 +276,7 @@ class ReplayMemory:
         return x.detach().to(self.device, self.x.dtype), y
 
     def _note_classes(self, y: Tensor) -> None:
-        """Register labels never offered before, each with a random leftover priority."""
+        """Register groups never offered before, each with a random leftover priority."""
         labels = torch.unique(y)
         new = labels[~torch.isin(labels, self._classes)]
         if new.numel() == 0:
@@ -282,7 +334,8 @@ class ReplayMemory:
         x, y = self._check_batch(x, y)
         if self.capacity == 0 or self.size + y.numel() <= self.capacity or y.numel() == 0:
             return None
-        if not bool(torch.isin(y, self._classes).all()):
+        if not bool(torch.isin(self.grouping.key(y, torch.full_like(y, task)),
+                               self._classes).all()):
             return None  # a new label's leftover priority is drawn in update(): score there
         plan = self._plan(y, task, version, rescore_all, keep_stale)
         return self._stack(x, plan.need, self.size) if plan.need.numel() else None
@@ -295,10 +348,11 @@ class ReplayMemory:
         yc = torch.cat([self.y[:size], y])
         tc = torch.cat([self.task[:size], torch.full((b,), task, dtype=torch.int64, device=dev)])
         vc = torch.cat([self.score_version[:size], torch.full_like(y, -1)])
-        labels, inv, counts = torch.unique(yc, return_inverse=True, return_counts=True)
+        groups = self.grouping.key(yc, tc)
+        labels, inv, counts = torch.unique(groups, return_inverse=True, return_counts=True)
         m = labels.numel()
         prio = self._priority[torch.searchsorted(self._classes, labels)]
-        keep_n = water_fill(counts, prio, self.capacity)
+        keep_n = self.grouping.allot(counts, prio, self.capacity)
         # A class of the current task: any of its candidates belongs to `task`.
         current = torch.zeros(m, dtype=torch.bool, device=dev)
         current[inv[tc == task]] = True

@@ -147,8 +147,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     from edgefcl.runtime.device import DeviceRunner
 
     torch.set_num_threads(cfg.learn.threads)
-    client = make_client(cfg, setup, args.index, cfg.learn.method, cfg.seed)
-    client.cid = cid
+    client = make_client(cfg, setup, args.index, cfg.learn.method, cfg.seed, cid=cid)
     source = (client_stream(cfg, setup.tasks[args.index], args.index, cfg.seed)
               if args.source == "local" else None)
     runner = DeviceRunner(cfg, client, source, None if args.no_eval else setup.tasks[args.index],

@@ -1,0 +1,332 @@
+"""The online learner, shaped like a river estimator: `learn_one(batch)` trains on a mini-batch
+plus a replay draw and offers the batch to the replay memory. It knows nothing of federation
+(no schedule, no encoding, no Updates): `edgefcl.learn.client.Client` wraps it for that.
+Its collaborators (model, optimizer, memory spec, perturber, monitor, ONNX helper, prototype
+head, clock) are built by `edgefcl.build` and injected."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edgefcl.config import ConfigError, LearnConfig
+from edgefcl.data.types import Batch
+from edgefcl.learn.bayes import predict_logits, score_logits
+from edgefcl.learn.checkpoint import data_attrs, load_data_attrs, load_module_state, module_state
+from edgefcl.learn.drift import StreamMonitor
+from edgefcl.learn.export import ClientOnnx
+from edgefcl.learn.memory import MemorySpec, ReplayMemory
+from edgefcl.learn.models import penultimate
+from edgefcl.learn.perturb import Perturber, augment_batch, eval_mode
+from edgefcl.learn.proto_train import PrototypeHead
+from edgefcl.learn.scores import uncertainty
+
+LEARNER_COUNTERS = ("score_version", "task", "bn", "samples_in_task", "scored", "batches")
+
+
+def resolve_device(name: str) -> torch.device:
+    """A torch device, with a clear error when CUDA is asked for but absent."""
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device '{name}' requested but CUDA is not available; use --device cpu")
+    return dev
+
+
+class Clock:
+    """Wall-clock seconds for the learner's timings; on CUDA it waits for queued kernels first,
+    so a span covers the work it timed."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def now(self) -> float:
+        """Seconds (perf_counter), after synchronizing a CUDA device."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+class Learner:
+    """An online continual learner over one stream (one pass, replay ranked by uncertainty).
+
+    Counts what it has seen in the current task (`task`, `bn`, `samples_in_task`,
+    `class_counts`); a task change (true, or detected by the monitor when task-free) resets
+    them and calls `on_task_start`. `penalty()` is added to the loss (method hooks, bound by
+    the federated wrapper with `bind`).
+    """
+
+    def __init__(self, cid: str, model: torch.nn.Module, learn: LearnConfig, data_kind: str,
+                 device: torch.device, optimizer: torch.optim.Optimizer,
+                 generator: torch.Generator, memory: MemorySpec | None, score_method: str,
+                 perturber: Perturber | None, monitor: StreamMonitor | None,
+                 onnx: ClientOnnx | None, protos: PrototypeHead | None, clock: Clock) -> None:
+        self.cid = cid
+        self.model = model
+        self.learn = learn
+        self.data_kind = data_kind
+        self.device = device
+        self.opt = optimizer
+        self.gen = generator
+        self.memory_spec = memory
+        self.memory: ReplayMemory | None = None  # allocated on the first batch (sample shape)
+        self.score_method = score_method
+        self.perturber = perturber  # set: balanced-score memory, scored by a frozen snapshot
+        self.monitor = monitor  # prequential accuracy, task-free segments
+        self.onnx = onnx  # export_onnx, score_backend onnxruntime
+        self.protos = protos  # prototype library (head prototypes)
+        self.clock = clock
+        self.penalty: Callable[[], torch.Tensor | None] = lambda: None
+        self.on_task_start: Callable[[int], None] = lambda task: None
+        self.score_model: torch.nn.Module | None = None
+        self.score_version = 0
+        self.task: int | None = None
+        self.bn = 0
+        self.samples_in_task = 0
+        self.class_counts: dict[int, int] = {}
+        self.scored = 0
+        self.batches = 0
+        # seconds on the learner's thread, additive: train, score, score_wait (waiting for the
+        # scores computed while training), memory (excl. score), monitor
+        self.timings: Counter[str] = Counter()
+        self.background: Counter[str] = Counter()  # seconds on the scoring thread: score
+        self.sample_shape: tuple[int, ...] | None = None  # of the last batch
+        self.skip_scoring = False  # set by a device over its compute budget (firmware_sim)
+        self._pool: ThreadPoolExecutor | None = None  # scores ahead while training
+        self.scored_ahead = 0  # batches whose scores were computed while training
+
+    @property
+    def policy(self) -> str | None:
+        """The memory's population policy, or None without a memory."""
+        return self.memory_spec.policy if self.memory_spec is not None else None
+
+    def bind(self, penalty: Callable[[], torch.Tensor | None],
+             on_task_start: Callable[[int], None]) -> None:
+        """Attach the loss penalty and the task-start callback (the method hooks)."""
+        self.penalty, self.on_task_start = penalty, on_task_start
+
+    # -- the online step --------------------------------------------------------------------
+    def learn_one(self, batch: Batch) -> None:
+        """Train on one mini-batch once (plus replay), then offer it to the memory."""
+        x = torch.from_numpy(batch.x).to(self.device)
+        y = torch.from_numpy(batch.y).to(self.device)
+        self.sample_shape = tuple(batch.x.shape[1:])
+        # task-free: the monitor's detected segment stands in for the true task
+        task = batch.task if self.monitor is None else self.monitor.observe(self, batch, x, y)
+        if task != self.task:
+            self._start_task(task)
+        clock = self.clock.now
+        t0 = clock()
+        ahead = self._score_ahead(x, y)
+        if self.protos is not None:
+            self.protos.warmup(x, y)  # new labels: fit their rows with the extractor frozen
+        self._train(x, y)
+        t1 = clock()
+        scores = None
+        if ahead is not None:
+            scores = ahead.result()
+            self.scored_ahead += 1
+        t_mem = clock()
+        score_before = self.timings["score"]
+        self._update_memory(x, y, scores)
+        t2 = clock()
+        self.timings["train"] += t1 - t0
+        self.timings["score_wait"] += t_mem - t1
+        self.timings["memory"] += (t2 - t_mem) - (self.timings["score"] - score_before)
+        self.batches += 1
+        self.bn += 1
+        self.samples_in_task += len(batch.y)
+        labels, counts = np.unique(batch.y, return_counts=True)
+        for c, n in zip(labels.tolist(), counts.tolist(), strict=True):
+            self.class_counts[c] = self.class_counts.get(c, 0) + n
+        if self.protos is not None:
+            self.protos.count(batch.y)
+
+    def _start_task(self, task: int) -> None:
+        self.task = task
+        self.bn = 0
+        self.samples_in_task = 0
+        self.class_counts = {}
+        self.on_task_start(task)
+
+    def _train(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.model.train()
+        for epoch in range(self.learn.local_epochs):
+            xb = x if epoch == 0 else augment_batch(x, self.data_kind, self.gen)
+            yb = y
+            if self.memory is not None:
+                replay = self.memory.sample(len(y), exclude_task=self.task)
+                if replay is not None:
+                    xb = torch.cat([xb, replay[0]])
+                    yb = torch.cat([yb, replay[1]])
+            if self.protos is not None:  # the classifier assembled from xb's labels' rows
+                self.protos.train_step(xb, yb, self.opt, self.penalty)
+                continue
+            loss = F.cross_entropy(self.model(xb), yb)
+            extra = self.penalty()
+            if extra is not None:
+                loss = loss + extra
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+
+    # -- memory ---------------------------------------------------------------------------
+    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor) -> Future | None:
+        """Start scoring, on a second thread, the candidates the memory update after this
+        batch will need, when they are known before training: the scoring model must be the
+        frozen snapshot (not the model being trained). The scores are identical to scoring
+        after training; the perturber is only used by one thread at a time."""
+        if (not self.learn.score_overlap or self.learn.score_backend != "torch"
+                or self.memory is None or self.score_model is None
+                or self.policy != "balanced-score" or self.skip_scoring):
+            return None
+        cands = self.memory.pending_scores(x, y, self.task or 0, self.score_version,
+                                           rescore_all=self.learn.rescore == "always",
+                                           keep_stale=self.learn.rescore == "never")
+        if cands is None:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"score-{self.cid}")
+        return self._pool.submit(self._score, cands, self.background)
+
+    def _update_memory(self, x: torch.Tensor, y: torch.Tensor,
+                       scores: torch.Tensor | None = None) -> None:
+        spec = self.memory_spec
+        if spec is None:
+            return
+        if self.memory is None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.gen))
+            self.memory = spec.build(tuple(x.shape[1:]), seed)
+        scorer = self._score if spec.policy == "balanced-score" else None
+        if self.score_model is None:
+            # No snapshot yet: the scoring model is the current model, which moved this batch.
+            self.score_version += 1
+        version = self.score_version
+        if scorer is not None and self.skip_scoring:
+            # over the compute budget: class-balanced random this batch (version -1: stale)
+            scorer, version = self._random_scores, -1
+        featurizer = self._features if spec.selection.needs_features else None
+        scored = self.memory.update(x, y, self.task or 0, scorer, version,
+                                    rescore_all=self.learn.rescore == "always",
+                                    featurizer=featurizer,
+                                    keep_stale=self.learn.rescore == "never", scores=scores)
+        self.scored += scored if version >= 0 else 0
+
+    def _random_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rand(len(x), generator=self.gen).to(x.device)
+
+    def _score(self, x: torch.Tensor, timings: Counter | None = None) -> torch.Tensor:
+        t0 = self.clock.now()
+        model = self.score_model if self.score_model is not None else self.model
+        logits = self.onnx.tta_logits(self, x) if self.onnx is not None else None
+        if logits is None:
+            logits = score_logits(model, x, self.learn.score_source, self.perturber,
+                                  self.learn.score_samples, self.learn.score_chunk)
+        scores = uncertainty(self.score_method, logits)
+        (self.timings if timings is None else timings)["score"] += self.clock.now() - t0
+        return scores
+
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
+        """Penultimate features of the scoring model (eval mode, no grad), for rules that
+        select by features."""
+        t0 = self.clock.now()
+        model = self.score_model if self.score_model is not None else self.model
+        with eval_mode(model), torch.inference_mode():
+            f = penultimate(model, x)
+        self.timings["score"] += self.clock.now() - t0
+        return f.clone()
+
+    # -- the scoring snapshot ---------------------------------------------------------------
+    def snapshot(self) -> None:
+        """Freeze the current model as the scoring model (before a global is merged); a no-op
+        unless the memory is scored by a snapshot."""
+        if self.perturber is None:
+            return
+        if self.score_model is None:
+            self.score_model = copy.deepcopy(self.model)
+        else:
+            self.score_model.load_state_dict(self.model.state_dict())
+        if self.protos is not None:
+            self.protos.snapshot_into(self.score_model)
+        self.score_version += 1
+
+    # -- persistence ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The learner's state (CPU copies): model, optimizer, generator, memory, perturber,
+        scoring snapshot, counters, timings, monitor, ONNX helper, prototypes."""
+        score_model = self.score_model
+        return {
+            "model": module_state(self.model),
+            "optimizer": copy.deepcopy(self.opt.state_dict()),
+            "generator": self.gen.get_state(),
+            "memory": self.memory.state_dict() if self.memory is not None else None,
+            "perturber": self.perturber.state_dict() if self.perturber is not None else None,
+            "score_model": module_state(score_model) if score_model is not None else None,
+            "counters": {k: getattr(self, k) for k in LEARNER_COUNTERS},
+            "class_counts": dict(self.class_counts),
+            "timings": dict(self.timings),
+            "sample_shape": self.sample_shape,
+            "monitor": copy.deepcopy(self.monitor),
+            "onnx": data_attrs(self.onnx),
+            "prototypes": None if self.protos is None else self.protos.state(score_model),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()` into a learner built from the same configuration."""
+        dev = self.device
+        load_module_state(self.model, state["model"], dev)
+        self.opt.load_state_dict(state["optimizer"])
+        self.gen.set_state(state["generator"])
+        mem = state["memory"]
+        self.memory = None
+        if mem is not None:
+            if self.memory_spec is None:
+                raise ConfigError("checkpoint has a replay memory, this learner has none")
+            self.memory = self.memory_spec.build(tuple(mem["sample_shape"]), 0)
+            self.memory.load_state_dict(mem)
+        if state["perturber"] is not None and self.perturber is not None:
+            self.perturber.load_state_dict(state["perturber"])
+        if state["score_model"] is not None:
+            if self.score_model is None:
+                self.score_model = copy.deepcopy(self.model)
+            load_module_state(self.score_model, state["score_model"], dev)
+        else:
+            self.score_model = None
+        counters = state["counters"]
+        for k in LEARNER_COUNTERS:
+            setattr(self, k, counters[k])
+        self.class_counts = dict(state["class_counts"])
+        self.timings.clear()
+        self.timings.update(state["timings"])
+        self.sample_shape = state["sample_shape"]
+        self.monitor = copy.deepcopy(state["monitor"])
+        load_data_attrs(self.onnx, state["onnx"], dev)
+        if self.protos is not None and state.get("prototypes") is not None:
+            self.protos.load(state["prototypes"], self.score_model)
+
+    # -- evaluation -----------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> float:
+        """Accuracy (fraction) of the current model on (x, y), in eval mode."""
+        if len(y) == 0:
+            return float("nan")
+        if self.protos is not None and len(self.protos.library) == 0:
+            return 0.0
+        # prototypes: the library's row of each label (-1, never right: a label it lacks)
+        target = y if self.protos is None else self.protos.targets(y)
+        was_training = self.model.training
+        self.model.eval()
+        correct = 0
+        for i in range(0, len(y), batch_size):
+            xb = torch.from_numpy(x[i:i + batch_size]).to(self.device)
+            pred = predict_logits(self.model, xb, self.learn.eval_samples).argmax(1).cpu().numpy()
+            correct += int((pred == target[i:i + batch_size]).sum())
+        self.model.train(was_training)
+        return correct / len(y)
