@@ -159,6 +159,7 @@ def _tensor_flood(links: dict, tp: Topics, mib: int) -> int:
 
 def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
     """`edgefcl bench flood`: `count` MiB offered per flood (default 1024)."""
+    from edgefcl.runtime.links import payload_limit
     from edgefcl.statefiles import save_tensors
     from edgefcl.transport.broker import EmbeddedBroker, start_mosquitto
     from edgefcl.transport.mqtt import MqttLink
@@ -167,7 +168,9 @@ def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
     work = out / "flood"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    save_tensors(work / "init.npz", {k: np.zeros(s, np.float32) for k, s in SHAPES.items()})
+    initial = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    save_tensors(work / "init.npz", initial)
+    limit = payload_limit(cfg, initial)  # what the aggregator will accept (0: from the model)
     if shutil.which("mosquitto") or Path("/usr/sbin/mosquitto").exists():
         broker = start_mosquitto(config_dir=work / "mosquitto", allow_anonymous=True,
                                  extra_conf="max_queued_bytes 268435456\n")
@@ -188,7 +191,8 @@ def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
     links: dict[str, MqttLink] = {}
     status: list[dict] = []
     report: dict = {"broker": kind, "flood_mib": mib, "bar_mib": BAR_MIB,
-                    "max_payload": cfg.mqtt.max_payload, "phases": {}}
+                    "max_payload": limit, "max_payload_option": cfg.mqtt.max_payload,
+                    "phases": {}}
     try:
         for cid in (*HONEST, *ATTACKERS):
             links[cid] = MqttLink(url, cid).connect(10)
@@ -212,7 +216,7 @@ def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
         print(f"aggregator up (pid {agg.pid}, RSS {report['rss_start_mib']} MiB, {kind} on "
               f"{url}); {mib} MiB per flood", flush=True)
         phases = (("idle", lambda: time.sleep(5) or 0),
-                  ("chunk flood", lambda: _chunk_flood(links, tp, mib, cfg.mqtt.max_payload)),
+                  ("chunk flood", lambda: _chunk_flood(links, tp, mib, limit)),
                   ("settle", lambda: time.sleep(5) or 0),
                   ("tensor-count flood", lambda: _tensor_flood(links, tp, mib)),
                   ("settle after", lambda: time.sleep(5) or 0))

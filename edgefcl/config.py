@@ -241,7 +241,9 @@ class MqttConfig:
     tls_key: str = opt("", "client private key file (mutual TLS)")
     tls_insecure: bool = opt(False, "skip the broker hostname check (testing only)")
     chunk_size: int = opt(1 << 20, "payloads above this many bytes travel as verified chunks")
-    max_payload: int = opt(64 << 20, "largest payload accepted, reassembled (bytes)")
+    max_payload: int = opt(0, "largest payload accepted, reassembled (bytes; 0: sized from the "
+                           "model: 4 x its float32 tensors, the apc knowledge base, the largest "
+                           "prototype library and 1 MiB; 64 MiB where no model is known)")
     wire_dtype: str = opt("float32", "tensor dtype on the wire: float32 | float16")
     connect_timeout: float = opt(10.0, "seconds to wait for the broker at start-up")
 

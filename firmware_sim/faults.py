@@ -22,7 +22,7 @@ from pathlib import Path
 from edgefcl.config import ConfigError, MqttConfig
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.transport.broker import MosquittoProcess, start_mosquitto
-from edgefcl.transport.codec import CodecError, decode
+from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, decode
 
 log = logging.getLogger("firmware_sim.faults")
 
@@ -116,7 +116,7 @@ class Corruptor:
 
     def _on_update(self, topic: str, payload: bytes) -> None:
         try:  # damage only real updates, not our own damaged copies coming back
-            decode(payload, self.mqtt.fleet, max_bytes=self.mqtt.max_payload,
+            decode(payload, self.mqtt.fleet, max_bytes=self.mqtt.max_payload or DEFAULT_MAX_BYTES,
                    require_digest=True)
         except CodecError:
             self.counters["damaged_seen"] += 1
@@ -126,7 +126,8 @@ class Corruptor:
             return
         bad, mode = damage(payload, self.rng)
         try:
-            decode(bad, self.mqtt.fleet, max_bytes=self.mqtt.max_payload, require_digest=True)
+            decode(bad, self.mqtt.fleet, max_bytes=self.mqtt.max_payload or DEFAULT_MAX_BYTES,
+                   require_digest=True)
             self.counters["undetected"] += 1  # would be aggregated: the check failed
         except CodecError as e:
             self.counters[f"detected_{e.reason}"] += 1

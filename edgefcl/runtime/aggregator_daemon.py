@@ -16,9 +16,17 @@ from edgefcl.federation.prototypes import initial_library
 from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.runtime.fleet_results import FleetResults
 from edgefcl.runtime.inbox import Inbox
-from edgefcl.runtime.links import open_link, topics, wire_dtype
+from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.runtime.store import StateStore
-from edgefcl.transport.codec import CodecError, Message, decode, encode, spec_hash, tensor_spec
+from edgefcl.transport.codec import (
+    DEFAULT_MAX_BYTES,
+    CodecError,
+    Message,
+    decode,
+    encode,
+    spec_hash,
+    tensor_spec,
+)
 
 log = logging.getLogger("edgefcl.aggregator")
 
@@ -37,6 +45,9 @@ class AggregatorDaemon:
 
     aggregator_class = Aggregator
     """The core it runs (the sharded root runs a subclass: runtime/shard_root.py)."""
+    payload_from_model = True
+    """Size `max_payload` from the model when it is 0 (a root takes workers' partials, which
+    can be larger than any device's update, so it keeps the 64 MiB default)."""
 
     def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
                  exit_when_done: bool = False, status_every: float = 2.0,
@@ -49,7 +60,10 @@ class AggregatorDaemon:
         self.spec_hash = spec_hash(tensor_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every
-        self.inbox = Inbox(max_bytes=inbox_bytes or 4 * cfg.mqtt.max_payload)
+        if self.payload_from_model:
+            size_payload_limit(cfg, initial)
+        self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
+        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt))
         self.stop_event = threading.Event()
         self.done: set[str] = set()
         self.bytes_in: dict[str, int] = {}
@@ -173,7 +187,7 @@ class AggregatorDaemon:
         allowed = self.topics.kinds_on(topic)
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
-        msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+        msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True)  # a damaged update must never be aggregated
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:

@@ -30,7 +30,7 @@ from edgefcl.learn.drift import stream_report
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.metrics import forgetting
 from edgefcl.runtime.join import JoinRefused, check_join
-from edgefcl.runtime.links import open_link, topics, wire_dtype
+from edgefcl.runtime.links import open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.statefiles import save_json
 from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode, tensor_spec
 
@@ -63,6 +63,7 @@ class DeviceRunner:
         self.cfg = cfg
         self.client = client
         self.cid = client.cid
+        size_payload_limit(cfg, client.base)  # before any link opens
         self.topics = topics(cfg.mqtt)
         self.source = source
         self.eval_tasks = eval_tasks

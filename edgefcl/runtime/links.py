@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from edgefcl.config import MqttConfig
-from edgefcl.transport.codec import CodecError
+import numpy as np
+
+from edgefcl.config import MqttConfig, RunConfig, resolve_head
+from edgefcl.federation.prototypes import MAX_LABEL_CHARS, MAX_LABELS, feature_width
+from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError
 from edgefcl.transport.mqtt import MqttLink
 from edgefcl.transport.topics import Topics
 
@@ -18,6 +21,33 @@ def topics(m: MqttConfig) -> Topics:
 def wire_dtype(m: MqttConfig) -> str | None:
     """The codec's wire dtype for the configured float width."""
     return "<f2" if m.wire_dtype == "float16" else None
+
+
+def payload_limit(cfg: RunConfig, tensors: dict[str, np.ndarray]) -> int:
+    """The largest payload a process of this run accepts (`[mqtt] max_payload`, or sized from
+    the model when 0): 4 x the model's float32 bytes (dense, Gaussian mean and sigma, sparse
+    values and indices), the apc knowledge base, the largest prototype library (1,024 labels,
+    rows and variances) and 1 MiB for the envelope. Bounds what one sender can make a daemon
+    or a device hold: the inbox, pending chunks and a decode are all sized from it."""
+    if cfg.mqtt.max_payload > 0:
+        return cfg.mqtt.max_payload
+    model = sum(4 * int(np.size(t)) for t in tensors.values())
+    kb = cfg.fed.apc_kb_size * model if cfg.learn.method == "apc" else 0
+    library = 0
+    if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
+        library = MAX_LABELS * (2 * 4 * feature_width(tensors) + 4 * MAX_LABEL_CHARS + 16)
+    return 4 * model + kb + library + (1 << 20)
+
+
+def size_payload_limit(cfg: RunConfig, tensors: dict[str, np.ndarray]) -> int:
+    """Fix `cfg.mqtt.max_payload` to `payload_limit` (once per process, before links open)."""
+    cfg.mqtt.max_payload = payload_limit(cfg, tensors)
+    return cfg.mqtt.max_payload
+
+
+def inbox_budget(m: MqttConfig) -> int:
+    """A daemon's inbox budget: four of the largest payloads, at least 32 MiB."""
+    return max(32 << 20, 4 * (m.max_payload or DEFAULT_MAX_BYTES))
 
 
 def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, bool] | None = None,
@@ -35,7 +65,7 @@ def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, boo
         m.broker, client_id, username=m.username or None, password=password or None,
         tls_ca=m.tls_ca or None, tls_cert=m.tls_cert or None, tls_key=m.tls_key or None,
         tls_insecure=m.tls_insecure, clean_start=clean_start, will=will,
-        chunk_size=m.chunk_size, max_bytes=m.max_payload, on_reject=on_reject,
+        chunk_size=m.chunk_size, max_bytes=m.max_payload or DEFAULT_MAX_BYTES, on_reject=on_reject,
         protocol=protocol,
     )
     if connect:

@@ -30,6 +30,7 @@ class RootDaemon(AggregatorDaemon):
 
     aggregator_class = ShardRoot
     agg: ShardRoot
+    payload_from_model = False
 
     def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
                  workers: frozenset[str], **kw) -> None:
@@ -67,7 +68,7 @@ class RootDaemon(AggregatorDaemon):
                 self._closed(self.agg.worker_offline(worker, now))
             return
         p = decode_partial(payload, self.cfg.mqtt.fleet, self.spec_shapes, worker=worker,
-                           max_bytes=self.cfg.mqtt.max_payload)
+                           max_bytes=self.max_payload)
         self.round_bytes_in += len(payload)
         self.bytes_in[f"worker:{worker}"] = self.bytes_in.get(f"worker:{worker}", 0) + len(
             payload)

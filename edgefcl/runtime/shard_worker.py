@@ -25,11 +25,11 @@ import threading
 import time
 
 from edgefcl.config import RunConfig
-from edgefcl.federation.messages import GlobalModel, Tick, Update
+from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.shard import ShardWorker
 from edgefcl.runtime.inbox import Inbox
-from edgefcl.runtime.links import open_link, topics
-from edgefcl.transport.codec import CodecError, Message, decode, encode
+from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics
+from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
 from edgefcl.transport.mqtt import TransportError
 from edgefcl.transport.partials import encode_partial
 
@@ -50,7 +50,9 @@ class WorkerDaemon:
         self.upstream = upstream
         self.flush_every = flush_every
         self.status_every = status_every
-        self.inbox = Inbox(max_bytes=inbox_bytes or 4 * cfg.mqtt.max_payload)
+        self.inbox_bytes = inbox_bytes
+        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt))
+        self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
         self.stop_event = threading.Event()
         self.agg: ShardWorker | None = None
         self.first_global = threading.Event()
@@ -69,7 +71,7 @@ class WorkerDaemon:
         self._latest_global = payload
         if not self.first_global.is_set():
             try:
-                g = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+                g = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                            require_digest=True)
             except CodecError as e:
                 log.warning("rejected global: %s", e)
@@ -77,6 +79,12 @@ class WorkerDaemon:
             if isinstance(g, GlobalModel):
                 self.initial = g
                 self.first_global.set()
+
+    def _size_payloads(self, tensors: Tensors) -> None:
+        """Size the payload limit, inbox and pending chunks from the model (`max_payload` 0)."""
+        self.max_payload = size_payload_limit(self.cfg, tensors)
+        self.inbox.max_bytes = self.inbox_bytes or inbox_budget(self.cfg.mqtt)
+        self.link.limit_payload(self.max_payload)
 
     def _take_global(self) -> None:
         payload, self._latest_global = self._latest_global, None
@@ -100,7 +108,7 @@ class WorkerDaemon:
         agg = self.agg
         t = self.topics
         if topic == t.global_:
-            g = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+            g = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                        require_digest=True)
             if not isinstance(g, GlobalModel) or \
                     {k: v.shape for k, v in g.tensors.items()} != agg.spec:
@@ -110,7 +118,7 @@ class WorkerDaemon:
         allowed = t.kinds_on(topic)
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
-        msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
+        msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True)
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
@@ -172,6 +180,7 @@ class WorkerDaemon:
         try:
             self._connect()
             g = self.initial
+            self._size_payloads(g.tensors)
             self.agg = ShardWorker(g.tensors, self.cfg.fed, g.version,
                                    batch_size=self.cfg.data.batch_size, worker=self.id)
             t, put = self.topics, self.inbox.put

@@ -391,6 +391,12 @@ class MqttLink:
                     )
         return nbytes
 
+    def limit_payload(self, max_bytes: int) -> None:
+        """Lower (or raise) the largest reassembled payload, and the pending-chunk budget
+        (2 x it), once the model that sizes them is known."""
+        self._reassembler.max_bytes = max_bytes
+        self._reassembler.max_pending_bytes = 2 * max_bytes
+
     def expire_pending(self) -> int:
         """Drop chunked transfers idle for longer than the reassembler's timeout (call it
         periodically: a sender that stops mid-transfer must not pin memory); returns how
