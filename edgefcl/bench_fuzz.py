@@ -281,6 +281,7 @@ def drive(handle: Callable[[str, bytes], None], counters: Callable[[], dict[str,
     top: list[tuple[float, bytes, str]] = []  # the 10 slowest, re-timed at the end
     n = 0
     times: list[float] = []
+    cpu_times: list[float] = []  # this thread's CPU time: what a stall of the machine leaves out
     rss0 = _rss_mib()
     peak_rss = rss0
     tracemalloc.start()
@@ -291,7 +292,7 @@ def drive(handle: Callable[[str, bytes], None], counters: Callable[[], dict[str,
             peak_py = tracemalloc.get_traced_memory()[1] - base_mem
             tracemalloc.stop()
         topic = topics[int(rng.integers(len(topics)))]
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         try:
             handle(topic, payload)
         except Exception as e:  # noqa: BLE001  (what the bench exists to find)
@@ -299,6 +300,7 @@ def drive(handle: Callable[[str, bytes], None], counters: Callable[[], dict[str,
         dt = time.perf_counter() - t0
         if n >= traced:  # timings without tracemalloc's overhead
             times.append(dt)
+            cpu_times.append(time.thread_time() - c0)
             if dt > slowest[0]:
                 slowest = (dt, payload, topic)
             if len(top) < 10 or dt > top[-1][0]:
@@ -327,11 +329,14 @@ def drive(handle: Callable[[str, bytes], None], counters: Callable[[], dict[str,
     c = counters()
     internal = int(c.get("internal", 0)) + int(c.get("rejected_internal", 0))
     t = np.array(times or [0.0]) * 1e3
+    cpu = np.array(cpu_times or [0.0]) * 1e3
     return {"payloads": n, "escaped": sum(escaped.values()) + internal,
             "escaped_kinds": dict(escaped.most_common(10)), "internal_errors": internal,
             "timed_payloads": len(times), "slowest_ms": round(float(t.max()), 2),
             "p99_ms": round(float(np.percentile(t, 99)), 3),
             "over_100ms": int((t > 100).sum()),
+            "slowest_cpu_ms": round(float(cpu.max()), 2),
+            "over_100ms_cpu": int((cpu > 100).sum()),
             "slowest10_ms": [round(x[0] * 1e3, 1) for x in top],
             "slowest10_retimed_ms": [round(x, 1) for x in retimed],
             "slowest_payload_bytes": len(slowest[1]), "slowest_payload_head": slowest[1][:48].hex(),
@@ -457,7 +462,8 @@ def bench_fuzz(cfg: RunConfig, out: Path, count: int) -> dict:
         print(f"{name}: {r['escaped']} escaped exceptions; slowest {r['slowest_ms']} ms "
               f"({r['slowest_payload_bytes']} bytes on {r['slowest_topic']}), p99 "
               f"{r['p99_ms']} ms, {r['over_100ms']} over 100 ms (of {r['timed_payloads']} "
-              f"timed; the 10 slowest re-timed, best of 3: max "
+              f"timed; {r['over_100ms_cpu']} over 100 ms of CPU time, slowest "
+              f"{r['slowest_cpu_ms']} ms of CPU; the 10 slowest re-timed, best of 3: max "
               f"{max(r['slowest10_retimed_ms'] or [0])} ms); peak Python allocations "
               f"{r['peak_python_mib']} MiB (first "
               f"{r['traced_payloads']}), resident memory +{r['rss_peak_growth_mib']} MiB over "
