@@ -15,6 +15,7 @@ from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import initial_library
 from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.runtime.fleet_results import FleetResults
+from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.runtime.store import StateStore
@@ -279,6 +280,7 @@ class AggregatorDaemon:
         log.info("aggregator for fleet %s serving on %s (mode %s, version %d)",
                  self.cfg.mqtt.fleet, self.cfg.mqtt.broker, self.cfg.fed.mode,
                  self.agg.global_.version)
+        freeze_startup_heap()
         next_status = 0.0
         finished = False
         last_input = time.monotonic()  # exit only after a quiet second: after a restart the

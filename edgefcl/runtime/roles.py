@@ -145,6 +145,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     from edgefcl.build import make_client
     from edgefcl.data.workload import client_stream
     from edgefcl.runtime.device import DeviceRunner
+    from edgefcl.runtime.heap import freeze_startup_heap
 
     torch.set_num_threads(cfg.learn.threads)
     client = make_client(cfg, setup, args.index, cfg.learn.method, cfg.seed, cid=cid)
@@ -154,6 +155,7 @@ def cmd_client(args: argparse.Namespace) -> int:
                           Path(args.results) if args.results else None)
     runner.join_profile = profile
     runner.started = started
+    freeze_startup_heap()  # one device per process: the model lives as long as it does
     results = runner.run()
     acc = results.get("accuracy")
     print(f"{client.cid}: {results['batches']} batches, {results['rounds']} rounds"

@@ -27,6 +27,7 @@ import time
 from edgefcl.config import RunConfig
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.shard import ShardWorker
+from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
@@ -191,6 +192,7 @@ class WorkerDaemon:
             self.up.publish(t.worker_status(self.id), self._seal(self.status()), retain=True)
             log.info("worker %s for fleet %s on %s (%s), version %d", self.id, t.fleet,
                      self.cfg.mqtt.broker, updates, g.version)
+            freeze_startup_heap()
             next_status = 0.0
             while not self.stop_event.is_set():
                 self._take_global()
