@@ -18,11 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefcl.config import RunConfig, resolve_head
+from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS  # noqa: F401  (re-exported)
 
-MAX_LABELS = 1024
-"""Labels one library (an update or the global) may hold."""
-MAX_LABEL_CHARS = 64
-"""Characters of one label name."""
 MAX_ROW_ABS = 1e6
 """Largest magnitude of a row value (the bound of `global_check.MAX_ABS`: a weighted mean of
 accepted rows stays within it, so the global library is never one every device rejects)."""
