@@ -22,6 +22,7 @@ from edgefcl.federation.prototypes import (
     MAX_COUNT,
     MAX_LABEL_CHARS,
     MAX_LABELS,
+    MAX_ROW_ABS,
     PrototypeTable,
     average_tables,
     check_table,
@@ -100,6 +101,46 @@ def test_average_is_per_label_weighted_by_samples_and_mixed_with_the_previous_ro
     np.testing.assert_allclose(out.rows[:, 0], [5.0, 1.0, 4.0])  # a mixed; b = (0*3+4*1)/4
     assert out.counts.tolist() == [2, 4, 2]
     assert average_tables([], prev, 0.5) is prev
+
+
+def test_a_label_row_is_share_capped_per_label():
+    # three devices hold label a; the third claims 1,000 samples and pulls the row to 90.
+    # weights (10, 10, 1000), cap 2/3 (twice an equal share of 3): water-filling gives the
+    # third 2/3 of a total of 20 / (1 - 2/3) = 60, i.e. 40: row = 90 * 40 / 60 = 60
+    # (uncapped 90 * 1000 / 1020 = 88.24). With max_share 0.5: 20, 90 * 20 / 40 = 45.
+    # Label b is held by the third device alone: nothing to cap (as the share rule with
+    # one update).
+    empty = PrototypeTable.empty(3)
+    sent = [table(["a"], counts=[10]), table(["a"], counts=[10]),
+            table(["a", "b"], counts=[1000, 5], value=90.0)]
+    plain = average_tables(sent, empty, 0.5, max_share=1.0)
+    np.testing.assert_allclose(plain.rows[:, 0], [90 * 1000 / 1020, 90.0], rtol=1e-6)
+    from collections import Counter
+
+    counters: Counter = Counter()
+    out = average_tables(sent, empty, 0.5, max_share=0.0, counters=counters)
+    np.testing.assert_allclose(out.rows[:, 0], [60.0, 90.0], rtol=1e-6)
+    assert out.counts.tolist() == [60, 5] and counters["prototype_share_capped"] == 1
+    half = average_tables(sent, empty, 0.5, max_share=0.5)
+    np.testing.assert_allclose(half.rows[:, 0], [45.0, 90.0], rtol=1e-6)
+
+
+def test_one_device_cannot_own_a_shared_label_row_through_the_aggregator():
+    # attack: a device sends label a's row at the range bound with the largest count
+    fed = FedConfig(clients=3, min_clients=3, burn_in=1, jump=1, clip_factor=0,
+                    max_share=0.5)
+    initial = {"w": np.zeros(2, np.float32)}
+    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    for c in ("c0", "c1", "c2"):
+        agg.join(c)
+    closed = None
+    for c, value, count in (("c0", 1.0, 10), ("c1", 1.0, 10), ("c2", MAX_ROW_ABS, MAX_COUNT)):
+        u = Update(c, 0, 1, 0, 2, 10, initial, prototypes=table(["a"], counts=[count],
+                                                                value=value))
+        closed = agg.submit(u) or closed
+    row = closed.global_.prototypes.rows[0, 0]
+    assert row <= 0.5 * MAX_ROW_ABS + 1  # uncapped: the attacker's 1e6 (to 1e-10)
+    assert agg.counters["prototype_share_capped"] == 1
 
 
 def test_global_library_stays_within_the_label_bound():
