@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +72,7 @@ def for_method(cfg: RunConfig, method: str) -> RunConfig:
 
 
 def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedConfig,
-               data_kind: str, seed: int = 0,
-               label_names: Sequence[str] | None = None) -> Client:
+               data_kind: str, seed: int = 0) -> Client:
     """A client `cid` training `model` (taken over, not copied): builds its collaborators
     from the configuration and injects them into a Learner and its federated wrapper."""
     device = resolve_device(learn.device)
@@ -93,8 +91,8 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
     perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
                  if spec.memory == "balanced-score" else None)
     encoder = get_encoding(fed.encoding).make_encoder(fed)
-    protos = (PrototypeHead(model, learn.optimizer, learn.lr, device, label_names,
-                            learn.warmup_steps, not learn.prototypes_local)
+    protos = (PrototypeHead(model, learn.optimizer, learn.lr, device, learn.warmup_steps,
+                            not learn.prototypes_local)
               if isinstance(model, ProtoNet) else None)
     learner = Learner(cid, model, learn, data_kind, device, opt,
                       torch.Generator().manual_seed(seed), memory, spec.score, perturber,
@@ -108,5 +106,4 @@ def make_client(cfg: RunConfig, setup: Setup, k: int, method: str, seed: int,
     initial model."""
     learn = dataclasses.replace(cfg.learn, method=method)
     return new_client(cid or client_id(k), copy.deepcopy(setup.initial), learn, cfg.fed,
-                      setup.dataset.kind, seed=seed * 1000 + k,
-                      label_names=setup.dataset.labels)
+                      setup.dataset.kind, seed=seed * 1000 + k)

@@ -36,6 +36,17 @@ def per_task_final(acc: np.ndarray) -> np.ndarray:
     return np.asarray(acc, np.float64)[:, -1, :].mean(axis=0)
 
 
+def label_coverage(coverage: np.ndarray, prototypes: bool) -> dict:
+    """Result fields of a prototype-head run (none for a fixed head): `known_labels[k][t]`,
+    the labels device k's library knew when it evaluated after task t (the accuracy matrix
+    row t is over those labels), and `unknown_label_test_samples[k][t]`, the test samples
+    (all tasks) whose label it did not know then, counted wrong."""
+    if not prototypes:
+        return {}
+    return {"known_labels": coverage[0].tolist(), "unknown_label_test_samples":
+            coverage[1].tolist()}
+
+
 @dataclass
 class CommStats:
     """Bytes each client sent and received, per client and per round."""

@@ -22,7 +22,7 @@ from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.export import architecture_spec, global_state
 from edgefcl.learn.params import global_sha256
-from edgefcl.metrics import CommStats
+from edgefcl.metrics import CommStats, label_coverage
 from edgefcl.results import RunResult, cfg_dict  # noqa: F401  (re-exported)
 from edgefcl.transport import codec
 
@@ -49,6 +49,7 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
     for c in clients:
         agg.join(c.cid)
     acc = np.zeros((K, T, T))
+    coverage = np.zeros((2, K, T), np.int64)  # prototypes: known labels, unknown test samples
     comm = CommStats()
     total = max(sum(count_batches(t, cfg.data.batch_size)) for t in setup.tasks)
     active = list(range(K))
@@ -78,6 +79,9 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
             _deliver(closed.global_, clients, comm, cfg, agg.history)
         for k, t in finished_tasks:
             acc[k, t] = evaluate_all(clients[k], setup.tasks[k])
+            if clients[k].protos is not None:
+                coverage[:, k, t] = clients[k].protos.coverage(
+                    [task.y_test for task in setup.tasks[k]])
         if progress is not None:
             progress(min(tick, total), total, f"rounds {agg.rounds}")
     g = agg.global_
@@ -93,6 +97,7 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
                                                setup.dataset.n_classes, cfg.learn.hidden),
                       "labels": (list(g.prototypes.labels) if g.prototypes is not None
                                  else setup.dataset.labels),  # prototypes: library order
+                      **label_coverage(coverage, clients[0].protos is not None),
                       **stream_report(clients)},
                      global_state=global_state(clients[0], g))
 

@@ -22,6 +22,7 @@ from edgefcl.federation.prototypes import (
     MAX_COUNT,
     MAX_LABEL_CHARS,
     MAX_LABELS,
+    MAX_ROW_ABS,
     PrototypeTable,
     average_tables,
     check_table,
@@ -100,6 +101,46 @@ def test_average_is_per_label_weighted_by_samples_and_mixed_with_the_previous_ro
     np.testing.assert_allclose(out.rows[:, 0], [5.0, 1.0, 4.0])  # a mixed; b = (0*3+4*1)/4
     assert out.counts.tolist() == [2, 4, 2]
     assert average_tables([], prev, 0.5) is prev
+
+
+def test_a_label_row_is_share_capped_per_label():
+    # three devices hold label a; the third claims 1,000 samples and pulls the row to 90.
+    # weights (10, 10, 1000), cap 2/3 (twice an equal share of 3): water-filling gives the
+    # third 2/3 of a total of 20 / (1 - 2/3) = 60, i.e. 40: row = 90 * 40 / 60 = 60
+    # (uncapped 90 * 1000 / 1020 = 88.24). With max_share 0.5: 20, 90 * 20 / 40 = 45.
+    # Label b is held by the third device alone: nothing to cap (as the share rule with
+    # one update).
+    empty = PrototypeTable.empty(3)
+    sent = [table(["a"], counts=[10]), table(["a"], counts=[10]),
+            table(["a", "b"], counts=[1000, 5], value=90.0)]
+    plain = average_tables(sent, empty, 0.5, max_share=1.0)
+    np.testing.assert_allclose(plain.rows[:, 0], [90 * 1000 / 1020, 90.0], rtol=1e-6)
+    from collections import Counter
+
+    counters: Counter = Counter()
+    out = average_tables(sent, empty, 0.5, max_share=0.0, counters=counters)
+    np.testing.assert_allclose(out.rows[:, 0], [60.0, 90.0], rtol=1e-6)
+    assert out.counts.tolist() == [60, 5] and counters["prototype_share_capped"] == 1
+    half = average_tables(sent, empty, 0.5, max_share=0.5)
+    np.testing.assert_allclose(half.rows[:, 0], [45.0, 90.0], rtol=1e-6)
+
+
+def test_one_device_cannot_own_a_shared_label_row_through_the_aggregator():
+    # attack: a device sends label a's row at the range bound with the largest count
+    fed = FedConfig(clients=3, min_clients=3, burn_in=1, jump=1, clip_factor=0,
+                    max_share=0.5)
+    initial = {"w": np.zeros(2, np.float32)}
+    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    for c in ("c0", "c1", "c2"):
+        agg.join(c)
+    closed = None
+    for c, value, count in (("c0", 1.0, 10), ("c1", 1.0, 10), ("c2", MAX_ROW_ABS, MAX_COUNT)):
+        u = Update(c, 0, 1, 0, 2, 10, initial, prototypes=table(["a"], counts=[count],
+                                                                value=value))
+        closed = agg.submit(u) or closed
+    row = closed.global_.prototypes.rows[0, 0]
+    assert row <= 0.5 * MAX_ROW_ABS + 1  # uncapped: the attacker's 1e6 (to 1e-10)
+    assert agg.counters["prototype_share_capped"] == 1
 
 
 def test_global_library_stays_within_the_label_bound():
@@ -194,7 +235,7 @@ def run_fleet(method="bi", encoding="dense", share=True):
     test, train = split[:400], split[400:]
     x_train, y_train = ds.x_train[train], ds.y_train[train]
     x_test, y_test = ds.x_train[test], ds.y_train[test]
-    names = [f"digit-{c}" for c in range(10)]
+    names = np.array([f"digit-{c}" for c in range(10)])  # the stream carries names only
     plan = [[(0, 1), (9,)], [(2, 3), (6,)], [(4, 5), (7,)]]
     aggregation = "fedbnn" if encoding == "gaussian" else "fedavg"
     fed = FedConfig(clients=3, burn_in=3, jump=2, encoding=encoding, aggregation=aggregation)
@@ -203,19 +244,19 @@ def run_fleet(method="bi", encoding="dense", share=True):
     torch.manual_seed(0)
     model = proto_model(build_model("mlp", ds.sample_shape, 1, hidden=64))
     model = client_hooks(method, learn, fed).prepare_model(model)
-    clients = [new_client(f"c{k}", copy.deepcopy(model), learn, fed, ds.kind, seed=k,
-                          label_names=names) for k in range(3)]
+    clients = [new_client(f"c{k}", copy.deepcopy(model), learn, fed, ds.kind, seed=k)
+               for k in range(3)]
     agg = Aggregator(global_tensors(model, encoding), fed,
                      prototypes=PrototypeTable.empty(model.dim + 1))
     for c in clients:
         agg.join(c.cid)
-    x9, y9 = x_test[y_test == 9], y_test[y_test == 9]
+    x9, y9 = x_test[y_test == 9], names[y_test[y_test == 9]]
     history = []
     for task in (0, 1):
         streams = []
         for k in range(3):
             keep = np.isin(y_train, plan[k][task])
-            streams.append(stream(x_train[keep], y_train[keep], task, seed=k))
+            streams.append(stream(x_train[keep], names[y_train[keep]], task, seed=k))
         active = list(range(3))
         while active:
             closed = None
@@ -263,6 +304,97 @@ def test_a_local_library_never_leaves_the_device():
     assert history[-1][1] == 0.0 and history[-1][0] > 0.5
 
 
+# -- label names end to end: data, stream, device --------------------------------------------
+def test_label_ids_are_a_function_of_the_name_alone():
+    from edgefcl.data.labels import HASHED, label_id
+
+    assert [label_id(n) for n in ("0", "7", "123")] == [0, 7, 123]  # numbered data keep ids
+    others = ["cat", "dog", "07", "-1", "1.0", "zéro", "x" * 64, str(1 << 62)]
+    ids = [label_id(n) for n in others]
+    assert all(HASHED <= i < 1 << 63 for i in ids) and len(set(ids)) == len(ids)
+    assert label_id("cat") == label_id("ca" + "t")
+
+
+def named_batch(names, n=6, task=0):
+    y = np.array([names[i % len(names)] for i in range(n)])
+    x = np.random.default_rng(0).random((n, 4), np.float32)
+    return Batch(x, y, task, 1, False)
+
+
+def test_a_stream_batch_carries_label_names_on_the_wire():
+    from edgefcl.transport.codec import as_batch, encode_batch
+
+    b = named_batch(["dog", "cat", "zéro"])
+    got = as_batch(decode(encode_batch(b, client="c0", fleet="f"), "f"))
+    assert got.y.dtype.kind == "U" and got.y.tolist() == b.y.tolist()
+    ints = Batch(b.x, np.arange(6, dtype=np.int64), 0, 1, False)  # fixed head: numbers
+    got = as_batch(decode(encode_batch(ints, client="c0", fleet="f"), "f"))
+    assert got.y.dtype == np.int64 and got.y.tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("names,y,reason", [
+    (["x" * (MAX_LABEL_CHARS + 1)], [0], "malformed"),
+    ([""], [0], "malformed"),
+    (["a", "a"], [0, 1], "malformed"),
+    (["a", 3], [0, 0], "malformed"),
+    ("ab", [0, 1], "malformed"),
+    ([f"l{i}" for i in range(MAX_LABELS + 1)], [0, 1], "limits"),
+    (["a", "b"], [0, 2], "shape"),
+])
+def test_a_stream_batch_with_bad_names_is_rejected(names, y, reason):
+    from edgefcl.transport.codec import Message
+
+    body = {"client": "c0", "x": np.zeros((len(y), 2), np.float32),
+            "y": np.array(y, np.uint16), "names": names, "task": 0, "index": 1,
+            "end_of_task": False}
+    payload = encode(Message("stream", body), fleet="f", sender="replayer")
+    with pytest.raises(CodecError) as e:
+        decode(payload, "f")
+    assert e.value.reason == reason
+
+
+def test_the_workload_names_labels_for_the_prototype_head_only():
+    from edgefcl.data.workload import load_workload
+
+    named = load_workload(small(), 0).tasks
+    numbered = load_workload(small(learn={"head": "fixed"}), 0).tasks
+    assert named[0][0].y_train.dtype.kind == "U" and named[0][0].y_test.dtype.kind == "U"
+    assert numbered[0][0].y_train.dtype == np.int64
+    assert named[0][0].y_train.tolist() == [str(c) for c in numbered[0][0].y_train.tolist()]
+
+
+def test_a_client_needs_no_class_list_and_a_fixed_head_refuses_names():
+    torch.manual_seed(0)
+    learn = LearnConfig(method="er", memory_size=10, head="prototypes")
+    c = new_client("c0", proto_model(build_model("mlp", (4,), 1, hidden=8)), learn,
+                   FedConfig(burn_in=1, jump=1), "vector", seed=0)
+    upd = c.step(named_batch(["dog", "cat", "emu"]))
+    assert upd.prototypes.labels == ("cat", "dog", "emu") and upd.prototypes.counts.sum() == 6
+    assert len(upd.class_counts) == 3 and sum(upd.class_counts.values()) == 6
+    fixed = new_client("c1", build_model("mlp", (4,), 3, hidden=8),
+                       dataclasses.replace(learn, head="fixed"), FedConfig(), "vector")
+    with pytest.raises(ValueError, match="--head prototypes"):
+        fixed.step(named_batch(["dog", "cat"]))
+    with pytest.raises(ValueError, match="1-64"):
+        c.step(named_batch(["x" * 65]))
+
+
+def test_an_npz_with_string_labels_runs_with_the_prototype_head(tmp_path):
+    from edgefcl.simulate import simulate
+
+    rng = np.random.default_rng(0)
+    names = np.array(["cat", "dog", "emu", "fox"])
+    y = names[rng.integers(0, 4, 400)]
+    x = (rng.normal(size=(400, 8)) + (np.searchsorted(names, y)[:, None] == np.arange(8))
+         * 3.0).astype(np.float32)
+    np.savez(tmp_path / "pets.npz", x=x, y=y)
+    cfg = small(data={"dataset": f"npz:{tmp_path / 'pets.npz'}"},
+                learn={"model": "mlp", "hidden": 16})
+    r = simulate(cfg)
+    assert sorted(r.extra["labels"]) == ["cat", "dog", "emu", "fox"]
+    assert r.acc[:, -1].mean() > 0.5
+
+
 # -- whole runs -----------------------------------------------------------------------------
 def small(**over) -> RunConfig:
     values = {"data": {"tasks": 2, "classes_per_task": 2},
@@ -280,6 +412,14 @@ def test_simulate_with_prototypes_learns_and_is_deterministic():
     assert a.rounds > 0 and a.global_sha256 == b.global_sha256
     np.testing.assert_array_equal(a.acc, b.acc)
     assert a.acc[:, -1].mean() > 0.5
+    # the open label space grows: labels known at each evaluation (2 clients x 2 tasks), and
+    # the test samples whose label was unknown then (counted wrong): task 1's before it came
+    known = np.array(a.extra["known_labels"])
+    unknown = np.array(a.extra["unknown_label_test_samples"])
+    assert known.shape == unknown.shape == (2, 2)
+    assert (known[:, 0] >= 2).all() and (known[:, 1] >= known[:, 0]).all()
+    assert (unknown[:, 0] > 0).all() and (unknown[:, 1] == 0).all()
+    assert "known_labels" not in simulate(small(learn={"head": "fixed"})).extra
 
 
 def test_fixed_head_is_untouched_by_the_option():
@@ -306,6 +446,9 @@ def test_lockstep_mqtt_reproduces_inprocess_with_prototypes(embedded_broker, tmp
     assert local.rounds > 0 and remote.rounds == local.rounds
     np.testing.assert_array_equal(remote.acc, local.acc)
     assert remote.global_sha256 == local.global_sha256
+    assert remote.extra["known_labels"] == local.extra["known_labels"]
+    assert (remote.extra["unknown_label_test_samples"]
+            == local.extra["unknown_label_test_samples"])
 
 
 def test_export_carries_the_library_and_its_labels(tmp_path):
@@ -377,8 +520,8 @@ def test_live_export_names_the_library_labels(tmp_path):
     model = proto_model(build_model("mlp", (6,), 1, hidden=8))
     c = new_client("c0", model, LearnConfig(method="er", memory_size=10, head="prototypes",
                                             export_onnx=str(tmp_path / "{cid}.onnx")),
-                   FedConfig(burn_in=1, jump=1), "vector", seed=0, label_names=["cat", "dog"])
-    y = np.array([0, 1, 1, 0], np.int64)
+                   FedConfig(burn_in=1, jump=1), "vector", seed=0)
+    y = np.array(["cat", "dog", "dog", "cat"])
     upd = c.step(Batch(np.random.default_rng(0).random((4, 6), np.float32), y, 0, 1, False))
     c.apply_global(GlobalModel(1, c.base, ("c0",), upd.prototypes))
     meta = {p.key: p.value for p in onnx.load(tmp_path / "c0.onnx").metadata_props}

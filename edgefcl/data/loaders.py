@@ -294,7 +294,8 @@ def _finish(
         x_test=x_test,
         y_test=None if y_test is None else y_test.astype(np.int64),
         n_classes=int(len(labels)),
-        labels=[str(v) for v in labels.tolist()],
+        labels=[v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+                for v in labels.tolist()],
     )
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from edgefcl.config import RunConfig
+from edgefcl.config import RunConfig, resolve_head
+from edgefcl.data.labels import name_tasks
 from edgefcl.data.loaders import load_dataset
 from edgefcl.data.splits import split_tasks
 from edgefcl.data.streams import stream_batches
@@ -26,9 +27,15 @@ class Workload:
 
 
 def load_workload(cfg: RunConfig, seed: int) -> Workload:
-    """Load the dataset and split it into per-client class-incremental tasks."""
+    """Load the dataset and split it into per-client class-incremental tasks. With the
+    prototype head the tasks' labels are names (the dataset's label list is applied here,
+    once: streams, test sets and devices only ever see names); a fixed head keeps the class
+    numbers its output layer is indexed by."""
     ds = load_dataset(cfg.data.dataset, cfg.data, seed)
-    return Workload(ds, split_tasks(ds, cfg.data, cfg.fed.clients, seed))
+    tasks = split_tasks(ds, cfg.data, cfg.fed.clients, seed)
+    if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
+        tasks = name_tasks(tasks, ds.labels)
+    return Workload(ds, tasks)
 
 
 def client_stream(cfg: RunConfig, tasks: list[TaskData], k: int, seed: int) -> Iterator[Batch]:

@@ -245,7 +245,7 @@ class Aggregator:
         if previous is None:
             return None
         return average_tables([u.prototypes for u in updates if u.prototypes is not None],
-                              previous, self.fed.mix)
+                              previous, self.fed.mix, self.fed.max_share, self.counters)
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from edgefcl.config import RunConfig, resolve_head
+from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS  # noqa: F401  (re-exported)
+from edgefcl.federation.share_cap import capped_groups
 
-MAX_LABELS = 1024
-"""Labels one library (an update or the global) may hold."""
-MAX_LABEL_CHARS = 64
-"""Characters of one label name."""
 MAX_ROW_ABS = 1e6
 """Largest magnitude of a row value (the bound of `global_check.MAX_ABS`: a weighted mean of
 accepted rows stays within it, so the global library is never one every device rejects)."""
@@ -104,10 +103,14 @@ def check_table(table: object, width: int | None) -> str | None:
 
 
 def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
-                   mix_weight: float) -> PrototypeTable:
+                   mix_weight: float, max_share: float = 1.0,
+                   counters: Counter | None = None) -> PrototypeTable:
     """The next global library: per label, the sample-weighted mean of the rows sent (labels
     with zero samples in this round weigh equally), mixed `mix_weight : 1 - mix_weight` with the
     previous global's row where the label already had one; labels nobody sent keep their row.
+    Per label, the rows' sample weights are share-capped first (`robust.share.capped_groups`:
+    `max_share`, 0 = twice an equal share of the label's senders, >= 1 off; the global counts
+    the capped weights; `counters["prototype_share_capped"]` counts capped rows).
     Labels keep the previous order, new ones follow in sorted order (deterministic); past
     MAX_LABELS the newest are left out."""
     sent = [t for t in tables if t.labels]
@@ -117,6 +120,11 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     rows = np.concatenate([t.rows for t in sent]).astype(np.float64)
     counts = np.concatenate([t.counts for t in sent]).astype(np.float64)
     names, inverse = np.unique(labels.astype(str), return_inverse=True)
+    inverse = inverse.reshape(-1)
+    capped = capped_groups(counts, inverse, max_share)
+    if counters is not None:
+        counters["prototype_share_capped"] += int((capped < counts).sum())
+    counts = capped
     weight = np.bincount(inverse, weights=counts, minlength=len(names))
     equal = weight[inverse] <= 0  # a label nobody counted: plain mean of its rows
     w = np.where(equal, 1.0, counts)
@@ -134,8 +142,8 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     had = np.array([str(n) in old for n in names])
     out_rows[at] = np.where(had[:, None], mix_weight * mean + (1 - mix_weight) * out_rows[at],
                             mean)
-    out_counts[at] = np.minimum(out_counts[at] + np.minimum(weight, MAX_COUNT), MAX_COUNT
-                                ).astype(np.int64)
+    added = np.rint(np.minimum(weight, MAX_COUNT))  # capped weights need not be whole
+    out_counts[at] = np.minimum(out_counts[at] + added, MAX_COUNT).astype(np.int64)
     keep = min(len(out_labels), MAX_LABELS)  # the global stays within what devices accept
     return PrototypeTable(tuple(out_labels[:keep]), out_rows[:keep].astype(np.float32),
                           out_counts[:keep])

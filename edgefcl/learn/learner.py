@@ -114,9 +114,18 @@ class Learner:
 
     # -- the online step --------------------------------------------------------------------
     def learn_one(self, batch: Batch) -> None:
-        """Train on one mini-batch once (plus replay), then offer it to the memory."""
+        """Train on one mini-batch once (plus replay), then offer it to the memory. With the
+        prototype head the labels are names (or integers, named by their number), used as
+        their ids; a fixed head takes class numbers only."""
+        if self.protos is not None:
+            y_ids = self.protos.ids(batch.y)
+        elif batch.y.dtype.kind not in "iu":
+            raise ValueError(f"labels of dtype {batch.y.dtype} (names) need the prototype "
+                             "head: use --head prototypes")
+        else:
+            y_ids = batch.y
         x = torch.from_numpy(batch.x).to(self.device)
-        y = torch.from_numpy(batch.y).to(self.device)
+        y = torch.from_numpy(y_ids).to(self.device)
         self.sample_shape = tuple(batch.x.shape[1:])
         # task-free: the monitor's detected segment stands in for the true task
         task = batch.task if self.monitor is None else self.monitor.observe(self, batch, x, y)
@@ -143,11 +152,11 @@ class Learner:
         self.batches += 1
         self.bn += 1
         self.samples_in_task += len(batch.y)
-        labels, counts = np.unique(batch.y, return_counts=True)
+        labels, counts = np.unique(y_ids, return_counts=True)
         for c, n in zip(labels.tolist(), counts.tolist(), strict=True):
             self.class_counts[c] = self.class_counts.get(c, 0) + n
         if self.protos is not None:
-            self.protos.count(batch.y)
+            self.protos.count(y_ids)
 
     def _start_task(self, task: int) -> None:
         self.task = task

@@ -1,34 +1,35 @@
-"""The client's side of the prototype library: label names of a batch, the warm-up of new
+"""The client's side of the prototype library: label names and ids of a batch, the warm-up of new
 classes, training with the assembled classifier, prediction over the whole library and the
 library's part of updates and globals (FedBNN §IV-B). Used by `Client` when its head is
 `prototypes`; every step is vectorised over the samples (loops run over distinct labels)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edgefcl.data.labels import check_names, label_id, label_names
 from edgefcl.federation.prototypes import PrototypeTable
 from edgefcl.learn.perturb import eval_mode
 from edgefcl.learn.prototypes import ProtoNet, PrototypeLibrary
 
 
 class PrototypeHead:
-    """Binds a client's `ProtoNet` to its label names and its optimiser settings.
+    """Binds a client's `ProtoNet` to its optimiser settings and the ids of its label names.
 
-    `names[c]` is the name of the stream's class number c (the dataset's labels); numbers
-    beyond the list are named by their decimal string, so nothing needs the class set up
-    front."""
+    Batches and test sets carry label names (strings; integer labels are named by their
+    decimal string). Inside the device a name is its `label_id` (replay memory groups, class
+    counts): a function of the name alone, so no class list is needed up front."""
 
     def __init__(self, model: ProtoNet, optimizer: str, lr: float, device: torch.device,
-                 names: Sequence[str] | None, warmup_steps: int, share: bool) -> None:
+                 warmup_steps: int, share: bool) -> None:
         self.model = model
         model.library = PrototypeLibrary(model.dim, optimizer, lr, device)
-        self.names = [str(n) for n in names] if names is not None else []
+        self.by_id: dict[int, str] = {}
         self.warmup_steps = warmup_steps
         self.share = share
         self.sent: PrototypeTable | None = None
@@ -38,12 +39,25 @@ class PrototypeHead:
     def library(self) -> PrototypeLibrary:
         return self.model.library
 
+    def ids(self, y: np.ndarray) -> np.ndarray:
+        """int64 ids of labels `y` (names or integers), registering new names. Raises
+        ValueError for a name out of bounds or an id two names share."""
+        names, inverse = label_names(y)
+        reason = check_names(names)
+        if reason is not None:
+            raise ValueError(f"batch labels: {reason}")
+        ids = np.array([label_id(n) for n in names], np.int64)
+        for i, n in zip(ids.tolist(), names, strict=True):
+            if self.by_id.setdefault(i, n) != n:
+                raise ValueError(f"labels {n!r} and {self.by_id[i]!r} share id {i}")
+        return ids[inverse] if len(names) else np.zeros(0, np.int64)
+
     def name(self, c: int) -> str:
-        return self.names[c] if 0 <= c < len(self.names) else str(c)
+        return self.by_id[c]
 
     def rows_of(self, y: Tensor) -> tuple[Tensor, Tensor, int]:
-        """(library rows of the distinct labels of `y`, each sample's position among them,
-        how many labels were new)."""
+        """(library rows of the distinct labels of ids `y`, each sample's position among
+        them, how many labels were new)."""
         uniq, inverse = torch.unique(y, return_inverse=True)
         idx, new = self.library.ensure([self.name(c) for c in uniq.tolist()])
         return idx, inverse, new
@@ -108,6 +122,7 @@ class PrototypeHead:
 
     def load(self, state: dict, snapshot: ProtoNet | None) -> None:
         self.library.load(state["library"])
+        self.by_id = {label_id(n): n for n in self.library.labels}  # ids are the names'
         self.sent = state["sent"]
         self.warmups = int(state["warmups"])
         if snapshot is not None and state["snapshot"] is not None:
@@ -117,11 +132,17 @@ class PrototypeHead:
 
     # -- prediction ---------------------------------------------------------------------------
     def targets(self, y: np.ndarray) -> np.ndarray:
-        """Library row of each sample's label (-1: a label the library does not hold)."""
-        uniq, inverse = np.unique(y, return_inverse=True)
-        at = np.array([self.library.index.get(self.name(c), -1) for c in uniq.tolist()],
-                      np.int64)
-        return at[inverse.reshape(-1)] if len(uniq) else np.zeros(0, np.int64)
+        """Library row of each sample's label, names or integers (-1: a label the library
+        does not hold)."""
+        names, inverse = label_names(y)
+        at = np.array([self.library.index.get(n, -1) for n in names], np.int64)
+        return at[inverse] if len(names) else np.zeros(0, np.int64)
+
+    def coverage(self, test_labels: list[np.ndarray]) -> tuple[int, int]:
+        """(labels the library knows now, test samples among `test_labels` whose label it
+        does not know: evaluation counts those wrong)."""
+        unknown = sum(int((self.targets(y) < 0).sum()) for y in test_labels)
+        return len(self.library), unknown
 
     def predict_names(self, logits: Tensor) -> list[str]:
         """Label names of the argmax rows of logits over the whole library."""

@@ -97,6 +97,7 @@ class DeviceRunner:
         self.incarnation = secrets.token_hex(8)
         n_tasks = len(eval_tasks) if eval_tasks else 0
         self.acc = np.full((n_tasks, n_tasks), np.nan)
+        self.coverage = np.zeros((2, n_tasks), np.int64)  # prototypes (see simulate)
         self.link = None
         # join check (runtime/join.py): this device's profile against the retained config
         self.join_profile: dict | None = None
@@ -345,6 +346,9 @@ class DeviceRunner:
                 if batch.end_of_task and self.eval_tasks:
                     self.acc[batch.task] = [self.client.evaluate(t.x_test, t.y_test)
                                             for t in self.eval_tasks]
+                    if self.client.protos is not None:
+                        self.coverage[:, batch.task] = self.client.protos.coverage(
+                            [t.y_test for t in self.eval_tasks])
                 if self.consumed % self.status_every == 0:
                     self._status("online")
                 self.after_batch(batch)
@@ -408,6 +412,9 @@ class DeviceRunner:
             acc = np.nan_to_num(self.acc)
             out["accuracy"] = float(100 * acc[-1].mean())
             out["forgetting"] = float(100 * forgetting(acc[None]))
+            if c.protos is not None:
+                out["known_labels"] = self.coverage[0].tolist()
+                out["unknown_label_test_samples"] = self.coverage[1].tolist()
         return out | stream_report([c]) | self.result_fields()
 
     # -- hooks (no-ops here; see the class docstring) -------------------------------------

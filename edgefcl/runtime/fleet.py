@@ -123,9 +123,13 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
     comm = CommStats()
     extra = {"scored_samples": 0, "batches": 0, "timings": {}}
     prequential, drift = {}, {}
+    coverage: dict[str, list] = {"known_labels": [], "unknown_label_test_samples": []}
     for k in range(K):
         r = json.loads((results_dir / f"{client_id(k)}.json").read_text())
         acc[k] = np.asarray(r["accuracy_matrix"])
+        for key, rows in coverage.items():
+            if key in r:  # prototype head
+                rows.append(r[key])
         comm.sent(r["client"], r["bytes_up"])
         comm.received(r["client"], r["bytes_down"])
         extra["scored_samples"] += r["scored_samples"]
@@ -135,6 +139,7 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
         prequential.update(r.get("prequential_per_client", {}))
         if "drift" in r:
             drift[r["client"]] = r["drift"]
+    extra.update({key: rows for key, rows in coverage.items() if len(rows) == K})
     if prequential:
         extra["prequential_accuracy"] = float(np.mean(list(prequential.values())))
         extra["prequential_per_client"] = prequential

@@ -301,11 +301,19 @@ def encode_batch(
     batch: Batch, *, client: str, fleet: str, sender: str = "replayer",
     wire_dtype: str | None = None,
 ) -> bytes:
-    """A stream mini-batch for `client` (kind "stream")."""
+    """A stream mini-batch for `client` (kind "stream"). Labels that are names (a unicode
+    array: prototype-head runs) travel as `names`, the batch's distinct names sorted, and
+    `y`, each sample's position among them (uint16)."""
     body = {
         "client": client, "x": batch.x, "y": batch.y, "task": int(batch.task),
         "index": int(batch.index), "end_of_task": bool(batch.end_of_task),
     }
+    if batch.y.dtype.kind == "U":
+        names, inverse = np.unique(batch.y, return_inverse=True)
+        if len(names) > MAX_LABELS:
+            raise CodecError("limits", f"{len(names)} labels in one batch > limit {MAX_LABELS}")
+        body["names"] = [str(n) for n in names.tolist()]
+        body["y"] = inverse.reshape(-1).astype(np.uint16)
     return encode(Message("stream", body), fleet=fleet, sender=sender, wire_dtype=wire_dtype)
 
 
@@ -376,7 +384,27 @@ def _decode_message(kind: str, m: dict[str, Any]) -> Message:
             raise CodecError("malformed", "stream batch needs tensors x and y")
         if y.ndim != 1 or x.ndim < 1 or len(x) != len(y) or y.dtype.kind not in "iu":
             raise CodecError("shape", f"stream batch x {x.shape} / y {y.shape} {y.dtype} mismatch")
+        if "names" in body:
+            body["y"] = _stream_names(body.pop("names"), y)
     return Message(kind, body, m["fleet"], m["sender"])
+
+
+def _stream_names(names: Any, y: np.ndarray) -> np.ndarray:
+    """The labels of a named stream batch as a unicode array: `names` bounded like a
+    library's (count, 1-MAX_LABEL_CHARS characters, distinct), `y` positions among them."""
+    if not isinstance(names, list):
+        raise CodecError("malformed", "stream names must be a list of strings")
+    if len(names) > MAX_LABELS:
+        raise CodecError("limits", f"{len(names)} stream labels > limit {MAX_LABELS}")
+    if not all(isinstance(n, str) and 0 < len(n) <= MAX_LABEL_CHARS for n in names):
+        raise CodecError("malformed", f"stream names must be strings of 1-{MAX_LABEL_CHARS} "
+                         "characters")
+    if len(set(names)) != len(names):
+        raise CodecError("malformed", "stream names must be distinct")
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= len(names)):
+        raise CodecError("shape", f"stream labels index {len(names)} names out of range")
+    table = np.array(names, dtype=str) if names else np.zeros(0, "<U1")
+    return table[y.astype(np.int64)]
 
 
 def decode(

@@ -1,7 +1,10 @@
 """Weight share cap: no client's sample weight may exceed `cap` of the round's total weight
 (`fed.max_share`; 0: twice an equal share, 2 / participants; never below an equal share).
 Weights above the cap are lowered by water-filling so that the capped shares are exactly `cap`;
-an update's `num_samples` and class counts are scaled by the same factor."""
+an update's `num_samples` and class counts are scaled by the same factor. The arithmetic lives
+in `federation/share_cap.py` (below the messages, so the prototype library uses it too):
+`capped_groups` is the same cap within groups: the prototype library caps each label's rows
+(one per device that sent the label) so that no device owns a row others also hold."""
 
 from __future__ import annotations
 
@@ -12,24 +15,7 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
-
-
-def capped_weights(weights: np.ndarray, cap: float) -> np.ndarray:
-    """Weights whose shares are all <= cap (cap >= 1/len); unchanged when already so."""
-    w = np.asarray(weights, np.float64)
-    n = len(w)
-    cap = max(cap, 1.0 / n)
-    if n == 0 or w.sum() <= 0 or (w / w.sum()).max() <= cap:
-        return w
-    order = np.argsort(-w)
-    for k in range(1, n + 1):  # clamp the k largest to cap * total
-        rest = w[order[k:]].sum()
-        total = rest / (1.0 - k * cap) if k * cap < 1 else np.inf
-        if k == n or w[order[k]] <= cap * total:
-            out = w.copy()
-            out[order[:k]] = cap * total if np.isfinite(total) else 1.0
-            return out
-    return w
+from edgefcl.federation.share_cap import capped_groups, capped_weights  # noqa: F401
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,

@@ -1,0 +1,42 @@
+"""The share cap's arithmetic (water-filling), used by the robust share rule
+(`robust/share.py`, one weight per update) and by the prototype library (one weight per row
+of a label, `federation/prototypes.py`). Depends on numpy only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def capped_weights(weights: np.ndarray, cap: float) -> np.ndarray:
+    """Weights whose shares are all <= cap (cap >= 1/len); unchanged when already so."""
+    w = np.asarray(weights, np.float64)
+    n = len(w)
+    cap = max(cap, 1.0 / n)
+    if n == 0 or w.sum() <= 0 or (w / w.sum()).max() <= cap:
+        return w
+    order = np.argsort(-w)
+    for k in range(1, n + 1):  # clamp the k largest to cap * total
+        rest = w[order[k:]].sum()
+        total = rest / (1.0 - k * cap) if k * cap < 1 else np.inf
+        if k == n or w[order[k]] <= cap * total:
+            out = w.copy()
+            out[order[:k]] = cap * total if np.isfinite(total) else 1.0
+            return out
+    return w
+
+
+def capped_groups(weights: np.ndarray, groups: np.ndarray, max_share: float) -> np.ndarray:
+    """`capped_weights` applied within every group of two or more members (the rows sent
+    for one prototype label): cap `max_share`, 0: twice an equal share of the group's
+    members; `max_share` >= 1: unchanged."""
+    w = np.asarray(weights, np.float64)
+    if max_share >= 1 or len(w) < 2:
+        return w
+    out = w.copy()
+    order = np.argsort(groups, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(groups[order]) != 0])
+    for members in np.split(order, starts[1:]):  # loops over groups, not members
+        if len(members) >= 2:
+            cap = max_share if max_share > 0 else 2.0 / len(members)
+            out[members] = capped_weights(w[members], cap)
+    return out
