@@ -36,6 +36,7 @@ import msgpack
 import numpy as np
 
 from edgefcl.config import RunConfig, apply
+from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.prototypes import (
     MAX_COUNT,
@@ -47,7 +48,7 @@ from edgefcl.federation.prototypes import (
 from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.links import NullLink
 from edgefcl.transport import integrity
-from edgefcl.transport.codec import Message, encode, encode_tensor
+from edgefcl.transport.codec import Message, encode, encode_batch, encode_tensor
 
 FLEET = "fuzz"
 CLIENTS = ["d0", "d1", "d2"]
@@ -437,7 +438,8 @@ def fuzz_device(n: int, seed: int = 0, progress: bool = False) -> dict:
                               "data": {"tasks": 2, "classes_per_task": 2},
                               "learn": {"model": "mlp", "hidden": 64, "head": "prototypes"},
                               "fed": {"downlink": "dense"}})
-    client = make_client(cfg, prepare(cfg, 0), 0, "fedavg", 0)
+    setup = prepare(cfg, 0)
+    client = make_client(cfg, setup, 0, "fedavg", 0)
     r = DeviceRunner(cfg, client)
     r.link = NullLink()
     tp = r.topics
@@ -445,7 +447,10 @@ def fuzz_device(n: int, seed: int = 0, progress: bool = False) -> dict:
     width = client.protos.library.dim + 1
     corpus = [encode(GlobalModel(v, good, ("c0",), library(width, ("0", "1", f"new{v}"), v)),
                      fleet=FLEET) for v in (1, 2)]
-    corpus += [encode(Message("answer", {"tick": 1, "version": 1, "participants": ["c0"]},
+    x = np.zeros((4, *setup.dataset.sample_shape), np.float32)
+    corpus += [encode_batch(Batch(x, np.array(["0", "1", "cat", "1"]), 0, 1, False),
+                            client=client.cid, fleet=FLEET),  # a stream batch with label names
+               encode(Message("answer", {"tick": 1, "version": 1, "participants": ["c0"]},
                               sender="aggregator"), fleet=FLEET),
                encode(Message("control", {"command": "pause"}, sender="op"), fleet=FLEET)]
     extra = [encode(GlobalModel(2**63 - 1, good, ()), fleet=FLEET),
@@ -462,6 +467,8 @@ def fuzz_device(n: int, seed: int = 0, progress: bool = False) -> dict:
             client.apply_global(r.latest)  # what the training loop does with it
         r.stop.clear()
         r.paused = False
+        while not r.batches.empty():  # what the training loop consumes
+            r.batches.get_nowait()
 
     report = drive(handle, lambda: dict(r.rejections), topics,
                    payloads(corpus, extra, n, seed), seed, progress, traced=traced_share(n))
