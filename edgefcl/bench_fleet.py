@@ -8,11 +8,15 @@ For each device count N, against a Mosquitto started from `broker/` on a free lo
    process, async mode), which validates and folds them.
 Each phase is measured over `--duration` seconds after a warm-up. Writes DIR/bench_fleet.json,
 prints a table and plots updates/s and round-interval p99 against N (DIR/bench_fleet.png).
+
+`--overload X` measures overload instead (`run_overload`): the capacity of one aggregator, then
+X times it offered with backpressure on and off.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import secrets
@@ -126,23 +130,31 @@ class Fleet:
     """Device processes and their shared counters."""
 
     ctx: mp.context.BaseContext
+    rate: object = None
+    """Updates/s per device (a shared float the device processes read)."""
     procs: list = field(default_factory=list)
     counters: dict = field(default_factory=dict)
 
     def total(self, name: str) -> int:
         return sum(c[name].value for c in self.counters.values())
 
+    def factor(self) -> float:
+        """The highest backpressure factor a device process follows now."""
+        return max((c["factor_pct"].value for c in self.counters.values()), default=100) / 100
+
 
 def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: str, root: str,
-                encoding: str, tensors: dict, go, stop, burn_in: int = 4, jump: int = 2) -> Fleet:
-    f = Fleet(ctx)
+                encoding: str, tensors: dict, go, stop, burn_in: int = 4, jump: int = 2,
+                max_backpressure: float = 8.0) -> Fleet:
+    f = Fleet(ctx, ctx.Value("d", opts.rate))
     procs = opts.procs(n)
     bounds = np.linspace(0, n, procs + 1).astype(int)
     for j in range(procs):
         spec = DeviceSpec(host, port, fleet, root, int(bounds[j]), int(bounds[j + 1] - bounds[j]),
-                          opts.rate, encoding, tensors, seed=j, burn_in=burn_in, jump=jump)
+                          opts.rate, encoding, tensors, seed=j, burn_in=burn_in, jump=jump,
+                          max_backpressure=max_backpressure)
         counters = {name: ctx.Value("q", 0) for name in COUNTERS}
-        p = ctx.Process(target=run_devices, args=(spec, counters, go, stop), daemon=True,
+        p = ctx.Process(target=run_devices, args=(spec, counters, go, stop, f.rate), daemon=True,
                         name=f"devices-{j}")
         p.start()
         f.procs.append(p)
@@ -240,20 +252,24 @@ def daemon_commands(opts: FleetOptions, base: list[str], state: Path) -> list[tu
 
 def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: Fleet,
                      fleet_name: str, encoding: str, initial_npz: Path, workdir: Path,
-                     go) -> dict:
+                     go, extra: tuple[str, ...] = (), tag: str = "",
+                     duration: float = 0.0) -> dict:
     """The same fleet against the `edgefcl aggregator` daemon (async mode, its own process),
-    or a root and `opts.workers` workers."""
+    or a root and `opts.workers` workers; `extra` daemon flags, `tag` in file names, measured
+    for `duration` s (default `opts.duration`)."""
+    if duration:
+        opts = dataclasses.replace(opts, duration=duration)
     root = cfg.mqtt.topic_root
-    state = workdir / f"state-{n}-{opts.workers}"
+    state = workdir / f"state-{n}-{opts.workers}{tag}"
     base = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", broker.url,
             "--fleet", fleet_name, "--topic-root", root, "--mode", "async",
             "--encoding", encoding, "--clients", str(n), "--initial", str(initial_npz),
-            "--topk", str(cfg.fed.topk)]
+            "--topk", str(cfg.fed.topk), *extra]
     watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status")
     daemons: dict[str, subprocess.Popen] = {}
     try:
         for name, cmd in daemon_commands(opts, base, state):
-            log = workdir / f"{name}-{n}-{opts.workers}.log"
+            log = workdir / f"{name}-{n}-{opts.workers}{tag}.log"
             if not daemons:
                 daemons[name] = start_daemon(cmd, log, watcher)
             else:
@@ -267,8 +283,10 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
               f"{opts.duration:.0f} s...", flush=True)
         rss = [0.0, 0.0]  # highest and latest RSS (all processes) in the window
         per = {k: 0.0 for k in daemons}
+        factors: list[float] = []
 
         def sample() -> None:
+            factors.append(fleet.factor())
             now = {k: rss_mb(d.pid) for k, d in daemons.items()}
             for k, v in now.items():
                 per[k] = max(per[k], v)
@@ -281,6 +299,7 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
         load0 = os.getloadavg()[0]
         t0, t1, published = measure_window(opts, fleet, go, sample)
         wall1, bc1 = time.time(), cpu_seconds(broker.pid)
+        hwm = sum(rss_mb(d.pid, "VmHWM") for d in daemons.values())  # peak since start
         cpu = {k: cpu_seconds(d.pid) - cpu0[k] for k, d in daemons.items()}
         load1 = os.getloadavg()[0]
         time.sleep(2.5)  # one more status after the window
@@ -305,6 +324,10 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
         **{k: fleet.total(k) - v for k, v in before.items()},
         "dropped_connections": fleet.total("dropped"),
         "aggregator_counters": last.get("counters", {}),
+        "shed": last.get("counters", {}).get("rejected_inbox_full", 0),
+        "backpressure_mean": float(np.mean(factors)) if factors else 1.0,
+        "backpressure_max": max(factors, default=1.0),
+        "aggregator_hwm_mb": hwm,
     }
 
 
@@ -359,6 +382,69 @@ def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_n
         broker.stop()
 
 
+def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_npz: Path,
+                 workdir: Path) -> dict:
+    """Overload for `n` devices against a fresh Mosquitto and one aggregator per phase:
+    1. saturate: the nominal load (n x --rate), backpressure off: the rate the daemon folds;
+    2. 1x: that rate offered (backpressure off): the capacity is what it folds then;
+    3. X x the capacity offered for --duration s, backpressure on, then off.
+    Folded rates count the updates in the rounds closed in each window."""
+    from edgefcl.transport.broker import start_mosquitto
+
+    encoding = "sparse" if opts.payload == "sparse" else "dense"
+    fleet_name = f"bench-{secrets.token_hex(3)}"
+    ctx = mp.get_context("spawn")
+    broker = start_mosquitto(allow_anonymous=True, config_dir=workdir / f"mosquitto-{n}")
+    go, stop = ctx.Event(), ctx.Event()
+    fleet = None
+    off = ("--max-backpressure", "1")
+    on = ("--max-backpressure", str(max(cfg.fed.max_backpressure, 1.0)))
+    try:
+        print(f"{n} devices: connecting ({opts.procs(n)} processes)...", flush=True)
+        fleet = start_fleet(ctx, opts, n, broker.host, broker.port, fleet_name,
+                            cfg.mqtt.topic_root, encoding, tensors, go, stop,
+                            cfg.fed.burn_in, cfg.fed.jump, cfg.fed.max_backpressure)
+        wait_until(lambda: fleet.total("connected") >= n, 60 + n / 20, f"{n} connections")
+        args = (opts, n, cfg, broker, fleet, fleet_name, encoding, initial_npz, workdir, go)
+        phases: dict[str, dict] = {}
+
+        def phase(name: str, rate: float, flags: tuple[str, ...], seconds: float) -> dict:
+            if not rate > 0:
+                raise ConfigError("bench fleet --overload: the aggregator folded nothing in the "
+                                  "capacity window (no round closed); raise "
+                                  "--capacity-duration")
+            fleet.rate.value = rate / n
+            print(f"{n} devices, {name}: {rate:.1f} updates/s offered", flush=True)
+            r = aggregator_phase(*args, extra=flags, tag=f"-{name}", duration=seconds)
+            phases[name] = {"phase": name, "offered_per_s": rate, **r}
+            print(overload_table([phases[name]]).splitlines()[1], flush=True)
+            return phases[name]
+
+        saturating = phase("saturate", n * opts.rate, off, opts.capacity_duration)
+        one = phase("1x", saturating["updates_per_s"], off, opts.capacity_duration)
+        capacity = one["updates_per_s"]
+        x = f"{opts.overload:g}x"
+        for name, flags in ((f"{x}-backpressure", on), (f"{x}-no-backpressure", off)):
+            phase(name, opts.overload * capacity, flags, opts.duration)
+    finally:
+        stop.set()
+        if fleet is not None:
+            for p in fleet.procs:
+                p.join(10)
+                if p.is_alive():
+                    p.terminate()
+        broker.stop()
+    for r in phases.values():
+        r["ratio_to_capacity"] = r["updates_per_s"] / capacity if capacity else None
+    return {"devices": n, "payload": opts.payload, "overload": opts.overload,
+            "payload_bytes": len_payload(tensors, encoding, fleet_name),
+            "capacity_saturating_per_s": saturating["updates_per_s"],
+            "capacity_per_s": capacity,
+            "accepted_over_offered_at_1x": capacity / one["offered_per_s"]
+            if one["offered_per_s"] else None,
+            "phases": list(phases.values()), "device_processes": opts.procs(n)}
+
+
 def read_rounds(path: Path, t0: float, t1: float) -> list[tuple[float, int]]:
     """(close time, updates folded) of the rounds in the daemon's round log closed in
     [t0, t1] (wall clock)."""
@@ -394,6 +480,24 @@ def table(runs: list[dict]) -> str:
             f"{p99 if p99 is not None else float('nan'):7.2f} "
             f"{r['aggregator_rss_mb']:10.0f} {r['broker_cpu_s']:12.1f} "
             f"{r['load_average_1min'][1]:5.1f}")
+    return "\n".join(lines)
+
+
+def overload_table(phases: list[dict]) -> str:
+    """One line per overload phase; `vs cap` is folded / capacity, `max/round` the most times
+    one client was in one round."""
+    head = (f"{'phase':>22} {'offered/s':>9} {'sent/s':>8} {'folded/s':>8} {'vs cap':>6} "
+            f"{'shed':>6} {'factor mean/max':>15} {'RSS MB':>7} {'HWM MB':>7} "
+            f"{'max/round':>9} {'load':>5}")
+    lines = [head]
+    for r in phases:
+        ratio = r.get("ratio_to_capacity")
+        lines.append(
+            f"{r['phase']:>22} {r['offered_per_s']:9.1f} {r['published_per_s']:8.1f} "
+            f"{r['updates_per_s']:8.1f} {ratio if ratio is not None else float('nan'):6.2f} "
+            f"{r['shed']:6d} {r['backpressure_mean']:7.2f}/{r['backpressure_max']:<7.2f} "
+            f"{r['aggregator_rss_mb']:7.0f} {r['aggregator_hwm_mb']:7.0f} "
+            f"{r['max_updates_per_client_round']:9d} {r['load_average_1min'][1]:5.1f}")
     return "\n".join(lines)
 
 
@@ -440,24 +544,36 @@ def bench_fleet(opts: FleetOptions, cfg: RunConfig, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     initial = demo_tensors(cfg)
     tensors = update_tensors(initial, opts.payload, cfg)
-    runs = []
+    runs, overload = [], []
     with tempfile.TemporaryDirectory(prefix="edgefcl-fleet-") as tmp:
         work = Path(tmp)
         initial_npz = work / "initial.npz"
         save_tensors(initial_npz, initial)
         for n in opts.devices:
-            runs.append(run_one(opts, n, cfg, tensors, initial_npz, work))
-            print(table(runs[-1:]).splitlines()[1], flush=True)
+            if opts.overload:
+                overload.append(run_overload(opts, n, cfg, tensors, initial_npz, work))
+            else:
+                runs.append(run_one(opts, n, cfg, tensors, initial_npz, work))
+                print(table(runs[-1:]).splitlines()[1], flush=True)
         for n in opts.devices:
-            for keep in work.glob(f"*-{n}-{opts.workers}.log"):
+            for keep in work.glob(f"*-{n}-{opts.workers}*.log"):
                 shutil.copy(keep, out / f"bench_fleet_{keep.name}")
     report = {"runs": runs, "rate": opts.rate, "duration_s": opts.duration,
               "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    if overload:
+        report["overload"] = overload
     (out / "bench_fleet.json").write_text(json.dumps(report, indent=1, default=_jsonable))
     print()
-    print(table(runs))
-    plot(runs, out / "bench_fleet.png")
-    print(f"\nwritten {out / 'bench_fleet.json'} and {out / 'bench_fleet.png'}")
+    if runs:
+        print(table(runs))
+        plot(runs, out / "bench_fleet.png")
+    for o in overload:
+        print(f"{o['devices']} devices, {o['payload']}: capacity {o['capacity_per_s']:.1f} "
+              f"updates/s (saturating load: {o['capacity_saturating_per_s']:.1f}; accepted / "
+              f"offered at 1x {o['accepted_over_offered_at_1x'] or 0:.2f})")
+        print(overload_table(o["phases"]))
+    print(f"\nwritten {out / 'bench_fleet.json'}" + (f" and {out / 'bench_fleet.png'}"
+                                                      if runs else ""))
     return report
 
 

@@ -195,6 +195,9 @@ class FedConfig:
                         "to close at round_timeout (0: min_clients alone), so that a few "
                         "clients that report first cannot own a round")
     max_staleness: int = opt(3, "async: drop updates based on globals this many versions old")
+    max_backpressure: float = opt(8.0, "async: the most an overloaded aggregator stretches its "
+                                  "devices' jump (backpressure factor on the retained config "
+                                  "and status; 1: off)")
     topk: float = opt(0.1, "sparse: fraction of each tensor's entries sent (largest deltas; "
                       "0: no cap, use threshold)")
     threshold: float = opt(0.0, "sparse: send only entries whose |delta| is at least this")
@@ -466,6 +469,7 @@ def validate(cfg: RunConfig) -> None:
         (0 <= f.trim < 0.5, "trim must be in [0, 0.5)"),
         (f.sigma_floor >= 0, "sigma_floor must be >= 0"),
         (f.max_seq_gap >= 1, "max_seq_gap must be >= 1"),
+        (f.max_backpressure >= 1, "max_backpressure must be >= 1 (1: off)"),
         (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,
          "apc_l1, apc_l2 and apc_prune must be >= 0"),
         (0 < le.apc_send <= 1, "apc_send must be in (0, 1]"),

@@ -110,3 +110,35 @@ def test_hundreds_of_devices_connect_and_are_served(tmp_path):
     (run,) = report["runs"]
     assert run["device_processes"] == 2 and run["dropped_connections"] == 0
     assert run["raw_broker_updates_per_s"] > 75 and run["updates_per_s"] > 75  # of 150 offered
+
+
+@pytest.mark.mqtt
+@pytest.mark.skipif(not HAVE_MOSQUITTO, reason="mosquitto is not installed")
+def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
+    from edgefcl.bench_fleet import bench_fleet
+
+    opts = FleetOptions([6], payload="sparse", rate=3.0, duration=3.0, overload=2.0,
+                        capacity_duration=3.0, warmup=1.5)
+    bench_fleet(opts, RunConfig(), tmp_path)
+    saved = json.loads((tmp_path / "bench_fleet.json").read_text())
+    assert saved["runs"] == []
+    (o,) = saved["overload"]
+    names = [p["phase"] for p in o["phases"]]
+    assert names == ["saturate", "1x", "2x-backpressure", "2x-no-backpressure"]
+    sat, one, on, off = o["phases"]
+    assert sat["offered_per_s"] == 18.0 and one["offered_per_s"] == sat["updates_per_s"] > 6
+    assert o["capacity_per_s"] == one["updates_per_s"] > 0
+    assert on["offered_per_s"] == pytest.approx(2 * o["capacity_per_s"])
+    for p in o["phases"]:
+        assert p["max_updates_per_client_round"] == 1 and p["aggregator_rss_mb"] > 10
+        assert p["ratio_to_capacity"] == pytest.approx(p["updates_per_s"] / o["capacity_per_s"])
+        assert p["backpressure_mean"] >= 1.0 and p["aggregator_hwm_mb"] >= 10
+    assert off["backpressure_max"] == 1.0  # the daemon advertised nothing
+
+
+def test_overload_options_are_checked():
+    FleetOptions([10], overload=2.0).check()
+    for bad in (FleetOptions([10], overload=0.5), FleetOptions([10], overload=2, workers=2),
+                FleetOptions([10], overload=2, capacity_duration=0)):
+        with pytest.raises(ConfigError):
+            bad.check()

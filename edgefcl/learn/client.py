@@ -4,6 +4,7 @@ Built by `edgefcl.build.new_client`, which makes and injects the collaborators."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,9 @@ class Client:
         self.base = get_tensors(learner.model)  # state of the last global merged
         self.downlink = DownlinkState(self.base)  # turns delta globals into whole ones
         self.sent: dict[str, np.ndarray] | None = None
+        self.pace: Callable[[], bool] | None = None
+        """Asked at every due update whether to send it (None: always); a held update keeps
+        its sequence number and is never encoded (runtime/backpressure.py)."""
         learner.bind(lambda: hooks.penalty(self), lambda task: hooks.on_task_start(self, task))
         hooks.attach(self)
 
@@ -108,6 +112,8 @@ class Client:
         if not self.schedule.due(learner.bn):
             return None
         self.seq += 1
+        if self.pace is not None and not self.pace():
+            return None
         self.sent = get_tensors(learner.model)
         payload = self.encoder.encode(self.sent, self.base)
         protos = learner.protos

@@ -6,7 +6,10 @@ serves hundreds of devices without a thread each.
 A device keeps at most one update in flight and one waiting (paho's queue); an update due
 while both are taken is skipped and counted, as a real device keeps only its freshest update.
 One more connection per process follows the retained global to learn the current version,
-which the devices put in their updates as their base (so they are not stale).
+which the devices put in their updates as their base (so they are not stale), and the retained
+config for the aggregator's backpressure factor: like a real device (runtime/backpressure.py)
+each device then sends every `factor / rate` seconds instead of every `1 / rate`. The rate is
+a shared value the bench may change between phases (`rate`, updates/s per device).
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from edgefcl.loadgen.template import UpdateTemplate
+from edgefcl.runtime.backpressure import advertised
 
 log = logging.getLogger("edgefcl.loadgen")
 
-COUNTERS = ("connected", "published", "acked", "skipped", "lagged", "dropped")
+COUNTERS = ("connected", "published", "acked", "skipped", "lagged", "dropped", "factor_pct")
+"""Shared per-process counters; `factor_pct` is the backpressure factor x 100 the process
+follows now (a level, not a count)."""
 
 
 @dataclass
@@ -46,6 +52,7 @@ class DeviceSpec:
     seed: int = 0
     burn_in: int = 4
     jump: int = 2
+    max_backpressure: float = 8.0
 
 
 def raise_fd_limit() -> int:
@@ -79,10 +86,11 @@ def _new_client(cid: str, host: str, port: int) -> mqtt.Client:
     return c
 
 
-def run_devices(spec: DeviceSpec, counters, go, stop) -> None:
+def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
     """Process main: connect `spec.count` devices, publish while `go` is set, until `stop`.
 
-    `counters` maps the names in COUNTERS to shared integers (multiprocessing.Value).
+    `counters` maps the names in COUNTERS to shared integers (multiprocessing.Value); `rate`, a
+    shared float, overrides `spec.rate` when given (read every turn of the loop).
     """
     raise_fd_limit()
     template = UpdateTemplate(spec.tensors, spec.encoding, spec.fleet, burn_in=spec.burn_in,
@@ -90,16 +98,24 @@ def run_devices(spec: DeviceSpec, counters, go, stop) -> None:
     base = f"{spec.topic_root}/{spec.fleet}"
     sel = selectors.DefaultSelector()
     version = [0]
+    factor = [1.0]
+    counters["factor_pct"].value = 100
 
-    def on_global(client, userdata, msg) -> None:
-        with contextlib.suppress(Exception):  # a global we cannot read leaves the version
-            v = msgpack.unpackb(msg.payload, raw=False).get("version")
-            if isinstance(v, int):
-                version[0] = max(version[0], v)
+    def on_message(client, userdata, msg) -> None:
+        with contextlib.suppress(Exception):  # a message we cannot read changes nothing
+            body = msgpack.unpackb(msg.payload, raw=False)
+            if msg.topic.endswith("/config") and body.get("kind") == "config":
+                factor[0] = advertised(body, spec.max_backpressure)
+                counters["factor_pct"].value = round(100 * factor[0])
+                return
+            v = body.get("version")
+            if isinstance(v, int):  # the newest global (a new aggregator may start over at 0)
+                version[0] = v
 
     watcher = _new_client(f"{spec.fleet}-watch{spec.first}", spec.host, spec.port)
-    watcher.on_message = on_global
-    watcher.on_connect = lambda c, *a: c.subscribe(f"{base}/global", qos=0)
+    watcher.on_message = on_message
+    watcher.on_connect = lambda c, *a: c.subscribe([(f"{base}/global", 0),
+                                                    (f"{base}/config", 0)])
     devices: list[_Device] = []
 
     def on_connect(client, userdata, flags, reason, properties) -> None:
@@ -124,13 +140,13 @@ def run_devices(spec: DeviceSpec, counters, go, stop) -> None:
         d.events = selectors.EVENT_READ
         sel.register(d.client.socket(), d.events, d)
 
-    period = 1.0 / spec.rate
     rng = random.Random(spec.seed + spec.first)
     was_going = False
     next_misc = 0.0
     while not stop.is_set():
         now = time.monotonic()
         going = go.is_set()
+        period = factor[0] / (rate.value if rate is not None else spec.rate)
         if going and not was_going:  # spread the devices over one period
             for d in devices:
                 d.due = now + rng.random() * period

@@ -27,6 +27,12 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
                    help="updates per second per device (default: 1.0)")
     g.add_argument("--duration", type=float, default=20.0,
                    help="seconds measured per phase, after a 3 s warm-up (default: 20)")
+    g.add_argument("--overload", type=float, default=0.0, metavar="X",
+                   help="instead of the ingest runs: measure the aggregator's capacity (the "
+                   "rate it folds at the offered load, then that rate offered), then offer X "
+                   "times it for --duration s with backpressure on and off (default 0: off)")
+    g.add_argument("--capacity-duration", type=float, default=20.0, metavar="S",
+                   help="--overload: seconds measured per capacity phase (default: 20)")
     g.add_argument("--device-procs", type=int, default=0, metavar="P",
                    help=f"device processes (default 0: one per {DEVICES_PER_PROC} devices, "
                    "at least 2)")
@@ -42,6 +48,8 @@ class FleetOptions:
     rate: float = 1.0
     duration: float = 20.0
     device_procs: int = 0
+    overload: float = 0.0
+    capacity_duration: float = 20.0
     warmup: float = 3.0
     """Seconds of publishing before each measured window (not a flag; tests shorten it)."""
 
@@ -52,7 +60,7 @@ class FleetOptions:
         except ValueError:
             raise ConfigError(f"--devices must be N[,N...], got {args.devices!r}") from None
         opts = cls(devices, args.workers, args.payload, args.rate, args.duration,
-                   args.device_procs)
+                   args.device_procs, args.overload, args.capacity_duration)
         opts.check()
         return opts
 
@@ -61,6 +69,10 @@ class FleetOptions:
             raise ConfigError("--workers and every --devices count must be >= 1")
         if not self.rate > 0 or not self.duration > 0 or self.device_procs < 0:
             raise ConfigError("--rate and --duration must be > 0, --device-procs >= 0")
+        if self.overload and (self.overload <= 1 or not self.capacity_duration > 0
+                              or self.workers != 1):
+            raise ConfigError("--overload must be > 1 (times the capacity), with "
+                              "--capacity-duration > 0 and one aggregator (--workers 1)")
 
     def procs(self, n: int) -> int:
         return self.device_procs or max(2, math.ceil(n / DEVICES_PER_PROC))

@@ -14,6 +14,7 @@ from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import initial_library
 from edgefcl.federation.versions import delta_downlink, downlink_message
+from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.fleet_results import FleetResults
 from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox
@@ -47,6 +48,9 @@ class AggregatorDaemon:
     aggregator_class = Aggregator
     """The core it runs (the sharded root runs a subclass: runtime/shard_root.py)."""
     payload_from_model = True
+    backpressure_from_inbox = True
+    """Advertise backpressure from the inbox's load (async mode; a root's inbox holds partials,
+    whose rate the devices do not set)."""
     """Size `max_payload` from the model when it is 0 (a root takes workers' partials, which
     can be larger than any device's update, so it keeps the 64 MiB default)."""
 
@@ -65,6 +69,9 @@ class AggregatorDaemon:
             size_payload_limit(cfg, initial)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
         self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt))
+        self.backpressure = Backpressure(
+            cfg.fed.max_backpressure if cfg.fed.mode == "async" and self.backpressure_from_inbox
+            else 1.0)
         self.stop_event = threading.Event()
         self.done: set[str] = set()
         self.bytes_in: dict[str, int] = {}
@@ -133,7 +140,8 @@ class AggregatorDaemon:
         f = self.cfg.fed
         body = {"burn_in": f.burn_in, "jump": f.jump, "mode": f.mode, "encoding": f.encoding,
                 "aggregation": f.aggregation, "min_clients": f.min_clients,
-                "spec_hash": self.spec_hash, "clients": f.clients} | self.profile
+                "spec_hash": self.spec_hash, "clients": f.clients} | self.profile | (
+                    self.backpressure.fields() if self.backpressure.enabled else {})
         self._publish(self.topics.config, encode(Message("config", body), fleet=self.cfg.mqtt.fleet,
                                                  sender=SENDER), retain=True)
 
@@ -158,7 +166,8 @@ class AggregatorDaemon:
                 "active": sorted(self.agg.active), "done": sorted(self.done),
                 "counters": dict(self.agg.counters) | self._shed(), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]} | (
-                    self.results.status() if self.results is not None else {})
+                    self.results.status() if self.results is not None else {}) | (
+                    self.backpressure.fields() if self.backpressure.enabled else {})
 
     def _shed(self) -> dict[str, int]:
         return {"rejected_inbox_full": self.inbox.shed} if self.inbox.shed else {}
@@ -256,6 +265,17 @@ class AggregatorDaemon:
         if self.cfg.fed.mode == "sync":
             self._answer(closed)
 
+    def _pressure(self) -> None:
+        """Update the backpressure factor from the inbox's last interval; a changed factor is
+        re-published on the retained config (devices follow it there)."""
+        if not self.backpressure.enabled:
+            return
+        before = self.backpressure.factor
+        if self.backpressure.update(self.inbox.load()) != before:
+            log.info("backpressure %.2f (%s)", self.backpressure.factor,
+                     self.backpressure.reason or "load fell")
+            self._publish_config()
+
     def subscriptions(self) -> list[str]:
         """What the daemon listens to: device updates and statuses, operator control."""
         return [self.topics.updates, self.topics.statuses, self.topics.control]
@@ -301,6 +321,7 @@ class AggregatorDaemon:
                 self._closed(self.agg.poll(now))
             self._closed(self.agg.expire(now))
             if now >= next_status:
+                self._pressure()
                 self._publish_status()
                 next_status = now + self.status_every
             if self.results.check_done(self.done, self.agg.active, self):

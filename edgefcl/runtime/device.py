@@ -29,6 +29,7 @@ from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.metrics import forgetting
+from edgefcl.runtime.backpressure import Pacer, advertised
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.statefiles import save_json
@@ -105,6 +106,11 @@ class DeviceRunner:
         self.aggregator_state: dict | None = None
         self.join_timeout = 60.0
         self.started = time.time()  # an aggregator refusal older than this is from a past run
+        # async: the aggregator's backpressure (retained config, and its status while this
+        # device follows it) stretches the jump: one due update in `factor` is sent
+        self.pacer = Pacer()
+        if cfg.fed.mode == "async":
+            client.pace = self.pacer.take
 
     # -- inbound --------------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -142,8 +148,11 @@ class DeviceRunner:
                 self._on_global(topic, msg)
             elif isinstance(msg, Message) and msg.kind == "config":
                 self.fleet_config = msg.body
+                self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
             elif isinstance(msg, Message) and msg.kind == "status":
                 self.aggregator_state = msg.body
+                if "backpressure" in msg.body:
+                    self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
             elif isinstance(msg, Message) and msg.kind == "answer":
                 self.answers[int(msg.body["tick"])] = msg.body
             elif isinstance(msg, Message) and msg.kind == "control":
@@ -310,6 +319,7 @@ class DeviceRunner:
         self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-{self.cid}",
                               will=(self.topics.status(self.cid), offline, 1, True),
                               connect=False)
+        sync = self.cfg.fed.mode == "sync"
         # QoS 0: only the newest global matters. It is retained, so every (re)subscription on
         # (re)connect delivers it; with QoS 1 the broker would queue every global published
         # while the device was offline and replay them all over its (slow) link first.
@@ -319,8 +329,9 @@ class DeviceRunner:
             self.link.subscribe(self.topics.global_delta, self._on_message)
         self.link.subscribe(self.topics.tick, self._on_message)
         self.link.subscribe(self.topics.control, self._on_message)
-        if self.join_profile is not None:
+        if self.join_profile is not None or not sync:  # async: backpressure on the config
             self.link.subscribe(self.topics.config, self._on_message)
+        if self.join_profile is not None:
             self.link.subscribe(self.topics.aggregator_status, self._on_message)
         if self.source is None:
             self.link.subscribe(self.topics.stream(self.cid), self._on_message)
@@ -330,7 +341,6 @@ class DeviceRunner:
         self._status("online")
         log.info("%s online on %s (fleet %s, mode %s)", self.cid, self.cfg.mqtt.broker,
                  self.cfg.mqtt.fleet, self.cfg.fed.mode)
-        sync = self.cfg.fed.mode == "sync"
         try:
             for batch in self._stream():
                 self.before_batch(batch)
@@ -407,7 +417,7 @@ class DeviceRunner:
                "timings": dict(c.timings), "link": self.link.counters() if self.link else {},
                "rejected": self.rejected, "rejections": dict(self.rejections),
                "duplicate_batches": self.duplicates,
-               "catch_ups": self.catch_ups}
+               "catch_ups": self.catch_ups, "held_backpressure": self.pacer.held}
         if len(self.acc):
             acc = np.nan_to_num(self.acc)
             out["accuracy"] = float(100 * acc[-1].mean())

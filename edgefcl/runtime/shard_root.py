@@ -31,6 +31,7 @@ class RootDaemon(AggregatorDaemon):
     aggregator_class = ShardRoot
     agg: ShardRoot
     payload_from_model = False
+    backpressure_from_inbox = False
 
     def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
                  workers: frozenset[str], **kw) -> None:

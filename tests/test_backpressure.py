@@ -1,0 +1,185 @@
+"""Backpressure: the factor an overloaded aggregator advertises (hand-computed), the inbox load
+it is computed from, and devices that send one due update in `factor` under it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from edgefcl.build import make_client, prepare
+from edgefcl.config import RunConfig, apply
+from edgefcl.data.workload import client_stream
+from edgefcl.federation.aggregator import Aggregator
+from edgefcl.runtime.backpressure import Backpressure, Load, Pacer, advertised
+from edgefcl.runtime.device import DeviceRunner
+from edgefcl.runtime.inbox import Inbox
+from edgefcl.runtime.links import NullLink, topics
+from edgefcl.transport.codec import Message, encode
+
+
+def test_factor_rises_with_the_overload_settles_and_decays_to_one():
+    bp = Backpressure(max_factor=8)
+    # shed 100 of 300 offered while 150 were taken: ratio 300 / 150 = 2 -> 1 x 2
+    assert bp.update(Load(offered=300, shed=100, taken=150, fill=0.9)) == 2.0
+    assert bp.reason == "shed"
+    # the interval after a rise is not measured: the same overload leaves 2
+    assert bp.update(Load(offered=300, shed=100, taken=150, fill=0.9)) == 2.0
+    # now measured: arrivals 1.5 x the folds, nothing shed, fill 0.3 -> 2 x 1.5 = 3 ("behind")
+    assert bp.update(Load(offered=150, shed=0, taken=100, fill=0.3)) == 3.0
+    assert bp.reason == "behind"
+    bp.update(Load(offered=0, shed=0, taken=0, fill=0.0))  # settling after the rise
+    # fill 0.6 >= 0.5 but arrivals = folds: one STEP, 3 x 1.25 = 3.75 ("fill")
+    assert bp.update(Load(offered=100, shed=0, taken=100, fill=0.6)) == 3.75
+    assert bp.reason == "fill"
+    bp.update(Load(offered=100, shed=0, taken=100, fill=0.0))  # settling
+    # in the band (fill 0.1 .. 0.5, arrivals <= 1.1 x folds): it holds
+    assert bp.update(Load(offered=105, shed=0, taken=100, fill=0.2)) == 3.75
+    # the load falls: x 0.9 per interval, 3.75 -> 3.38 -> 3.04 ..., never below 1
+    assert bp.update(Load(offered=50, shed=0, taken=50, fill=0.01)) == 3.38
+    assert bp.update(Load(offered=50, shed=0, taken=50, fill=0.01)) == 3.04
+    for _ in range(30):
+        bp.update(Load(offered=10, shed=0, taken=10, fill=0.0))
+    assert bp.factor == 1.0 and bp.reason == "" and bp.fields() == {
+        "backpressure": 1.0, "backpressure_reason": ""}
+
+
+def test_factor_is_bounded_and_off_at_one():
+    bp = Backpressure(max_factor=4)
+    assert bp.update(Load(offered=1000, shed=900, taken=100, fill=1.0)) == 4.0  # 10x -> cap 4
+    off = Backpressure(max_factor=1)
+    assert not off.enabled
+    assert off.update(Load(offered=1000, shed=900, taken=100, fill=1.0)) == 1.0
+    # an idle aggregator (nothing offered, nothing taken) stays at 1
+    idle = Backpressure(max_factor=8)
+    assert idle.update(Load(offered=0, shed=0, taken=0, fill=0.0)) == 1.0
+
+
+def test_inbox_reports_its_load_per_interval():
+    box = Inbox(max_bytes=100)
+    assert box.put("t", b"x" * 60) and box.put("t", b"y" * 30)
+    assert not box.put("t", b"z" * 20)  # 110 > 100: shed
+    assert box.get(0.1) == ("t", b"x" * 60)
+    time.sleep(0.05)
+    load = box.load()
+    assert (load.offered, load.shed, load.taken) == (3, 1, 1)
+    assert 0.0 < load.fill <= 0.9
+    time.sleep(0.05)
+    later = box.load()  # a new interval: nothing happened, 30 of 100 bytes held throughout
+    assert (later.offered, later.shed, later.taken) == (0, 0, 0)
+    assert later.fill == pytest.approx(0.3)
+
+
+def test_advertised_factor_is_clamped_and_malformed_means_one():
+    assert advertised({"backpressure": 2.5}, 8) == 2.5
+    assert advertised({"backpressure": 50}, 8) == 8
+    assert advertised({"backpressure": 0.2}, 8) == 1.0
+    for bad in ("2", None, float("nan"), float("inf"), True, [2]):
+        assert advertised({"backpressure": bad}, 8) == 1.0
+    assert advertised({}, 8) == advertised(None, 8) == 1.0
+
+
+def test_pacer_sends_one_in_factor():
+    p = Pacer()
+    assert [p.take() for _ in range(4)] == [True] * 4
+    p.factor = 2.0
+    assert [p.take() for _ in range(6)] == [False, True] * 3
+    p.factor = 1.5  # fractional: 2 of every 3
+    assert sum(p.take() for _ in range(30)) == 20
+    assert p.held == 3 + 10
+
+
+@pytest.fixture(scope="module")
+def setup_cfg():
+    cfg = apply(RunConfig(), {"data": {"tasks": 2, "classes_per_task": 2}, "quiet": True,
+                              "mqtt": {"fleet": "g"}, "fed": {"mode": "async"}})
+    return cfg, prepare(cfg, 0)
+
+
+def _sent_updates(setup_cfg, status: dict | None, mode: str = "async"):
+    """The updates a device sends over its stream, after the aggregator's status `status`."""
+    _, setup = setup_cfg
+    cfg = apply(RunConfig(), {"data": {"tasks": 2, "classes_per_task": 2}, "quiet": True,
+                              "mqtt": {"fleet": "g"},
+                              "fed": {"mode": mode, "jump": 1, "burn_in": 1}})
+    r = DeviceRunner(cfg, make_client(cfg, setup, 0, "fedavg", 0))
+    r.link = NullLink()
+    if status is not None:
+        r._on_message(topics(cfg.mqtt).aggregator_status,
+                      encode(Message("status", status), fleet="g", sender="aggregator"))
+    sent = []
+    for batch in client_stream(cfg, setup.tasks[0], 0, 0):
+        upd = r.client.step(batch)
+        if upd is not None:
+            sent.append(upd)
+    return r, sent
+
+
+def test_a_device_under_backpressure_2_sends_half_as_often(setup_cfg):
+    _, free = _sent_updates(setup_cfg, {"state": "online", "backpressure": 1.0})
+    r, slowed = _sent_updates(setup_cfg, {"state": "online", "backpressure": 2.0})
+    assert len(free) >= 8
+    assert len(slowed) == len(free) // 2 and r.pacer.held == len(free) - len(slowed)
+    r.link = None  # results without link counters
+    assert r.results()["held_backpressure"] == r.pacer.held
+    # the held ones consumed their sequence numbers: what is sent is new, plausible progress
+    assert [u.seq for u in slowed] == [u.seq for u in free][1::2]
+    agg = Aggregator(r.client.base, r.cfg.fed, batch_size=r.cfg.data.batch_size)
+    for u in slowed:
+        agg.submit(u, now=0.0)
+    assert agg.counters["accepted"] == len(slowed), dict(agg.counters)
+
+
+def test_lock_step_devices_ignore_backpressure(setup_cfg):
+    _, free = _sent_updates(setup_cfg, None, mode="sync")
+    r, sync = _sent_updates(setup_cfg, {"state": "online", "backpressure": 4.0}, mode="sync")
+    assert r.client.pace is None and len(sync) == len(free)
+
+
+def _daemon(tmp_path, mode: str):
+    import numpy as np
+
+    from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+
+    class Sink(NullLink):
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, dict]] = []
+
+        def publish(self, topic, payload, qos=1, retain=False, wait=False) -> int:
+            import msgpack
+
+            self.sent.append((topic, msgpack.unpackb(payload, raw=False)))
+            return len(payload)
+
+    cfg = apply(RunConfig(), {"fed": {"clients": 3, "mode": mode}, "quiet": True,
+                              "mqtt": {"fleet": "g", "max_payload": 1 << 20}})
+    d = AggregatorDaemon(cfg, {"w": np.zeros(4, np.float32)}, tmp_path / "state",
+                         inbox_bytes=1000)
+    d.link = Sink()
+    return d
+
+
+def test_an_overloaded_daemon_republishes_its_config_with_the_factor(tmp_path):
+    d = _daemon(tmp_path, "async")
+    tp = topics(d.cfg.mqtt)
+    d.inbox.load()
+    for _ in range(10):  # 10 x 400 B offered to a 1,000 B inbox: 2 queued, 8 shed, 1 taken
+        d.inbox.put(tp.update("a"), b"x" * 400)
+    d.inbox.get(0.1)
+    d._pressure()
+    (config,) = [b for t, b in d.link.sent if t == tp.config]
+    assert config["backpressure"] == 8.0 and config["backpressure_reason"] == "shed"  # 10 / 1
+    assert d.status()["backpressure"] == 8.0
+    d.link.sent.clear()
+    d._pressure()  # settling: the factor holds, nothing re-published
+    assert not d.link.sent
+
+
+def test_lock_step_daemon_advertises_no_backpressure(tmp_path):
+    d = _daemon(tmp_path, "sync")
+    for _ in range(10):
+        d.inbox.put("x", b"x" * 400)
+    d._pressure()
+    d._publish_config()
+    (config,) = [b for _, b in d.link.sent]
+    assert "backpressure" not in config and "backpressure" not in d.status()
