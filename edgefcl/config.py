@@ -195,6 +195,9 @@ class FedConfig:
                         "to close at round_timeout (0: min_clients alone), so that a few "
                         "clients that report first cannot own a round")
     max_staleness: int = opt(3, "async: drop updates based on globals this many versions old")
+    round_max_mib: float = opt(64.0, "async: a round also closes as soon as the updates it "
+                               "holds reach this many MiB (a FedBuff-style buffer that bounds "
+                               "the aggregator's memory under load; 0: no bound)")
     max_backpressure: float = opt(8.0, "async: the most an overloaded aggregator stretches its "
                                   "devices' jump (backpressure factor on the retained config "
                                   "and status; 1: off)")
@@ -450,6 +453,7 @@ def validate(cfg: RunConfig) -> None:
         (0 <= f.mix <= 1, "mix must be in [0, 1]"),
         (f.min_clients >= 1, "min_clients must be >= 1"),
         (0 <= f.quorum <= 1, "quorum must be in [0, 1] (a share of the active clients)"),
+        (f.round_max_mib >= 0, "round_max_mib must be >= 0 (0: no bound)"),
         (f.mode in ("sync", "async"), "mode must be sync or async"),
         (0 <= f.topk <= 1, "topk must be in [0, 1] (fraction of entries sent)"),
         (f.threshold >= 0, "threshold must be >= 0"),

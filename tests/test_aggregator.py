@@ -173,3 +173,30 @@ def test_the_quorum_shrinks_with_the_active_set():
     assert agg.poll(now=2.0) is None  # 1 of 4
     assert agg.leave("b", now=2.1) is None  # 1 of 3
     assert agg.leave("c", now=2.2) is not None  # 1 of 2
+
+
+def test_a_full_async_round_closes_before_the_timeout():
+    """`round_max_mib` bounds what an open round holds: 3 updates of 8 bytes reach a 24-byte
+    buffer and close the round at once, with 6 active clients and no timeout; a replaced
+    update is counted once."""
+    agg = make("async", round_timeout=100.0, min_clients=2, quorum=0.5, clients=6,
+               round_max_mib=24 / 2**20)
+    for cid in "abcdef":
+        agg.join(cid, now=0.0)
+    assert agg.submit(upd("a", 1.0), now=0.0) is None
+    assert agg.submit(upd("a", 2.0, seq=2, batch=6), now=0.1) is None  # replaces: 8 bytes held
+    assert agg.submit(upd("b", 1.0), now=0.2) is None  # 16 bytes
+    closed = agg.submit(upd("c", 1.0), now=0.3)  # 24 bytes: full
+    assert closed is not None and closed.participants == ("a", "b", "c")
+    assert agg.counters["closed_full"] == 1 and agg.counters["replaced"] == 1
+    assert agg._round.nbytes == 0
+
+
+def test_no_buffer_bound_waits_for_the_quorum():
+    agg = make("async", round_timeout=100.0, min_clients=2, quorum=0.5, clients=6,
+               round_max_mib=0.0)
+    for cid in "abcdef":
+        agg.join(cid, now=0.0)
+    for cid in "abcde":
+        assert agg.submit(upd(cid, 1.0), now=0.1) is None
+    assert agg.counters["closed_full"] == 0

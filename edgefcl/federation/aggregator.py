@@ -43,6 +43,12 @@ class _Round:
     """At most one update per client: a newer one replaces it."""
     reported: set[str] = field(default_factory=set)
     opened_at: float | None = None
+    nbytes: int = 0
+    """Bytes of the tensors of `updates` (async rounds close at `round_max_mib`)."""
+
+
+def _nbytes(update: Update) -> int:
+    return sum(np.asarray(t).nbytes for t in update.tensors.values())
 
 
 class Aggregator:
@@ -56,7 +62,9 @@ class Aggregator:
     Async: a round closes when `min_clients` updates are in and every active client has
     reported, or once `round_timeout` seconds passed (`poll`) and the updates also come from
     at least a `quorum` share of the active clients (so that `min_clients` clients that report
-    first cannot own a round; clients that leave or go silent stop counting). A round keeps at
+    first cannot own a round; clients that leave or go silent stop counting), or as soon as
+    the updates it holds reach `round_max_mib` (a buffer that bounds memory under load: as
+    many distinct clients as it takes updates to fill it). A round keeps at
     most one update per client (a newer one replaces the older) and the quorum counts distinct
     clients; the updates are aggregated in client-id order when the round closes.
 
@@ -174,7 +182,9 @@ class Aggregator:
             self.counters["accepted"] += 1
             if msg.client in rnd.updates:
                 self.counters["replaced"] += 1  # one update per client and round: the newest
+                rnd.nbytes -= _nbytes(rnd.updates[msg.client])
             rnd.updates[msg.client] = msg
+            rnd.nbytes += _nbytes(msg)
         else:
             self.counters["ticks"] += 1
         return self._maybe_close(now)
@@ -193,6 +203,9 @@ class Aggregator:
         if len(rnd.updates) < self.fed.min_clients:
             return None
         if self.active <= rnd.reported:
+            return self._close_round(None)
+        if self.fed.round_max_mib and rnd.nbytes >= self.fed.round_max_mib * (1 << 20):
+            self.counters["closed_full"] += 1  # bounded memory: the buffer is full
             return self._close_round(None)
         timed_out = (now is not None and rnd.opened_at is not None
                      and now - rnd.opened_at >= self.fed.round_timeout)
