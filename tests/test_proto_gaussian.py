@@ -125,6 +125,18 @@ def test_the_aggregator_floors_a_tiny_sigma_and_checks_the_kind():
     assert dense.counters["rejected_prototype_sigma"] == 1
 
 
+def test_the_global_library_stays_within_what_devices_accept():
+    # a previous row at -1e6 mixed with a new one at +1e6, sigmas 1e5: the mixture's sigma
+    # would be sqrt(1e10 + 1e12) = 1.005e6 (above MAX_ROW_ABS, a global every device
+    # refuses); it is clamped there
+    prev = gtable(["x"], [-1e6], [1e5], [1])
+    out = average_tables([gtable(["x"], [1e6], [1e5], [1])], prev, 0.5)
+    assert check_table(out, 1) is None and out.sigmas[0, 0] == np.float32(1e6)
+    tiny = average_tables([gtable(["x"], [0.0], [1e-5], [1])] * 3,
+                          PrototypeTable.empty(1, gaussian=True), 0.5)
+    assert tiny.sigmas[0, 0] >= np.float32(1e-5)  # conflated below 1e-5: published at it
+
+
 # -- validation: codec, check_table, device, store -----------------------------------------
 def test_codec_round_trips_and_bounds_sigmas():
     t = gtable(["a", "b"], np.arange(6), np.arange(1, 7), [4, 5])

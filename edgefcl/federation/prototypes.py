@@ -192,7 +192,8 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
                                      np.ones_like(new_rows)])
         mu_mix, s_mix = _mix_gaussian(mean, sigma, out_rows[at], out_sigmas[at], mix_weight)
         out_rows[at] = np.where(had[:, None], mu_mix, mean)
-        out_sigmas[at] = np.maximum(np.where(had[:, None], s_mix, sigma), SIGMA_MIN)
+        # within what devices accept: a mixture of rows 2e6 apart has a sigma above 1e6
+        out_sigmas[at] = np.clip(np.where(had[:, None], s_mix, sigma), SIGMA_MIN, MAX_ROW_ABS)
     else:
         out_rows[at] = np.where(had[:, None],
                                 mix_weight * mean + (1 - mix_weight) * out_rows[at], mean)
