@@ -58,11 +58,13 @@ def initial_global(cfg: RunConfig, setup: Setup) -> Tensors:
     return global_tensors(setup.initial, cfg.fed.encoding)
 
 
-def initial_prototypes(setup: Setup) -> PrototypeTable | None:
-    """The first global prototype library (empty, of the run's row width), or None for a
-    fixed head."""
+def initial_prototypes(setup: Setup, encoding: str = "dense") -> PrototypeTable | None:
+    """The first global prototype library (empty, of the run's row width; Gaussian rows with
+    the gaussian encoding), or None for a fixed head."""
     model = setup.initial
-    return PrototypeTable.empty(model.dim + 1) if isinstance(model, ProtoNet) else None
+    if not isinstance(model, ProtoNet):
+        return None
+    return PrototypeTable.empty(model.dim + 1, encoding == "gaussian")
 
 
 def for_method(cfg: RunConfig, method: str) -> RunConfig:
@@ -92,7 +94,8 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
                  if spec.memory == "balanced-score" else None)
     encoder = get_encoding(fed.encoding).make_encoder(fed)
     protos = (PrototypeHead(model, learn.optimizer, learn.lr, device, learn.warmup_steps,
-                            not learn.prototypes_local)
+                            not learn.prototypes_local,
+                            learn.bayes_sigma if fed.encoding == "gaussian" else None)
               if isinstance(model, ProtoNet) else None)
     learner = Learner(cid, model, learn, data_kind, device, opt,
                       torch.Generator().manual_seed(seed), memory, spec.score, perturber,

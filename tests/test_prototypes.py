@@ -247,7 +247,7 @@ def run_fleet(method="bi", encoding="dense", share=True):
     clients = [new_client(f"c{k}", copy.deepcopy(model), learn, fed, ds.kind, seed=k)
                for k in range(3)]
     agg = Aggregator(global_tensors(model, encoding), fed,
-                     prototypes=PrototypeTable.empty(model.dim + 1))
+                     prototypes=PrototypeTable.empty(model.dim + 1, encoding == "gaussian"))
     for c in clients:
         agg.join(c.cid)
     x9, y9 = x_test[y_test == 9], names[y_test[y_test == 9]]
@@ -436,12 +436,17 @@ def test_fixed_head_is_untouched_by_the_option():
 
 
 @pytest.mark.mqtt
-def test_lockstep_mqtt_reproduces_inprocess_with_prototypes(embedded_broker, tmp_path):
+@pytest.mark.parametrize("method", ["bi", "fedbnn"])  # fedbnn: Gaussian rows
+def test_lockstep_mqtt_reproduces_inprocess_with_prototypes(embedded_broker, tmp_path, method):
     from edgefcl.runtime.fleet import simulate_mqtt
     from edgefcl.simulate import simulate
 
-    cfg = small(mqtt={"broker": embedded_broker})
+    cfg = small(mqtt={"broker": embedded_broker}, learn={"method": method})
     local = simulate(cfg)
+    if method == "fedbnn":  # the library's sigmas are in global_sha256 (table_digest)
+        from edgefcl.build import for_method
+
+        assert for_method(cfg, method).fed.encoding == "gaussian"
     remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=tmp_path / "fleet")
     assert local.rounds > 0 and remote.rounds == local.rounds
     np.testing.assert_array_equal(remote.acc, local.acc)

@@ -277,3 +277,18 @@ def test_a_restarted_aggregator_keeps_the_prototype_library(tmp_path) -> None:
     assert res["global_sha256"] != global_sha256(g.tensors)
     assert (np.load(state_dir / "model.npz")["prototypes::rows"] == g.prototypes.rows).all()
     again.store.close()
+
+
+def test_a_gaussian_library_is_saved_with_its_sigmas_under_one_sha256(tmp_path) -> None:
+    glib = PrototypeTable(LIB.labels, LIB.rows, LIB.counts, np.full((2, 4), 0.5, np.float32))
+    s = fresh_store(tmp_path)
+    s.commit({"version": 0, "rounds": 0}, T, prototypes=glib)
+    state, tensors, library = s.load(SPEC, library_width=4, library_gaussian=True)
+    assert (library.sigmas == glib.sigmas).all()
+    assert s.published(0) == global_digest(T, glib) != global_digest(T, LIB)
+    other = PrototypeTable(LIB.labels, LIB.rows, LIB.counts, 2 * glib.sigmas)
+    with pytest.raises(StateError, match="other tensors"):  # same rows, other sigmas
+        s.commit({"version": 0, "rounds": 0}, T, prototypes=other)
+    with pytest.raises(StateError, match="Gaussian rows, this run point rows"):
+        s.load(SPEC, library_width=4)
+    s.close()

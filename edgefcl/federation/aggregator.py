@@ -244,21 +244,25 @@ class Aggregator:
 
     # -- prototype library (head prototypes; federation/prototypes.py) ---------------------
     def _check_prototypes(self, msg: Update) -> str | None:
-        """An update's library must match the global's row width; none where the run has no
-        library."""
+        """An update's library must match the global's row width and kind (Gaussian rows,
+        with sigmas, exactly where the global's are); none where the run has no library."""
         table = self.global_.prototypes
         if msg.prototypes is None:
             return None
         if table is None:
             return "prototypes"
-        return check_table(msg.prototypes, table.width)
+        reason = check_table(msg.prototypes, table.width)
+        if reason is None and msg.prototypes.gaussian != table.gaussian:
+            return "prototype_sigma"
+        return reason
 
     def _next_prototypes(self, updates: list[Update]) -> PrototypeTable | None:
         previous = self.global_.prototypes
         if previous is None:
             return None
         return average_tables([u.prototypes for u in updates if u.prototypes is not None],
-                              previous, self.fed.mix, self.fed.max_share, self.counters)
+                              previous, self.fed.mix, self.fed.max_share, self.counters,
+                              self.fed.sigma_floor)
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:

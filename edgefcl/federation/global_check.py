@@ -7,7 +7,8 @@ are finite and at most MAX_ABS in magnitude, BatchNorm variances and Gaussian si
 positive, and the version moves forward by at most `max_step`. APC globals may also carry the
 knowledge base (`<name>::kb`, shape (K, *shape)) and its ring position (`apc::kb_next`, an
 int64 scalar). A prototype library must pass `federation.prototypes.check_table` and MAX_ABS,
-and have the device's row width where the device merges it (`library_width`).
+and have the device's row width and kind (Gaussian rows with sigmas, or point rows) where the
+device merges it (`library_width`, `library_gaussian`).
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ def _optional(name: str, t: np.ndarray, expected: Spec) -> bool:
 
 def check_global(g: GlobalModel, expected: Spec, held_version: int,
                  max_step: int = MAX_VERSION_STEP,
-                 library_width: int | None = None) -> str | None:
+                 library_width: int | None = None,
+                 library_gaussian: bool = False) -> str | None:
     """The reason to reject global `g` (a whole one, deltas resolved), or None. A version at
     or below `held_version` may be valid (a retained global re-delivered); the caller simply
     does not merge it. `library_width`: the row width of the library the device merges the
-    global's into (None: the device does not merge one)."""
+    global's into (None: the device does not merge one); `library_gaussian`: whether that
+    library has Gaussian rows (the global's must then carry sigmas, and only then)."""
     if g.version < 0 or g.version - held_version > max_step:
         return "version-jump"
     if any(k not in g.tensors for k in expected):
@@ -69,4 +72,6 @@ def check_global(g: GlobalModel, expected: Spec, held_version: int,
         reason = check_table(g.prototypes, library_width)  # MAX_ROW_ABS = MAX_ABS
         if reason is not None:
             return reason
+        if library_width is not None and g.prototypes.gaussian != library_gaussian:
+            return "prototype_sigma"
     return check_variances({k: g.tensors[k] for k in expected})

@@ -6,6 +6,15 @@ the labels they trained on; the aggregator averages the rows per label, weighted
 label's samples, mixes each with the previous global's row of the same label (the same
 smoothing as the other tensors) and publishes the whole library with the global, so a device
 learns of labels it has never met.
+
+Gaussian libraries (encoding gaussian): every row also has a sigma row (`sigmas`, > 0, the
+rows' shape; the device keeps rho = softplus^-1(sigma), as the Bayesian layers do). A label's
+rows are then combined as Gaussians (`combine_gaussian`): sample-weighted conflation (each
+sender's precision scaled by its share-capped sample weight, so equal counts give plain
+conflation) after the sigma floor of the robust rules (`fed.sigma_floor` x the median sigma of
+the label's senders, three senders or more), then the moment-matched mixture with the previous
+global's row (`federation.gaussian.mix_gaussian`). Point libraries have `sigmas` None and are
+unchanged.
 """
 
 from __future__ import annotations
@@ -32,23 +41,34 @@ device would reject the global)."""
 LABELS_KEY, ROWS_KEY, COUNTS_KEY = "prototypes::labels", "prototypes::rows", "prototypes::counts"
 """Names of the library's arrays where it is saved next to a global's tensors (the aggregator's
 state, global.npz): labels as UTF-8 JSON bytes (exact round trip of any name), rows, counts."""
+SIGMAS_KEY = "prototypes::sigmas"
+"""The sigma rows of a Gaussian library (absent for point libraries)."""
+SIGMA_MIN = 1e-5
+"""Smallest sigma published (`federation.gaussian.SIGMA_MIN`)."""
 
 
 @dataclass(frozen=True)
 class PrototypeTable:
-    """Label names, their rows (n, width) float32 and their sample counts (n,) int64."""
+    """Label names, their rows (n, width) float32 and their sample counts (n,) int64; a
+    Gaussian library also has the rows' sigmas (n, width) float32 > 0 (None: point rows)."""
 
     labels: tuple[str, ...]
     rows: np.ndarray
     counts: np.ndarray
+    sigmas: np.ndarray | None = None
 
     @property
     def width(self) -> int:
         return int(self.rows.shape[1])
 
+    @property
+    def gaussian(self) -> bool:
+        return self.sigmas is not None
+
     @classmethod
-    def empty(cls, width: int) -> PrototypeTable:
-        return cls((), np.zeros((0, width), np.float32), np.zeros(0, np.int64))
+    def empty(cls, width: int, gaussian: bool = False) -> PrototypeTable:
+        return cls((), np.zeros((0, width), np.float32), np.zeros(0, np.int64),
+                   np.zeros((0, width), np.float32) if gaussian else None)
 
     def row_of(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.labels)}
@@ -66,16 +86,18 @@ def feature_width(tensors: dict[str, np.ndarray]) -> int:
 
 
 def initial_library(cfg: RunConfig, initial: dict[str, np.ndarray]) -> PrototypeTable | None:
-    """The first global library of a run (empty), or None for a fixed head."""
+    """The first global library of a run (empty; Gaussian with the gaussian encoding), or None
+    for a fixed head."""
     if resolve_head(cfg.learn.head, cfg.learn.method) != "prototypes":
         return None
-    return PrototypeTable.empty(feature_width(initial))
+    return PrototypeTable.empty(feature_width(initial), cfg.fed.encoding == "gaussian")
 
 
 def check_table(table: object, width: int | None) -> str | None:
     """Reason to reject a library from a device (None: acceptable). Bounds first (count, name
-    length), then types, shapes, duplicates, finiteness, magnitude (MAX_ROW_ABS) and counts
-    (0..MAX_COUNT); `width` None skips the width check."""
+    length), then types, shapes, duplicates, finiteness, magnitude (MAX_ROW_ABS), counts
+    (0..MAX_COUNT) and sigmas when present (float32 of the rows' shape, finite, in
+    (0, MAX_ROW_ABS]); `width` None skips the width check."""
     if not isinstance(table, PrototypeTable):
         return "prototypes"
     labels, rows, counts = table.labels, table.rows, table.counts
@@ -99,23 +121,42 @@ def check_table(table: object, width: int | None) -> str | None:
         return "range"
     if (counts < 0).any() or (counts > MAX_COUNT).any():
         return "prototype_count"
+    sigmas = table.sigmas
+    if sigmas is None:
+        return None
+    if not isinstance(sigmas, np.ndarray) or sigmas.shape != rows.shape:
+        return "prototype_shape"
+    if sigmas.dtype != np.float32:
+        return "prototype_dtype"
+    if not np.isfinite(sigmas).all():
+        return "nonfinite"
+    if not (sigmas > 0).all():
+        return "sigma"
+    if sigmas.size and sigmas.max() > MAX_ROW_ABS:
+        return "range"
     return None
 
 
 def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
                    mix_weight: float, max_share: float = 1.0,
-                   counters: Counter | None = None) -> PrototypeTable:
+                   counters: Counter | None = None,
+                   sigma_floor: float = 0.0) -> PrototypeTable:
     """The next global library: per label, the sample-weighted mean of the rows sent (labels
     with zero samples in this round weigh equally), mixed `mix_weight : 1 - mix_weight` with the
     previous global's row where the label already had one; labels nobody sent keep their row.
     Per label, the rows' sample weights are share-capped first (`robust.share.capped_groups`:
     `max_share`, 0 = twice an equal share of the label's senders, >= 1 off; the global counts
     the capped weights; `counters["prototype_share_capped"]` counts capped rows).
+    A Gaussian library (`previous.sigmas` set; every table sent must be Gaussian) combines the
+    rows with `combine_gaussian` (sigma floor `sigma_floor`) and mixes on both moments.
     Labels keep the previous order, new ones follow in sorted order (deterministic); past
     MAX_LABELS the newest are left out."""
     sent = [t for t in tables if t.labels]
     if not sent:
         return previous
+    gaussian = previous.sigmas is not None
+    if gaussian and any(t.sigmas is None for t in sent):
+        raise ValueError("a point prototype table in a Gaussian library's round")
     labels = np.array([s for t in sent for s in t.labels], dtype=object)
     rows = np.concatenate([t.rows for t in sent]).astype(np.float64)
     counts = np.concatenate([t.counts for t in sent]).astype(np.float64)
@@ -128,35 +169,94 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     weight = np.bincount(inverse, weights=counts, minlength=len(names))
     equal = weight[inverse] <= 0  # a label nobody counted: plain mean of its rows
     w = np.where(equal, 1.0, counts)
-    sums = np.zeros((len(names), rows.shape[1]))
-    np.add.at(sums, inverse, w[:, None] * rows)
-    mean = sums / np.bincount(inverse, weights=w, minlength=len(names))[:, None]
+    if gaussian:
+        sigmas = np.concatenate([t.sigmas for t in sent]).astype(np.float64)  # type: ignore
+        mean, sigma = combine_gaussian(rows, sigmas, w, inverse, len(names), sigma_floor,
+                                       counters)
+    else:
+        sums = np.zeros((len(names), rows.shape[1]))
+        np.add.at(sums, inverse, w[:, None] * rows)
+        mean = sums / np.bincount(inverse, weights=w, minlength=len(names))[:, None]
     old = previous.row_of()
     out_labels = list(previous.labels) + [str(n) for n in names if n not in old]
-    out_rows = np.concatenate([previous.rows.astype(np.float64),
-                               np.zeros((len(out_labels) - len(old), rows.shape[1]))])
+    new_rows = np.zeros((len(out_labels) - len(old), rows.shape[1]))
+    out_rows = np.concatenate([previous.rows.astype(np.float64), new_rows])
     out_counts = np.concatenate([previous.counts.astype(np.int64),
                                  np.zeros(len(out_labels) - len(old), np.int64)])
     index = {n: i for i, n in enumerate(out_labels)}
     at = np.array([index[str(n)] for n in names])  # one lookup per label, not per sample
     had = np.array([str(n) in old for n in names])
-    out_rows[at] = np.where(had[:, None], mix_weight * mean + (1 - mix_weight) * out_rows[at],
-                            mean)
+    out_sigmas = None
+    if gaussian:
+        out_sigmas = np.concatenate([previous.sigmas.astype(np.float64),  # type: ignore
+                                     np.ones_like(new_rows)])
+        mu_mix, s_mix = _mix_gaussian(mean, sigma, out_rows[at], out_sigmas[at], mix_weight)
+        out_rows[at] = np.where(had[:, None], mu_mix, mean)
+        # within what devices accept: a mixture of rows 2e6 apart has a sigma above 1e6
+        out_sigmas[at] = np.clip(np.where(had[:, None], s_mix, sigma), SIGMA_MIN, MAX_ROW_ABS)
+    else:
+        out_rows[at] = np.where(had[:, None],
+                                mix_weight * mean + (1 - mix_weight) * out_rows[at], mean)
     added = np.rint(np.minimum(weight, MAX_COUNT))  # capped weights need not be whole
     out_counts[at] = np.minimum(out_counts[at] + added, MAX_COUNT).astype(np.int64)
     keep = min(len(out_labels), MAX_LABELS)  # the global stays within what devices accept
     return PrototypeTable(tuple(out_labels[:keep]), out_rows[:keep].astype(np.float32),
-                          out_counts[:keep])
+                          out_counts[:keep],
+                          None if out_sigmas is None else out_sigmas[:keep].astype(np.float32))
+
+
+def combine_gaussian(mu: np.ndarray, sigma: np.ndarray, weight: np.ndarray,
+                     groups: np.ndarray, n_groups: int, sigma_floor: float = 0.0,
+                     counters: Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per group (label), the sample-weighted conflation of its rows N(mu_k, sigma_k^2):
+    precision = sum_k r_k / sigma_k^2, mean = sum_k (r_k / sigma_k^2) mu_k / precision, with
+    r_k = weight_k * n / sum_j weight_j over the group's n senders (equal weights: r = 1, plain
+    conflation, VFCL Eq. 11). First, in groups of three senders or more, every sigma is raised
+    to at least `sigma_floor` x the group's median sigma of that entry (robust/sigma_floor.py:
+    a sender cannot take the precision with a tiny sigma; `counters["prototype_sigma_floored"]`
+    counts the raised entries). Returns (mean, sigma) per group, float64."""
+    mu, sigma = np.asarray(mu, np.float64), np.asarray(sigma, np.float64).copy()
+    size = np.bincount(groups, minlength=n_groups)
+    if sigma_floor > 0:
+        for g in np.flatnonzero(size >= 3):  # loops over labels, not rows
+            members = np.flatnonzero(groups == g)
+            floor = sigma_floor * np.median(sigma[members], axis=0)
+            low = sigma[members] < floor
+            if counters is not None:
+                counters["prototype_sigma_floored"] += int(low.sum())
+            sigma[members] = np.maximum(sigma[members], floor)
+    total = np.bincount(groups, weights=weight, minlength=n_groups)
+    r = weight * size[groups] / total[groups]
+    prec_k = r[:, None] / np.square(sigma)
+    prec = np.zeros((n_groups, mu.shape[1]))
+    eta = np.zeros_like(prec)
+    np.add.at(prec, groups, prec_k)
+    np.add.at(eta, groups, prec_k * mu)
+    return eta / prec, 1.0 / np.sqrt(prec)
+
+
+def _mix_gaussian(mu_new: np.ndarray, s_new: np.ndarray, mu_prev: np.ndarray,
+                  s_prev: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """Moment-matched mixture weight N(new) + (1 - weight) N(prev), as
+    `federation.gaussian.mix_gaussian` (not imported: that module imports this one's users)."""
+    mu = weight * mu_new + (1.0 - weight) * mu_prev
+    var = (weight * np.square(s_new) + (1.0 - weight) * np.square(s_prev)
+           + weight * (1.0 - weight) * np.square(mu_new - mu_prev))
+    return mu, np.sqrt(var)
 
 
 def table_arrays(table: PrototypeTable | None) -> dict[str, np.ndarray]:
-    """The library as named arrays (LABELS_KEY, ROWS_KEY, COUNTS_KEY); empty for None."""
+    """The library as named arrays (LABELS_KEY, ROWS_KEY, COUNTS_KEY and, for a Gaussian
+    library, SIGMAS_KEY); empty for None."""
     if table is None:
         return {}
     names = json.dumps(list(table.labels), ensure_ascii=False).encode()
-    return {LABELS_KEY: np.frombuffer(names, np.uint8).copy(),
-            ROWS_KEY: np.asarray(table.rows, np.float32),
-            COUNTS_KEY: np.asarray(table.counts, np.int64)}
+    out = {LABELS_KEY: np.frombuffer(names, np.uint8).copy(),
+           ROWS_KEY: np.asarray(table.rows, np.float32),
+           COUNTS_KEY: np.asarray(table.counts, np.int64)}
+    if table.sigmas is not None:
+        out[SIGMAS_KEY] = np.asarray(table.sigmas, np.float32)
+    return out
 
 
 def split_table(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
@@ -168,7 +268,7 @@ def split_table(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray]
     rest = {k: v for k, v in arrays.items() if k not in keys}
     if not keys:
         return rest, None
-    if keys != {LABELS_KEY, ROWS_KEY, COUNTS_KEY}:
+    if keys - {SIGMAS_KEY} != {LABELS_KEY, ROWS_KEY, COUNTS_KEY}:
         raise ValueError(f"a partial prototype library ({sorted(keys)})")
     raw = arrays[LABELS_KEY]
     if raw.dtype != np.uint8 or raw.ndim != 1:
@@ -179,7 +279,8 @@ def split_table(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray]
         raise ValueError("prototype labels are not UTF-8 JSON") from None
     if not isinstance(labels, list):
         raise ValueError("prototype labels are not a list")
-    table = PrototypeTable(tuple(labels), arrays[ROWS_KEY], arrays[COUNTS_KEY])
+    table = PrototypeTable(tuple(labels), arrays[ROWS_KEY], arrays[COUNTS_KEY],
+                           arrays.get(SIGMAS_KEY))
     reason = check_table(table, None)
     if reason is not None:
         raise ValueError(f"invalid prototype library ({reason})")
@@ -187,7 +288,8 @@ def split_table(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray]
 
 
 def table_digest(table: PrototypeTable) -> str:
-    """sha256 over the library's names, dtypes, shapes and bytes (labels in library order)."""
+    """sha256 over the library's names, dtypes, shapes and bytes (labels in library order;
+    a Gaussian library's sigmas included)."""
     h = hashlib.sha256()
     for k, v in sorted(table_arrays(table).items()):
         v = np.ascontiguousarray(v)

@@ -26,14 +26,16 @@ class PrototypeHead:
     counts): a function of the name alone, so no class list is needed up front."""
 
     def __init__(self, model: ProtoNet, optimizer: str, lr: float, device: torch.device,
-                 warmup_steps: int, share: bool) -> None:
+                 warmup_steps: int, share: bool, sigma: float | None = None) -> None:
         self.model = model
-        model.library = PrototypeLibrary(model.dim, optimizer, lr, device)
+        model.library = PrototypeLibrary(model.dim, optimizer, lr, device, sigma)
         self.by_id: dict[int, str] = {}
         self.warmup_steps = warmup_steps
         self.share = share
         self.sent: PrototypeTable | None = None
         self.warmups = 0  # batches that began with a warm-up (a new label)
+        self.live: tuple[Tensor, Tensor, Tensor] | None = None
+        """Gaussian rows of the step in progress (idx, mu, rho leaves), for `row_kl`."""
 
     @property
     def library(self) -> PrototypeLibrary:
@@ -65,7 +67,8 @@ class PrototypeHead:
     # -- training -----------------------------------------------------------------------------
     def warmup(self, x: Tensor, y: Tensor) -> None:
         """New labels in the batch: `warmup_steps` steps on the batch's assembled classifier
-        with the extractor frozen (eval mode, no gradient)."""
+        with the extractor frozen (eval mode, no gradient). Gaussian rows: the means move,
+        rho does not (the extractor does not sample in eval mode, so neither do the rows)."""
         idx, target, new = self.rows_of(y)
         if new == 0 or self.warmup_steps <= 0:
             return
@@ -80,17 +83,39 @@ class PrototypeHead:
 
     def train_step(self, xb: Tensor, yb: Tensor, opt: torch.optim.Optimizer,
                    penalty: Callable[[], Tensor | None]) -> None:
-        """One step of extractor + assembled classifier (classes of `yb`: batch and replay)."""
+        """One step of extractor + assembled classifier (classes of `yb`: batch and replay).
+        Gaussian rows: the classifier is a draw mu + sigma * eps when the extractor samples
+        (after the extractor's draws, from its generator) and the method's penalty may add
+        `row_kl` (BayesHooks)."""
         idx, target, _ = self.rows_of(yb)
-        w = self.library.rows[idx].detach().requires_grad_()
-        loss = F.cross_entropy(self.library.logits(self.model.extractor(xb), w), target)
-        extra = penalty()
+        lib = self.library
+        w = mu = lib.rows[idx].detach().requires_grad_()
+        feats = self.model.extractor(xb)
+        rho = None
+        if lib.gaussian:
+            rho = lib.rho[idx].detach().requires_grad_()
+            draw, generator = self.model.sampling()
+            if draw:
+                w = lib.draw(mu, rho, generator)
+            self.live = (idx, mu, rho)
+        try:
+            loss = F.cross_entropy(lib.logits(feats, w), target)
+            extra = penalty()
+        finally:
+            self.live = None
         if extra is not None:
             loss = loss + extra
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        self.library.step(idx, w.grad)
+        lib.step(idx, mu.grad, rho.grad if rho is not None else None)
+
+    def row_kl(self) -> Tensor | None:
+        """KL( assembled Gaussian rows || their prior ) of the step in progress (None outside
+        a step or for point rows): the rows' part of the Bayesian prior term."""
+        if self.live is None:
+            return None
+        return self.library.kl(*self.live)
 
     def count(self, y: np.ndarray) -> None:
         labels, counts = np.unique(y, return_counts=True)
@@ -127,7 +152,8 @@ class PrototypeHead:
         self.warmups = int(state["warmups"])
         if snapshot is not None and state["snapshot"] is not None:
             snapshot.library = PrototypeLibrary(self.library.dim, self.library.optimizer,
-                                                self.library.lr, self.library.device)
+                                                self.library.lr, self.library.device,
+                                                self.library.sigma0)
             snapshot.library.load(state["snapshot"])
 
     # -- prediction ---------------------------------------------------------------------------

@@ -9,6 +9,11 @@ are prototypes kept in a table keyed by the label's name.
   class absent from a batch receives no push at all, the paper's point.
 - A label never seen gets an empty (zero) row; `warmup` trains the new rows with the extractor
   frozen before regular training.
+- Gaussian rows (encoding gaussian, `sigma` given): like the Bayesian layers, every row is a
+  mean row (`rows`) and a rho row (`rho`, sigma = softplus(rho), initialised from
+  `--bayes-sigma`), with its own optimiser state; a sampling pass (training, posterior draws)
+  uses mu + sigma * eps with eps from the extractor's generator, other passes the means. The
+  prior of a row (its KL term) is the last global's row, N(0, sigma0) before one.
 """
 
 from __future__ import annotations
@@ -17,10 +22,17 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgefcl.config import resolve_head  # noqa: F401  (re-exported)
-from edgefcl.federation.prototypes import MAX_LABEL_CHARS, MAX_LABELS, PrototypeTable
+from edgefcl.federation.prototypes import (
+    MAX_LABEL_CHARS,
+    MAX_LABELS,
+    SIGMA_MIN,
+    PrototypeTable,
+)
+from edgefcl.learn.bayes import bayesian_layers, kl_normal, softplus_inv
 
 HEADS = ("auto", "fixed", "prototypes")
 
@@ -51,21 +63,32 @@ def _head_slots(model: nn.Module) -> list[tuple[nn.Module, object]]:
 
 
 class PrototypeLibrary:
-    """Label name -> classifier row, with row-wise optimiser state (see the module doc)."""
+    """Label name -> classifier row, with row-wise optimiser state (see the module doc);
+    Gaussian rows with `sigma` (the initial sigma of a new row)."""
 
     def __init__(self, dim: int, optimizer: str = "adam", lr: float = 0.01,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", sigma: float | None = None) -> None:
         self.dim = dim
         self.optimizer = optimizer
         self.lr = lr
         self.device = torch.device(device)
+        self.sigma0 = sigma
         self.labels: list[str] = []
         self.index: dict[str, int] = {}
         self.rows = torch.zeros(0, dim + 1, device=self.device)
         self.m = torch.zeros_like(self.rows)
         self.v = torch.zeros_like(self.rows)
         self.t = torch.zeros(0, device=self.device)
+        if sigma is not None:  # Gaussian rows: rho, its Adam state and the rows' prior
+            self.rho, self.mr, self.vr = (torch.zeros_like(self.rows) for _ in range(3))
+            self.tr = torch.zeros(0, device=self.device)
+            self.prior_mu, self.prior_sigma = torch.zeros_like(self.rows), torch.zeros_like(
+                self.rows)
         self.counts: dict[str, int] = {}  # samples of each label this device trained on
+
+    @property
+    def gaussian(self) -> bool:
+        return self.sigma0 is not None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -91,35 +114,67 @@ class PrototypeLibrary:
         self.m = torch.cat([self.m, zeros])
         self.v = torch.cat([self.v, zeros])
         self.t = torch.cat([self.t, torch.zeros(len(names), device=self.device)])
+        if self.gaussian:
+            sigma = torch.full_like(rows, float(self.sigma0), dtype=torch.float64)
+            rho = softplus_inv(sigma).to(rows.dtype)  # as the Bayesian layers initialise
+            self.rho = torch.cat([self.rho, rho])
+            self.mr, self.vr = torch.cat([self.mr, zeros]), torch.cat([self.vr, zeros])
+            self.tr = torch.cat([self.tr, torch.zeros(len(names), device=self.device)])
+            self.prior_mu = torch.cat([self.prior_mu, zeros])
+            self.prior_sigma = torch.cat([self.prior_sigma, sigma.to(rows.dtype)])
 
     def logits(self, features: Tensor, rows: Tensor | None = None) -> Tensor:
-        """Logits of `features` against `rows` (default: the whole library)."""
+        """Logits of `features` against `rows` (default: the whole library's mean rows)."""
         w = self.rows if rows is None else rows
         return features @ w[:, :-1].T + w[:, -1]
 
-    def step(self, idx: Tensor, grad: Tensor) -> None:
-        """One optimiser step on rows `idx` (unique) with gradient `grad`."""
+    def draw(self, mu: Tensor, rho: Tensor, generator: torch.Generator | None) -> Tensor:
+        """A reparameterised sample mu + softplus(rho) * eps of Gaussian rows."""
+        eps = torch.randn(mu.shape, generator=generator, device=mu.device, dtype=mu.dtype)
+        return mu + F.softplus(rho) * eps
+
+    def kl(self, idx: Tensor, mu: Tensor, rho: Tensor) -> Tensor:
+        """KL( N(mu, softplus(rho)^2) || the rows' prior ), summed, for rows `idx`."""
+        return kl_normal(mu, F.softplus(rho), self.prior_mu[idx], self.prior_sigma[idx]).sum()
+
+    def step(self, idx: Tensor, grad: Tensor, grad_rho: Tensor | None = None) -> None:
+        """One optimiser step on rows `idx` (unique) with gradient `grad` (and, for Gaussian
+        rows, `grad_rho` on their rho; None leaves rho and its state as they are)."""
+        self.rows, self.m, self.v, self.t = self._step(idx, grad, self.rows, self.m, self.v,
+                                                       self.t)
+        if grad_rho is not None:
+            self.rho, self.mr, self.vr, self.tr = self._step(idx, grad_rho, self.rho, self.mr,
+                                                             self.vr, self.tr)
+
+    def _step(self, idx: Tensor, grad: Tensor, p: Tensor, m_all: Tensor, v_all: Tensor,
+              t_all: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         with torch.no_grad():
             if self.optimizer == "sgd":
-                self.rows[idx] -= self.lr * grad
-                return
+                p[idx] -= self.lr * grad
+                return p, m_all, v_all, t_all
             b1, b2, eps = 0.9, 0.999, 1e-8  # torch.optim.Adam's defaults
-            t = self.t[idx] + 1
-            self.t[idx] = t
-            m = self.m[idx].mul_(b1).add_(grad, alpha=1 - b1)
-            v = self.v[idx].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-            self.m[idx], self.v[idx] = m, v
+            t = t_all[idx] + 1
+            t_all[idx] = t
+            m = m_all[idx].mul_(b1).add_(grad, alpha=1 - b1)
+            v = v_all[idx].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            m_all[idx], v_all[idx] = m, v
             mhat = m / (1 - b1 ** t)[:, None]
             vhat = v / (1 - b2 ** t)[:, None]
-            self.rows[idx] -= self.lr * mhat / (vhat.sqrt() + eps)
+            p[idx] -= self.lr * mhat / (vhat.sqrt() + eps)
+        return p, m_all, v_all, t_all
+
+    _GAUSSIAN_STATE = ("rho", "mr", "vr", "tr", "prior_mu", "prior_sigma")
 
     def subset(self, names: Sequence[str]) -> PrototypeLibrary:
         """A copy holding only `names` (rows and optimiser state), in library order."""
-        out = PrototypeLibrary(self.dim, self.optimizer, self.lr, self.device)
+        out = PrototypeLibrary(self.dim, self.optimizer, self.lr, self.device, self.sigma0)
         keep = [n for n in self.labels if n in set(names)]
         idx = torch.tensor([self.index[n] for n in keep], dtype=torch.long, device=self.device)
         out._grow(keep, self.rows[idx].clone())
         out.m, out.v, out.t = self.m[idx].clone(), self.v[idx].clone(), self.t[idx].clone()
+        if self.gaussian:
+            for key in self._GAUSSIAN_STATE:
+                setattr(out, key, getattr(self, key)[idx].clone())
         out.counts = {n: self.counts[n] for n in keep if n in self.counts}
         return out
 
@@ -128,21 +183,36 @@ class PrototypeLibrary:
             self.counts[name] = self.counts.get(name, 0) + int(k)
 
     # -- federation ---------------------------------------------------------------------------
+    def sigmas(self) -> np.ndarray:
+        """The rows' sigmas, softplus(rho) in float64 as `federation.gaussian.to_wire`,
+        clamped to SIGMA_MIN, float32."""
+        rho = self.rho.detach().to("cpu", torch.float64).numpy()
+        return np.maximum(np.logaddexp(0.0, rho), SIGMA_MIN).astype(np.float32)
+
     def table(self, only_counted: bool = True) -> PrototypeTable:
         """The rows (of the labels this device trained on, by default) as a wire table."""
         names = [n for n in self.labels if not only_counted or self.counts.get(n, 0) > 0]
         idx = [self.index[n] for n in names]
         rows = self.rows[idx].detach().to("cpu", torch.float32).numpy().copy()
         counts = np.array([self.counts.get(n, 0) for n in names], np.int64)
-        return PrototypeTable(tuple(names), rows.reshape(len(names), self.dim + 1), counts)
+        sigmas = self.sigmas()[idx].reshape(len(names), self.dim + 1) if self.gaussian else None
+        return PrototypeTable(tuple(names), rows.reshape(len(names), self.dim + 1), counts,
+                              sigmas)
 
     def merge(self, table: PrototypeTable, sent: PrototypeTable | None = None) -> None:
         """Take the global library's rows; with `sent` (async delta merge) a row this device
-        sent keeps the progress made since: row = global + (now - sent)."""
+        sent keeps the progress made since: row = global + (now - sent) (Gaussian rows: on the
+        means and on rho). The global's Gaussian rows become the rows' prior."""
         if table.width != self.dim + 1:
             raise ValueError(f"global prototypes have width {table.width}, expected "
                              f"{self.dim + 1}")
         rows = torch.from_numpy(np.asarray(table.rows, np.float32)).to(self.device)
+        gaussian = self.gaussian and table.sigmas is not None
+        if gaussian:
+            sig = np.asarray(table.sigmas, np.float64)
+            prior_sigma = torch.from_numpy(sig.astype(np.float32)).to(self.device)
+            rho = softplus_inv(torch.from_numpy(sig)).to(self.device, torch.float32)
+            prior_mu = rows.clone()
         if sent is not None and sent.labels:
             at = table.row_of()
             both = [n for n in sent.labels if n in at and n in self.index]
@@ -153,20 +223,28 @@ class PrototypeLibrary:
                 sent_rows = torch.from_numpy(sent.rows).to(self.device)
                 rows = rows.clone()
                 rows[g] += self.rows[mine] - sent_rows[s]
+                if gaussian and sent.sigmas is not None:
+                    sent_rho = softplus_inv(torch.from_numpy(
+                        np.asarray(sent.sigmas, np.float64))).to(self.device, torch.float32)
+                    rho[g] += self.rho[mine] - sent_rho[s]
         idx, _ = self.ensure(list(table.labels))
         with torch.no_grad():
             self.rows[idx] = rows
+            if gaussian:
+                self.rho[idx] = rho
+                self.prior_mu[idx], self.prior_sigma[idx] = prior_mu, prior_sigma
 
     # -- persistence --------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"labels": list(self.labels), "rows": self.rows.cpu().numpy().copy(),
-                "m": self.m.cpu().numpy().copy(), "v": self.v.cpu().numpy().copy(),
-                "t": self.t.cpu().numpy().copy(), "counts": dict(self.counts)}
+        keys = ("rows", "m", "v", "t") + (self._GAUSSIAN_STATE if self.gaussian else ())
+        return {"labels": list(self.labels), "counts": dict(self.counts),
+                **{k: getattr(self, k).cpu().numpy().copy() for k in keys}}
 
     def load(self, state: dict) -> None:
         self.labels = [str(n) for n in state["labels"]]
         self.index = {n: i for i, n in enumerate(self.labels)}
-        for key in ("rows", "m", "v", "t"):
+        keys = ("rows", "m", "v", "t") + (self._GAUSSIAN_STATE if self.gaussian else ())
+        for key in keys:
             setattr(self, key, torch.from_numpy(np.asarray(state[key], np.float32))
                     .to(self.device))
         self.counts = {str(k): int(v) for k, v in state["counts"].items()}
@@ -185,8 +263,24 @@ class ProtoNet(nn.Module):
     def features_of(self, x: Tensor) -> Tensor:
         return self.extractor(x)
 
+    def sampling(self) -> tuple[bool, torch.Generator | None]:
+        """(whether this pass draws the rows, the generator of the draws): Gaussian rows are
+        drawn exactly when the extractor's Bayesian layers draw their weights, from the same
+        generator (so `bayes.predict_logits`'s seeded draws cover the rows too)."""
+        if not self.library.gaussian:
+            return False, None
+        layers = bayesian_layers(self.extractor)
+        if not layers or not layers[0][1].sampling:
+            return False, None
+        return True, layers[0][1].generator
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.library.logits(self.extractor(x))
+        feats = self.extractor(x)
+        draw, generator = self.sampling()
+        if not draw:
+            return self.library.logits(feats)
+        lib = self.library
+        return lib.logits(feats, lib.draw(lib.rows, lib.rho, generator))
 
 
 def proto_model(model: nn.Module) -> ProtoNet:

@@ -119,9 +119,14 @@ class BayesHooks(MethodHooks):
         return kl_to(client.model, self.global_prior)
 
     def penalty(self, client: Client) -> Tensor | None:
+        """lambda_p * (prior term + the Gaussian prototype rows' KL to their prior) / N."""
         if self.snn or self.learn.lambda_p == 0:
             return None
-        return self.learn.lambda_p * self.prior_term(client) / self.scale(client)
+        term = self.prior_term(client)
+        rows = client.protos.row_kl() if client.protos is not None else None
+        if rows is not None:
+            term = term + rows
+        return self.learn.lambda_p * term / self.scale(client)
 
 
 class VFCLHooks(BayesHooks):

@@ -95,7 +95,8 @@ class AggregatorDaemon:
     # -- persistence ----------------------------------------------------------------------
     def _load_state(self) -> bool:
         library = self.agg.global_.prototypes  # the initial (empty) library sets the width
-        loaded = self.store.load(self.spec, None if library is None else library.width)
+        loaded = self.store.load(self.spec, None if library is None else library.width,
+                                 library is not None and library.gaussian)
         if loaded is None:
             return False
         state, tensors, library = loaded

@@ -92,6 +92,7 @@ class DeviceRunner:
         protos = client.protos  # head prototypes with a shared library: rows of its width
         self.library_width = (protos.library.dim + 1 if protos is not None and protos.share
                               else None)
+        self.library_gaussian = protos.library.gaussian if protos is not None else False
         self.rejections: Counter[str] = Counter()
         # this installation's session: its sequence numbers start at 1 (kept on flash by
         # devices that resume their sequence numbers, see firmware_sim)
@@ -192,7 +193,8 @@ class DeviceRunner:
     def _check(self, g: GlobalModel) -> None:
         """Raise CodecError(reason) unless `g` fits this device's model (never adopted)."""
         reason = check_global(g, self.global_spec, self.client.version,
-                              library_width=self.library_width)
+                              library_width=self.library_width,
+                              library_gaussian=self.library_gaussian)
         if reason is not None:
             raise CodecError(reason, f"global v{g.version} does not fit this device's model")
 

@@ -163,11 +163,13 @@ class StateStore:
         return _Txn()
 
     # -- loading --------------------------------------------------------------------------
-    def load(self, spec: TensorSpec, library_width: int | None = None
+    def load(self, spec: TensorSpec, library_width: int | None = None,
+             library_gaussian: bool = False
              ) -> tuple[dict[str, Any], Tensors, PrototypeTable | None] | None:
         """(state, tensors and prototype library of the current global), validated; None for
         a new run. `library_width`: the row width of the run's library (None: the run has no
-        library, and a saved one is refused)."""
+        library, and a saved one is refused); `library_gaussian`: whether its rows are
+        Gaussian (a saved library of the other kind is refused)."""
         row = self.conn.execute("SELECT json FROM state WHERE id = 1").fetchone()
         if row is None:
             return None
@@ -203,6 +205,11 @@ class StateStore:
         if library is not None and library.width != library_width:
             raise StateError(f"{where}: the saved prototype library has rows of width "
                              f"{library.width}, the model {library_width}; {FRESH_HINT}")
+        if library is not None and library.gaussian != library_gaussian:
+            kinds = {True: "Gaussian rows", False: "point rows"}
+            raise StateError(f"{where}: the saved prototype library has "
+                             f"{kinds[library.gaussian]}, this run {kinds[library_gaussian]}; "
+                             f"{FRESH_HINT}")
         if not all(np.isfinite(t).all() for t in tensors.values() if t.dtype.kind == "f"):
             raise StateError(f"{where}: the global of version {version} holds NaN or Inf; "
                              f"{FRESH_HINT}")

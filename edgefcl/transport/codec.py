@@ -156,21 +156,27 @@ def _decode_tensors(m: Any, limits: Limits = DEFAULT_LIMITS) -> Tensors:
 
 
 def _encode_prototypes(table: PrototypeTable | None, wire_dtype: str | None) -> Any:
-    """A prototype library as {labels: [str], rows: tensor, counts: tensor} (None: absent)."""
+    """A prototype library as {labels: [str], rows: tensor, counts: tensor} plus sigmas:
+    tensor for a Gaussian library (None: absent)."""
     if table is None:
         return None
-    return {"labels": [str(n) for n in table.labels],
-            "rows": encode_tensor(np.asarray(table.rows, np.float32), wire_dtype),
-            "counts": encode_tensor(np.asarray(table.counts, np.int64))}
+    out = {"labels": [str(n) for n in table.labels],
+           "rows": encode_tensor(np.asarray(table.rows, np.float32), wire_dtype),
+           "counts": encode_tensor(np.asarray(table.counts, np.int64))}
+    if table.sigmas is not None:
+        out["sigmas"] = encode_tensor(np.asarray(table.sigmas, np.float32), wire_dtype)
+    return out
 
 
 def _decode_prototypes(m: Any) -> PrototypeTable | None:
     """The library of a payload; bounds (label count and length) before the tensors, then
-    the shapes. Semantics (width, duplicates) are the aggregator's `check_table`."""
+    the shapes (sigmas, when present: the rows' shape, float32, finite and > 0). Semantics
+    (width, duplicates) are the aggregator's `check_table`."""
     if m is None:
         return None
-    if not isinstance(m, dict) or set(m) != {"labels", "rows", "counts"}:
-        raise CodecError("malformed", "prototypes must be a map of labels, rows, counts")
+    if not isinstance(m, dict) or set(m) - {"sigmas"} != {"labels", "rows", "counts"}:
+        raise CodecError("malformed", "prototypes must be a map of labels, rows, counts "
+                         "(and sigmas)")
     labels = m["labels"]
     if not isinstance(labels, list):
         raise CodecError("malformed", "prototype labels must be a list of strings")
@@ -186,7 +192,17 @@ def _decode_prototypes(m: Any) -> PrototypeTable | None:
                          f"match {len(labels)} labels")
     if rows.dtype != np.float32 or counts.dtype.kind not in "iu":
         raise CodecError("dtype", "prototype rows must be float32 and counts integers")
-    return PrototypeTable(tuple(labels), rows, counts.astype(np.int64))
+    sigmas = None
+    if "sigmas" in m:
+        sigmas = decode_tensor(m["sigmas"], "prototypes.sigmas")
+        if sigmas.shape != rows.shape:
+            raise CodecError("shape", f"prototype sigmas {sigmas.shape} do not match the rows "
+                             f"{rows.shape}")
+        if sigmas.dtype != np.float32:
+            raise CodecError("dtype", "prototype sigmas must be float32")
+        if not (sigmas > 0).all():  # decode_tensor rejected NaN and Inf
+            raise CodecError("sigma", "prototype sigmas must be > 0")
+    return PrototypeTable(tuple(labels), rows, counts.astype(np.int64), sigmas)
 
 
 # ---------------------------------------------------------------- model spec
