@@ -247,7 +247,8 @@ def run_fleet(method="bi", encoding="dense", share=True):
     clients = [new_client(f"c{k}", copy.deepcopy(model), learn, fed, ds.kind, seed=k)
                for k in range(3)]
     agg = Aggregator(global_tensors(model, encoding), fed,
-                     prototypes=PrototypeTable.empty(model.dim + 1, encoding == "gaussian"))
+                     prototypes=PrototypeTable.empty(model.dim + 1, encoding == "gaussian"),
+                     row_prior_sigma=learn.bayes_sigma)
     for c in clients:
         agg.join(c.cid)
     x9, y9 = x_test[y_test == 9], names[y_test[y_test == 9]]
