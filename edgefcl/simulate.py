@@ -45,7 +45,8 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
     clients = [make_client(cfg, setup, k, method, seed) for k in range(K)]
     streams = {c.cid: client_stream(cfg, setup.tasks[k], k, seed) for k, c in enumerate(clients)}
     agg = Aggregator(initial_global(cfg, setup), cfg.fed, batch_size=cfg.data.batch_size,
-                     prototypes=initial_prototypes(setup, cfg.fed.encoding))
+                     prototypes=initial_prototypes(setup, cfg.fed.encoding),
+                     row_prior_sigma=cfg.learn.bayes_sigma)
     for c in clients:
         agg.join(c.cid)
     acc = np.zeros((K, T, T))

@@ -291,3 +291,115 @@ def test_prediction_uses_the_mean_rows_or_draws_them_with_the_extractor():
         lib.rho.copy_(saved)
     assert torch.equal(drawn, again)  # seeded: the same S networks, rows included
     assert not torch.equal(drawn, rows_fixed)  # the rows are drawn too
+
+
+# -- the fedbnn rule: rows as likelihoods times the prior (FedBNN Eq. 9) ---------------------
+def test_fedbnn_rows_multiply_the_prior_by_the_likelihoods_by_hand():
+    # prior: the previous global's row N((0, 0), (1, 1)); likelihoods A: m (1, 0), sigma
+    # (1, 1); B: m (3, 2), sigma (1, 0.5). precision = 1 + (1 + 1, 1 + 4) = (3, 6);
+    # mean = (0 + 1 + 3, 0 + 0 + 4 * 2) / (3, 6) = (4/3, 4/3). Counts 10 : 30 do not weigh:
+    # a likelihood already carries its samples.
+    prev = gtable(["x"], [0, 0], [1, 1], [5])
+    a = gtable(["x"], [1, 0], [1, 1], [10])
+    b = gtable(["x"], [3, 2], [1, 0.5], [30])
+    counters: Counter = Counter()
+    out = average_tables([a, b], prev, 1.0, counters=counters, likelihood=[True, True],
+                         prior_sigma=0.05)
+    np.testing.assert_allclose(out.rows[0], [4 / 3, 4 / 3], rtol=1e-6)
+    np.testing.assert_allclose(out.sigmas[0], [1 / math.sqrt(3), 1 / math.sqrt(6)], rtol=1e-6)
+    assert out.counts.tolist() == [45]
+    assert counters["prototype_fedbnn_entries"] == 4 and counters["prototype_fedbnn_clamped"] == 0
+    # mixed 0.5 : 0.5 with the previous row: mu = 2/3 (both); var = 0.5 (1/3, 1/6) + 0.5
+    # + 0.25 (4/3)^2 = (10/9, 37/36)
+    out = average_tables([a, b], prev, 0.5, likelihood=[True, True], prior_sigma=0.05)
+    np.testing.assert_allclose(out.rows[0], [2 / 3, 2 / 3], rtol=1e-6)
+    np.testing.assert_allclose(out.sigmas[0], np.sqrt([10 / 9, 37 / 36]), rtol=1e-6)
+    # the conflation of the same rows (posteriors, sample-weighted r = (0.5, 1.5)) for
+    # comparison: no prior term, precision (0.5 + 1.5, 0.5 + 6) = (2, 6.5)
+    conf = average_tables([a, b], prev, 1.0)
+    np.testing.assert_allclose(conf.sigmas[0], 1 / np.sqrt([2, 6.5]), rtol=1e-6)
+
+
+def test_fedbnn_a_new_label_starts_from_the_bayes_sigma_prior():
+    # label "y" is not in the global: prior N(0, 0.5^2), precision 4. One likelihood m (2, 7),
+    # sigma (0.5, LIK_SIGMA_MAX: no information, clamped to LIK_FLOOR and counted):
+    # precision (4 + 4, 4 + 2^-20); mean (8 / 8, 7 * 2^-20 / (4 + 2^-20)); no mixing (new)
+    prev = gtable(["x"], [5, 5], [1, 1], [3])
+    new = gtable(["y"], [2, 7], [0.5, 1024], [6])
+    counters: Counter = Counter()
+    out = average_tables([new], prev, 0.5, counters=counters, likelihood=[True],
+                         prior_sigma=0.5)
+    assert out.labels == ("x", "y")
+    lam = 2.0**-20
+    np.testing.assert_allclose(out.rows[1], [1.0, 7 * lam / (4 + lam)], rtol=1e-6)
+    np.testing.assert_allclose(out.sigmas[1], [1 / math.sqrt(8), 1 / math.sqrt(4 + lam)],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(out.rows[0], prev.rows[0])  # nobody sent "x"
+    assert counters["prototype_fedbnn_clamped"] == 1
+    with pytest.raises(ValueError, match="prior sigma"):
+        average_tables([new], prev, 0.5, likelihood=[True])
+
+
+def test_fedbnn_a_tiny_likelihood_sigma_does_not_own_the_row():
+    # attack: three likelihoods for "x" (prior N(0, 1)): two honest m 0, sigma 1; the third
+    # m 10, sigma 1e-6 (precision 1e12). The floor (0.5 x the median 1) raises it to 0.5,
+    # precision 4: mean = 4 * 10 / (1 + 1 + 1 + 4) = 40/7, sigma 1/sqrt(7); without the floor
+    # the row is the attacker's (10 to 1e-10)
+    prev = gtable(["x"], [0], [1], [0])
+    sent = [gtable(["x"], [0], [1], [10]), gtable(["x"], [0], [1], [10]),
+            gtable(["x"], [10], [1e-6], [10])]
+    counters: Counter = Counter()
+    out = average_tables(sent, prev, 1.0, counters=counters, sigma_floor=0.5,
+                         likelihood=[True] * 3, prior_sigma=0.05)
+    np.testing.assert_allclose(out.rows[0], [40 / 7], rtol=1e-6)
+    np.testing.assert_allclose(out.sigmas[0], [1 / math.sqrt(7)], rtol=1e-6)
+    assert counters["prototype_sigma_floored"] == 1
+    owned = average_tables(sent, prev, 1.0, likelihood=[True] * 3, prior_sigma=0.05)
+    assert owned.rows[0, 0] > 10 - 1e-5
+
+
+def test_fedbnn_rows_of_the_standard_network_phase_are_averaged_or_left_out():
+    # no likelihood in the round (bnn_init_rounds): sample-weighted means of mu and sigma,
+    # 10 : 30 -> mu 0.25 * 1 + 0.75 * 3 = 2.5, sigma 0.25 * 1 + 0.75 * 0.5 = 0.625 (new label)
+    empty = PrototypeTable.empty(1, gaussian=True)
+    a, b = gtable(["x"], [1], [1], [10]), gtable(["x"], [3], [0.5], [30])
+    out = average_tables([a, b], empty, 0.5, likelihood=[False, False], prior_sigma=0.05)
+    np.testing.assert_allclose(out.rows[0], [2.5], rtol=1e-6)
+    np.testing.assert_allclose(out.sigmas[0], [0.625], rtol=1e-6)
+    # with a likelihood in the round, the other row is left out: N(0, 1) x N(3, 0.5^2) =
+    # precision 5, mean 12 / 5
+    counters: Counter = Counter()
+    out = average_tables([a, b], empty, 0.5, counters=counters, likelihood=[False, True],
+                         prior_sigma=1.0)
+    np.testing.assert_allclose(out.rows[0], [2.4], rtol=1e-6)
+    np.testing.assert_allclose(out.sigmas[0], [1 / math.sqrt(5)], rtol=1e-6)
+    assert counters["prototype_snn_ignored"] == 1 and out.counts.tolist() == [30]
+
+
+def test_the_row_constants_agree_with_the_gaussian_encoding():
+    from edgefcl.federation import gaussian, prototypes
+
+    assert prototypes.LIK_SIGMA_MAX == gaussian.LIK_SIGMA_MAX
+    assert prototypes.LIK_FLOOR == gaussian.LIK_FLOOR
+    assert prototypes.SIGMA_MIN == gaussian.SIGMA_MIN
+
+
+def test_a_device_sends_its_rows_likelihoods_under_fedbnn():
+    # the device's prior of "a" is the global's row N(1, 0.5); a new label "b" has N(0, 0.3)
+    lib = PrototypeLibrary(1, sigma=0.3)
+    lib.merge(gtable(["a"], [1, 1], [0.5, 0.5], [4]))
+    lib.ensure(["b"])
+    lib.count(["a", "b"], [2, 3])
+    with torch.no_grad():
+        lib.rows[:] = torch.tensor([[2.0, 1.0], [1.0, 0.5]])
+        # posterior sigmas: a (0.25, 0.5: did not narrow), b (0.1, 0.3)
+        sig = torch.tensor([[0.25, 0.5], [0.1, 0.3]], dtype=torch.float64)
+        lib.rho[:] = (sig + torch.log(-torch.expm1(-sig))).float()
+    out = lib.likelihood_table(lib.table())
+    # a[0]: lambda = 16 - 4 = 12, m = (2 * 16 - 1 * 4) / 12 = 7/3; a[1]: invalid -> (1, 1024)
+    # b[0]: lambda = 100 - 1/0.09, m = 100 / lambda; b[1]: invalid -> (0.5, 1024)
+    lam_b = 100 - 1 / 0.09
+    np.testing.assert_allclose(out.rows, [[7 / 3, 1.0], [100 / lam_b, 0.5]], rtol=1e-5)
+    np.testing.assert_allclose(out.sigmas, [[1 / math.sqrt(12), 1024],
+                                            [1 / math.sqrt(lam_b), 1024]], rtol=1e-5)
+    assert out.counts.tolist() == [2, 3] and check_table(out, 2) is None

@@ -74,8 +74,14 @@ class Aggregator:
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
                  batch_size: int | None = None,
-                 prototypes: PrototypeTable | None = None) -> None:
+                 prototypes: PrototypeTable | None = None,
+                 row_prior_sigma: float | None = None) -> None:
         self.fed = fed
+        self.row_prior_sigma = row_prior_sigma
+        """The prior sigma of a new label's Gaussian row (the devices' `bayes_sigma`): the
+        fedbnn rule multiplies it by the row's likelihoods."""
+        if self._rows_by_likelihood(prototypes) and row_prior_sigma is None:
+            raise ValueError("fedbnn with Gaussian prototype rows needs row_prior_sigma")
         self.global_ = GlobalModel(version, {k: np.asarray(v, np.float32) for k, v in
                                              initial.items()}, prototypes=prototypes)
         self.spec = {k: v.shape for k, v in self.global_.tensors.items()}
@@ -256,13 +262,21 @@ class Aggregator:
             return "prototype_sigma"
         return reason
 
+    def _rows_by_likelihood(self, table: PrototypeTable | None) -> bool:
+        """Whether Gaussian rows follow the fedbnn rule (likelihoods times the prior)."""
+        return table is not None and table.gaussian and self.fed.aggregation == "fedbnn"
+
     def _next_prototypes(self, updates: list[Update]) -> PrototypeTable | None:
         previous = self.global_.prototypes
         if previous is None:
             return None
-        return average_tables([u.prototypes for u in updates if u.prototypes is not None],
+        sent = [u for u in updates if u.prototypes is not None]
+        likelihood = None
+        if self._rows_by_likelihood(previous):  # as FedBNNProduct: SNN-phase updates averaged
+            likelihood = [u.base_version >= self.fed.bnn_init_rounds for u in sent]
+        return average_tables([u.prototypes for u in sent],  # type: ignore[misc]
                               previous, self.fed.mix, self.fed.max_share, self.counters,
-                              self.fed.sigma_floor)
+                              self.fed.sigma_floor, likelihood, self.row_prior_sigma)
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:

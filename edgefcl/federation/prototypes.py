@@ -13,14 +13,19 @@ rows are then combined as Gaussians (`combine_gaussian`): sample-weighted confla
 sender's precision scaled by its share-capped sample weight, so equal counts give plain
 conflation) after the sigma floor of the robust rules (`fed.sigma_floor` x the median sigma of
 the label's senders, three senders or more), then the moment-matched mixture with the previous
-global's row (`federation.gaussian.mix_gaussian`). Point libraries have `sigmas` None and are
-unchanged.
+global's row (`federation.gaussian.mix_gaussian`). With the fedbnn aggregation rule the rows
+follow the extractor's rule instead (FedBNN Eq. 9, `product_gaussian`): devices send their rows'
+likelihoods (posterior / the row's prior), and the aggregator multiplies the label's prior (the
+previous global's row, N(0, bayes_sigma) for a new label) by them; rows sent in the
+standard-network phase (`bnn_init_rounds`) are averaged on both moments, as the extractor's.
+Point libraries have `sigmas` None and are unchanged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +50,11 @@ SIGMAS_KEY = "prototypes::sigmas"
 """The sigma rows of a Gaussian library (absent for point libraries)."""
 SIGMA_MIN = 1e-5
 """Smallest sigma published (`federation.gaussian.SIGMA_MIN`)."""
+LIK_SIGMA_MAX = 1024.0
+"""`federation.gaussian.LIK_SIGMA_MAX`: the sigma of a likelihood entry without information
+(not imported: that module imports this one's users; a test checks they agree)."""
+LIK_FLOOR = 1.0 / LIK_SIGMA_MAX**2
+"""`federation.gaussian.LIK_FLOOR`: the precision floor of likelihoods."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +150,9 @@ def check_table(table: object, width: int | None) -> str | None:
 def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
                    mix_weight: float, max_share: float = 1.0,
                    counters: Counter | None = None,
-                   sigma_floor: float = 0.0) -> PrototypeTable:
+                   sigma_floor: float = 0.0,
+                   likelihood: Sequence[bool] | None = None,
+                   prior_sigma: float | None = None) -> PrototypeTable:
     """The next global library: per label, the sample-weighted mean of the rows sent (labels
     with zero samples in this round weigh equally), mixed `mix_weight : 1 - mix_weight` with the
     previous global's row where the label already had one; labels nobody sent keep their row.
@@ -149,14 +161,35 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     the capped weights; `counters["prototype_share_capped"]` counts capped rows).
     A Gaussian library (`previous.sigmas` set; every table sent must be Gaussian) combines the
     rows with `combine_gaussian` (sigma floor `sigma_floor`) and mixes on both moments.
+    `likelihood` (fedbnn rule; Gaussian libraries only), one flag per table: True for a table
+    of row likelihoods (posterior / prior). A round with likelihoods combines only those, by
+    `product_gaussian` against the previous global's row, or N(0, `prior_sigma`) for a new
+    label (tables without the flag are left out, `counters["prototype_snn_ignored"]`); a round
+    without any averages the rows' means and sigmas by their share-capped sample weights (the
+    standard-network phase, as `gaussian.FedBNNProduct`).
     Labels keep the previous order, new ones follow in sorted order (deterministic); past
     MAX_LABELS the newest are left out."""
+    flags = [False] * len(tables) if likelihood is None else [bool(f) for f in likelihood]
+    if len(flags) != len(tables):
+        raise ValueError("one likelihood flag per table")
     sent = [t for t in tables if t.labels]
+    sent_flags = [f for t, f in zip(tables, flags, strict=True) if t.labels]
     if not sent:
         return previous
     gaussian = previous.sigmas is not None
     if gaussian and any(t.sigmas is None for t in sent):
         raise ValueError("a point prototype table in a Gaussian library's round")
+    rule = "conflation"
+    if likelihood is not None:
+        if not gaussian:
+            raise ValueError("likelihood rows in a point library's round")
+        rule = "product" if any(sent_flags) else "average"
+        if rule == "product":
+            if prior_sigma is None or not prior_sigma > 0:
+                raise ValueError("the fedbnn rows need the prior sigma of a new label")
+            if counters is not None and not all(sent_flags):
+                counters["prototype_snn_ignored"] += sum(1 for f in sent_flags if not f)
+            sent = [t for t, f in zip(sent, sent_flags, strict=True) if f]
     labels = np.array([s for t in sent for s in t.labels], dtype=object)
     rows = np.concatenate([t.rows for t in sent]).astype(np.float64)
     counts = np.concatenate([t.counts for t in sent]).astype(np.float64)
@@ -169,15 +202,28 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     weight = np.bincount(inverse, weights=counts, minlength=len(names))
     equal = weight[inverse] <= 0  # a label nobody counted: plain mean of its rows
     w = np.where(equal, 1.0, counts)
-    if gaussian:
-        sigmas = np.concatenate([t.sigmas for t in sent]).astype(np.float64)  # type: ignore
-        mean, sigma = combine_gaussian(rows, sigmas, w, inverse, len(names), sigma_floor,
-                                       counters)
-    else:
-        sums = np.zeros((len(names), rows.shape[1]))
-        np.add.at(sums, inverse, w[:, None] * rows)
-        mean = sums / np.bincount(inverse, weights=w, minlength=len(names))[:, None]
     old = previous.row_of()
+    if rule == "product":
+        sigmas = np.concatenate([t.sigmas for t in sent]).astype(np.float64)  # type: ignore
+        prior_mu = np.zeros((len(names), rows.shape[1]))
+        prior_s = np.full_like(prior_mu, float(prior_sigma))  # type: ignore[arg-type]
+        known = [(g, old[str(n)]) for g, n in enumerate(names) if str(n) in old]
+        if known:
+            g_at, p_at = (np.array(v) for v in zip(*known, strict=True))
+            prior_mu[g_at] = previous.rows[p_at]
+            prior_s[g_at] = previous.sigmas[p_at]  # type: ignore[index]
+        mean, sigma = product_gaussian(rows, sigmas, inverse, len(names), prior_mu, prior_s,
+                                       sigma_floor, counters)
+    elif gaussian:
+        sigmas = np.concatenate([t.sigmas for t in sent]).astype(np.float64)  # type: ignore
+        if rule == "average":
+            mean, sigma = _weighted_mean(rows, w, inverse, len(names)), _weighted_mean(
+                sigmas, w, inverse, len(names))
+        else:
+            mean, sigma = combine_gaussian(rows, sigmas, w, inverse, len(names), sigma_floor,
+                                           counters)
+    else:
+        mean = _weighted_mean(rows, w, inverse, len(names))
     out_labels = list(previous.labels) + [str(n) for n in names if n not in old]
     new_rows = np.zeros((len(out_labels) - len(old), rows.shape[1]))
     out_rows = np.concatenate([previous.rows.astype(np.float64), new_rows])
@@ -233,6 +279,55 @@ def combine_gaussian(mu: np.ndarray, sigma: np.ndarray, weight: np.ndarray,
     np.add.at(prec, groups, prec_k)
     np.add.at(eta, groups, prec_k * mu)
     return eta / prec, 1.0 / np.sqrt(prec)
+
+
+def product_gaussian(m: np.ndarray, sigma: np.ndarray, groups: np.ndarray, n_groups: int,
+                     prior_mu: np.ndarray, prior_sigma: np.ndarray, sigma_floor: float = 0.0,
+                     counters: Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """FedBNN Eq. 9 per group (label): the prior N(prior_mu, prior_sigma^2) of the group times
+    its senders' likelihoods N(m_k, sigma_k^2), in natural parameters:
+    precision = 1/prior_sigma^2 + sum_k lambda_k, mean = (prior_mu/prior_sigma^2
+    + sum_k lambda_k m_k) / precision, lambda_k = max(1/sigma_k^2, LIK_FLOOR) (entries at or
+    below the floor, sent as LIK_SIGMA_MAX for no information, are clamped and counted in
+    `counters["prototype_fedbnn_clamped"]` of `["prototype_fedbnn_entries"]`). First, in groups
+    of three senders or more, every likelihood sigma is raised to at least `sigma_floor` x the
+    median of that entry over the group's informative likelihoods (< LIK_SIGMA_MAX; as
+    `robust/sigma_floor.py`), so one sender cannot take the precision with a tiny sigma
+    (`counters["prototype_sigma_floored"]`). Every likelihood counts once, whatever its
+    sender's sample count (the likelihood already carries it). Returns (mean, sigma), float64."""
+    m, sigma = np.asarray(m, np.float64), np.asarray(sigma, np.float64).copy()
+    size = np.bincount(groups, minlength=n_groups)
+    if sigma_floor > 0:
+        for g in np.flatnonzero(size >= 3):  # loops over labels, not rows
+            members = np.flatnonzero(groups == g)
+            informative = np.where(sigma[members] < LIK_SIGMA_MAX, sigma[members], np.nan)
+            with warnings.catch_warnings():  # an entry nobody informed: no floor
+                warnings.simplefilter("ignore", RuntimeWarning)
+                floor = np.nan_to_num(sigma_floor * np.nanmedian(informative, axis=0), nan=0.0)
+            low = sigma[members] < floor
+            if counters is not None:
+                counters["prototype_sigma_floored"] += int(low.sum())
+            sigma[members] = np.maximum(sigma[members], floor)
+    lam = 1.0 / np.square(sigma)
+    low = lam <= LIK_FLOOR * (1 + 1e-6)
+    if counters is not None:
+        counters["prototype_fedbnn_clamped"] += int(low.sum())
+        counters["prototype_fedbnn_entries"] += int(lam.size)
+    lam = np.maximum(lam, LIK_FLOOR)
+    p_prior = 1.0 / np.square(np.asarray(prior_sigma, np.float64))
+    prec = p_prior.copy()
+    eta = p_prior * np.asarray(prior_mu, np.float64)
+    np.add.at(prec, groups, lam)
+    np.add.at(eta, groups, lam * m)
+    return eta / prec, 1.0 / np.sqrt(prec)
+
+
+def _weighted_mean(x: np.ndarray, w: np.ndarray, groups: np.ndarray,
+                   n_groups: int) -> np.ndarray:
+    """Per group, the mean of the rows `x` weighted by `w` (> 0 in every group)."""
+    sums = np.zeros((n_groups, x.shape[1]))
+    np.add.at(sums, groups, w[:, None] * x)
+    return sums / np.bincount(groups, weights=w, minlength=n_groups)[:, None]
 
 
 def _mix_gaussian(mu_new: np.ndarray, s_new: np.ndarray, mu_prev: np.ndarray,

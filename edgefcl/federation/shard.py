@@ -142,8 +142,9 @@ class ShardRoot(Aggregator):
     `result()` is called once when the round closes."""
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
-                 batch_size: int | None = None, prototypes: PrototypeTable | None = None) -> None:
-        check_shardable(fed, prototypes)
+                 batch_size: int | None = None, prototypes: PrototypeTable | None = None,
+                 row_prior_sigma: float | None = None) -> None:
+        check_shardable(fed, prototypes)  # no library: `row_prior_sigma` is never needed
         super().__init__(initial, fed, version, batch_size)
         self._open_round()
         self.live_workers: set[str] = set()

@@ -104,6 +104,12 @@ class Client:
     def skip_scoring(self, value: bool) -> None:
         self.learner.skip_scoring = value
 
+    @property
+    def sends_likelihoods(self) -> bool:
+        """Whether updates carry likelihoods (posterior / prior: the Gaussian encoder under the
+        fedbnn rule, after the standard-network phase); the prototype rows follow it."""
+        return bool(getattr(self.encoder, "likelihood", False))
+
     # -- the online step --------------------------------------------------------------------
     def step(self, batch: Batch) -> Update | None:
         """Process one mini-batch once; an Update when this client takes part now."""
@@ -120,7 +126,7 @@ class Client:
         return Update(self.cid, self.version, self.seq, learner.task or 0, learner.bn,
                       learner.samples_in_task, payload, self.encoder.name,
                       dict(learner.class_counts),
-                      protos.outgoing() if protos is not None else None)
+                      protos.outgoing(self.sends_likelihoods) if protos is not None else None)
 
     def tick(self) -> Tick:
         """A lock-step report for a mini-batch at which this client is not eligible."""

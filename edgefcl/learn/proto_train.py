@@ -122,11 +122,15 @@ class PrototypeHead:
         self.library.count([self.name(c) for c in labels.tolist()], counts.tolist())
 
     # -- federation ---------------------------------------------------------------------------
-    def outgoing(self) -> PrototypeTable | None:
-        """The rows this update carries (None when the library stays local)."""
+    def outgoing(self, likelihood: bool = False) -> PrototypeTable | None:
+        """The rows this update carries (None when the library stays local): the posterior
+        rows, or with `likelihood` (fedbnn aggregation, Gaussian rows) their likelihoods
+        (`PrototypeLibrary.likelihood_table`). `sent` keeps the posterior rows (delta merge)."""
         if not self.share:
             return None
         self.sent = self.library.table()
+        if likelihood and self.library.gaussian:
+            return self.library.likelihood_table(self.sent)
         return self.sent
 
     def merge(self, table: PrototypeTable | None, merge: str) -> None:

@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgefcl.config import resolve_head  # noqa: F401  (re-exported)
+from edgefcl.federation.gaussian import LIK_SIGMA_MAX, likelihood
 from edgefcl.federation.prototypes import (
     MAX_LABEL_CHARS,
     MAX_LABELS,
+    MAX_ROW_ABS,
     SIGMA_MIN,
     PrototypeTable,
 )
@@ -198,6 +200,25 @@ class PrototypeLibrary:
         sigmas = self.sigmas()[idx].reshape(len(names), self.dim + 1) if self.gaussian else None
         return PrototypeTable(tuple(names), rows.reshape(len(names), self.dim + 1), counts,
                               sigmas)
+
+    def likelihood_table(self, table: PrototypeTable) -> PrototypeTable:
+        """`table` (Gaussian rows of this library) as the rows' likelihoods, posterior / prior
+        (FedBNN Eq. 9, the fedbnn aggregation rule): `federation.gaussian.likelihood` of each
+        row against its prior (the last global's row, N(0, sigma0) for a label the global does
+        not hold), as the Gaussian encoder does for the extractor's weights: entries whose
+        posterior did not narrow are sent as sigma = LIK_SIGMA_MAX, m = the posterior mean,
+        and so is an entry whose likelihood mean would leave the rows' bound (MAX_ROW_ABS)."""
+        idx = [self.index[n] for n in table.labels]
+        prior_mu = self.prior_mu[idx].detach().to("cpu", torch.float64).numpy()
+        prior_sigma = self.prior_sigma[idx].detach().to("cpu", torch.float64).numpy()
+        mu_q = np.asarray(table.rows, np.float64)
+        m, s, invalid = likelihood(mu_q, np.asarray(table.sigmas, np.float64),
+                                   prior_mu.reshape(mu_q.shape), prior_sigma.reshape(mu_q.shape))
+        wild = ~invalid & ~(np.abs(m) <= MAX_ROW_ABS)
+        m = np.where(wild, mu_q, m)
+        s = np.where(wild, LIK_SIGMA_MAX, s)
+        return PrototypeTable(table.labels, m.astype(np.float32), table.counts,
+                              s.astype(np.float32))
 
     def merge(self, table: PrototypeTable, sent: PrototypeTable | None = None) -> None:
         """Take the global library's rows; with `sent` (async delta merge) a row this device

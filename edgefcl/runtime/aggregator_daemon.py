@@ -61,7 +61,8 @@ class AggregatorDaemon:
         self.state_dir = Path(state_dir)
         self.topics = topics(cfg.mqtt)
         self.agg = self.aggregator_class(initial, cfg.fed, batch_size=cfg.data.batch_size,
-                                         prototypes=initial_library(cfg, initial))
+                                         prototypes=initial_library(cfg, initial),
+                                         row_prior_sigma=cfg.learn.bayes_sigma)
         self.spec_hash = spec_hash(tensor_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every
