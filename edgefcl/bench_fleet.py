@@ -16,6 +16,7 @@ X times it offered with backpressure on and off.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -347,9 +348,10 @@ def max_per_client(path: Path) -> int:
     return worst
 
 
-def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_npz: Path,
-            workdir: Path) -> dict:
-    """Both phases for `n` devices against a fresh Mosquitto."""
+@contextlib.contextmanager
+def fleet_on_broker(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, workdir: Path):
+    """`n` connected load-generator devices on a fresh Mosquitto; yields (broker, fleet, fleet
+    name, encoding, go) and stops the devices and the broker after."""
     from edgefcl.transport.broker import start_mosquitto
 
     encoding = "sparse" if opts.payload == "sparse" else "dense"
@@ -362,16 +364,9 @@ def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_n
         print(f"{n} devices: connecting ({opts.procs(n)} processes)...", flush=True)
         fleet = start_fleet(ctx, opts, n, broker.host, broker.port, fleet_name,
                             cfg.mqtt.topic_root, encoding, tensors, go, stop,
-                            cfg.fed.burn_in, cfg.fed.jump)
+                            cfg.fed.burn_in, cfg.fed.jump, cfg.fed.max_backpressure)
         wait_until(lambda: fleet.total("connected") >= n, 60 + n / 20, f"{n} connections")
-        print(f"{n} devices: raw broker rate, {opts.duration:.0f} s...", flush=True)
-        raw = raw_phase(ctx, opts, broker, f"{cfg.mqtt.topic_root}/{fleet_name}/update/+", go)
-        agg = aggregator_phase(opts, n, cfg, broker, fleet, fleet_name, encoding, initial_npz,
-                               workdir, go)
-        return {"devices": n, "workers": opts.workers, "payload": opts.payload,
-                "payload_bytes": len_payload(tensors, encoding, fleet_name),
-                "offered_per_s": n * opts.rate, **raw, **agg,
-                "device_processes": opts.procs(n)}
+        yield broker, fleet, fleet_name, encoding, go
     finally:
         stop.set()
         if fleet is not None:
@@ -382,6 +377,22 @@ def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_n
         broker.stop()
 
 
+def run_one(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_npz: Path,
+            workdir: Path) -> dict:
+    """Both phases for `n` devices against a fresh Mosquitto."""
+    with fleet_on_broker(opts, n, cfg, tensors, workdir) as (broker, fleet, fleet_name,
+                                                             encoding, go):
+        print(f"{n} devices: raw broker rate, {opts.duration:.0f} s...", flush=True)
+        raw = raw_phase(mp.get_context("spawn"), opts, broker,
+                        f"{cfg.mqtt.topic_root}/{fleet_name}/update/+", go)
+        agg = aggregator_phase(opts, n, cfg, broker, fleet, fleet_name, encoding, initial_npz,
+                               workdir, go)
+        return {"devices": n, "workers": opts.workers, "payload": opts.payload,
+                "payload_bytes": len_payload(tensors, encoding, fleet_name),
+                "offered_per_s": n * opts.rate, **raw, **agg,
+                "device_processes": opts.procs(n)}
+
+
 def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, initial_npz: Path,
                  workdir: Path) -> dict:
     """Overload for `n` devices against a fresh Mosquitto and one aggregator per phase:
@@ -389,24 +400,12 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
     2. 1x: that rate offered (backpressure off): the capacity is what it folds then;
     3. X x the capacity offered for --duration s, backpressure on, then off.
     Folded rates count the updates in the rounds closed in each window."""
-    from edgefcl.transport.broker import start_mosquitto
-
-    encoding = "sparse" if opts.payload == "sparse" else "dense"
-    fleet_name = f"bench-{secrets.token_hex(3)}"
-    ctx = mp.get_context("spawn")
-    broker = start_mosquitto(allow_anonymous=True, config_dir=workdir / f"mosquitto-{n}")
-    go, stop = ctx.Event(), ctx.Event()
-    fleet = None
     off = ("--max-backpressure", "1")
     on = ("--max-backpressure", str(max(cfg.fed.max_backpressure, 1.0)))
-    try:
-        print(f"{n} devices: connecting ({opts.procs(n)} processes)...", flush=True)
-        fleet = start_fleet(ctx, opts, n, broker.host, broker.port, fleet_name,
-                            cfg.mqtt.topic_root, encoding, tensors, go, stop,
-                            cfg.fed.burn_in, cfg.fed.jump, cfg.fed.max_backpressure)
-        wait_until(lambda: fleet.total("connected") >= n, 60 + n / 20, f"{n} connections")
+    phases: dict[str, dict] = {}
+    with fleet_on_broker(opts, n, cfg, tensors, workdir) as (broker, fleet, fleet_name,
+                                                             encoding, go):
         args = (opts, n, cfg, broker, fleet, fleet_name, encoding, initial_npz, workdir, go)
-        phases: dict[str, dict] = {}
 
         def phase(name: str, rate: float, flags: tuple[str, ...], seconds: float) -> dict:
             if not rate > 0:
@@ -426,14 +425,6 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
         x = f"{opts.overload:g}x"
         for name, flags in ((f"{x}-backpressure", on), (f"{x}-no-backpressure", off)):
             phase(name, opts.overload * capacity, flags, opts.duration)
-    finally:
-        stop.set()
-        if fleet is not None:
-            for p in fleet.procs:
-                p.join(10)
-                if p.is_alive():
-                    p.terminate()
-        broker.stop()
     for r in phases.values():
         r["ratio_to_capacity"] = r["updates_per_s"] / capacity if capacity else None
     return {"devices": n, "payload": opts.payload, "overload": opts.overload,

@@ -177,14 +177,7 @@ def _decode_prototypes(m: Any) -> PrototypeTable | None:
     if not isinstance(m, dict) or set(m) - {"sigmas"} != {"labels", "rows", "counts"}:
         raise CodecError("malformed", "prototypes must be a map of labels, rows, counts "
                          "(and sigmas)")
-    labels = m["labels"]
-    if not isinstance(labels, list):
-        raise CodecError("malformed", "prototype labels must be a list of strings")
-    if len(labels) > MAX_LABELS:
-        raise CodecError("limits", f"{len(labels)} prototype labels > limit {MAX_LABELS}")
-    if not all(isinstance(n, str) and 0 < len(n) <= MAX_LABEL_CHARS for n in labels):
-        raise CodecError("malformed", f"prototype labels must be strings of 1-{MAX_LABEL_CHARS} "
-                         "characters")
+    labels = _label_list(m["labels"], "prototype labels")
     rows = decode_tensor(m["rows"], "prototypes.rows")
     counts = decode_tensor(m["counts"], "prototypes.counts")
     if rows.ndim != 2 or rows.shape[0] != len(labels) or counts.shape != (len(labels),):
@@ -405,16 +398,21 @@ def _decode_message(kind: str, m: dict[str, Any]) -> Message:
     return Message(kind, body, m["fleet"], m["sender"])
 
 
+def _label_list(names: Any, what: str) -> list[str]:
+    """`names` if it is a list of at most MAX_LABELS strings of 1-MAX_LABEL_CHARS characters."""
+    if not isinstance(names, list):
+        raise CodecError("malformed", f"{what} must be a list of strings")
+    if len(names) > MAX_LABELS:
+        raise CodecError("limits", f"{len(names)} {what} > limit {MAX_LABELS}")
+    if not all(isinstance(n, str) and 0 < len(n) <= MAX_LABEL_CHARS for n in names):
+        raise CodecError("malformed", f"{what} must be strings of 1-{MAX_LABEL_CHARS} characters")
+    return names
+
+
 def _stream_names(names: Any, y: np.ndarray) -> np.ndarray:
     """The labels of a named stream batch as a unicode array: `names` bounded like a
     library's (count, 1-MAX_LABEL_CHARS characters, distinct), `y` positions among them."""
-    if not isinstance(names, list):
-        raise CodecError("malformed", "stream names must be a list of strings")
-    if len(names) > MAX_LABELS:
-        raise CodecError("limits", f"{len(names)} stream labels > limit {MAX_LABELS}")
-    if not all(isinstance(n, str) and 0 < len(n) <= MAX_LABEL_CHARS for n in names):
-        raise CodecError("malformed", f"stream names must be strings of 1-{MAX_LABEL_CHARS} "
-                         "characters")
+    names = _label_list(names, "stream names")
     if len(set(names)) != len(names):
         raise CodecError("malformed", "stream names must be distinct")
     if len(y) and (int(y.min()) < 0 or int(y.max()) >= len(names)):
