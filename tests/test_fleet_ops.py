@@ -106,10 +106,19 @@ def test_fleet_operations_end_to_end(fleet):
     rounds = [json.loads(line) for line in (state / "rounds.jsonl").read_text().splitlines()]
     assert rounds and all(0 <= r["accuracy"] <= 100 for r in rounds)
 
-    # status: JSON snapshot of the aggregator and every device
-    snap = edgefcl("status", *common, "--once", "--json")
-    assert snap.returncode == 0, snap.stderr
-    s = json.loads(snap.stdout)
+    # status: JSON snapshot of the aggregator and every device (the aggregator publishes its
+    # status when the run ends, just after results.json: read it until it has the last round)
+    def snapshot() -> dict:
+        snap = edgefcl("status", *common, "--once", "--json")
+        assert snap.returncode == 0, snap.stderr
+        return json.loads(snap.stdout)
+
+    s = snapshot()
+    for _ in range(10):
+        if s["aggregator"].get("rounds") == res["rounds"]:
+            break
+        time.sleep(0.5)
+        s = snapshot()
     assert s["aggregator"]["state"] == "online" and s["aggregator"]["rounds"] == res["rounds"]
     assert s["aggregator"]["accuracy"] == rounds[-1]["accuracy"]
     assert set(s["devices"]) == {"c000", "c001"}

@@ -329,6 +329,7 @@ class AggregatorDaemon:
             if self.results.check_done(self.done, self.agg.active, self):
                 self._save_state(None)
                 self.store.mark_finished()  # every expected client is done: the run ended
+                self._publish_status()  # operators see the final rounds at once
             if (self.exit_when_done and self.done and not self.agg.active
                     and now - last_input >= 1.0):
                 finished = True
