@@ -396,9 +396,6 @@ def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
         raise ConfigError(f"downlink sparse works with the {ok} encodings")
     if learn.head not in ("auto", "fixed", "prototypes"):
         raise ConfigError(f"unknown head '{learn.head}'; choose from auto, fixed, prototypes")
-    if method == "apc" and resolve_head(learn.head, method) == "prototypes":
-        raise ConfigError("head prototypes does not work with method apc (its decomposed "
-                          "layers include the output layer)")
     if learn.task_free and resolve_head(learn.head, method) == "prototypes":
         raise ConfigError("task_free does not work with head prototypes yet (its loss signal "
                           "needs a fixed class set)")

@@ -438,7 +438,7 @@ def test_fixed_head_is_untouched_by_the_option():
 
 
 @pytest.mark.mqtt
-@pytest.mark.parametrize("method", ["bi", "fedbnn"])  # fedbnn: Gaussian rows
+@pytest.mark.parametrize("method", ["bi", "fedbnn", "apc"])  # fedbnn: Gaussian rows
 def test_lockstep_mqtt_reproduces_inprocess_with_prototypes(embedded_broker, tmp_path, method):
     from edgefcl.runtime.fleet import simulate_mqtt
     from edgefcl.simulate import simulate
@@ -537,7 +537,6 @@ def test_live_export_names_the_library_labels(tmp_path):
 
 @pytest.mark.parametrize("learn,fed", [
     ({"head": "foo"}, {}),
-    ({"method": "apc", "head": "prototypes"}, {}),
     ({"method": "fedbnn", "task_free": True}, {}),  # auto: prototypes for fedbnn
     ({"head": "prototypes", "warmup_steps": -1}, {}),
 ])
