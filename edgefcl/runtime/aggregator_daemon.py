@@ -48,11 +48,11 @@ class AggregatorDaemon:
     aggregator_class = Aggregator
     """The core it runs (the sharded root runs a subclass: runtime/shard_root.py)."""
     payload_from_model = True
+    """Size `max_payload` from the model when it is 0 (a root takes workers' partials, which
+    can be larger than any device's update, so it keeps the 64 MiB default)."""
     backpressure_from_inbox = True
     """Advertise backpressure from the inbox's load (async mode; a root's inbox holds partials,
     whose rate the devices do not set)."""
-    """Size `max_payload` from the model when it is 0 (a root takes workers' partials, which
-    can be larger than any device's update, so it keeps the 64 MiB default)."""
 
     def __init__(self, cfg: RunConfig, initial: Tensors, state_dir: Path,
                  exit_when_done: bool = False, status_every: float = 2.0,
@@ -143,7 +143,7 @@ class AggregatorDaemon:
         body = {"burn_in": f.burn_in, "jump": f.jump, "mode": f.mode, "encoding": f.encoding,
                 "aggregation": f.aggregation, "min_clients": f.min_clients,
                 "spec_hash": self.spec_hash, "clients": f.clients} | self.profile | (
-                    self.backpressure.fields() if self.backpressure.enabled else {})
+                    self.backpressure.fields())
         self._publish(self.topics.config, encode(Message("config", body), fleet=self.cfg.mqtt.fleet,
                                                  sender=SENDER), retain=True)
 
@@ -169,7 +169,7 @@ class AggregatorDaemon:
                 "counters": dict(self.agg.counters) | self._shed(), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]} | (
                     self.results.status() if self.results is not None else {}) | (
-                    self.backpressure.fields() if self.backpressure.enabled else {})
+                    self.backpressure.fields())
 
     def _shed(self) -> dict[str, int]:
         return {"rejected_inbox_full": self.inbox.shed} if self.inbox.shed else {}

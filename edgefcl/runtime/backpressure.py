@@ -86,7 +86,9 @@ class Backpressure:
         return self.factor
 
     def fields(self) -> dict[str, float | str]:
-        """What the config and status carry."""
+        """What the config and status carry (nothing when backpressure is off)."""
+        if not self.enabled:
+            return {}
         return {"backpressure": self.factor, "backpressure_reason": self.reason}
 
 
