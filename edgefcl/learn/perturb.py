@@ -7,11 +7,13 @@ of views is fixed by the construction seed), or uses the `seed` passed to the ca
 same views). View i of a call is made from the seed mix(call_seed, i) alone, so one view can be
 rebuilt on its own (`Perturber.view`), which `tta_logits_looped` uses.
 
-Image views are plain torch: flips, invert, cutout and brightness are tensor ops, and the
-geometric views (rotations, perspective, affine, resized crop; `edgefcl.learn.warp`) of a call
-are warped together in one `grid_sample`. Every random parameter (one draw per image) comes
-from a CPU generator seeded with the view's seed, so perturbers never touch the global torch
-RNG, and view i built alone equals view i of the batched call exactly.
+Image views: flips, invert, cutout and brightness are tensor ops, and the geometric views
+(rotations, perspective, affine, resized crop; `edgefcl.learn.warp`) of a call are warped
+together in one `grid_sample`. Every random parameter (one draw per image) comes from
+`warp.uniforms`, a counter-based generator keyed by the view's seed: the draws of all views of
+a call are one vectorized numpy pass, perturbers never touch the global torch RNG, and view i
+built alone equals view i of the batched call exactly. Few, cheap operations matter here: the
+views are built on the scoring thread while the training thread waits for the GIL.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
 from edgefcl.learn.models import model_device
-from edgefcl.learn.warp import is_geometric, random_map, warp
+from edgefcl.learn.warp import is_geometric, random_map, uniforms, warp
 
 IMAGE_VIEWS = (
     "cutout10",
@@ -70,35 +73,42 @@ def cutout_size(size: int, height: int, width: int) -> int:
     return size if side >= 32 else max(1, round(size * side / 32))
 
 
-def cutout(x: Tensor, size: int, seed: int) -> Tensor:
-    """Zero one size x size square per image, placed uniformly inside the image."""
+def _cutout(x: Tensor, size: int, u: np.ndarray) -> Tensor:
+    """Zero one size x size square per image, its corner drawn from u (N, >= 2)."""
     n, _, h, w = x.shape
     s_h, s_w = min(size, h), min(size, w)
-    gen = torch.Generator().manual_seed(seed)
-    top = torch.randint(0, h - s_h + 1, (n, 1), generator=gen).to(x.device)
-    left = torch.randint(0, w - s_w + 1, (n, 1), generator=gen).to(x.device)
-    rows = torch.arange(h, device=x.device)[None, :]
-    cols = torch.arange(w, device=x.device)[None, :]
-    in_rows = (rows >= top) & (rows < top + s_h)
-    in_cols = (cols >= left) & (cols < left + s_w)
+    top = np.floor(u[:, :1] * (h - s_h + 1))
+    left = np.floor(u[:, 1:2] * (w - s_w + 1))
+    rows, cols = np.arange(h), np.arange(w)
+    in_rows = (rows >= top) & (rows < top + s_h)  # (N, H)
+    in_cols = (cols >= left) & (cols < left + s_w)  # (N, W)
     mask = in_rows[:, None, :, None] & in_cols[:, None, None, :]
-    return x.masked_fill(mask, 0.0)
+    return x.masked_fill(torch.from_numpy(mask).to(x.device), 0.0)
+
+
+def _brightness(x: Tensor, u: np.ndarray, amount: float = BRIGHTNESS) -> Tensor:
+    factor = 1.0 - amount + 2 * amount * u[:, 0]
+    factor = torch.from_numpy(factor).to(device=x.device, dtype=x.dtype)
+    return (x.clamp(0.0, 1.0) * factor.reshape(-1, *([1] * (x.ndim - 1)))).clamp(0.0, 1.0)
+
+
+def cutout(x: Tensor, size: int, seed: int) -> Tensor:
+    """Zero one size x size square per image, placed uniformly inside the image."""
+    return _cutout(x, size, uniforms([seed], x.shape[0])[0])
 
 
 def brightness(x: Tensor, seed: int, amount: float = BRIGHTNESS) -> Tensor:
     """Each image times its own factor ~ U(1 - amount, 1 + amount), input and output clamped
     to [0, 1] (kornia's / torchvision's ColorJitter brightness)."""
-    gen = torch.Generator().manual_seed(seed)
-    factor = 1.0 - amount + 2 * amount * torch.rand(x.shape[0], generator=gen, dtype=torch.float64)
-    factor = factor.to(device=x.device, dtype=x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
-    return (x.clamp(0.0, 1.0) * factor).clamp(0.0, 1.0)
+    return _brightness(x, uniforms([seed], x.shape[0])[0], amount)
 
 
-def _pixel_view(name: str, x: Tensor, seed: int) -> Tensor:
-    """A non-geometric view: cutout<size>, hflip, vflip, invert or brightness."""
+def _pixel_view(name: str, x: Tensor, u: np.ndarray) -> Tensor:
+    """A non-geometric view: cutout<size>, hflip, vflip, invert or brightness; u (N, SLOTS)
+    the view's draws."""
     h, w = x.shape[-2:]
     if name.startswith("cutout"):
-        return cutout(x, cutout_size(int(name[len("cutout") :]), h, w), seed)
+        return _cutout(x, cutout_size(int(name[len("cutout") :]), h, w), u)
     if name == "hflip":
         return x.flip(-1)
     if name == "vflip":
@@ -106,28 +116,31 @@ def _pixel_view(name: str, x: Tensor, seed: int) -> Tensor:
     if name == "invert":
         return 1.0 - x
     if name == "brightness":
-        return brightness(x, seed)
+        return _brightness(x, u)
     raise ValueError(f"no image augmentation named '{name}'")
 
 
 def image_views(names: Sequence[str], x: Tensor, seeds: Sequence[int]) -> Tensor:
     """The augmentations `names` (from IMAGE_VIEWS), view i drawn from `seeds[i]`, of a
-    (N, C, H, W) batch: shape (len(names), N, C, H, W). All geometric views are warped in one
-    `grid_sample`; a view depends only on its name, its seed and x."""
+    (N, C, H, W) batch: shape (len(names), N, C, H, W). The random parameters of all views come
+    from one vectorized draw, the maps of each kind of geometric view from one numpy pass, and
+    all geometric views are warped in one `grid_sample`; a view depends only on its name, its
+    seed and x."""
     n, h, w = x.shape[0], x.shape[-2], x.shape[-1]
-    out = x.new_empty(len(names), *x.shape)
-    geometric: list[int] = []
-    maps: list[Tensor] = []
-    for i, (name, seed) in enumerate(zip(names, seeds, strict=True)):
+    u = uniforms(seeds, n)  # (V, N, SLOTS)
+    views: list[Tensor] = [x] * len(names)
+    geometric: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
         if is_geometric(name):
-            geometric.append(i)
-            maps.append(random_map(name, n, h, w, torch.Generator().manual_seed(seed)))
+            geometric.setdefault(name, []).append(i)
         else:
-            out[i] = _pixel_view(name, x, seed)
-    if maps:
-        for i, view in zip(geometric, warp(x, torch.stack(maps)), strict=True):
-            out[i] = view
-    return out
+            views[i] = _pixel_view(name, x, u[i])
+    if geometric:
+        maps = np.concatenate([random_map(name, u[idx], h, w) for name, idx in geometric.items()])
+        order = [i for idx in geometric.values() for i in idx]
+        for i, view in zip(order, warp(x, maps), strict=True):
+            views[i] = view
+    return torch.stack(views)
 
 
 def apply_image_aug(name: str, x: Tensor, seed: int) -> Tensor:
