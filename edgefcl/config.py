@@ -142,8 +142,9 @@ class LearnConfig:
         0.0, "ADWIN confidence of the task-free detector (0: 0.002 for loss, 0.05 for features)"
     )
     score_backend: str = opt(
-        "torch", "TTA scoring forward passes: torch | onnxruntime (CPU; the scoring snapshot "
-        "is exported to ONNX once per global model)"
+        "auto", "TTA scoring forward passes: torch | onnxruntime (CPU; the scoring snapshot's "
+        "weights are refilled into one ONNX export per global model) | auto (onnxruntime on "
+        "the CPU with score_source tta, else torch)"
     )
     head: str = opt(
         "auto", "classifier: fixed (an output layer sized from the dataset's classes) | "
@@ -271,6 +272,17 @@ class RunConfig:
     )
     out: str = opt("", "run directory for results.json and plots (empty: no files)")
     quiet: bool = opt(False, "no progress output")
+
+
+SCORE_BACKENDS = ("auto", "torch", "onnxruntime")
+
+
+def scores_with_onnxruntime(learn: LearnConfig) -> bool:
+    """Whether TTA scoring runs on onnxruntime: score_backend onnxruntime, or auto on the CPU
+    with score_source tta."""
+    if learn.score_backend == "auto":
+        return learn.device == "cpu" and learn.score_source == "tta"
+    return learn.score_backend == "onnxruntime"
 
 
 SECTIONS = {"data": DataConfig, "learn": LearnConfig, "fed": FedConfig, "mqtt": MqttConfig}
@@ -437,11 +449,11 @@ def validate(cfg: RunConfig) -> None:
         (le.kl_scale in ("samples", "params"), "kl_scale must be samples or params"),
         (le.drift_signal in ("loss", "features"), "drift_signal must be loss or features"),
         (0 <= le.drift_delta < 1, "drift_delta must be in [0, 1)"),
-        (le.score_backend in ("torch", "onnxruntime"), "score_backend must be torch or "
+        (le.score_backend in SCORE_BACKENDS, "score_backend must be auto, torch or "
          "onnxruntime"),
-        (le.score_backend == "torch" or le.score_source == "tta",
+        (le.score_backend != "onnxruntime" or le.score_source == "tta",
          "score_backend onnxruntime computes TTA logits only; use score_source tta"),
-        (le.score_backend == "torch" or le.device == "cpu",
+        (le.score_backend != "onnxruntime" or le.device == "cpu",
          "score_backend onnxruntime runs on the CPU; use it with device cpu"),
         (f.bnn_init_rounds >= 0, "bnn_init_rounds must be >= 0"),
         (f.clients >= 1, "clients must be >= 1"),

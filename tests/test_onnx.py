@@ -14,11 +14,24 @@ import pytest
 import torch
 
 from edgefcl.build import new_client
-from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, apply
+from edgefcl.config import (
+    ConfigError,
+    FedConfig,
+    LearnConfig,
+    RunConfig,
+    apply,
+    scores_with_onnxruntime,
+)
 from edgefcl.data.types import Batch, DataError
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.client import Client
-from edgefcl.learn.export import EXAMPLE_BATCH, export_onnx, export_run, max_logit_diff
+from edgefcl.learn.export import (
+    EXAMPLE_BATCH,
+    OnnxTemplate,
+    export_onnx,
+    export_run,
+    max_logit_diff,
+)
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 from edgefcl.learn.perturb import tta_logits
@@ -249,8 +262,72 @@ def test_onnxruntime_scoring_matches_torch():
     np.testing.assert_allclose(z_ort.numpy(), z_torch.numpy(), atol=PARITY)
 
 
+def test_auto_backend_scores_with_onnxruntime_on_the_cpu_with_tta_only():
+    auto = LearnConfig()
+    assert auto.score_backend == "auto" and scores_with_onnxruntime(auto)
+    assert not scores_with_onnxruntime(dataclasses.replace(auto, device="cuda"))
+    assert not scores_with_onnxruntime(dataclasses.replace(auto, score_source="posterior"))
+    assert not scores_with_onnxruntime(dataclasses.replace(auto, score_backend="torch"))
+    assert scores_with_onnxruntime(dataclasses.replace(auto, score_backend="onnxruntime"))
+    apply(RunConfig(), {"learn": {"device": "cuda"}})  # auto: valid on CUDA, scored by torch
+
+
 def test_score_backend_validation():
     with pytest.raises(ConfigError, match="score_backend must be"):
         apply(RunConfig(), {"learn": {"score_backend": "tvm"}})
     with pytest.raises(ConfigError, match="device cpu"):
         apply(RunConfig(), {"learn": {"score_backend": "onnxruntime", "device": "cuda"}})
+
+
+def test_template_takes_another_models_weights():
+    # one export of the architecture computes another model's logits, BatchNorm statistics
+    # included; the attack: a fresh BatchNorm's weight and running variance are both ones,
+    # which an exporter may store as one shared initializer, and onnxruntime folds BatchNorm
+    # into the convolution when it loads the graph
+    torch.manual_seed(0)
+    first, second = build_model("cnn", (1, 8, 8), 5), build_model("cnn", (1, 8, 8), 5)
+    with torch.no_grad():
+        for bn in (m for m in second.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    template = OnnxTemplate(first, (1, 8, 8))
+    assert template.complete
+    x = torch.rand(7, 1, 8, 8)
+    with torch.no_grad():
+        want, old = second.eval()(x).numpy(), first.eval()(x).numpy()
+    got = OnnxModel(template.with_weights(second.state_dict())).logits(x.numpy())
+    np.testing.assert_allclose(got, want, atol=PARITY)
+    assert np.abs(got - old).max() > 100 * PARITY
+    got = OnnxModel(template.with_weights(first.state_dict())).logits(x.numpy())
+    np.testing.assert_allclose(got, old, atol=PARITY)
+
+
+def test_onnxruntime_scoring_follows_each_snapshot_from_one_export():
+    learn = LearnConfig(method="bi", memory_size=12, score_backend="onnxruntime")
+    torch.manual_seed(3)
+    model = build_model("cnn", (1, 8, 8), 4)
+    c = new_client("c007", model, learn, FedConfig(burn_in=0, jump=1), "image", seed=3)
+    rng = np.random.default_rng(3)
+    x = torch.rand(6, 1, 8, 8)
+    for version in range(1, 4):
+        for i in range(2):  # training moves the weights and the BatchNorm statistics
+            c.step(Batch(rng.random((8, 1, 8, 8), dtype=np.float32), rng.integers(0, 4, 8),
+                         0, i + 1, False))
+        c.apply_global(GlobalModel(version, get_tensors(c.model), ("c007",)))
+        state = c.perturber.state_dict()
+        z_ort = c.onnx.tta_logits(c, x)
+        c.perturber.load_state_dict(state)  # the same views for torch
+        z_torch = tta_logits(c.score_model, x, c.perturber)
+        np.testing.assert_allclose(z_ort.numpy(), z_torch.numpy(), atol=PARITY)
+    assert c.onnx.scoring_exports == 1  # the architecture once, then only weight swaps
+
+
+def test_a_template_that_bakes_in_tensors_outside_the_state_is_not_refilled():
+    # a prototype library's rows are read by the forward but not in the state_dict: a refill
+    # would keep the rows the export saw, so the client exports each snapshot whole instead
+    from edgefcl.learn.prototypes import proto_model
+
+    model = proto_model(build_model("mlp", (12,), 1, hidden=8))
+    model.library.ensure(["a", "b", "c"])
+    assert not OnnxTemplate(model, (12,)).complete
+    assert OnnxTemplate(build_model("mlp", (12,), 3, hidden=8), (12,)).complete

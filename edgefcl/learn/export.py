@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import io
 import logging
+import math
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from edgefcl.config import ConfigError, FedConfig, LearnConfig
+from edgefcl.config import ConfigError, FedConfig, LearnConfig, scores_with_onnxruntime
 from edgefcl.data.types import DataError
 from edgefcl.federation.prototypes import ROWS_KEY
 from edgefcl.learn.models import build_model, model_device, resolve_model_name
@@ -70,12 +71,14 @@ def with_labels(data: bytes, labels: list[str]) -> bytes:
 
 
 def export_onnx(model: nn.Module, sample_shape: tuple[int, ...], path: str | Path | None = None,
-                exporter: str = "torchscript") -> bytes:
+                exporter: str = "torchscript", named_weights: bool = False) -> bytes:
     """Serialize `model` (in eval mode) as ONNX: input "x" of shape (batch, *sample_shape),
     output "logits" (batch, C), dynamic batch axis, one self-contained file.
 
     Writes the bytes atomically to `path` when given and returns them. The model's train/eval
-    modes are restored afterwards.
+    modes are restored afterwards. `named_weights` (torchscript exporter) skips constant folding,
+    so that the weights stay initializers named as in the model's state_dict (BatchNorm not
+    folded into the convolutions): `OnnxModel(..., weights=)` can then swap them.
     """
     if exporter not in EXPORTERS:
         raise ConfigError(f"unknown exporter '{exporter}'; choose from {', '.join(EXPORTERS)}")
@@ -85,9 +88,11 @@ def export_onnx(model: nn.Module, sample_shape: tuple[int, ...], path: str | Pat
     example = torch.zeros((EXAMPLE_BATCH, *shape), device=model_device(model))
     with eval_mode(model), warnings.catch_warnings(), _quiet_onnx_logs():
         warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # shape reads in forward
         if exporter == "torchscript":
             buf = io.BytesIO()
             torch.onnx.export(model, (example,), buf, dynamo=False, opset_version=OPSET,
+                              do_constant_folding=not named_weights,
                               input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
                               dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
             data = buf.getvalue()
@@ -201,6 +206,51 @@ def export_run(run: str | Path, output: str | Path | None = None,
 
 
 # -- clients ---------------------------------------------------------------------------------
+class OnnxTemplate:
+    """A model's architecture exported to ONNX once, refilled with weights by name.
+
+    The export is of a copy of the model whose floating tensors hold distinct random values, so
+    that the exporter keeps one initializer per state_dict entry, named as the entry (a fresh
+    BatchNorm's equal weight and running variance would otherwise share one). `with_weights`
+    writes a state's tensors into those initializers and serializes the graph: about 2 ms for
+    the small CNN, where an export takes 20-150 ms. The refilled graph is a plain ONNX file,
+    so onnxruntime still folds BatchNorm into the convolutions when it loads it.
+    """
+
+    def __init__(self, model: nn.Module, sample_shape: tuple[int, ...]) -> None:
+        import onnx
+
+        twin = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for v in twin.state_dict().values():
+                if v.is_floating_point():
+                    v.copy_(0.5 + torch.rand(v.shape, generator=gen))
+        self.proto = onnx.load_from_string(export_onnx(twin, sample_shape, named_weights=True))
+        graph = self.proto.graph
+        slots = {t.name: t for t in graph.initializer}
+        state = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+        self._slots = {k: slots[k] for k in state if k in slots}
+        # float tensors the graph holds that no state_dict entry refills: values the forward
+        # reads from elsewhere (a prototype library's rows), baked in as the export saw them
+        constants = [a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute]
+        baked = [t for t in [*graph.initializer, *constants] if t.name not in self._slots
+                 and t.data_type != onnx.TensorProto.INT64 and math.prod(t.dims) > 1]
+        self.complete = not baked and len(self._slots) == len(state) and all(
+            tuple(t.dims) == tuple(state[k].shape) and t.data_type == onnx.TensorProto.FLOAT
+            for k, t in self._slots.items())
+        """Whether the model's state_dict holds every tensor of the graph (but scalars), each
+        as the initializer of its name: only then does a refill give the model's logits."""
+
+    def with_weights(self, state: dict[str, Tensor]) -> bytes:
+        """The ONNX graph with the float32 weights of `state` (a state_dict of the model)."""
+        for name, slot in self._slots.items():
+            slot.ClearField("float_data")
+            tensor = state[name].detach().to("cpu", torch.float32).contiguous()
+            slot.raw_data = tensor.numpy().tobytes()
+        return self.proto.SerializeToString()
+
+
 class ClientOnnx:
     """onnxruntime support of one client.
 
@@ -208,18 +258,25 @@ class ClientOnnx:
       global model the client writes its live model there (atomically), for an on-device
       predictor (`edgefcl predict`) to pick up.
     - score_backend "onnxruntime": TTA scoring runs the scoring snapshot through onnxruntime.
-      The snapshot only changes when a global model arrives, so it is exported once per
-      snapshot version (on its first use). Before the first global the scoring model is the
-      live model, which moves every batch; scoring then stays on torch.
+      The snapshot only changes when a global model arrives. Its architecture is exported once
+      (again only when a tensor changes shape, as a growing prototype head does) as an
+      `OnnxTemplate`; each new snapshot only refills it with its weights and builds a session.
+      A model whose refilled graph does not reproduce its logits is exported whole per
+      snapshot instead.
+      Before the first global the scoring model is the live model, which moves every batch;
+      scoring then stays on torch. onnxruntime releases the GIL while it runs, so scoring on
+      the second thread does not slow the training thread's Python.
     """
 
     def __init__(self, learn: LearnConfig) -> None:
         self.export_path = learn.export_onnx
-        self.ort_scoring = learn.score_backend == "onnxruntime"
+        self.ort_scoring = scores_with_onnxruntime(learn)
         self.threads = learn.threads
         self._scorer: OnnxModel | None = None
         self._version = -1
+        self._template: tuple[tuple, OnnxTemplate | None] | None = None  # by signature
         self.exports = 0
+        self.scoring_exports = 0
 
     def on_global(self, client: Learner) -> None:
         """Write the live model to the export path (if one is set)."""
@@ -233,6 +290,26 @@ class ClientOnnx:
                 atomic_write(Path(path), with_labels(data, protos.library.labels))
             self.exports += 1
 
+    def _snapshot_scorer(self, model: nn.Module, sample_shape: tuple[int, ...]) -> OnnxModel:
+        """An onnxruntime session of the scoring snapshot `model`."""
+        state = model.state_dict()
+        signature = (type(model).__name__, sample_shape,
+                     tuple((k, tuple(v.shape)) for k, v in state.items()))
+        if self._template is None or self._template[0] != signature:
+            template = OnnxTemplate(model, sample_shape)
+            self.scoring_exports += 1
+            scorer = OnnxModel(template.with_weights(state), self.threads)
+            # the refilled graph must compute this model: else export each snapshot whole
+            usable = template.complete and _agrees(model, scorer, sample_shape)
+            self._template = (signature, template if usable else None)
+            if usable:
+                return scorer
+        template = self._template[1]
+        if template is None:
+            self.scoring_exports += 1
+            return OnnxModel(export_onnx(model, sample_shape), self.threads)
+        return OnnxModel(template.with_weights(state), self.threads)
+
     def tta_logits(self, client: Learner, x: Tensor) -> Tensor | None:
         """(P, N, C) logits of the TTA views of x from the onnxruntime snapshot, or None when
         scoring should stay on torch."""
@@ -240,8 +317,7 @@ class ClientOnnx:
                 or client.learn.score_source != "tta"):
             return None
         if self._version != client.score_version or self._scorer is None:
-            data = export_onnx(client.score_model, tuple(x.shape[1:]))
-            self._scorer = OnnxModel(data, self.threads)
+            self._scorer = self._snapshot_scorer(client.score_model, tuple(x.shape[1:]))
             self._version = client.score_version
         views = client.perturber(x)
         flat = views.flatten(0, 1).cpu().numpy()
@@ -249,9 +325,18 @@ class ClientOnnx:
         return torch.from_numpy(z).reshape(views.shape[0], views.shape[1], -1).to(x.device)
 
 
+def _agrees(model: nn.Module, scorer: OnnxModel, sample_shape: tuple[int, ...]) -> bool:
+    """Whether `scorer` gives `model`'s eval-mode logits on a random probe batch."""
+    probe = torch.rand((4, *sample_shape), generator=torch.Generator().manual_seed(0))
+    with eval_mode(model), torch.no_grad():
+        want = model(probe.to(model_device(model))).cpu().numpy()
+    got = scorer.logits(probe.numpy())
+    return got.shape == want.shape and bool(np.allclose(got, want, rtol=1e-3, atol=1e-4))
+
+
 def make_client_onnx(learn: LearnConfig) -> ClientOnnx | None:
     """The client's onnxruntime support, or None when neither option asks for it."""
-    if not learn.export_onnx and learn.score_backend != "onnxruntime":
+    if not learn.export_onnx and not scores_with_onnxruntime(learn):
         return None
     return ClientOnnx(learn)
 

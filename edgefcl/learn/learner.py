@@ -192,8 +192,7 @@ class Learner:
         batch will need, when they are known before training: the scoring model must be the
         frozen snapshot (not the model being trained). The scores are identical to scoring
         after training; the perturber is only used by one thread at a time."""
-        if (not self.learn.score_overlap or self.learn.score_backend != "torch"
-                or self.memory is None or self.score_model is None
+        if (not self.learn.score_overlap or self.memory is None or self.score_model is None
                 or self.policy != "balanced-score" or self.skip_scoring):
             return None
         cands = self.memory.pending_scores(x, y, self.task or 0, self.score_version,
