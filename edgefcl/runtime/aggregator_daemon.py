@@ -70,6 +70,11 @@ class AggregatorDaemon:
         self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt))
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.stop_event = threading.Event()
+        # before the first state is saved: a SIGTERM from then on (while the CLI still loads
+        # evaluation data, say) is a graceful stop, never a kill by the default handler
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(sig, lambda *_: self.stop_event.set())
         self.incarnation = secrets.token_hex(8)
         """This process, in its config and status: a device whose updates it has not counted
         sends the last one again when it sees another (the updates it held died with it)."""
@@ -283,9 +288,6 @@ class AggregatorDaemon:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> int:
         """Serve until stopped; returns an exit code."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(sig, lambda *_: self.stop_event.set())
         will = (self.topics.aggregator_status,
                 encode(Message("status", {"state": "offline"}), fleet=self.cfg.mqtt.fleet,
                        sender=SENDER), 1, True)
