@@ -30,6 +30,10 @@ def session_options(threads: int = 1) -> ort.SessionOptions:
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3  # errors only
+    # no memory arena: a session's first run would grow it (21 against 13 ms for 96 views of
+    # the 28x28 CNN), and a client's scoring session lives for one global model; later runs
+    # are as fast without it
+    so.enable_cpu_mem_arena = False
     return so
 
 
