@@ -142,8 +142,8 @@ class LearnConfig:
         0.0, "ADWIN confidence of the task-free detector (0: 0.002 for loss, 0.05 for features)"
     )
     score_backend: str = opt(
-        "auto", "TTA scoring forward passes: torch | onnxruntime (CPU; the scoring snapshot's "
-        "weights are refilled into one ONNX export per global model) | auto (onnxruntime on "
+        "auto", "TTA scoring forward passes: torch | onnxruntime (CPU; the scoring snapshot is "
+        "exported once and refilled with its weights at each global model) | auto (onnxruntime on "
         "the CPU with score_source tta, else torch)"
     )
     head: str = opt(

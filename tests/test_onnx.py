@@ -320,6 +320,7 @@ def test_onnxruntime_scoring_follows_each_snapshot_from_one_export():
         z_torch = tta_logits(c.score_model, x, c.perturber)
         np.testing.assert_allclose(z_ort.numpy(), z_torch.numpy(), atol=PARITY)
     assert c.onnx.scoring_exports == 1  # the architecture once, then only weight swaps
+    assert c.learner.scored_ahead > 0  # and it scored on the second thread
 
 
 def test_a_template_that_bakes_in_tensors_outside_the_state_is_not_refilled():
