@@ -35,6 +35,7 @@ from edgefcl.learn.export import (
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 from edgefcl.learn.perturb import tta_logits
+from edgefcl.learn.scores import uncertainty
 from edgefcl.ondevice import OnnxModel, predict_file
 
 PARITY = 1e-4
@@ -332,3 +333,28 @@ def test_a_template_that_bakes_in_tensors_outside_the_state_is_not_refilled():
     model.library.ensure(["a", "b", "c"])
     assert not OnnxTemplate(model, (12,)).complete
     assert OnnxTemplate(build_model("mlp", (12,), 3, hidden=8), (12,)).complete
+
+
+@pytest.mark.parametrize("backend", ["auto", "onnxruntime"])
+def test_a_model_onnxruntime_cannot_run_falls_back_to_torch_under_auto(monkeypatch, backend):
+    import edgefcl.learn.export as export
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("unsupported operator")
+
+    monkeypatch.setattr(export, "OnnxTemplate", refuse)
+    c = _client(LearnConfig(method="bi", memory_size=12, score_backend=backend), seed=5)
+    for b in _batches(3):
+        c.step(b)
+    c.apply_global(GlobalModel(1, get_tensors(c.model), ("c007",)))
+    x = torch.rand(9, 6)
+    if backend == "onnxruntime":
+        with pytest.raises(ConfigError, match="cannot run this model.*--score-backend torch"):
+            c.learner._score(x)
+        return
+    state = c.perturber.state_dict()
+    scores = c.learner._score(x)  # torch, and for good: no second attempt
+    assert not c.onnx.ort_scoring
+    c.perturber.load_state_dict(state)
+    ref = uncertainty(c.learner.score_method, tta_logits(c.score_model, x, c.perturber))
+    assert torch.equal(scores, ref)

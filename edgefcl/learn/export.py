@@ -37,6 +37,8 @@ from edgefcl.learn.variational import client_hooks
 from edgefcl.ondevice import OnnxModel
 from edgefcl.statefiles import atomic_write, load_json, load_tensors
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel, Tensors
     from edgefcl.learn.client import Client
@@ -273,6 +275,7 @@ class ClientOnnx:
     def __init__(self, learn: LearnConfig) -> None:
         self.export_path = learn.export_onnx
         self.ort_scoring = scores_with_onnxruntime(learn)
+        self.fallback = learn.score_backend == "auto"  # to torch, when the model cannot export
         self.threads = learn.threads
         self._scorer: OnnxModel | None = None
         self._version = -1
@@ -319,7 +322,16 @@ class ClientOnnx:
                 or client.learn.score_source != "tta"):
             return None
         if self._version != client.score_version or self._scorer is None:
-            self._scorer = self._snapshot_scorer(client.score_model, tuple(x.shape[1:]))
+            try:
+                self._scorer = self._snapshot_scorer(client.score_model, tuple(x.shape[1:]))
+            except Exception as e:  # the exporter and onnxruntime raise their own types
+                if not self.fallback:
+                    raise ConfigError(f"score_backend onnxruntime cannot run this model ({e}); "
+                                      "use --score-backend torch") from e
+                log.warning("%s: scoring falls back to torch, onnxruntime cannot run this "
+                            "model: %s", client.cid, e)
+                self.ort_scoring = False
+                return None
             self._version = client.score_version
         views = client.perturber(x)
         flat = views.flatten(0, 1).cpu().numpy()
