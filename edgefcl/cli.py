@@ -153,14 +153,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    import signal
     import threading
 
+    from edgefcl.runtime.threads import stop_on_signals
     from edgefcl.transport.broker import EmbeddedBroker
 
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop_on_signals(stop)
     with EmbeddedBroker(args.host, args.port) as broker:
         print(f"embedded MQTT broker (amqtt, MQTT 3.1.1) listening on {broker.url}; "
               "Ctrl-C stops it", flush=True)

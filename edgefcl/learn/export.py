@@ -303,12 +303,13 @@ class ClientOnnx:
         if self._template is None or self._template[0] != signature:
             template = OnnxTemplate(model, sample_shape)
             self.scoring_exports += 1
-            scorer = OnnxModel(template.with_weights(state), self.threads)
-            # the refilled graph must compute this model: else export each snapshot whole
-            usable = template.complete and _agrees(model, scorer, sample_shape)
-            self._template = (signature, template if usable else None)
-            if usable:
-                return scorer
+            if template.complete:
+                scorer = OnnxModel(template.with_weights(state), self.threads)
+                # the refilled graph must compute this model: else export each snapshot whole
+                if _agrees(model, scorer, sample_shape):
+                    self._template = (signature, template)
+                    return scorer
+            self._template = (signature, None)
         template = self._template[1]
         if template is None:
             self.scoring_exports += 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import signal
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.runtime.store import StateStore
+from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.transport.codec import (
     DEFAULT_MAX_BYTES,
     CodecError,
@@ -72,9 +72,7 @@ class AggregatorDaemon:
         self.stop_event = threading.Event()
         # before the first state is saved: a SIGTERM from then on (while the CLI still loads
         # evaluation data, say) is a graceful stop, never a kill by the default handler
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(sig, lambda *_: self.stop_event.set())
+        stop_on_signals(self.stop_event)
         self.incarnation = secrets.token_hex(8)
         """This process, in its config and status: a device whose updates it has not counted
         sends the last one again when it sees another (the updates it held died with it)."""

@@ -20,7 +20,6 @@ offline, so the root stops waiting for it when it dies.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 
@@ -31,6 +30,7 @@ from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics
+from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
 from edgefcl.transport.mqtt import TransportError
 from edgefcl.transport.partials import encode_partial
@@ -184,9 +184,7 @@ class WorkerDaemon:
                                  "start the root aggregator first (--role root)")
 
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(sig, lambda *_: self.stop_event.set())
+        stop_on_signals(self.stop_event)
         try:
             self._connect()
             g = self.initial

@@ -1,6 +1,17 @@
-"""Thread settings of the daemons."""
+"""Thread and signal settings of the daemons."""
 
 from __future__ import annotations
+
+import signal
+import threading
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """Make SIGTERM and SIGINT set `stop` (a graceful stop) instead of killing the process;
+    only the main thread can install handlers, elsewhere (tests) this does nothing."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
 
 
 def one_blas_thread() -> None:
