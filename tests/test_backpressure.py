@@ -285,3 +285,17 @@ def test_a_device_at_the_end_waits_while_the_aggregator_is_offline(setup_cfg):
     r._last_round()
     assert 2.0 <= time.monotonic() - t0 < 10
     assert out == [out[0], out[0]] and r.unanswered == 0 and r.client.version == g.version
+
+
+def test_the_last_update_held_by_backpressure_is_sent_at_the_end(setup_cfg):
+    # under backpressure the last due update of a stream may be held: the device's last
+    # mini-batches would never reach the fleet, and its seq never be counted
+    r, _ = _sent_updates(setup_cfg, {"state": "online", "backpressure": 1.0})
+    assert r.client.held_update() is None  # nothing held
+    r.client.pace = lambda: False
+    batch = next(iter(client_stream(r.cfg, prepare(r.cfg, 0).tasks[0], 0, 0)))
+    while r.client.step(batch) is None and not r.client.held:
+        pass
+    final = r.client.held_update()
+    assert final is not None and final.seq == r.client.seq
+    assert r.client.held_update() is None  # once

@@ -64,7 +64,9 @@ class Client:
         self.sent: dict[str, np.ndarray] | None = None
         self.pace: Callable[[], bool] | None = None
         """Asked at every due update whether to send it (None: always); a held update keeps
-        its sequence number and is never encoded (runtime/backpressure.py)."""
+        its sequence number and is not encoded, unless it is the last of the stream
+        (`held_update`; runtime/backpressure.py)."""
+        self.held = False  # the last due update was held back by `pace`
         learner.bind(lambda: hooks.penalty(self), lambda task: hooks.on_task_start(self, task))
         hooks.attach(self)
 
@@ -118,8 +120,20 @@ class Client:
         if not self.schedule.due(learner.bn):
             return None
         self.seq += 1
-        if self.pace is not None and not self.pace():
+        self.held = self.pace is not None and not self.pace()
+        return None if self.held else self._update()
+
+    def held_update(self) -> Update | None:
+        """The update of the last due mini-batch when backpressure held it back (once), from
+        the model as it is now: sent at the end of a stream, so that the device's last
+        mini-batches still reach the fleet."""
+        if not self.held:
             return None
+        self.held = False
+        return self._update()
+
+    def _update(self) -> Update:
+        learner = self.learner
         self.sent = get_tensors(learner.model)
         payload = self.encoder.encode(self.sent, self.base)
         protos = learner.protos

@@ -375,6 +375,9 @@ class DeviceRunner:
                     self._status("online")
                 self.after_batch(batch)
             if not sync:
+                final = self.client.held_update()  # the last mini-batches reach the fleet
+                if final is not None:
+                    self._send(final)
                 self._last_round()
             self.after_stream()
             state = "done"
