@@ -27,6 +27,7 @@ from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.client import Client
 from edgefcl.learn.export import (
     EXAMPLE_BATCH,
+    SHARED_TEMPLATES,
     OnnxTemplate,
     export_onnx,
     export_run,
@@ -51,6 +52,13 @@ def digits() -> tuple[np.ndarray, np.ndarray]:
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
+@pytest.fixture(autouse=True)
+def no_shared_templates():
+    """Each test starts without the templates earlier tests of this process exported."""
+    SHARED_TEMPLATES.clear()
+    yield
+    SHARED_TEMPLATES.clear()
 
 
 def _trained(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, steps: int = 3):
@@ -322,6 +330,59 @@ def test_onnxruntime_scoring_follows_each_snapshot_from_one_export():
         np.testing.assert_allclose(z_ort.numpy(), z_torch.numpy(), atol=PARITY)
     assert c.onnx.scoring_exports == 1  # the architecture once, then only weight swaps
     assert c.learner.scored_ahead > 0  # and it scored on the second thread
+
+
+def _scored_once(c: Client, seed: int) -> None:
+    """Two batches and a global: the client's scoring snapshot is set."""
+    rng = np.random.default_rng(seed)
+    for i in range(2):
+        c.step(Batch(rng.random((8, 6), dtype=np.float32), rng.integers(0, 4, 8), 0, i + 1,
+                     False))
+    c.apply_global(GlobalModel(1, get_tensors(c.model), (c.cid,)))
+
+
+def _ort_matches_torch(c: Client) -> None:
+    x = torch.rand(5, 6)
+    state = c.perturber.state_dict()
+    z_ort = c.onnx.tta_logits(c, x)
+    c.perturber.load_state_dict(state)
+    np.testing.assert_allclose(z_ort.numpy(), tta_logits(c.score_model, x, c.perturber).numpy(),
+                               atol=PARITY)
+
+
+def test_clients_of_one_process_share_one_export():
+    learn = LearnConfig(method="bi", memory_size=12, score_backend="onnxruntime")
+    clients = [_client(learn, seed=s) for s in (1, 2, 3)]
+    for s, c in enumerate(clients):
+        _scored_once(c, s)
+        _ort_matches_torch(c)  # each its own weights through the one graph
+    assert [c.onnx.scoring_exports for c in clients] == [1, 0, 0]
+
+
+class _Signed(torch.nn.Module):
+    """A layer whose sign is not in its repr or its state: two of them look alike."""
+
+    def __init__(self, sign: float) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 4)
+        self.sign = sign
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sign * self.fc(x)
+
+
+def test_a_shared_template_of_another_model_is_not_used():
+    # the attack: a model with the same class, repr and state shapes as the one a shared
+    # template was exported from, but another forward
+    learn = LearnConfig(method="bi", memory_size=12, score_backend="onnxruntime")
+    fed = FedConfig(burn_in=0, jump=1)
+    plus, minus = (new_client(f"c{i}", _Signed(sign), learn, fed, "vector", seed=i)
+                   for i, sign in enumerate((1.0, -1.0)))
+    _scored_once(plus, 0)
+    _ort_matches_torch(plus)
+    _scored_once(minus, 1)
+    _ort_matches_torch(minus)  # its own export, not the template's graph
+    assert (plus.onnx.scoring_exports, minus.onnx.scoring_exports) == (1, 1)
 
 
 def test_a_template_that_bakes_in_tensors_outside_the_state_is_not_refilled():

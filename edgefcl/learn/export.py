@@ -18,7 +18,9 @@ import dataclasses
 import io
 import logging
 import math
+import threading
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -217,11 +219,13 @@ class OnnxTemplate:
     writes a state's tensors into those initializers and serializes the graph (0.3 ms for the
     small CNN, and 1.5-2 ms for a session from it, where an export takes 26-200 ms). The
     refilled graph is a plain ONNX file, so onnxruntime still folds BatchNorm into the
-    convolutions when it loads it.
+    convolutions when it loads it. A template may be shared by threads (`TemplateCache`).
     """
 
     def __init__(self, model: nn.Module, sample_shape: tuple[int, ...]) -> None:
         import onnx
+
+        self._lock = threading.Lock()  # with_weights writes into the one graph
 
         twin = copy.deepcopy(model)
         gen = torch.Generator().manual_seed(0)
@@ -247,11 +251,47 @@ class OnnxTemplate:
 
     def with_weights(self, state: dict[str, Tensor]) -> bytes:
         """The ONNX graph with the float32 weights of `state` (a state_dict of the model)."""
-        for name, slot in self._slots.items():
-            slot.ClearField("float_data")
-            tensor = state[name].detach().to("cpu", torch.float32).contiguous()
-            slot.raw_data = tensor.numpy().tobytes()
-        return self.proto.SerializeToString()
+        with self._lock:
+            for name, slot in self._slots.items():
+                slot.ClearField("float_data")
+                tensor = state[name].detach().to("cpu", torch.float32).contiguous()
+                slot.raw_data = tensor.numpy().tobytes()
+            return self.proto.SerializeToString()
+
+
+class TemplateCache:
+    """`OnnxTemplate`s by model signature, shared by the clients of a process: a simulation,
+    a benchmark or a simulated fleet exports each architecture once (26-200 ms, most of it
+    holding the GIL), not once per client. Keeps the `size` most recently used."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._items: OrderedDict[tuple, OnnxTemplate] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, signature: tuple, model: nn.Module,
+            sample_shape: tuple[int, ...]) -> tuple[OnnxTemplate, bool]:
+        """The template of `signature`, exported from `model` if there is none yet; and
+        whether this call exported it."""
+        with self._lock:
+            template = self._items.get(signature)
+            if template is not None:
+                self._items.move_to_end(signature)
+                return template, False
+            template = OnnxTemplate(model, sample_shape)
+            self._items[signature] = template
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+            return template, True
+
+    def clear(self) -> None:
+        """Forget every template."""
+        with self._lock:
+            self._items.clear()
+
+
+SHARED_TEMPLATES = TemplateCache()
+"""The process's templates, used by every `ClientOnnx` unless given its own."""
 
 
 class ClientOnnx:
@@ -263,25 +303,27 @@ class ClientOnnx:
     - score_backend "onnxruntime" (or "auto" on the CPU): TTA scoring runs the scoring
       snapshot through onnxruntime.
       The snapshot only changes when a global model arrives. Its architecture is exported once
-      (again only when a tensor changes shape, as a growing prototype head does) as an
-      `OnnxTemplate`; each new snapshot only refills it with its weights and builds a session.
-      A model whose refilled graph does not reproduce its logits is exported whole per
-      snapshot instead.
+      per process (again only when a tensor changes shape, as a growing prototype head does) as
+      an `OnnxTemplate` in `templates`, shared with the process's other clients; each new
+      snapshot only refills it with its weights and builds a session. A client checks the
+      template against its own model once (a probe batch); a model whose refilled graph does
+      not reproduce its logits is exported whole per snapshot instead.
       Before the first global the scoring model is the live model, which moves every batch;
       scoring then stays on torch. onnxruntime releases the GIL while it runs, so scoring on
       the second thread does not slow the training thread's Python.
     """
 
-    def __init__(self, learn: LearnConfig) -> None:
+    def __init__(self, learn: LearnConfig, templates: TemplateCache = SHARED_TEMPLATES) -> None:
         self.export_path = learn.export_onnx
+        self.templates = templates
         self.ort_scoring = scores_with_onnxruntime(learn)
         self.fallback = learn.score_backend == "auto"  # to torch, when the model cannot export
         self.threads = learn.threads
         self._scorer: OnnxModel | None = None
         self._version = -1
-        self._template: tuple[tuple, OnnxTemplate | None] | None = None  # by signature
+        self._template: tuple[tuple, OnnxTemplate | None] | None = None  # checked, by signature
         self.exports = 0
-        self.scoring_exports = 0
+        self.scoring_exports = 0  # exports this client made for scoring
 
     def on_global(self, client: Learner) -> None:
         """Write the live model to the export path (if one is set)."""
@@ -298,11 +340,11 @@ class ClientOnnx:
     def _snapshot_scorer(self, model: nn.Module, sample_shape: tuple[int, ...]) -> OnnxModel:
         """An onnxruntime session of the scoring snapshot `model`."""
         state = model.state_dict()
-        signature = (type(model).__name__, sample_shape,
+        signature = (type(model).__name__, repr(model), sample_shape,
                      tuple((k, tuple(v.shape)) for k, v in state.items()))
         if self._template is None or self._template[0] != signature:
-            template = OnnxTemplate(model, sample_shape)
-            self.scoring_exports += 1
+            template, exported = self.templates.get(signature, model, sample_shape)
+            self.scoring_exports += exported
             if template.complete:
                 scorer = OnnxModel(template.with_weights(state), self.threads)
                 # the refilled graph must compute this model: else export each snapshot whole
