@@ -45,7 +45,8 @@ def prepare(cfg: RunConfig, seed: int) -> Setup:
     work = load_workload(cfg, seed)
     ds, tasks = work.dataset, work.tasks
     torch.manual_seed(seed)
-    model = build_model(cfg.learn.model, ds.sample_shape, ds.n_classes, cfg.learn.hidden)
+    model = build_model(cfg.learn.model, ds.sample_shape, ds.n_classes, cfg.learn.hidden,
+                        cfg.learn.bn_momentum)
     if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
         model = proto_model(model)  # the output layer becomes the label-keyed library
     model = client_hooks(cfg.learn.method, cfg.learn, cfg.fed).prepare_model(model)

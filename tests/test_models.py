@@ -7,6 +7,7 @@ import torch
 
 from edgefcl.config import ConfigError
 from edgefcl.learn.models import (
+    BN_MOMENTUM,
     MLP,
     SlimResNet18,
     SmallCNN,
@@ -96,3 +97,25 @@ def test_bad_names_and_shapes() -> None:
         build_model("cnn", (1, 2, 2), 10)
     with pytest.raises(ConfigError, match="n_classes"):
         build_model("mlp", (10,), 0)
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet18"])
+def test_batchnorm_momentum_reaches_every_layer(name: str) -> None:
+    def momenta(model: torch.nn.Module) -> set[float]:
+        return {m.momentum for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)}
+
+    assert momenta(build_model(name, (3, 32, 32), 10)) == {BN_MOMENTUM}
+    assert momenta(build_model(name, (3, 32, 32), 10, bn_momentum=0.5)) == {0.5}
+
+
+def test_run_config_sets_the_batchnorm_momentum_and_rejects_bad_values() -> None:
+    from edgefcl.build import prepare
+    from edgefcl.config import RunConfig, apply, validate
+
+    cfg = apply(RunConfig(), {"learn": {"bn_momentum": 0.7}, "data": {"tasks": 1}})
+    model = prepare(cfg, 0).initial
+    assert {m.momentum for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)} == {0.7}
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match="bn_momentum must be in"):
+            validate(apply(RunConfig(), {"learn": {"bn_momentum": bad}}))
+

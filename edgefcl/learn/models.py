@@ -20,6 +20,12 @@ RESNET_NF = 20
 """Width of the slim ResNet-18 (the GEM / online-CL "reduced ResNet-18")."""
 MIN_CNN_SIZE = 4
 """Smallest H and W the small CNN accepts (it pools twice by 2)."""
+BN_MOMENTUM = 0.3
+"""Momentum of the image models' BatchNorm running statistics. An online client takes a few
+steps per mini-batch (3 by default) and learns a task from a few dozen: with PyTorch's 0.1
+the statistics average over about 10 steps and lag the weights, so the eval-mode model (what
+is evaluated, exported and scores the memory) is off. 0.3 averages over about one
+mini-batch's steps."""
 
 
 class MLP(nn.Module):
@@ -38,10 +44,10 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def _conv_block(c_in: int, c_out: int, pool: bool) -> nn.Sequential:
+def _conv_block(c_in: int, c_out: int, pool: bool, momentum: float) -> nn.Sequential:
     layers: list[nn.Module] = [
         nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
-        nn.BatchNorm2d(c_out),
+        nn.BatchNorm2d(c_out, momentum=momentum),
         nn.ReLU(inplace=True),
     ]
     if pool:
@@ -53,12 +59,14 @@ class SmallCNN(nn.Module):
     """Three 3x3 conv blocks (32, 64, 128 channels; BatchNorm, ReLU; max-pool after the first
     two), global average pooling and a linear head. Works for any H, W >= 4."""
 
-    def __init__(self, in_channels: int, n_classes: int, width: int = 32) -> None:
+    def __init__(self, in_channels: int, n_classes: int, width: int = 32,
+                 bn_momentum: float = BN_MOMENTUM) -> None:
         super().__init__()
+        m = bn_momentum
         self.features = nn.Sequential(
-            _conv_block(in_channels, width, pool=True),
-            _conv_block(width, 2 * width, pool=True),
-            _conv_block(2 * width, 4 * width, pool=False),
+            _conv_block(in_channels, width, pool=True, momentum=m),
+            _conv_block(width, 2 * width, pool=True, momentum=m),
+            _conv_block(2 * width, 4 * width, pool=False, momentum=m),
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),
         )
@@ -71,16 +79,18 @@ class SmallCNN(nn.Module):
 class BasicBlock(nn.Module):
     """ResNet basic block: two 3x3 convs with BatchNorm, identity or 1x1-conv shortcut."""
 
-    def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
+    def __init__(self, c_in: int, c_out: int, stride: int = 1,
+                 bn_momentum: float = BN_MOMENTUM) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
+        self.bn1 = nn.BatchNorm2d(c_out, momentum=bn_momentum)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, stride=1, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
+        self.bn2 = nn.BatchNorm2d(c_out, momentum=bn_momentum)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or c_in != c_out:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(c_out, momentum=bn_momentum),
             )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -93,15 +103,17 @@ class SlimResNet18(nn.Module):
     """Reduced ResNet-18 of GEM / online continual learning: BasicBlock x [2, 2, 2, 2] with
     widths nf, 2nf, 4nf, 8nf, a 3x3 stride-1 stem, global average pooling, linear head."""
 
-    def __init__(self, in_channels: int, n_classes: int, nf: int = RESNET_NF) -> None:
+    def __init__(self, in_channels: int, n_classes: int, nf: int = RESNET_NF,
+                 bn_momentum: float = BN_MOMENTUM) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, nf, 3, stride=1, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(nf)
+        self.bn1 = nn.BatchNorm2d(nf, momentum=bn_momentum)
         layers: list[nn.Module] = []
         c_in = nf
         for i, stride in enumerate((1, 2, 2, 2)):
             c_out = nf * 2**i
-            layers += [BasicBlock(c_in, c_out, stride), BasicBlock(c_out, c_out, 1)]
+            layers += [BasicBlock(c_in, c_out, stride, bn_momentum),
+                       BasicBlock(c_out, c_out, 1, bn_momentum)]
             c_in = c_out
         self.layers = nn.Sequential(*layers)
         self.linear = nn.Linear(c_in, n_classes)
@@ -124,12 +136,14 @@ def resolve_model_name(name: str, sample_shape: tuple[int, ...]) -> str:
 
 
 def build_model(
-    name: str, sample_shape: tuple[int, ...], n_classes: int, hidden: int = 512
+    name: str, sample_shape: tuple[int, ...], n_classes: int, hidden: int = 512,
+    bn_momentum: float = BN_MOMENTUM,
 ) -> nn.Module:
     """Build a fresh model for samples of `sample_shape` and `n_classes` classes.
 
     name: auto | mlp | cnn | resnet18. Images have sample_shape (C, H, W); the CNN needs
-    H, W >= 4. `hidden` is the MLP's hidden width (ignored by the image models).
+    H, W >= 4. `hidden` is the MLP's hidden width (ignored by the image models),
+    `bn_momentum` the image models' BatchNorm momentum (ignored by the MLP).
     """
     shape = tuple(int(s) for s in sample_shape)
     if not shape or any(s < 1 for s in shape):
@@ -152,8 +166,8 @@ def build_model(
                 f"model 'cnn' needs images of at least {MIN_CNN_SIZE}x{MIN_CNN_SIZE} px, got "
                 f"{height}x{width}; use model=mlp"
             )
-        return SmallCNN(channels, n_classes)
-    return SlimResNet18(channels, n_classes)
+        return SmallCNN(channels, n_classes, bn_momentum=bn_momentum)
+    return SlimResNet18(channels, n_classes, bn_momentum=bn_momentum)
 
 
 def count_parameters(model: nn.Module) -> int:
