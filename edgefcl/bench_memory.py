@@ -146,6 +146,44 @@ def bar_check(rows: list[dict]) -> list[dict]:
     return out
 
 
+def paired(runs: list[dict], baselines: tuple[str, ...] = ("cbr", "er")) -> list[dict]:
+    """Per (dataset, per_class), rule and baseline: rule - baseline of A and F seed by seed
+    (both ran the same streams), mean ± sample std over the seeds both ran. The std is the
+    spread of the comparison itself, usually well under either method's own spread."""
+    by: dict[tuple, dict[int, dict]] = {}
+    for r in runs:
+        by.setdefault((r["dataset"], r["per_class"], r["rule"]), {})[r["seed"]] = r
+    out = []
+    for (ds, pc, rule), mine in by.items():
+        if rule in baselines:
+            continue
+        for base in baselines:
+            ref = by.get((ds, pc, base), {})
+            seeds = sorted(set(mine) & set(ref))
+            if not seeds:
+                continue
+            da, da_sd = mean_std([mine[s]["accuracy"] - ref[s]["accuracy"] for s in seeds])
+            df, df_sd = mean_std([mine[s]["forgetting"] - ref[s]["forgetting"] for s in seeds])
+            out.append({"dataset": ds, "per_class": pc, "rule": rule, "baseline": base,
+                        "n": len(seeds), "dA": da, "dA_std": da_sd, "dF": df, "dF_std": df_sd})
+    return out
+
+
+def format_paired(pairs: list[dict], baseline: str) -> str:
+    """Markdown table of `paired` differences against `baseline`: a row per rule, a column
+    per (dataset, per_class), cells "dA ± sd / dF ± sd"."""
+    mine = [p for p in pairs if p["baseline"] == baseline]
+    cols = list(dict.fromkeys((p["dataset"], p["per_class"]) for p in mine))
+    lines = ["| rule - " + baseline + " | " + " | ".join(f"{d} {k}" for d, k in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for rule in dict.fromkeys(p["rule"] for p in mine):
+        cell = {(p["dataset"], p["per_class"]): p for p in mine if p["rule"] == rule}
+        lines.append(f"| {rule} | " + " | ".join(
+            "{dA:+.1f} ± {dA_std:.1f} / {dF:+.1f} ± {dF_std:.1f}".format(**cell[c])
+            if c in cell else "" for c in cols) + " |")
+    return "\n".join(lines)
+
+
 TABLE = {"data": "{dataset}", "M/class": "{per_class}", "rule": "{rule}",
          "A (%)": "{accuracy:.1f} ± {accuracy_std:.1f}",
          "F (%)": "{forgetting:.1f} ± {forgetting_std:.1f}", "wall s/run": "{wall_s:.1f}",
@@ -240,8 +278,9 @@ def bench_memory(cfg: RunConfig, out: Path, datasets: list[str], per_class: list
               f"{elapsed / 60:.1f} min so far)", flush=True)
         _write(path, cfg, done)
     wanted = {_key(ds, pc, s.label, seed) for ds, pc, seed, s in cells}
-    rows = summarize([r for k, r in done.items() if k in wanted])
-    report = _write(path, cfg, done, rows)
+    runs = [r for k, r in done.items() if k in wanted]
+    rows = summarize(runs)
+    report = _write(path, cfg, done, rows, paired(runs))
     table = format_table(rows)
     print("\nA and F: mean ± sample std (ddof=1) over seeds\n" + table)
     misses = [b for b in report["bar"] if not (b["f_ok"] and b["a_ok"])]
@@ -251,7 +290,12 @@ def bench_memory(cfg: RunConfig, out: Path, datasets: list[str], per_class: list
         miss = [f"{b['dataset']}/{b['per_class']}" for b in misses if b["rule"] == rule]
         print(f"  {rule:<18} {len(mine) - len(miss)}/{len(mine)} cells"
               + (f"  (missed: {', '.join(miss)})" if miss else ""))
-    (out / "bench_memory.md").write_text(table + "\n")
+    pairs = [format_paired(report["paired"], b) for b in ("cbr", "er")
+             if any(p["baseline"] == b for p in report["paired"])]
+    if pairs:
+        print("\npaired by seed (same streams), rule - baseline: A ± sd / F ± sd (ddof=1)")
+        print("\n\n".join(pairs))
+    (out / "bench_memory.md").write_text("\n\n".join([table, *pairs]) + "\n")
     if rows:
         plot(rows, out / "bench_memory.png")
         print(f"plot: {out / 'bench_memory.png'}")
@@ -265,9 +309,9 @@ def _n_classes(spec: str) -> int:
 
 
 def _write(path: Path, cfg: RunConfig, done: dict[str, dict],
-           rows: list[dict] | None = None) -> dict:
+           rows: list[dict] | None = None, pairs: list[dict] | None = None) -> dict:
     report = {"config": dataclasses.asdict(cfg), "runs": list(done.values()),
-              "rows": rows or [], "bar": bar_check(rows or []),
+              "rows": rows or [], "bar": bar_check(rows or []), "paired": pairs or [],
               "note": "A, F in %; mean ± sample std (ddof=1) over seeds"}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=1))

@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from edgefcl.bench_memory import bar_check, bench_memory, parse_rule, summarize
+from edgefcl.bench_memory import (
+    bar_check,
+    bench_memory,
+    format_paired,
+    paired,
+    parse_rule,
+    summarize,
+)
 from edgefcl.config import ConfigError, RunConfig
 
 
@@ -44,6 +51,18 @@ def test_bar_check():
     assert got == {"bi:a": (True, True), "bi:b": (False, True), "bi:c": (True, False)}
 
 
+def test_paired_differences_are_taken_seed_by_seed():
+    runs = [_run("cbr", 0, 88.0, 6.0), _run("cbr", 1, 91.0, 3.0), _run("cbr", 2, 70.0, 9.0),
+            _run("bi", 0, 90.0, 5.0), _run("bi", 1, 92.0, 5.0), _run("er", 0, 80.0, 8.0)]
+    got = {p["baseline"]: p for p in paired(runs)}
+    # cbr: seeds 0 and 1 only (bi has no seed 2): dA = 2, 1; dF = -1, 2
+    assert got["cbr"]["n"] == 2 and got["cbr"]["dA"] == 1.5 and got["cbr"]["dF"] == 0.5
+    assert got["cbr"]["dA_std"] == pytest.approx(math.sqrt(0.5))
+    assert got["cbr"]["dF_std"] == pytest.approx(math.sqrt(4.5))
+    assert got["er"]["n"] == 1 and got["er"]["dA"] == 10.0 and math.isnan(got["er"]["dA_std"])
+    assert "| bi | +1.5 ± 0.7 / +0.5 ± 2.1 |" in format_paired(paired(runs), "cbr")
+
+
 @pytest.mark.slow
 def test_study_runs_writes_and_reuses(tmp_path, capsys):
     cfg = RunConfig()
@@ -53,5 +72,7 @@ def test_study_runs_writes_and_reuses(tmp_path, capsys):
     assert {r["rule"] for r in report["runs"]} == {"cbr", "bi:step"}
     assert (tmp_path / "bench_memory.png").stat().st_size > 0
     assert "bi:step" in (tmp_path / "bench_memory.md").read_text()
+    assert "| rule - cbr |" in (tmp_path / "bench_memory.md").read_text()
+    assert [p["rule"] for p in report["paired"]] == ["bi:step"]
     bench_memory(cfg, tmp_path, ["digits"], [2], ["cbr", "bi:step"])
     assert "0 run(s) to do, 2 reused" in capsys.readouterr().out
