@@ -148,8 +148,8 @@ def bar_check(rows: list[dict]) -> list[dict]:
 
 def paired(runs: list[dict], baselines: tuple[str, ...] = ("cbr", "er")) -> list[dict]:
     """Per (dataset, per_class), rule and baseline: rule - baseline of A and F seed by seed
-    (both ran the same streams), mean ± sample std over the seeds both ran. The std is the
-    spread of the comparison itself, usually well under either method's own spread."""
+    (both ran the same streams), mean ± sample std over the seeds both ran: the spread of
+    the comparison itself, in which the luck of a seed partly cancels."""
     by: dict[tuple, dict[int, dict]] = {}
     for r in runs:
         by.setdefault((r["dataset"], r["per_class"], r["rule"]), {})[r["seed"]] = r
