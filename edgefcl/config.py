@@ -21,6 +21,14 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+BN_MOMENTUM = 0.3
+"""Momentum of the image models' BatchNorm running statistics. An online client takes a few
+steps per mini-batch (3 by default) and learns a task from a few dozen: with PyTorch's 0.1
+the statistics average over about 10 steps and lag the weights, so the eval-mode model (what
+is evaluated, exported and scores the memory) is off. 0.3 averages over about one
+mini-batch's steps."""
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message says what to fix."""
 
@@ -66,7 +74,7 @@ class LearnConfig:
     model: str = opt("auto", "auto | mlp | cnn | resnet18 (auto: from the data shape)")
     hidden: int = opt(512, "hidden units of the MLP")
     bn_momentum: float = opt(
-        0.3, "momentum of the image models' BatchNorm running statistics (about one "
+        BN_MOMENTUM, "momentum of the image models' BatchNorm running statistics (about one "
         "mini-batch's local steps, 1/0.3; PyTorch's 0.1 lags a model that learns a task "
         "from a few dozen steps, and evaluation and scoring use those statistics)"
     )

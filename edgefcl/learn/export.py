@@ -82,7 +82,7 @@ def export_onnx(model: nn.Module, sample_shape: tuple[int, ...], path: str | Pat
     Writes the bytes atomically to `path` when given and returns them. The model's train/eval
     modes are restored afterwards. `named_weights` (torchscript exporter) skips constant folding,
     so that the weights stay initializers named as in the model's state_dict (BatchNorm not
-    folded into the convolutions): `OnnxModel(..., weights=)` can then swap them.
+    folded into the convolutions): `OnnxTemplate.with_weights` can then refill them.
     """
     if exporter not in EXPORTERS:
         raise ConfigError(f"unknown exporter '{exporter}'; choose from {', '.join(EXPORTERS)}")

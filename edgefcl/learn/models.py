@@ -13,19 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgefcl.config import ConfigError
+from edgefcl.config import BN_MOMENTUM, ConfigError
 
 MODELS = ("auto", "mlp", "cnn", "resnet18")
 RESNET_NF = 20
 """Width of the slim ResNet-18 (the GEM / online-CL "reduced ResNet-18")."""
 MIN_CNN_SIZE = 4
 """Smallest H and W the small CNN accepts (it pools twice by 2)."""
-BN_MOMENTUM = 0.3
-"""Momentum of the image models' BatchNorm running statistics. An online client takes a few
-steps per mini-batch (3 by default) and learns a task from a few dozen: with PyTorch's 0.1
-the statistics average over about 10 steps and lag the weights, so the eval-mode model (what
-is evaluated, exported and scores the memory) is off. 0.3 averages over about one
-mini-batch's steps."""
 
 
 class MLP(nn.Module):

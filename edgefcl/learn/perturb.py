@@ -92,11 +92,6 @@ def _brightness(x: Tensor, u: np.ndarray, amount: float = BRIGHTNESS) -> Tensor:
     return (x.clamp(0.0, 1.0) * factor.reshape(-1, *([1] * (x.ndim - 1)))).clamp(0.0, 1.0)
 
 
-def cutout(x: Tensor, size: int, seed: int) -> Tensor:
-    """Zero one size x size square per image, placed uniformly inside the image."""
-    return _cutout(x, size, uniforms([seed], x.shape[0])[0])
-
-
 def brightness(x: Tensor, seed: int, amount: float = BRIGHTNESS) -> Tensor:
     """Each image times its own factor ~ U(1 - amount, 1 + amount), input and output clamped
     to [0, 1] (kornia's / torchvision's ColorJitter brightness)."""
