@@ -83,7 +83,7 @@ class LearnConfig:
         "step", "which samples an over-quota class keeps: bottom (least uncertain, the "
         "paper's), top (most uncertain), step (evenly spaced uncertainty ranks), mix (half "
         "least uncertain, half random), kcenter (diverse in feature space), herding (kept "
-        "mean closest to the class mean in feature space)"
+        "mean closest to the class mean in feature space), random (uniform: the control)"
     )
     rank_past: bool = opt(
         False, "apply the selection rule to over-quota past-task classes too (cached scores) "

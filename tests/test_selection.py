@@ -70,6 +70,20 @@ def test_mix_keeps_the_lowest_half_and_a_random_rest():
     assert len(picks) > 1 and all(len(p) == 1 for p in picks)
 
 
+def test_random_draws_uniformly_within_each_class():
+    rule = get_selection("random")
+    assert not rule.needs_scores and not rule.needs_features
+    # class 0: 4 candidates keep 2, class 1: 2 candidates keep 1; scores must not matter
+    hits = torch.zeros(6)
+    for seed in range(400):
+        mask = rule.select(cands([0, 0, 0, 0, 1, 1], [2, 1], [0, 1, 2, 3, 0, 1], seed=seed))
+        assert mask[:4].sum() == 2 and mask[4:].sum() == 1
+        hits += mask.float()
+    # each candidate of class 0 is kept with probability 1/2, of class 1 with 1/2: 200 of 400
+    # expected, sd 10; 60 is 6 sd away
+    assert ((hits - 200).abs() < 60).all(), hits
+
+
 def test_kcenter_farthest_first_from_the_point_nearest_the_mean():
     # class 0 on a line at 0, 1, 2, 10: mean 3.25 -> first pick 2 (index 2); farthest from
     # {2}: 10 (index 3); then farthest from {2, 10}: 0 (index 0).

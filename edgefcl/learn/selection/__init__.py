@@ -6,6 +6,7 @@ from edgefcl.learn.selection.bottom import Bottom
 from edgefcl.learn.selection.herding import Herding
 from edgefcl.learn.selection.kcenter import KCenter
 from edgefcl.learn.selection.mix import Mix
+from edgefcl.learn.selection.random import Random
 from edgefcl.learn.selection.step import Step
 from edgefcl.learn.selection.top import Top
 
@@ -16,6 +17,7 @@ SELECTIONS: dict[str, Selection] = {r.name: r for r in (
     Mix(),
     KCenter(),
     Herding(),
+    Random(),
 )}
 """Rule name -> rule."""
 

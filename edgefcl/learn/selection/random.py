@@ -1,0 +1,18 @@
+"""random: keep a uniform draw of a class's candidates, ignoring scores and features.
+
+The control of the study: the BI memory's pipeline with the ranking switched off, which keeps
+the same memory, in distribution, as class-balanced random replay (`cbr`)."""
+
+import torch
+from torch import Tensor
+
+from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
+
+
+class Random(Selection):
+    name = "random"
+    needs_scores = False
+
+    def select(self, c: Candidates) -> Tensor:
+        u = torch.rand(c.cls.numel(), generator=c.generator, device=c.cls.device)
+        return grouped_rank(c.cls, u, c.counts) < c.keep[c.cls]
