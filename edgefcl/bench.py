@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +15,10 @@ import torch
 from edgefcl.build import prepare
 from edgefcl.config import ConfigError, RunConfig
 from edgefcl.learn.export import export_onnx
+from edgefcl.learn.methods import get_method
 from edgefcl.learn.models import build_model
 from edgefcl.learn.perturb import make_perturber, tta_logits, tta_logits_looped
+from edgefcl.learn.scores import uncertainty
 from edgefcl.ondevice import OnnxModel
 from edgefcl.simulate import simulate
 
@@ -69,6 +72,49 @@ def inference_speed(model: torch.nn.Module, sample_shape: tuple[int, ...], threa
             "speedup": t_batch / o_batch, "max_abs_diff": diff}
 
 
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman rank correlation of two score vectors (ties: average ranks; NaN when either
+    is constant)."""
+    from scipy.stats import spearmanr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # constant input: NaN, which the caller drops
+        return float(spearmanr(a.numpy(), b.numpy()).statistic)
+
+
+def view_stability(logits: list[torch.Tensor], score: str) -> dict:
+    """Would fewer views rank the memory's candidates alike? For the (P, N, C) logits of
+    every scoring call of a run (N >= 3), the scores from the first k views against those
+    from all P; per k, the median over calls of the Spearman correlation of the two rankings
+    and the share of calls at >= 0.9."""
+    calls = [z for z in logits if z.shape[1] >= 3]
+    p = min((z.shape[0] for z in calls), default=0)
+    rows = []
+    for k in range(2, p):
+        rho = torch.tensor([spearman(uncertainty(score, z[:k]), uncertainty(score, z))
+                            for z in calls])
+        rho = rho[~rho.isnan()]
+        rows.append({"views": k, "median_rho": float(rho.median()) if rho.numel() else None,
+                     "share_ge_0.9": float((rho >= 0.9).double().mean()) if rho.numel()
+                     else None})
+    n = float(np.mean([z.shape[1] for z in calls])) if calls else 0.0
+    return {"views": p, "calls": len(calls), "mean_candidates": n, "prefixes": rows}
+
+
+def _log_scores(logs: list[torch.Tensor]):
+    """A `simulate` observer that makes every client append its scoring logits to `logs`."""
+    def attach(client) -> None:
+        client.learner.score_log = logs
+    return attach
+
+
+def _print_stability(name: str, s: dict) -> None:
+    cells = "  ".join(f"{r['views']}: {r['median_rho']:.2f} ({100 * r['share_ge_0.9']:.0f} %)"
+                      for r in s["prefixes"] if r["median_rho"] is not None)
+    print(f"{name:<7} {s['views']} views, {s['calls']} calls of {s['mean_candidates']:.1f} "
+          f"candidates: {cells}")
+
+
 def _per_batch_ms(r) -> dict:
     """Per mini-batch ms: the client thread's parts, `step` (their sum without the
     prequential monitor) and `score_thread` (scoring done on the second thread)."""
@@ -96,10 +142,12 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
     for name, spec in configs:
         run_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=spec))
         runs: dict[str, list] = {"cbr": [], cfg.learn.method: []}
+        logs: list[torch.Tensor] = []  # the scoring calls of the first seed's run
         for i, seed in enumerate(range(cfg.seed, cfg.seed + cfg.seeds)):
             order = ["cbr", cfg.learn.method][:: 1 if i % 2 == 0 else -1]
             for m in order:
-                runs[m].append(simulate(run_cfg, method=m, seed=seed))
+                probe = _log_scores(logs) if i == 0 and m == cfg.learn.method else None
+                runs[m].append(simulate(run_cfg, method=m, seed=seed, observe=probe))
         rows = {}
         for m, rs in runs.items():
             ms = [_per_batch_ms(r) for r in rs]
@@ -115,9 +163,15 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
         ratios = {"wall": bi["wall_s"] / cbr["wall_s"],
                   "step_vs_train": bi["step"] / cbr["train"],
                   "step_vs_cbr_step": bi["step"] / cbr["step"]}
-        report[name] = {"dataset": spec, "runs": rows, "ratios": ratios}
+        report[name] = {"dataset": spec, "runs": rows, "ratios": ratios,
+                        "view_stability": view_stability(logs, get_method(cfg.learn.method).score)}
         print(f"{name:<7} ratios: wall {ratios['wall']:.2f}x, per-batch step / bare train step "
               f"{ratios['step_vs_train']:.2f}x, step / cbr step {ratios['step_vs_cbr_step']:.2f}x")
+    print("\nview stability: each scoring call's ranking from its first k views against all "
+          "views (the first seed's run); k: median Spearman rho over calls (share of calls at "
+          ">= 0.9):")
+    for name, r in report.items():
+        _print_stability(name, r["view_stability"])
     return report
 
 

@@ -33,8 +33,10 @@ def evaluate_all(client: Client, tasks: list[TaskData]) -> np.ndarray:
 
 
 def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
-             progress: Callable[[int, int, str], None] | None = None) -> RunResult:
-    """Run one in-process lock-step simulation and return its result."""
+             progress: Callable[[int, int, str], None] | None = None,
+             observe: Callable[[Client], None] | None = None) -> RunResult:
+    """Run one in-process lock-step simulation and return its result. `observe` is called
+    with every client once it is built (benchmarks attach their probes)."""
     method = method or cfg.learn.method
     seed = cfg.seed if seed is None else seed
     cfg = for_method(cfg, method)
@@ -43,6 +45,8 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
     setup = prepare(cfg, seed)
     K, T = cfg.fed.clients, cfg.data.tasks
     clients = [make_client(cfg, setup, k, method, seed) for k in range(K)]
+    for c in clients if observe is not None else ():
+        observe(c)
     streams = {c.cid: client_stream(cfg, setup.tasks[k], k, seed) for k, c in enumerate(clients)}
     agg = Aggregator(initial_global(cfg, setup), cfg.fed, batch_size=cfg.data.batch_size,
                      prototypes=initial_prototypes(setup, cfg.fed.encoding),

@@ -101,6 +101,7 @@ class Learner:
         self.skip_scoring = False  # set by a device over its compute budget (firmware_sim)
         self._pool: ThreadPoolExecutor | None = None  # scores ahead while training
         self.scored_ahead = 0  # batches whose scores were computed while training
+        self.score_log: list[torch.Tensor] | None = None  # a list: every scoring call's logits
 
     @property
     def policy(self) -> str | None:
@@ -237,6 +238,8 @@ class Learner:
         if logits is None:
             logits = score_logits(model, x, self.learn.score_source, self.perturber,
                                   self.learn.score_samples, self.learn.score_chunk)
+        if self.score_log is not None:  # benchmarks: how the scores depend on the views
+            self.score_log.append(logits.detach().cpu())
         scores = uncertainty(self.score_method, logits)
         (self.timings if timings is None else timings)["score"] += self.clock.now() - t0
         return scores

@@ -1,0 +1,43 @@
+"""The client benchmark's view-stability statistics (edgefcl.bench), hand-computed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from edgefcl.bench import _log_scores, spearman, view_stability
+from edgefcl.config import RunConfig
+from edgefcl.simulate import simulate
+
+
+def test_spearman():
+    a = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert spearman(a, 10 * a) == pytest.approx(1.0)
+    assert spearman(a, -a) == pytest.approx(-1.0)
+    # rank differences 1, 1, 1, 1 -> 1 - 6 * 4 / (4 * 15) = 0.6
+    assert spearman(a, torch.tensor([2.0, 1.0, 4.0, 3.0])) == pytest.approx(0.6)
+    assert math.isnan(spearman(a, torch.ones(4)))  # constant: undefined
+
+
+def test_view_stability_compares_view_prefixes_with_all_views():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 6, 3, generator=g)
+    repeated = torch.cat([z, z])  # views 2, 3 repeat views 0, 1: 2 views score as all 4
+    s = view_stability([repeated, torch.randn(4, 2, 3)], "bi")  # the 2-candidate call is skipped
+    assert (s["views"], s["calls"], s["mean_candidates"]) == (4, 1, 6.0)
+    assert [r["views"] for r in s["prefixes"]] == [2, 3]
+    assert s["prefixes"][0]["median_rho"] == pytest.approx(1.0)
+    assert s["prefixes"][0]["share_ge_0.9"] == 1.0
+
+
+def test_logging_the_scores_leaves_the_run_unchanged():
+    cfg = RunConfig()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=2))
+    logs: list[torch.Tensor] = []
+    logged = simulate(cfg, method="bi", seed=0, observe=_log_scores(logs))
+    plain = simulate(cfg, method="bi", seed=0)
+    assert logged.global_sha256 == plain.global_sha256
+    assert logs and all(z.ndim == 3 and z.shape[0] == 12 for z in logs)
