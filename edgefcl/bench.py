@@ -17,7 +17,7 @@ from edgefcl.config import ConfigError, RunConfig
 from edgefcl.learn.export import export_onnx
 from edgefcl.learn.methods import get_method
 from edgefcl.learn.models import build_model
-from edgefcl.learn.perturb import make_perturber, tta_logits, tta_logits_looped
+from edgefcl.learn.perturb import IMAGE_VIEWS, make_perturber, tta_logits, tta_logits_looped
 from edgefcl.learn.scores import uncertainty
 from edgefcl.ondevice import OnnxModel
 from edgefcl.simulate import simulate
@@ -82,23 +82,37 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(spearmanr(a.numpy(), b.numpy()).statistic)
 
 
-def view_stability(logits: list[torch.Tensor], score: str) -> dict:
-    """Would fewer views rank the memory's candidates alike? For the (P, N, C) logits of
-    every scoring call of a run (N >= 3), the scores from the first k views against those
-    from all P; per k, the median over calls of the Spearman correlation of the two rankings
-    and the share of calls at >= 0.9."""
+def _agreement(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Median Spearman correlation over score pairs and the share at >= 0.9 (NaN dropped)."""
+    rho = torch.tensor([spearman(a, b) for a, b in pairs], dtype=torch.float64)
+    rho = rho[~rho.isnan()]
+    if not rho.numel():
+        return {"median_rho": None, "share_ge_0.9": None, "calls": 0}
+    return {"median_rho": float(rho.median()), "share_ge_0.9": float((rho >= 0.9).double().mean()),
+            "calls": int(rho.numel())}
+
+
+def view_stability(logits: list[torch.Tensor], score: str,
+                   retest: list[torch.Tensor] | None = None) -> dict:
+    """How much the memory's ranking depends on its views, from the (P, N, C) logits of every
+    scoring call of a run (calls with N >= 3):
+
+    - prefixes: per k < P, the ranking from the first k views against the one from all P
+      (would fewer views, as adaptive view counts would use, rank alike?);
+    - retest: from the calls of a run with 2P views, the ranking from views [0, P) against
+      the one from [P, 2P) (the same score drawn twice: how reproducible the ranking is).
+    Each as the median Spearman correlation over calls and the share of calls at >= 0.9."""
     calls = [z for z in logits if z.shape[1] >= 3]
     p = min((z.shape[0] for z in calls), default=0)
-    rows = []
-    for k in range(2, p):
-        rho = torch.tensor([spearman(uncertainty(score, z[:k]), uncertainty(score, z))
-                            for z in calls])
-        rho = rho[~rho.isnan()]
-        rows.append({"views": k, "median_rho": float(rho.median()) if rho.numel() else None,
-                     "share_ge_0.9": float((rho >= 0.9).double().mean()) if rho.numel()
-                     else None})
+    full = [uncertainty(score, z) for z in calls]
+    prefixes = [{"views": k, **_agreement([(uncertainty(score, z[:k]), f)
+                                           for z, f in zip(calls, full, strict=True)])}
+                for k in range(2, p)]
+    twice = [z for z in retest or [] if z.shape[1] >= 3 and z.shape[0] == 2 * p]
     n = float(np.mean([z.shape[1] for z in calls])) if calls else 0.0
-    return {"views": p, "calls": len(calls), "mean_candidates": n, "prefixes": rows}
+    return {"views": p, "calls": len(calls), "mean_candidates": n, "prefixes": prefixes,
+            "retest": _agreement([(uncertainty(score, z[:p]), uncertainty(score, z[p:]))
+                                  for z in twice]) if twice else None}
 
 
 def _log_scores(logs: list[torch.Tensor]):
@@ -108,11 +122,28 @@ def _log_scores(logs: list[torch.Tensor]):
     return attach
 
 
+def _retest_logs(cfg: RunConfig, logs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The scoring logits of a run of `cfg` with twice the views of `logs`' run, when the
+    second half of its views draws the same views afresh (noise views; image views in whole
+    cycles of the 12 augmentations); else none."""
+    p = logs[0].shape[0] if logs else 0
+    if not p or (p % len(IMAGE_VIEWS) and prepare(cfg, cfg.seed).dataset.kind == "image"):
+        return []
+    twice: list[torch.Tensor] = []
+    simulate(dataclasses.replace(cfg, learn=dataclasses.replace(cfg.learn, perturbations=2 * p)),
+             seed=cfg.seed, observe=_log_scores(twice))
+    return twice
+
+
 def _print_stability(name: str, s: dict) -> None:
     cells = "  ".join(f"{r['views']}: {r['median_rho']:.2f} ({100 * r['share_ge_0.9']:.0f} %)"
                       for r in s["prefixes"] if r["median_rho"] is not None)
     print(f"{name:<7} {s['views']} views, {s['calls']} calls of {s['mean_candidates']:.1f} "
           f"candidates: {cells}")
+    t = s["retest"]
+    if t is not None and t["median_rho"] is not None:
+        print(f"{'':<7} the {s['views']}-view ranking drawn twice ({t['calls']} calls): median "
+              f"rho {t['median_rho']:.2f} ({100 * t['share_ge_0.9']:.0f} % at >= 0.9)")
 
 
 def _per_batch_ms(r) -> dict:
@@ -164,12 +195,16 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
                   "step_vs_train": bi["step"] / cbr["train"],
                   "step_vs_cbr_step": bi["step"] / cbr["step"]}
         report[name] = {"dataset": spec, "runs": rows, "ratios": ratios,
-                        "view_stability": view_stability(logs, get_method(cfg.learn.method).score)}
+                        "view_stability": view_stability(
+                            logs, get_method(cfg.learn.method).score,
+                            _retest_logs(dataclasses.replace(run_cfg, learn=dataclasses.replace(
+                                run_cfg.learn, method=cfg.learn.method)), logs))}
         print(f"{name:<7} ratios: wall {ratios['wall']:.2f}x, per-batch step / bare train step "
               f"{ratios['step_vs_train']:.2f}x, step / cbr step {ratios['step_vs_cbr_step']:.2f}x")
     print("\nview stability: each scoring call's ranking from its first k views against all "
           "views (the first seed's run); k: median Spearman rho over calls (share of calls at "
-          ">= 0.9):")
+          ">= 0.9); then the ranking drawn twice (a run with twice the views, each half "
+          "against the other):")
     for name, r in report.items():
         _print_stability(name, r["view_stability"])
     return report

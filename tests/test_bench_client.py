@@ -26,11 +26,17 @@ def test_view_stability_compares_view_prefixes_with_all_views():
     g = torch.Generator().manual_seed(0)
     z = torch.randn(2, 6, 3, generator=g)
     repeated = torch.cat([z, z])  # views 2, 3 repeat views 0, 1: 2 views score as all 4
-    s = view_stability([repeated, torch.randn(4, 2, 3)], "bi")  # the 2-candidate call is skipped
+    # the 2-candidate call is skipped; the retest's halves are the same 4 views: rho 1
+    s = view_stability([repeated, torch.randn(4, 2, 3)], "bi",
+                       retest=[torch.cat([repeated, repeated]), torch.randn(6, 5, 3)])
     assert (s["views"], s["calls"], s["mean_candidates"]) == (4, 1, 6.0)
     assert [r["views"] for r in s["prefixes"]] == [2, 3]
     assert s["prefixes"][0]["median_rho"] == pytest.approx(1.0)
     assert s["prefixes"][0]["share_ge_0.9"] == 1.0
+    assert s["retest"]["calls"] == 1 and s["retest"]["median_rho"] == pytest.approx(1.0)
+    # the second half negated: another ranking
+    assert view_stability([repeated], "bi", retest=[torch.cat([repeated, -repeated])])[
+        "retest"]["median_rho"] < 1.0
 
 
 def test_logging_the_scores_leaves_the_run_unchanged():
@@ -41,3 +47,17 @@ def test_logging_the_scores_leaves_the_run_unchanged():
     plain = simulate(cfg, method="bi", seed=0)
     assert logged.global_sha256 == plain.global_sha256
     assert logs and all(z.ndim == 3 and z.shape[0] == 12 for z in logs)
+
+
+@pytest.mark.slow
+def test_cost_vs_cbr_reports_ratios_and_view_stability(tmp_path):
+    from edgefcl.bench import cost_vs_cbr
+
+    cfg = dataclasses.replace(RunConfig(), seeds=1)
+    report = cost_vs_cbr(cfg, tmp_path)
+    for name in ("demo", "28x28"):
+        r = report[name]
+        assert r["ratios"]["wall"] > 0 and set(r["runs"]) == {"cbr", "bi"}
+        s = r["view_stability"]
+        assert s["views"] == 12 and s["calls"] > 0 and len(s["prefixes"]) == 10
+        assert -1.0 <= s["retest"]["median_rho"] <= 1.0
