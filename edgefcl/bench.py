@@ -115,7 +115,7 @@ def view_stability(logits: list[torch.Tensor], score: str,
                                   for z in twice]) if twice else None}
 
 
-def _log_scores(logs: list[torch.Tensor]):
+def log_scores(logs: list[torch.Tensor]):
     """A `simulate` observer that makes every client append its scoring logits to `logs`."""
     def attach(client) -> None:
         client.learner.score_log = logs
@@ -131,7 +131,7 @@ def _retest_logs(cfg: RunConfig, logs: list[torch.Tensor]) -> list[torch.Tensor]
         return []
     twice: list[torch.Tensor] = []
     simulate(dataclasses.replace(cfg, learn=dataclasses.replace(cfg.learn, perturbations=2 * p)),
-             seed=cfg.seed, observe=_log_scores(twice))
+             seed=cfg.seed, observe=log_scores(twice))
     return twice
 
 
@@ -177,7 +177,7 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
         for i, seed in enumerate(range(cfg.seed, cfg.seed + cfg.seeds)):
             order = ["cbr", cfg.learn.method][:: 1 if i % 2 == 0 else -1]
             for m in order:
-                probe = _log_scores(logs) if i == 0 and m == cfg.learn.method else None
+                probe = log_scores(logs) if i == 0 and m == cfg.learn.method else None
                 runs[m].append(simulate(run_cfg, method=m, seed=seed, observe=probe))
         rows = {}
         for m, rs in runs.items():

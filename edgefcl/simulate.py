@@ -45,8 +45,9 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
     setup = prepare(cfg, seed)
     K, T = cfg.fed.clients, cfg.data.tasks
     clients = [make_client(cfg, setup, k, method, seed) for k in range(K)]
-    for c in clients if observe is not None else ():
-        observe(c)
+    if observe is not None:
+        for c in clients:
+            observe(c)
     streams = {c.cid: client_stream(cfg, setup.tasks[k], k, seed) for k, c in enumerate(clients)}
     agg = Aggregator(initial_global(cfg, setup), cfg.fed, batch_size=cfg.data.batch_size,
                      prototypes=initial_prototypes(setup, cfg.fed.encoding),

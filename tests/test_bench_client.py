@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from edgefcl.bench import _log_scores, spearman, view_stability
+from edgefcl.bench import log_scores, spearman, view_stability
 from edgefcl.config import RunConfig
 from edgefcl.simulate import simulate
 
@@ -43,7 +43,7 @@ def test_logging_the_scores_leaves_the_run_unchanged():
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=2))
     logs: list[torch.Tensor] = []
-    logged = simulate(cfg, method="bi", seed=0, observe=_log_scores(logs))
+    logged = simulate(cfg, method="bi", seed=0, observe=log_scores(logs))
     plain = simulate(cfg, method="bi", seed=0)
     assert logged.global_sha256 == plain.global_sha256
     assert logs and all(z.ndim == 3 and z.shape[0] == 12 for z in logs)
