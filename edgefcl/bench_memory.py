@@ -7,8 +7,9 @@ written to JSON after every run and reused by a later call with the same out fol
 be extended without re-running what is there). The table gives A and F as mean ± sample std
 (ddof=1) over seeds and the wall time per run.
 
-A rule spec is `METHOD[:SELECTION][+past][@RESCORE]`: `er`, `cbr`, `bi:step`,
-`bi:step+past` (past-task classes ranked by their cached scores too), `bi:bottom@on_change`.
+A rule spec is `METHOD[:SELECTION][+past][@RESCORE][~SHARE]`: `er`, `cbr`, `bi:step`,
+`bi:step+past` (past-task classes ranked by their cached scores too), `bi:bottom@on_change`,
+`cbr~stream` (the current task's room paced by the stream, `--current-share`).
 """
 
 from __future__ import annotations
@@ -45,23 +46,28 @@ class RuleSpec:
     selection: str | None
     rank_past: bool
     rescore: str | None
+    share: str | None = None
 
 
 def parse_rule(spec: str) -> RuleSpec:
-    """`METHOD[:SELECTION][+past][@RESCORE]` -> RuleSpec (ConfigError when malformed)."""
+    """`METHOD[:SELECTION][+past][@RESCORE][~SHARE]` -> RuleSpec (ConfigError when
+    malformed)."""
     s = spec.strip()
-    rest, _, rescore = s.partition("@")
+    rest, _, share = s.partition("~")
+    rest, _, rescore = rest.partition("@")
     rest, plus, past = rest.partition("+")
     method, _, selection = rest.partition(":")
     if not method or (plus and past != "past"):
-        raise ConfigError(f"bad rule '{spec}': use METHOD[:SELECTION][+past][@RESCORE]")
+        raise ConfigError(f"bad rule '{spec}': use METHOD[:SELECTION][+past][@RESCORE][~SHARE]")
     if method not in METHODS:
         raise ConfigError(f"rule '{spec}': unknown method '{method}'")
     if selection:
         get_selection(selection)
     if rescore and rescore not in ("on_change", "always", "never"):
         raise ConfigError(f"rule '{spec}': rescore must be on_change, always or never")
-    return RuleSpec(s, method, selection or None, bool(plus), rescore or None)
+    if share and share not in ("equal", "stream", "auto"):
+        raise ConfigError(f"rule '{spec}': ~SHARE must be equal, stream or auto")
+    return RuleSpec(s, method, selection or None, bool(plus), rescore or None, share or None)
 
 
 def digits28_npz(folder: Path) -> Path:
@@ -94,6 +100,8 @@ def run_config(base: RunConfig, dataset: str, memory_size: int, rule: RuleSpec) 
         learn = dataclasses.replace(learn, selection=rule.selection)
     if rule.rescore:
         learn = dataclasses.replace(learn, rescore=rule.rescore)
+    if rule.share:
+        learn = dataclasses.replace(learn, current_share=rule.share)
     data = dataclasses.replace(base.data, dataset=dataset)
     return dataclasses.replace(base, data=data, learn=learn, compare="", quiet=True)
 

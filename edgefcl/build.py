@@ -90,8 +90,11 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
            else torch.optim.SGD(params, lr=learn.lr))
     spec = get_method(learn.method)
     selection = get_selection(learn.selection)  # unknown names fail here, early
+    share = learn.current_share
+    if share == "auto":
+        share = "stream" if spec.memory == "balanced-score" else "equal"
     memory = (MemorySpec(learn.memory_size, spec.memory, selection, device, learn.rank_past,
-                         ClassBalanced())
+                         ClassBalanced(), share)
               if learn.memory_size > 0 and spec.memory is not None else None)
     perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
                  if spec.memory == "balanced-score" else None)

@@ -13,7 +13,7 @@ import torch
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.memory import ClassBalanced, Grouping, ReplayMemory, water_fill
+from edgefcl.learn.memory import ClassBalanced, Grouping, ReplayMemory, stream_paced, water_fill
 from edgefcl.learn.selection import get_selection
 
 
@@ -521,3 +521,63 @@ def test_grouping_is_pluggable():
     by_class.update(*batch(range(100, 104), 0), task=1)
     assert by_class.class_counts() == {0: 8}
     assert isinstance(by_class.grouping, ClassBalanced)
+
+
+# ---------------------------------------------------------------- stream pacing
+
+
+@pytest.mark.parametrize(
+    ("counts", "current", "share", "expected"),
+    [
+        # current classes over their share: they keep 8 (4 + 4), the past water-fill 22
+        ([6, 6, 20, 20], [1, 1, 0, 0], 8, [4, 4, 11, 11]),
+        # current classes under their share keep everything, the past the rest (24)
+        ([3, 3, 20, 20], [1, 1, 0, 0], 10, [3, 3, 12, 12]),
+        # the past cannot fill its room: the current classes take what is left (24)
+        ([20, 20, 3, 3], [1, 1, 0, 0], 5, [12, 12, 3, 3]),
+    ],
+)
+def test_stream_paced_allotment_hand_computed(counts, current, share, expected):
+    c = torch.tensor(counts)
+    keep = stream_paced(c, torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor(current).bool(),
+                        share, ClassBalanced(), 30)
+    assert keep.tolist() == expected and int(keep.sum()) == 30
+
+
+def test_stream_share_paces_the_current_task_by_the_stream():
+    # task 0 fills 10 slots with classes 0, 1; task 1 offers 2 samples of classes 2, 3.
+    # equal: q = 4 -> classes 2, 3 keep 1 each, classes 0, 1 keep 8 together.
+    # stream: 2 of 12 samples seen belong to task 1 -> share 10 * 2 // 12 = 1 slot for it,
+    # 9 for classes 0, 1.
+    def fill(share):
+        mem = ReplayMemory(10, (2,), "balanced-random", seed=0, current_share=share)
+        mem.update(*batch(range(5), 0), 0)
+        mem.update(*batch(range(5, 10), 1), 0)
+        x = torch.cat([batch([10], 2)[0], batch([11], 3)[0]])
+        mem.update(x, torch.tensor([2, 3]), 1)
+        return mem.class_counts()
+
+    equal, stream = fill("equal"), fill("stream")
+    assert equal[0] + equal[1] == 8 and equal[2] == equal[3] == 1
+    assert stream[0] + stream[1] == 9 and stream.get(2, 0) + stream.get(3, 0) == 1
+    with pytest.raises(ConfigError, match="current_share"):
+        ReplayMemory(10, (2,), "balanced-random", current_share="fast")
+
+
+def test_stream_share_keeps_pending_scores_and_state_consistent():
+    def mem():
+        return ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0,
+                            current_share="stream")
+
+    a = mem()
+    a.update(*batch([0, 1, 2], 0), 0, id_score)
+    a.update(*batch([3, 4, 5], 1), 0, id_score)
+    a.update(*batch([6, 7], 2), 1, id_score)
+    x, y = batch([8, 9, 10], 2)
+    ahead = a.pending_scores(x, y, 1, 0)  # planned with the batch counted, as update does
+    b = mem()
+    b.load_state_dict(a.state_dict())
+    assert (b.current_task, b.current_seen, b.seen) == (1, 2, 8)
+    scored = a.update(x, y, 1, Recorder(), scores=ahead[:, 0].clone())
+    assert scored == ahead.shape[0] and b.update(x, y, 1, id_score) == scored
+    assert _state_equal(a, b) and (a.current_task, a.current_seen) == (1, 5)

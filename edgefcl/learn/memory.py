@@ -37,6 +37,11 @@ from edgefcl.data.types import DataError
 from edgefcl.learn.selection import Candidates, Selection, get_selection, grouped_rank
 
 POLICIES = ("reservoir", "balanced-random", "balanced-score")
+SHARES = ("equal", "stream")
+"""How much room the current task's classes get in a balanced memory: `equal` (every class an
+equal share at once, the classic class-balanced memory) or `stream` (at most the current
+task's share of the samples offered so far, what reservoir sampling gives it in expectation;
+the past tasks' classes share the rest)."""
 _STATE_KEYS = (
     "capacity",
     "sample_shape",
@@ -53,7 +58,8 @@ _STATE_KEYS = (
     "priority",
     "generator",
 )
-_OPTIONAL_STATE = {"rank_past": False}
+_OPTIONAL_STATE = {"rank_past": False, "current_share": "equal", "current_task": None,
+                   "current_seen": 0}
 
 Scorer = Callable[[Tensor], Tensor]
 """Maps a stacked batch of samples (m, *sample_shape) to m uncertainty scores."""
@@ -83,6 +89,23 @@ def water_fill(counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
     rank = torch.empty_like(counts)
     rank[torch.argsort(prio, stable=True)] = torch.arange(m, device=counts.device)
     return keep + (over & (rank < leftover)).to(keep.dtype)
+
+
+def stream_paced(counts: Tensor, priority: Tensor, current: Tensor, share: int,
+                 grouping: Grouping, capacity: int) -> Tensor:
+    """Per-group kept samples under `stream` pacing: the current task's groups (`current`)
+    together keep at most `share` (all their candidates when they have fewer); the past groups
+    share the rest (`grouping.allot`), and what they cannot fill goes back to the current
+    groups, so the memory stays full. Requires counts.sum() > capacity."""
+    cur, past = counts[current], counts[~current]
+    keep = torch.empty_like(counts)
+    room_past = capacity - min(int(cur.sum()), share)
+    keep[~current] = (past if int(past.sum()) <= room_past
+                      else grouping.allot(past, priority[~current], room_past))
+    room_cur = capacity - int(keep[~current].sum())
+    keep[current] = (cur if int(cur.sum()) <= room_cur
+                     else grouping.allot(cur, priority[current], room_cur))
+    return keep
 
 
 class Grouping(ABC):
@@ -126,11 +149,13 @@ class MemorySpec:
     device: torch.device
     rank_past: bool = False
     grouping: Grouping = field(default_factory=ClassBalanced)
+    current_share: str = "equal"
 
     def build(self, sample_shape: tuple[int, ...], seed: int) -> ReplayMemory:
         """An empty memory for samples of `sample_shape`, its generator seeded with `seed`."""
         return ReplayMemory(self.capacity, sample_shape, self.policy, self.selection,
-                            self.device, seed, rank_past=self.rank_past, grouping=self.grouping)
+                            self.device, seed, rank_past=self.rank_past, grouping=self.grouping,
+                            current_share=self.current_share)
 
 
 @dataclass(frozen=True)
@@ -149,7 +174,9 @@ class ReplayMemory:
     ranked). selection (balanced-score only): a rule of `edgefcl.learn.selection` (or its name
     in `SELECTIONS`) applied to the over-quota groups of the current task, and of past tasks
     too when `rank_past`. grouping (balanced policies): how candidates are grouped and the
-    capacity shared (`ClassBalanced` by default: classes, water-filling).
+    capacity shared (`ClassBalanced` by default: classes, water-filling). current_share
+    (balanced policies, one of `SHARES`): with `stream` the current task's classes keep at most
+    the task's share of the samples offered so far, and the past tasks' classes the rest.
     Filled slots are [0, size): x, y, task, score and score_version (-1: no score) hold them.
     """
 
@@ -164,12 +191,16 @@ class ReplayMemory:
         x_dtype: torch.dtype = torch.float32,
         rank_past: bool = False,
         grouping: Grouping | None = None,
+        current_share: str = "equal",
     ) -> None:
         if capacity < 0:
             raise ConfigError(f"memory capacity must be >= 0, got {capacity}")
         if policy not in POLICIES:
             raise ConfigError(f"unknown memory policy '{policy}'; choose from {POLICIES}")
+        if current_share not in SHARES:
+            raise ConfigError(f"unknown current_share '{current_share}'; choose from {SHARES}")
         self.rule = get_selection(selection) if isinstance(selection, str) else selection
+        self.current_share = current_share
         self.grouping = grouping if grouping is not None else ClassBalanced()
         self.rank_past = bool(rank_past)
         self.capacity = int(capacity)
@@ -179,6 +210,8 @@ class ReplayMemory:
         self.device = torch.device(device)
         self.size = 0
         self.seen = 0
+        self.current_task: int | None = None  # the task of the last batch offered
+        self.current_seen = 0  # samples of that task offered so far
         self.x = torch.zeros((self.capacity, *self.sample_shape), dtype=x_dtype, device=self.device)
         self.y = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
         self.task = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
@@ -246,17 +279,23 @@ class ReplayMemory:
             self._reservoir(x, y, task)
             return 0
         self._note_classes(self.grouping.key(y, torch.full_like(y, task)))
-        self.seen += b
+        scored = 0
         if self.size + b <= self.capacity:
             sl = slice(self.size, self.size + b)
             self.x[sl], self.y[sl], self.task[sl] = x, y, task
             self.score[sl], self.score_version[sl] = 0.0, -1
-            self.size += b
-            return 0  # nothing is dropped: no score decides anything
-        if self.capacity == 0:
-            return 0
-        return self._balanced(x, y, task, scorer, version, rescore_all, featurizer, keep_stale,
-                              scores)
+            self.size += b  # nothing is dropped: no score decides anything
+        elif self.capacity > 0:
+            scored = self._balanced(x, y, task, scorer, version, rescore_all, featurizer,
+                                    keep_stale, scores)
+        self.current_seen = self._task_seen(task) + b
+        self.current_task = task
+        self.seen += b
+        return scored
+
+    def _task_seen(self, task: int) -> int:
+        """Samples of `task` offered before this batch (0 unless it is the last batch's task)."""
+        return self.current_seen if task == self.current_task else 0
 
     def _check_batch(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         if not isinstance(x, Tensor) or not isinstance(y, Tensor):
@@ -356,6 +395,9 @@ class ReplayMemory:
         # A class of the current task: any of its candidates belongs to `task`.
         current = torch.zeros(m, dtype=torch.bool, device=dev)
         current[inv[tc == task]] = True
+        if self.current_share == "stream" and not bool(current.all()):
+            share = self.capacity * (self._task_seen(task) + b) // (self.seen + b)
+            keep_n = stream_paced(counts, prio, current, share, self.grouping, self.capacity)
         ranked = torch.zeros(m, dtype=torch.bool, device=dev)
         need = torch.zeros(0, dtype=torch.int64, device=dev)
         if self.policy == "balanced-score":
@@ -447,6 +489,9 @@ class ReplayMemory:
             "policy": self.policy,
             "selection": self.selection,
             "rank_past": self.rank_past,
+            "current_share": self.current_share,
+            "current_task": self.current_task,
+            "current_seen": self.current_seen,
             "size": s,
             "seen": self.seen,
             "x": cpu(self.x[:s]),
@@ -464,12 +509,15 @@ class ReplayMemory:
         missing = [k for k in _STATE_KEYS if k not in d]
         if missing:
             raise ConfigError(f"not a ReplayMemory state: missing {missing}")
-        mine = (self.capacity, self.sample_shape, self.policy, self.selection, self.rank_past)
+        mine = (self.capacity, self.sample_shape, self.policy, self.selection, self.rank_past,
+                self.current_share)
         theirs = (int(d["capacity"]), tuple(d["sample_shape"]), d["policy"], d["selection"],
-                  bool(d.get("rank_past", _OPTIONAL_STATE["rank_past"])))
+                  bool(d.get("rank_past", _OPTIONAL_STATE["rank_past"])),
+                  d.get("current_share", _OPTIONAL_STATE["current_share"]))
         if mine != theirs:
             raise ConfigError(
-                f"memory state is for (capacity, shape, policy, selection, rank_past) = {theirs}, "
+                f"memory state is for (capacity, shape, policy, selection, rank_past, "
+                f"current_share) = {theirs}, "
                 f"this memory is {mine}"
             )
         s = int(d["size"])
@@ -477,6 +525,9 @@ class ReplayMemory:
             raise ConfigError(f"memory state has an inconsistent size {s}")
         dev = self.device
         self.size, self.seen = s, int(d["seen"])
+        task = d.get("current_task", _OPTIONAL_STATE["current_task"])
+        self.current_task = None if task is None else int(task)
+        self.current_seen = int(d.get("current_seen", _OPTIONAL_STATE["current_seen"]))
         self.x[:s] = d["x"].to(dev, self.x.dtype)
         self.y[:s] = d["y"].to(dev)
         self.task[:s] = d["task"].to(dev)
