@@ -65,8 +65,8 @@ def parse_rule(spec: str) -> RuleSpec:
         get_selection(selection)
     if rescore and rescore not in ("on_change", "always", "never"):
         raise ConfigError(f"rule '{spec}': rescore must be on_change, always or never")
-    if share and share not in ("equal", "stream", "auto"):
-        raise ConfigError(f"rule '{spec}': ~SHARE must be equal, stream or auto")
+    if share and share not in ("equal", "stream"):
+        raise ConfigError(f"rule '{spec}': ~SHARE must be equal or stream")
     return RuleSpec(s, method, selection or None, bool(plus), rescore or None, share or None)
 
 

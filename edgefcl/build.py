@@ -90,11 +90,8 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
            else torch.optim.SGD(params, lr=learn.lr))
     spec = get_method(learn.method)
     selection = get_selection(learn.selection)  # unknown names fail here, early
-    share = learn.current_share
-    if share == "auto":
-        share = "stream" if spec.memory == "balanced-score" else "equal"
     memory = (MemorySpec(learn.memory_size, spec.memory, selection, device, learn.rank_past,
-                         ClassBalanced(), share)
+                         ClassBalanced(), learn.current_share)
               if learn.memory_size > 0 and spec.memory is not None else None)
     perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
                  if spec.memory == "balanced-score" else None)

@@ -88,8 +88,7 @@ class LearnConfig:
     current_share: str = opt(
         "equal", "room of the current task's classes in a class-balanced memory: equal (every "
         "class an equal share at once), stream (at most the task's share of the samples seen "
-        "so far, as reservoir sampling gives it; past tasks' classes share the rest), auto "
-        "(stream for uncertainty-ranked memories, equal for cbr)"
+        "so far, as reservoir sampling gives it; past tasks' classes share the rest)"
     )
     rank_past: bool = opt(
         False, "apply the selection rule to over-quota past-task classes too (cached scores) "
@@ -451,8 +450,7 @@ def validate(cfg: RunConfig) -> None:
         (0 < d.test_fraction < 1, "test_fraction must be in (0, 1)"),
         (d.split in ("overlap", "non-overlap"), "split must be overlap or non-overlap"),
         (le.memory_size >= 0, "memory_size must be >= 0"),
-        (le.current_share in ("equal", "stream", "auto"),
-         "current_share must be equal, stream or auto"),
+        (le.current_share in ("equal", "stream"), "current_share must be equal or stream"),
         (le.rescore in ("on_change", "always", "never"),
          "rescore must be on_change, always or never"),
         (le.local_epochs >= 1, "local_epochs must be >= 1"),

@@ -23,7 +23,10 @@ def test_parse_rule():
     assert (r.method, r.selection, r.rank_past, r.rescore) == ("bi", "step", True, "never")
     r = parse_rule("cbr")
     assert (r.method, r.selection, r.rank_past, r.rescore) == ("cbr", None, False, None)
-    for bad in ("bi:nope", "bi+x", "nomethod", "bi@sometimes", ""):
+    r = parse_rule("bi:step@never~stream")
+    assert (r.selection, r.rescore, r.share) == ("step", "never", "stream")
+    assert parse_rule("cbr").share is None
+    for bad in ("bi:nope", "bi+x", "nomethod", "bi@sometimes", "", "cbr~fast"):
         with pytest.raises(ConfigError):
             parse_rule(bad)
 

@@ -581,3 +581,15 @@ def test_stream_share_keeps_pending_scores_and_state_consistent():
     scored = a.update(x, y, 1, Recorder(), scores=ahead[:, 0].clone())
     assert scored == ahead.shape[0] and b.update(x, y, 1, id_score) == scored
     assert _state_equal(a, b) and (a.current_task, a.current_seen) == (1, 5)
+
+
+def test_current_share_reaches_the_memory_and_bad_values_are_rejected():
+    from edgefcl.build import new_client
+    from edgefcl.config import RunConfig, apply, validate
+    from edgefcl.learn.models import build_model
+
+    cfg = apply(RunConfig(), {"learn": {"current_share": "stream"}})
+    client = new_client("c", build_model("mlp", (4,), 3), cfg.learn, cfg.fed, "vector")
+    assert client.learner.memory_spec.current_share == "stream"
+    with pytest.raises(ConfigError, match="current_share must be equal or stream"):
+        validate(apply(RunConfig(), {"learn": {"current_share": "fast"}}))
