@@ -11,7 +11,9 @@ candidates = memory + batch. The per-class allotment is water-filling: the large
 with sum_c min(n_c, q) <= capacity; classes with n_c <= q keep all their candidates, over-quota
 classes keep q each and the leftover slots go one each to over-quota classes in a fixed random
 priority order (drawn once per class, when its label is first offered), so the memory stays
-exactly full. Which candidates an over-quota class keeps: under "balanced-score", for the
+exactly full (with `current_share="stream"` the current task's classes are first capped at
+the task's share of the samples offered so far: `stream_paced`). Which candidates an
+over-quota class keeps: under "balanced-score", for the
 over-quota classes of the current task (and of past tasks too with `rank_past`), the
 `selection` rule (`edgefcl.learn.selection`); otherwise uniformly at random.
 
