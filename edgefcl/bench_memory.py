@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefcl.config import ConfigError, RunConfig
+from edgefcl.config import CURRENT_SHARES, ConfigError, RunConfig
 from edgefcl.learn.methods import METHODS
 from edgefcl.learn.selection import get_selection
 from edgefcl.simulate import simulate
@@ -65,7 +65,7 @@ def parse_rule(spec: str) -> RuleSpec:
         get_selection(selection)
     if rescore and rescore not in ("on_change", "always", "never"):
         raise ConfigError(f"rule '{spec}': rescore must be on_change, always or never")
-    if share and share not in ("equal", "stream"):
+    if share and share not in CURRENT_SHARES:
         raise ConfigError(f"rule '{spec}': ~SHARE must be equal or stream")
     return RuleSpec(s, method, selection or None, bool(plus), rescore or None, share or None)
 

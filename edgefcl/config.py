@@ -29,6 +29,13 @@ is evaluated, exported and scores the memory) is off. 0.3 averages over about on
 mini-batch's steps."""
 
 
+CURRENT_SHARES = ("equal", "stream")
+"""How much room the current task's classes get in a class-balanced memory: `equal` (every
+class an equal share at once, the classic class-balanced memory) or `stream` (at most the
+current task's share of the samples offered so far, what reservoir sampling gives it in
+expectation; the past tasks' classes share the rest)."""
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message says what to fix."""
 
@@ -450,7 +457,7 @@ def validate(cfg: RunConfig) -> None:
         (0 < d.test_fraction < 1, "test_fraction must be in (0, 1)"),
         (d.split in ("overlap", "non-overlap"), "split must be overlap or non-overlap"),
         (le.memory_size >= 0, "memory_size must be >= 0"),
-        (le.current_share in ("equal", "stream"), "current_share must be equal or stream"),
+        (le.current_share in CURRENT_SHARES, "current_share must be equal or stream"),
         (le.rescore in ("on_change", "always", "never"),
          "rescore must be on_change, always or never"),
         (le.local_epochs >= 1, "local_epochs must be >= 1"),

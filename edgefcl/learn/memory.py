@@ -34,16 +34,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from edgefcl.config import ConfigError
+from edgefcl.config import CURRENT_SHARES, ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.selection import Candidates, Selection, get_selection, grouped_rank
+from edgefcl.learn.selection import Candidates, Selection, get_selection
 
 POLICIES = ("reservoir", "balanced-random", "balanced-score")
-SHARES = ("equal", "stream")
-"""How much room the current task's classes get in a balanced memory: `equal` (every class an
-equal share at once, the classic class-balanced memory) or `stream` (at most the current
-task's share of the samples offered so far, what reservoir sampling gives it in expectation;
-the past tasks' classes share the rest)."""
+UNIFORM = get_selection("random")
+"""How every class that no rule ranks is cut: a uniform draw."""
 _STATE_KEYS = (
     "capacity",
     "sample_shape",
@@ -177,8 +174,9 @@ class ReplayMemory:
     in `SELECTIONS`) applied to the over-quota groups of the current task, and of past tasks
     too when `rank_past`. grouping (balanced policies): how candidates are grouped and the
     capacity shared (`ClassBalanced` by default: classes, water-filling). current_share
-    (balanced policies, one of `SHARES`): with `stream` the current task's classes keep at most
-    the task's share of the samples offered so far, and the past tasks' classes the rest.
+    (balanced policies, one of `CURRENT_SHARES`): with `stream` the current task's classes
+    keep at most the task's share of the samples offered so far, the past tasks' classes the
+    rest.
     Filled slots are [0, size): x, y, task, score and score_version (-1: no score) hold them.
     """
 
@@ -199,8 +197,9 @@ class ReplayMemory:
             raise ConfigError(f"memory capacity must be >= 0, got {capacity}")
         if policy not in POLICIES:
             raise ConfigError(f"unknown memory policy '{policy}'; choose from {POLICIES}")
-        if current_share not in SHARES:
-            raise ConfigError(f"unknown current_share '{current_share}'; choose from {SHARES}")
+        if current_share not in CURRENT_SHARES:
+            raise ConfigError(f"unknown current_share '{current_share}'; choose from "
+                              f"{CURRENT_SHARES}")
         self.rule = get_selection(selection) if isinstance(selection, str) else selection
         self.current_share = current_share
         self.grouping = grouping if grouping is not None else ClassBalanced()
@@ -455,9 +454,8 @@ class ReplayMemory:
                 feats = torch.zeros((n, *f.shape[1:]), device=dev)
                 feats[idx] = f
 
-        # Uniform choice for unranked classes (random key, then the keep_n lowest keys).
-        key = torch.rand(n, generator=self._gen, device=dev)
-        keep = grouped_rank(inv, key, counts) < keep_n[inv]
+        # Unranked classes: a uniform draw (the `random` rule), ranked ones: the memory's rule.
+        keep = UNIFORM.select(Candidates(inv, counts, keep_n, sc, None, self._gen))
         if bool(ranked.any()):
             rule_keep = self.rule.select(Candidates(inv, counts, keep_n, sc, feats, self._gen))
             keep = torch.where(ranked[inv], rule_keep, keep)
