@@ -61,7 +61,7 @@ def test_mixture_log_prob() -> None:
     torch.testing.assert_close(mixture_log_prob(w, 1.0, a, b), normal_log_prob(w, *a))
 
 
-@pytest.mark.parametrize("model", [MLP(12, 4, hidden=8), SmallCNN(1, 4, width=4),
+@pytest.mark.parametrize("model", [MLP(12, 4, hidden=8), SmallCNN(1, 4, (8, 8), width=4),
                                    SlimResNet18(1, 4, nf=2)])
 def test_conversion_keeps_mean_function(model) -> None:
     x = torch.randn(3, 12) if isinstance(model, MLP) else torch.randn(3, 1, 8, 8)
@@ -138,7 +138,7 @@ def test_mean_vs_sampled_prediction() -> None:
 
 def test_posterior_score_logits_shapes_and_bn_untouched() -> None:
     torch.manual_seed(0)
-    model = to_bayesian(SmallCNN(1, 3, width=4), sigma=0.1)
+    model = to_bayesian(SmallCNN(1, 3, (8, 8), width=4), sigma=0.1)
     x = torch.rand(5, 1, 8, 8)
     bn = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)][0]
     before = bn.running_mean.clone()
@@ -150,7 +150,7 @@ def test_posterior_score_logits_shapes_and_bn_untouched() -> None:
     torch.testing.assert_close(bn.running_mean, before)
     assert model.training  # modes restored
     with pytest.raises(ConfigError, match="Bayesian"):
-        score_logits(SmallCNN(1, 3, width=4), x, "posterior", pert, 2)
+        score_logits(SmallCNN(1, 3, (8, 8), width=4), x, "posterior", pert, 2)
 
 
 def _client(method: str, learn: dict | None = None, fed: dict | None = None) -> Client:

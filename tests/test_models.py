@@ -13,6 +13,7 @@ from edgefcl.learn.models import (
     SmallCNN,
     build_model,
     count_parameters,
+    penultimate,
     resolve_model_name,
 )
 
@@ -66,6 +67,37 @@ def test_mlp_structure_and_count() -> None:
     # 384*512 + 512 (hidden) + 512*10 + 10 (head)
     assert count_parameters(model) == 384 * 512 + 512 + 512 * 10 + 10 == 202_250
     assert count_parameters(build_model("mlp", (1, 4, 5), 3, hidden=8)) == 20 * 8 + 8 + 8 * 3 + 3
+
+
+@pytest.mark.parametrize(("shape", "cells"), [((1, 8, 8), (2, 2)), ((1, 28, 28), (7, 7)),
+                                              ((3, 8, 20), (2, 5)), ((3, 31, 40), (7, 10))])
+def test_small_cnn_weighs_each_cell_of_the_final_map(shape: tuple[int, ...],
+                                                     cells: tuple[int, int]) -> None:
+    model = build_model("cnn", shape, 10)
+    gdconv = model.features[3]
+    assert gdconv.weight.shape == (128, 1, *cells) and gdconv.groups == 128
+    assert model.head.in_features == 128
+    # 9*C*32 + 9*32*64 + 9*64*128 conv weights (no bias), 2*(32+64+128) BatchNorm, one
+    # kernel per channel over the final map, the head
+    convs = 9 * shape[0] * 32 + 9 * 32 * 64 + 9 * 64 * 128 + 2 * (32 + 64 + 128)
+    assert count_parameters(model) == convs + 128 * cells[0] * cells[1] + 128 * 10 + 10
+
+
+def test_small_cnn_features_keep_where_a_stroke_is() -> None:
+    """The same stroke in two places of a 28x28 image (4 px apart, so that both pools align)
+    gives different penultimate features, where a global average pool would give the same."""
+    torch.manual_seed(0)
+    model = build_model("cnn", (1, 28, 28), 10).eval()
+    x = torch.zeros(2, 1, 28, 28)
+    x[0, 0, 10:13, 10:13] = 1.0
+    x[1, 0, 14:17, 14:17] = 1.0
+    with torch.no_grad():
+        maps = model.features[:3](x)
+        f = penultimate(model, x)
+    averaged = maps.mean((2, 3))  # what a global average pool would give
+    torch.testing.assert_close(averaged[0], averaged[1])
+    assert f.shape == (2, 128)
+    assert (f[0] - f[1]).abs().max() > 1e-3
 
 
 def _hand_count_slim_resnet18(c_in: int, n_classes: int, nf: int = 20) -> int:
