@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edgefcl.config import FedConfig, LearnConfig, RunConfig, resolve_fed
+from edgefcl.config import FedConfig, LearnConfig, RunConfig, resolve_current_share, resolve_fed
 from edgefcl.data.types import Dataset, TaskData
 from edgefcl.data.workload import client_id, load_workload
 from edgefcl.federation.messages import Tensors
@@ -91,7 +91,8 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
     spec = get_method(learn.method)
     selection = get_selection(learn.selection)  # unknown names fail here, early
     memory = (MemorySpec(learn.memory_size, spec.memory, selection, device, learn.rank_past,
-                         ClassBalanced(), learn.current_share)
+                         ClassBalanced(), resolve_current_share(learn.current_share,
+                                                                spec.memory))
               if learn.memory_size > 0 and spec.memory is not None else None)
     perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
                  if spec.memory == "balanced-score" else None)

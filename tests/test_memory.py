@@ -588,8 +588,15 @@ def test_current_share_reaches_the_memory_and_bad_values_are_rejected():
     from edgefcl.config import RunConfig, apply, validate
     from edgefcl.learn.models import build_model
 
-    cfg = apply(RunConfig(), {"learn": {"current_share": "stream"}})
-    client = new_client("c", build_model("mlp", (4,), 3), cfg.learn, cfg.fed, "vector")
-    assert client.learner.memory_spec.current_share == "stream"
-    with pytest.raises(ConfigError, match="current_share must be equal or stream"):
+    def share(**learn) -> str:
+        cfg = apply(RunConfig(), {"learn": learn})
+        client = new_client("c", build_model("mlp", (4,), 3), cfg.learn, cfg.fed, "vector")
+        return client.learner.memory_spec.current_share
+
+    assert share(current_share="stream", method="cbr") == "stream"
+    assert share(current_share="equal", method="bi") == "equal"
+    # auto (the default): stream for a score-ranked memory, equal for the cbr baseline
+    assert share(method="bi") == share(method="vfcl") == "stream"
+    assert share(method="cbr") == "equal"
+    with pytest.raises(ConfigError, match="current_share must be equal, stream or auto"):
         validate(apply(RunConfig(), {"learn": {"current_share": "fast"}}))
