@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefcl.config import CURRENT_SHARES, ConfigError, RunConfig
+from edgefcl.data.loaders import write_digits28
 from edgefcl.learn.methods import METHODS
 from edgefcl.learn.selection import get_selection
 from edgefcl.simulate import simulate
@@ -71,20 +72,9 @@ def parse_rule(spec: str) -> RuleSpec:
 
 
 def digits28_npz(folder: Path) -> Path:
-    """Write (once) scikit-learn's digits upscaled to 28x28 as an npz the loader reads."""
+    """scikit-learn's digits upscaled to 28x28 in `folder` (written on first use)."""
     path = folder / "digits28.npz"
-    if path.exists():
-        return path
-    import torch
-    import torch.nn.functional as F
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.from_numpy(d.images.astype(np.float32) / 16.0).unsqueeze(1)
-    x = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False).clamp(0, 1)
-    folder.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, x=x.numpy(), y=d.target.astype(np.int64))
-    return path
+    return path if path.exists() else write_digits28(path)
 
 
 def dataset_spec(name: str, folder: Path) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgefcl.config import ConfigError, DataConfig
-from edgefcl.data.loaders import load_dataset
+from edgefcl.data.loaders import load_dataset, write_digits28
 from edgefcl.data.splits import split_tasks
 from edgefcl.data.streams import count_batches, stream_batches
 from edgefcl.data.types import DataError, Dataset, TaskData
@@ -69,6 +69,20 @@ def test_digits_images_scaled_without_test_split():
     np.testing.assert_array_equal(d.x_train[5, 0] * 16, ds.images[5])
     np.testing.assert_array_equal(d.y_train, ds.target)
     assert d.x_train.min() == 0.0 and d.x_train.max() == 1.0
+
+
+def test_digits28_is_the_bilinear_upscale_read_by_npz(tmp_path):
+    src = load_dataset("digits").x_train[:, 0]
+    d = load_dataset(f"npz:{write_digits28(tmp_path / 'd28.npz')}")
+    assert d.x_train.shape == (1797, 1, 28, 28) and d.n_classes == 10
+    np.testing.assert_array_equal(d.y_train, load_dataset("digits").y_train)
+    x = d.x_train[:, 0]
+    assert x.min() >= 0.0 and x.max() <= 1.0
+    # output pixel i samples the source at (i + 0.5) * 8 / 28 - 0.5, clamped at the border
+    np.testing.assert_allclose(x[:, 0, 0], src[:, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(x[:, 27, 27], src[:, 7, 7], atol=1e-6)
+    w = 14.5 * 8 / 28 - 0.5 - 3  # row 14 lies between source rows 3 and 4
+    np.testing.assert_allclose(x[:, 14, 0], (1 - w) * src[:, 3, 0] + w * src[:, 4, 0], atol=1e-6)
 
 
 def test_mnist1d_generated_for_seed_and_keeps_global_rng():

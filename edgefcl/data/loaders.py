@@ -73,6 +73,21 @@ def _digits() -> Arrays:
     return x, d.target, None, None
 
 
+def write_digits28(path: Path) -> Path:
+    """Write scikit-learn's digits upscaled to 28x28 images (bilinear, `align_corners=False`,
+    clipped to [0, 1]) as an npz that `npz:PATH` reads; returns `path`. The memory study's and
+    `edgefcl bench client`'s 28x28 configuration."""
+    import torch
+    import torch.nn.functional as F
+
+    x, y, _, _ = _digits()
+    big = F.interpolate(torch.from_numpy(x), size=(28, 28), mode="bilinear",
+                        align_corners=False).clamp(0, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, x=big.numpy(), y=y.astype(np.int64))
+    return path
+
+
 def _mnist1d(n_samples: int, seed: int) -> Arrays:
     if n_samples < 10:
         raise DataError(f"mnist1d_samples must be >= 10 (one per class), got {n_samples}")
