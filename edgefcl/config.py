@@ -39,7 +39,7 @@ expectation; the past tasks' classes share the rest). The option also takes `aut
 
 def resolve_current_share(share: str, memory: str | None) -> str:
     """The share a memory of kind `memory` uses: `auto` is `stream` for score-ranked memories
-    (the memory study: it meets the bar in 7 of 9 cells, equal shares in 2) and `equal`
+    (the memory study: it meets the bar in 6 of 9 cells, equal shares in 2) and `equal`
     for the others, so that `cbr` stays the classic class-balanced random baseline."""
     if share != "auto":
         return share
