@@ -345,3 +345,28 @@ def test_suback_wait_follows_a_reconnect():
 
     threading.Thread(target=reconnect).start()
     link._wait_suback("a/b", timeout=5, mid=7, generation=1)  # returns: no timeout
+
+
+def test_wait_connected_waits_for_the_renewed_subscriptions():
+    """After a reconnect the link is usable once the broker has acknowledged the renewed
+    subscriptions: a message published between CONNACK and SUBACK would be lost, so
+    `wait_connected` must not return before the SUBACKs."""
+    from types import SimpleNamespace
+
+    from edgefcl.transport.mqtt import MqttLink
+
+    ok = SimpleNamespace(is_failure=False)
+    link = MqttLink("mqtt://127.0.0.1:1", "t")
+    link.subscribe("a/b", lambda t, p: None)
+    link.subscribe("c/#", lambda t, p: None)
+    mids = iter([11, 12])
+    fake = SimpleNamespace(subscribe=lambda pattern, qos: (0, next(mids)))
+    link._on_connect(fake, None, None, ok, None)
+    assert link.is_connected  # CONNACK: the connection is up ...
+    assert not link.wait_connected(0.05)  # ... but nothing is subscribed yet
+    link._on_subscribe(None, None, 11, [ok], None)
+    assert not link.wait_connected(0.05)
+    link._on_subscribe(None, None, 12, [ok], None)
+    assert link.wait_connected(0.05)
+    link._on_disconnect(None, None, None, ok, None)
+    assert not link.is_connected and not link.wait_connected(0.01)

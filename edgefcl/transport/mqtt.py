@@ -147,6 +147,8 @@ class MqttLink:
         self._subacks: dict[int, list] = {}
         self._suback_cond = threading.Condition()
         self._connect_mids: list[tuple[int, str]] = []
+        self._unacked: set[int] = set()  # this connection's renewed subscriptions, no SUBACK yet
+        self._ready = threading.Event()  # connected and every subscription acknowledged
         self._generation = 0  # connections so far: a SUBACK wait follows a reconnect
         self._ever_connected = False
         self._started = False
@@ -166,8 +168,10 @@ class MqttLink:
         return self._connected.is_set()
 
     def wait_connected(self, timeout: float | None = None) -> bool:
-        """Block until the connection is up (e.g. after a reconnect); False on timeout."""
-        return self._connected.wait(timeout)
+        """Block until the connection is up (e.g. after a reconnect) and the broker has
+        acknowledged every renewed subscription, so that nothing published from then on is
+        missed; False on timeout."""
+        return self._ready.wait(timeout)
 
     def connect(self, timeout: float = 10.0) -> MqttLink:
         """Connect and start the network thread; raise BrokerUnavailable on failure."""
@@ -221,6 +225,7 @@ class MqttLink:
         self._client.disconnect()
         self._client.loop_stop()
         self._connected.clear()
+        self._ready.clear()
 
     def __enter__(self) -> MqttLink:
         return self.connect()
@@ -249,8 +254,11 @@ class MqttLink:
         mids = [(client.subscribe(pattern, qos)[1], pattern) for pattern, qos in dict(subs).items()]
         with self._suback_cond:
             self._connect_mids = mids
+            self._unacked = {m for m, _ in mids}
             self._generation += 1
             self._suback_cond.notify_all()
+            if not self._unacked:
+                self._ready.set()
         self._connected.set()
         self._answered.set()
 
@@ -262,6 +270,10 @@ class MqttLink:
             if len(self._subacks) > 1000:  # SUBACKs of reconnects nobody waits for
                 self._subacks.clear()
             self._subacks[mid] = reason_codes
+            if mid in self._unacked:
+                self._unacked.discard(mid)
+                if not self._unacked:
+                    self._ready.set()
             self._suback_cond.notify_all()
 
     def _wait_suback(self, pattern: str, timeout: float, mid: int | None = None,
@@ -292,6 +304,7 @@ class MqttLink:
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self._connected.clear()
+        self._ready.clear()
         if self._started:
             log.warning("lost connection to %s:%s (%s); reconnecting", self.host, self.port,
                         reason_code)
