@@ -347,21 +347,28 @@ def test_suback_wait_follows_a_reconnect():
     link._wait_suback("a/b", timeout=5, mid=7, generation=1)  # returns: no timeout
 
 
+def _fake_paho(*mids: int):
+    """A stand-in for paho's client in `_on_connect`: subscribe() hands out `mids`."""
+    from types import SimpleNamespace
+
+    ids = iter(mids)
+    return SimpleNamespace(subscribe=lambda pattern, qos: (0, next(ids)))
+
+
 def test_wait_connected_waits_for_the_renewed_subscriptions():
-    """After a reconnect the link is usable once the broker has acknowledged the renewed
+    """After a reconnect the link is usable once the broker has answered the renewed
     subscriptions: a message published between CONNACK and SUBACK would be lost, so
     `wait_connected` must not return before the SUBACKs."""
     from types import SimpleNamespace
 
     from edgefcl.transport.mqtt import MqttLink
 
-    ok = SimpleNamespace(is_failure=False)
+    ok, refused = SimpleNamespace(is_failure=False), SimpleNamespace(is_failure=True)
+    flags = SimpleNamespace(session_present=False)
     link = MqttLink("mqtt://127.0.0.1:1", "t")
     link.subscribe("a/b", lambda t, p: None)
     link.subscribe("c/#", lambda t, p: None)
-    mids = iter([11, 12])
-    fake = SimpleNamespace(subscribe=lambda pattern, qos: (0, next(mids)))
-    link._on_connect(fake, None, None, ok, None)
+    link._on_connect(_fake_paho(11, 12), None, flags, ok, None)
     assert link.is_connected  # CONNACK: the connection is up ...
     assert not link.wait_connected(0.05)  # ... but nothing is subscribed yet
     link._on_subscribe(None, None, 11, [ok], None)
@@ -370,3 +377,25 @@ def test_wait_connected_waits_for_the_renewed_subscriptions():
     assert link.wait_connected(0.05)
     link._on_disconnect(None, None, None, ok, None)
     assert not link.is_connected and not link.wait_connected(0.01)
+    # lost again before its SUBACKs: only the newest connection's subscriptions count
+    link._on_connect(_fake_paho(21, 22), None, flags, ok, None)
+    link._on_disconnect(None, None, None, ok, None)
+    link._on_connect(_fake_paho(31, 32), None, flags, ok, None)
+    link._on_subscribe(None, None, 21, [ok], None)
+    link._on_subscribe(None, None, 22, [ok], None)
+    assert not link.wait_connected(0.05)
+    link._on_subscribe(None, None, 31, [ok], None)
+    link._on_subscribe(None, None, 32, [refused], None)  # answered: refused, and logged
+    assert link.wait_connected(0.05)
+
+
+def test_wait_connected_without_subscriptions_is_the_connection():
+    from types import SimpleNamespace
+
+    from edgefcl.transport.mqtt import MqttLink
+
+    ok = SimpleNamespace(is_failure=False)
+    link = MqttLink("mqtt://127.0.0.1:1", "t")
+    assert not link.wait_connected(0.01)
+    link._on_connect(SimpleNamespace(subscribe=None), None, None, ok, None)
+    assert link.is_connected and link.wait_connected(0.01)

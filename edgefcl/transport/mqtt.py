@@ -168,9 +168,9 @@ class MqttLink:
         return self._connected.is_set()
 
     def wait_connected(self, timeout: float | None = None) -> bool:
-        """Block until the connection is up (e.g. after a reconnect) and the broker has
-        acknowledged every renewed subscription, so that nothing published from then on is
-        missed; False on timeout."""
+        """Block until the connection is up (e.g. after a reconnect) and the broker has answered
+        (SUBACK) every subscription the connection renewed, so that nothing published from then
+        on is missed; a refused one (ACL) is logged. False on timeout."""
         return self._ready.wait(timeout)
 
     def connect(self, timeout: float = 10.0) -> MqttLink:
@@ -257,9 +257,10 @@ class MqttLink:
             self._unacked = {m for m, _ in mids}
             self._generation += 1
             self._suback_cond.notify_all()
-            if not self._unacked:
-                self._ready.set()
+            subscribed = not self._unacked
         self._connected.set()
+        if subscribed:  # nothing to renew (SUBACKs arrive on this thread, after this call)
+            self._ready.set()
         self._answered.set()
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
