@@ -72,10 +72,11 @@ def test_digits_images_scaled_without_test_split():
 
 
 def test_digits28_is_the_bilinear_upscale_read_by_npz(tmp_path):
-    src = load_dataset("digits").x_train[:, 0]
+    digits = load_dataset("digits")
+    src = digits.x_train[:, 0]
     d = load_dataset(f"npz:{write_digits28(tmp_path / 'd28.npz')}")
     assert d.x_train.shape == (1797, 1, 28, 28) and d.n_classes == 10
-    np.testing.assert_array_equal(d.y_train, load_dataset("digits").y_train)
+    np.testing.assert_array_equal(d.y_train, digits.y_train)
     x = d.x_train[:, 0]
     assert x.min() >= 0.0 and x.max() <= 1.0
     # output pixel i samples the source at (i + 0.5) * 8 / 28 - 0.5, clamped at the border

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -349,8 +350,6 @@ def test_suback_wait_follows_a_reconnect():
 
 def _fake_paho(*mids: int):
     """A stand-in for paho's client in `_on_connect`: subscribe() hands out `mids`."""
-    from types import SimpleNamespace
-
     ids = iter(mids)
     return SimpleNamespace(subscribe=lambda pattern, qos: (0, next(ids)))
 
@@ -359,10 +358,6 @@ def test_wait_connected_waits_for_the_renewed_subscriptions():
     """After a reconnect the link is usable once the broker has answered the renewed
     subscriptions: a message published between CONNACK and SUBACK would be lost, so
     `wait_connected` must not return before the SUBACKs."""
-    from types import SimpleNamespace
-
-    from edgefcl.transport.mqtt import MqttLink
-
     ok, refused = SimpleNamespace(is_failure=False), SimpleNamespace(is_failure=True)
     flags = SimpleNamespace(session_present=False)
     link = MqttLink("mqtt://127.0.0.1:1", "t")
@@ -390,10 +385,6 @@ def test_wait_connected_waits_for_the_renewed_subscriptions():
 
 
 def test_wait_connected_without_subscriptions_is_the_connection():
-    from types import SimpleNamespace
-
-    from edgefcl.transport.mqtt import MqttLink
-
     ok = SimpleNamespace(is_failure=False)
     link = MqttLink("mqtt://127.0.0.1:1", "t")
     assert not link.wait_connected(0.01)
