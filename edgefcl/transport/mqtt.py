@@ -148,7 +148,7 @@ class MqttLink:
         self._suback_cond = threading.Condition()
         self._connect_mids: list[tuple[int, str]] = []
         self._unacked: set[int] = set()  # this connection's renewed subscriptions, no SUBACK yet
-        self._ready = threading.Event()  # connected and every subscription acknowledged
+        self._ready = threading.Event()  # connected and every renewed subscription answered
         self._generation = 0  # connections so far: a SUBACK wait follows a reconnect
         self._ever_connected = False
         self._started = False
