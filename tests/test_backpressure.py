@@ -299,3 +299,24 @@ def test_the_last_update_held_by_backpressure_is_sent_at_the_end(setup_cfg):
     final = r.client.held_update()
     assert final is not None and final.seq == r.client.seq
     assert r.client.held_update() is None  # once
+
+
+def test_a_held_update_sent_after_more_batches_names_the_batch_it_was_due_at(setup_cfg):
+    # the stream may go on past the held update's batch to one the schedule does not
+    # admit (jump 2): the update sent at the end must still be eligible, and its sample
+    # count within what that batch index allows
+    _, setup = setup_cfg
+    cfg = apply(RunConfig(), {"data": {"tasks": 2, "classes_per_task": 2}, "quiet": True,
+                              "fed": {"mode": "async", "jump": 2, "burn_in": 2}})
+    client = make_client(cfg, setup, 0, "fedavg", 0)
+    client.pace = lambda: False
+    batches = iter(client_stream(cfg, setup.tasks[0], 0, 0))
+    while client.step(next(batches)) is None and not client.held:
+        pass
+    due_at = client.bn
+    client.step(next(batches))  # not due: bn is odd now
+    assert client.bn == due_at + 1
+    final = client.held_update()
+    assert final is not None and final.batch == due_at
+    agg = Aggregator(client.base, cfg.fed, batch_size=cfg.data.batch_size)
+    assert agg.validate(final) is None

@@ -66,7 +66,9 @@ class Client:
         """Asked at every due update whether to send it (None: always); a held update keeps
         its sequence number and is not encoded, unless it is the last of the stream
         (`held_update`; runtime/backpressure.py)."""
-        self.held = False  # the last due update was held back by `pace`
+        self.held: tuple[int, int, int, dict[int, int]] | None = None
+        """The last due update was held back by `pace`: the (task, batch, samples, class counts)
+        it was due with."""
         learner.bind(lambda: hooks.penalty(self), lambda task: hooks.on_task_start(self, task))
         hooks.attach(self)
 
@@ -120,26 +122,28 @@ class Client:
         if not self.schedule.due(learner.bn):
             return None
         self.seq += 1
-        self.held = self.pace is not None and not self.pace()
-        return None if self.held else self._update()
+        due = (learner.task or 0, learner.bn, learner.samples_in_task,
+               dict(learner.class_counts))
+        self.held = due if self.pace is not None and not self.pace() else None
+        return None if self.held else self._update(*due)
 
     def held_update(self) -> Update | None:
         """The update of the last due mini-batch when backpressure held it back (once), from
-        the model as it is now: sent at the end of a stream, so that the device's last
-        mini-batches still reach the fleet."""
-        if not self.held:
+        the model as it is now but named by the mini-batch it was due at (the stream may have
+        gone on to one the schedule does not admit): sent at the end of a stream, so that the
+        device's last mini-batches still reach the fleet."""
+        if self.held is None:
             return None
-        self.held = False
-        return self._update()
+        due, self.held = self.held, None
+        return self._update(*due)
 
-    def _update(self) -> Update:
-        learner = self.learner
-        self.sent = get_tensors(learner.model)
+    def _update(self, task: int, batch: int, samples: int,
+                class_counts: dict[int, int]) -> Update:
+        self.sent = get_tensors(self.learner.model)
         payload = self.encoder.encode(self.sent, self.base)
-        protos = learner.protos
-        return Update(self.cid, self.version, self.seq, learner.task or 0, learner.bn,
-                      learner.samples_in_task, payload, self.encoder.name,
-                      dict(learner.class_counts),
+        protos = self.learner.protos
+        return Update(self.cid, self.version, self.seq, task, batch, samples, payload,
+                      self.encoder.name, class_counts,
                       protos.outgoing(self.sends_likelihoods) if protos is not None else None)
 
     def tick(self) -> Tick:
