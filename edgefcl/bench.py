@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgefcl.build import prepare
+from edgefcl.build import Setup, make_optimizer, prepare
 from edgefcl.config import ConfigError, RunConfig
 from edgefcl.learn.export import export_onnx
 from edgefcl.learn.methods import get_method
@@ -156,6 +156,37 @@ def _per_batch_ms(r) -> dict:
     return t
 
 
+def train_floor_ms(cfg: RunConfig, setup: Setup, seconds: float = 3.0) -> float:
+    """Bare torch time of one mini-batch's training, ms (mean over `seconds` after a warm-up):
+    `local_epochs` steps of a copy of the run's initial model with its optimizer on
+    2 x batch_size samples of the first task (the batch and a same-size replay draw), without
+    the augmented views of the later steps, the replay draws or any bookkeeping: the floor of
+    the training step the client's timings measure."""
+    torch.set_num_threads(cfg.learn.threads)
+    model = copy.deepcopy(setup.initial).train()
+    opt = make_optimizer(model, cfg.learn)
+    task = setup.tasks[0][0]
+    n = 2 * cfg.data.batch_size
+    x, y = torch.from_numpy(task.x_train[:n]), torch.from_numpy(task.y_train[:n]).long()
+
+    def one_batch() -> None:
+        for _ in range(cfg.learn.local_epochs):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+    for _ in range(10):
+        one_batch()
+    t0 = now = time.perf_counter()
+    batches = 0
+    while now - t0 < seconds:
+        one_batch()
+        batches += 1
+        now = time.perf_counter()
+    return 1000 * (now - t0) / batches
+
+
 def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
     """Wall time of the configured BI run against CBR on the same stream, on the run's
     configuration and on digits upscaled to 28x28 images, interleaved seed by seed (the order
@@ -191,10 +222,15 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
                   f"{row['score_wait']:6.2f} {row['memory']:7.2f} {row['score_thread']:7.2f} "
                   f"{row['wall_s']:7.2f}")
         bi, cbr = rows[cfg.learn.method], rows["cbr"]
+        floor = train_floor_ms(run_cfg, prepare(run_cfg, cfg.seed))
         ratios = {"wall": bi["wall_s"] / cbr["wall_s"],
                   "step_vs_train": bi["step"] / cbr["train"],
-                  "step_vs_cbr_step": bi["step"] / cbr["step"]}
-        report[name] = {"dataset": spec, "runs": rows, "ratios": ratios,
+                  "step_vs_cbr_step": bi["step"] / cbr["step"],
+                  "cbr_train_vs_bare_torch": cbr["train"] / floor}
+        print(f"{name:<7} bare torch training of a mini-batch ({cfg.learn.local_epochs} steps on "
+              f"{2 * cfg.data.batch_size} samples, no views or replay draws): {floor:.2f} ms; "
+              f"cbr's train is {ratios['cbr_train_vs_bare_torch']:.2f}x that")
+        report[name] = {"dataset": spec, "runs": rows, "ratios": ratios, "bare_train_ms": floor,
                         "view_stability": view_stability(
                             logs, get_method(cfg.learn.method).score,
                             _retest_logs(dataclasses.replace(run_cfg, learn=dataclasses.replace(

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from edgefcl.bench import log_scores, spearman, view_stability
+from edgefcl.bench import log_scores, spearman, train_floor_ms, view_stability
+from edgefcl.build import prepare
 from edgefcl.config import RunConfig
 from edgefcl.simulate import simulate
 
@@ -49,6 +50,15 @@ def test_logging_the_scores_leaves_the_run_unchanged():
     assert logs and all(z.ndim == 3 and z.shape[0] == 12 for z in logs)
 
 
+def test_the_bare_training_floor_trains_a_copy_of_the_initial_model():
+    cfg = RunConfig()
+    setup = prepare(cfg, 0)
+    before = {k: v.clone() for k, v in setup.initial.state_dict().items()}
+    assert train_floor_ms(cfg, setup, seconds=0.05) > 0
+    after = setup.initial.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.slow
 def test_cost_vs_cbr_reports_ratios_and_view_stability(tmp_path):
     from edgefcl.bench import cost_vs_cbr
@@ -58,6 +68,7 @@ def test_cost_vs_cbr_reports_ratios_and_view_stability(tmp_path):
     for name in ("demo", "28x28"):
         r = report[name]
         assert r["ratios"]["wall"] > 0 and set(r["runs"]) == {"cbr", "bi"}
+        assert r["bare_train_ms"] > 0 and r["ratios"]["cbr_train_vs_bare_torch"] > 0
         s = r["view_stability"]
         assert s["views"] == 12 and s["calls"] > 0 and len(s["prefixes"]) == 10
         assert -1.0 <= s["retest"]["median_rho"] <= 1.0
