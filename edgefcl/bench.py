@@ -326,7 +326,7 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
         except ValueError as e:
             raise ConfigError(f"--per-class takes whole numbers, e.g. 5,10,20: {e}") from None
         rules = _csv(study.get("rules")) or list(DEFAULT_RULES)
-        bench_memory(cfg, out, datasets, sizes, rules)
+        bench_memory(cfg, out, datasets, sizes, rules, int(study.get("jobs") or 1))
         print(f"\nwritten {out / 'bench_memory.json'}")
         return 0
     from edgefcl.bench_transport import bench_transport

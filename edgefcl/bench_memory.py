@@ -1,8 +1,10 @@
 """The memory study (`edgefcl bench memory`): selection rules x datasets x memory sizes x seeds.
 
 Every run is one in-process lock-step simulation of the run configuration with the memory of
-one rule. Runs go one after another in this process, interleaved (for each dataset, size and
-seed, every rule in turn), so that other load on the machine hits every rule alike. Results are
+one rule. Runs go one after another, interleaved (for each dataset, size and seed, every rule in
+turn), so that other load on the machine hits every rule alike; `jobs` > 1 runs that many at once
+in worker processes (the same results, run for run; the wall times then include the contention
+between them). Results are
 written to JSON after every run and reused by a later call with the same out folder (a grid can
 be extended without re-running what is there). The table gives A and F as mean ± sample std
 (ddof=1) over seeds and the wall time per run.
@@ -17,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import multiprocessing
 import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -240,10 +245,43 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def run_cell(cfg: RunConfig, dataset: str, spec_ds: str, n_classes: int, per_class: int,
+             seed: int, rule: RuleSpec) -> dict:
+    """One run of the grid, as the record the JSON keeps."""
+    r = simulate(run_config(cfg, spec_ds, per_class * n_classes, rule), seed=seed)
+    n = max(r.extra["batches"], 1)
+    return {"dataset": dataset, "per_class": per_class, "memory_size": per_class * n_classes,
+            "rule": rule.label, "seed": seed, "accuracy": r.accuracy,
+            "forgetting": r.forgetting, "wall_s": r.wall_s,
+            "scored_per_batch": r.extra["scored_samples"] / n,
+            "timings_ms": {k: 1000 * v / n for k, v in r.extra["timings"].items()},
+            "global_sha256": r.global_sha256}
+
+
+def _records(cells: list[tuple], jobs: int) -> Iterator[dict]:
+    """`run_cell(*cell)` of every cell, in order with one job, as they finish with more (in
+    worker processes forked from a server that imported torch once)."""
+    if jobs <= 1:
+        for cell in cells:
+            yield run_cell(*cell)
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "edgefcl.simulate"])
+    pool = ProcessPoolExecutor(jobs, mp_context=ctx)
+    try:
+        for future in as_completed([pool.submit(run_cell, *cell) for cell in cells]):
+            yield future.result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 def bench_memory(cfg: RunConfig, out: Path, datasets: list[str], per_class: list[int],
-                 rules: list[str]) -> dict:
-    """Run the grid (reusing runs already in out/bench_memory.json), print the table, write
-    JSON, the markdown table and the plot."""
+                 rules: list[str], jobs: int = 1) -> dict:
+    """Run the grid (reusing runs already in out/bench_memory.json; `jobs` runs at once),
+    print the table, write JSON, the markdown table and the plot."""
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    out.mkdir(parents=True, exist_ok=True)
     specs = [parse_rule(r) for r in rules]
     path = out / "bench_memory.json"
     done: dict[str, dict] = {}
@@ -256,27 +294,21 @@ def bench_memory(cfg: RunConfig, out: Path, datasets: list[str], per_class: list
     todo = [c for c in cells if _key(c[0], c[1], c[3].label, c[2]) not in done]
     print(f"memory study: {len(datasets)} dataset(s) x {len(per_class)} size(s) x "
           f"{len(specs)} rule(s) x {len(seeds)} seed(s); {len(todo)} run(s) to do, "
-          f"{len(cells) - len(todo)} reused")
+          f"{len(cells) - len(todo)} reused" + (f", {jobs} at once" if jobs > 1 else ""))
+    spec_of = {ds: dataset_spec(ds, out) for ds in {c[0] for c in todo}}  # digits28 made once
+    classes = {ds: 10 if ds in DEFAULT_DATASETS else _n_classes(spec)
+               for ds, spec in spec_of.items()}
     t_start = time.perf_counter()
-    for i, (ds, pc, seed, spec) in enumerate(todo):
-        spec_ds = dataset_spec(ds, out)
-        n_classes = 10 if ds in DEFAULT_DATASETS else _n_classes(spec_ds)
-        run_cfg = run_config(cfg, spec_ds, pc * n_classes, spec)
-        r = simulate(run_cfg, seed=seed)
-        n = max(r.extra["batches"], 1)
-        done[_key(ds, pc, spec.label, seed)] = {
-            "dataset": ds, "per_class": pc, "memory_size": pc * n_classes, "rule": spec.label,
-            "seed": seed, "accuracy": r.accuracy, "forgetting": r.forgetting,
-            "wall_s": r.wall_s, "scored_per_batch": r.extra["scored_samples"] / n,
-            "timings_ms": {k: 1000 * v / n for k, v in r.extra["timings"].items()},
-            "global_sha256": r.global_sha256}
+    work = [(cfg, ds, spec_of[ds], classes[ds], pc, seed, spec) for ds, pc, seed, spec in todo]
+    for i, r in enumerate(_records(work, jobs)):
+        done[_key(r["dataset"], r["per_class"], r["rule"], r["seed"])] = r
         elapsed = time.perf_counter() - t_start
-        print(f"[{i + 1}/{len(todo)}] {ds} M/class {pc} {spec.label} seed {seed}: "
-              f"A {r.accuracy:.1f} F {r.forgetting:.1f} ({r.wall_s:.1f} s; "
-              f"{elapsed / 60:.1f} min so far)", flush=True)
+        print(f"[{i + 1}/{len(todo)}] {r['dataset']} M/class {r['per_class']} {r['rule']} "
+              f"seed {r['seed']}: A {r['accuracy']:.1f} F {r['forgetting']:.1f} "
+              f"({r['wall_s']:.1f} s; {elapsed / 60:.1f} min so far)", flush=True)
         _write(path, cfg, done)
-    wanted = {_key(ds, pc, s.label, seed) for ds, pc, seed, s in cells}
-    runs = [r for k, r in done.items() if k in wanted]
+    runs = [done[k] for k in (_key(ds, pc, s.label, seed) for ds, pc, seed, s in cells)
+            if k in done]  # in grid order, however the jobs finished
     rows = summarize(runs)
     report = _write(path, cfg, done, rows, paired(runs))
     table = format_table(rows)

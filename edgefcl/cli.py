@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     return run_bench(args.what, cfg, Path(cfg.out or "runs/bench"), args.repeats,
                      study={"datasets": args.datasets, "per_class": args.per_class,
-                            "rules": args.rules}, count=args.count)
+                            "rules": args.rules, "jobs": args.jobs}, count=args.count)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "bi:mix,bi:kcenter,bi:herding,bi:step+past",
                    help="memory: rules METHOD[:SELECTION][+past][@RESCORE] (default: "
                    "%(default)s)")
+    b.add_argument("--jobs", type=int, default=1,
+                   help="memory: runs at once, each in its own process (same results; the "
+                   "wall times per run then include their contention) (default: %(default)s)")
     b.add_argument("--repeats", type=int, default=3, help="timing repeats (default: 3)")
     b.add_argument("--count", type=int, default=0,
                    help="crash: SIGKILLs (default 100); fuzz: payloads (default 100000); flood: "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,20 @@ def test_study_runs_writes_and_reuses(tmp_path, capsys):
     assert [p["rule"] for p in report["paired"]] == ["bi:step"]
     bench_memory(cfg, tmp_path, ["digits"], [2], ["cbr", "bi:step"])
     assert "0 run(s) to do, 2 reused" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_jobs_in_worker_processes_give_the_same_runs(tmp_path):
+    cfg = RunConfig()
+    cfg.data.tasks, cfg.fed.clients, cfg.seeds = 2, 2, 2
+    keep = ("dataset", "per_class", "rule", "seed", "accuracy", "forgetting", "global_sha256")
+
+    def runs(out: Path, jobs: int) -> list[tuple]:
+        bench_memory(cfg, out, ["digits"], [2], ["cbr", "bi"], jobs=jobs)
+        report = json.loads((out / "bench_memory.json").read_text())
+        return sorted(tuple(r[k] for k in keep) for r in report["runs"])
+
+    one = runs(tmp_path / "one", 1)
+    assert len(one) == 4 and runs(tmp_path / "two", 2) == one
+    with pytest.raises(ConfigError, match="--jobs"):
+        bench_memory(cfg, tmp_path / "none", ["digits"], [2], ["cbr"], jobs=0)
