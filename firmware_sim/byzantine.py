@@ -33,6 +33,7 @@ import numpy as np
 
 from edgefcl.config import RunConfig
 from edgefcl.federation.messages import GlobalModel, Tensors, Update
+from edgefcl.federation.schedule import nth_eligible
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.transport.chunks import split
 from edgefcl.transport.codec import Message, decode, encode
@@ -117,7 +118,7 @@ class Byzantine:
                 cid: str | None = None) -> Update:
         a.seq += 1
         f, d = self.cfg.fed, self.cfg.data
-        batch = f.burn_in + f.jump * a.seq  # as far as the admission check allows
+        batch = nth_eligible(a.seq, f.burn_in, f.jump)  # one the schedule and admission allow
         n = n if n is not None else batch * d.batch_size
         return Update(cid or a.cid, g.version, a.seq, 0, batch, n, tensors,
                       class_counts={0: n})

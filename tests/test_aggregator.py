@@ -1,11 +1,13 @@
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregation import ClassWeightedFedAvg, FedAvg, WeightedSum, mix
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Tick, Update
-from edgefcl.federation.schedule import eligible
+from edgefcl.federation.schedule import eligible, nth_eligible
 
 
 def upd(client, value, n=10, seq=1, batch=4, base=0, classes=None, shape=(2,)):
@@ -17,6 +19,17 @@ def test_schedule_burn_in_and_jump():
     got = [b for b in range(1, 16) if eligible(b, burn_in=5, jump=3)]
     assert got == [6, 9, 12, 15]
     assert [b for b in range(1, 6) if eligible(b, 0, 2)] == [2, 4]
+    assert [nth_eligible(n, 5, 3) for n in (1, 2, 3)] == [6, 9, 12]
+    assert [nth_eligible(n, 3, 2) for n in (1, 2)] == [4, 6]  # burn-in not a multiple of jump
+    assert [nth_eligible(n, 0, 1) for n in (1, 2)] == [1, 2]
+
+
+@given(st.integers(1, 50), st.integers(0, 40), st.integers(1, 10))
+def test_the_nth_eligible_batch_is_eligible_and_admitted(n, burn_in, jump):
+    b = nth_eligible(n, burn_in, jump)
+    assert eligible(b, burn_in, jump)
+    assert sum(eligible(k, burn_in, jump) for k in range(1, b + 1)) == n  # the n-th one
+    assert b <= burn_in + jump * n  # within admission's bound for sequence number n
 
 
 ZERO = {"w": np.zeros(2, np.float32)}

@@ -9,3 +9,8 @@ def eligible(batch: int, burn_in: int, jump: int) -> bool:
     The paper's rule: bn >= burn_in and bn % q == 0, with bn counted from 1 and reset per task.
     """
     return batch >= max(burn_in, 1) and batch % jump == 0
+
+
+def nth_eligible(n: int, burn_in: int, jump: int) -> int:
+    """The mini-batch at which a client takes part for the n-th time (n >= 1) in a task."""
+    return (-(-max(burn_in, 1) // jump) + max(n, 1) - 1) * jump

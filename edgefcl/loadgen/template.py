@@ -17,6 +17,7 @@ import hashlib
 import msgpack
 import numpy as np
 
+from edgefcl.federation.schedule import nth_eligible
 from edgefcl.transport import integrity
 from edgefcl.transport.codec import SCHEMA_VERSION, encode_tensor
 
@@ -35,8 +36,7 @@ class UpdateTemplate:
         fixed = {"tensors": {k: encode_tensor(v) for k, v in tensors.items()},
                  "schema": SCHEMA_VERSION, "kind": "update", "fleet": fleet, "task": task,
                  "num_samples": num_samples, "encoding": encoding, "class_counts": None}
-        self.jump = jump
-        self.first_batch = -(-max(burn_in, 1) // jump) * jump  # the first eligible mini-batch
+        self.burn_in, self.jump = burn_in, jump
         n_keys = len(fixed) + len(_VARYING) + 1  # + the digest
         assert n_keys < 16, "a msgpack fixmap holds at most 15 keys"
         self.prefix = bytes([0x80 | n_keys]) + b"".join(_pack(k) + _pack(v)
@@ -46,8 +46,7 @@ class UpdateTemplate:
 
     def payload(self, client: str, base_version: int, seq: int) -> bytes:
         """The sealed payload of this update from `client`."""
-        values = (client, client, base_version, seq,
-                  self.first_batch + self.jump * (max(seq, 1) - 1))
+        values = (client, client, base_version, seq, nth_eligible(seq, self.burn_in, self.jump))
         tail = b"".join(_pack(k) + _pack(v) for k, v in zip(_VARYING, values, strict=True))
         tail += self._trailer
         h = self._hash.copy()
