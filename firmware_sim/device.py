@@ -284,6 +284,12 @@ class Firmware(DeviceRunner):
     def send_update(self, seq: int, payload: bytes) -> None:
         self._unsaved = (seq, payload)  # published after the safe point
 
+    def send_last(self, seq: int, payload: bytes) -> None:
+        """No safe point follows the stream's last update: it is saved and offered now."""
+        self.pending = (seq, payload)
+        self.save()
+        self._offer(self.pending)
+
     def _safe_point(self, batch: Batch) -> None:
         key = (batch.task, batch.index)
         self.position = key

@@ -185,6 +185,24 @@ def test_the_learner_learns_alone_and_the_wrapper_only_adds_the_schedule():
     assert learner.clock.now() <= learner.clock.now()
 
 
+def test_a_held_update_survives_a_reboot_and_stays_in_its_task():
+    c = make_client(burn_in=2, jump=2)
+    c.pace = lambda: False  # backpressure holds every due update
+    assert [c.step(batch(0, i, [0, 1])) for i in (1, 2, 3)] == [None] * 3
+    due = (0, 2, 10, dict(c.held[3]))
+    assert c.held == due and sum(due[3].values()) == 10  # what batch 2 was due with
+    rebooted = make_client(burn_in=2, jump=2)
+    rebooted.load_state_dict(c.state_dict())
+    assert rebooted.held == due
+    u = rebooted.held_update()
+    assert (u.task, u.batch, u.num_samples, u.class_counts) == due and u.seq == c.seq
+    assert rebooted.held_update() is None  # once
+    # the stream goes on into the next task before it ends: that task's burn-in has not
+    # passed, so the update held in the task before is not sent with the new task's training
+    c.step(batch(1, 1, [2, 3]))
+    assert c.held_update() is None and c.held is None
+
+
 def test_state_dict_lists_its_parts_explicitly():
     c = make_client()
     for i in range(1, 4):
@@ -193,7 +211,7 @@ def test_state_dict_lists_its_parts_explicitly():
     assert set(state) == {"format", "fingerprint", "model", "optimizer", "generator", "memory",
                           "perturber", "score_model", "counters", "class_counts", "timings",
                           "sample_shape", "monitor", "onnx", "prototypes", "base", "sent",
-                          "downlink", "encoder", "hooks"}
+                          "downlink", "encoder", "hooks", "held"}
     assert set(state["counters"]) == {"score_version", "task", "bn", "samples_in_task",
                                       "scored", "batches", "version", "seq"}
     fresh = make_client()

@@ -25,6 +25,7 @@ from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.learn.client import Client
 from edgefcl.learn.models import MLP
 from edgefcl.learn.params import get_tensors
+from edgefcl.runtime.links import NullLink
 from edgefcl.transport import integrity
 from edgefcl.transport.codec import CodecError, Message, decode, encode, encode_batch
 from firmware_sim.device import Crash, Firmware, TrainedLog, expected_digest
@@ -459,6 +460,20 @@ def test_crash_and_reboot_train_every_batch_exactly_once(embedded_broker, tmp_pa
         by_seq[u.seq] = u
     assert second.fw["resent_updates"] == 1 and second.pending is not None
     assert sorted(by_seq) == list(range(1, second.client.seq + 1))  # none lost, none reused
+
+
+def test_the_update_held_to_the_end_of_the_stream_is_saved_and_sent_at_once(tmp_path):
+    # an update held back by backpressure is sent after the last mini-batch: no safe point
+    # follows to save and publish it, so the device must do both when it is sent
+    cfg = _fw_config("mqtt://127.0.0.1:1")
+    fw = Firmware(cfg, make_client("cbr"), DeviceProfile(name="p"), Flash(tmp_path / "c000"),
+                  None, tmp_path)
+    sent: list[bytes] = []
+    fw.link = NullLink()
+    fw.link.publish = lambda topic, payload, **kw: sent.append(payload) or len(payload)
+    fw.send_last(3, b"update 3")
+    assert sent == [b"update 3"] and fw.fw["updates_sent"] == 1
+    assert Flash(tmp_path / "c000").load()["device"]["pending"] == (3, b"update 3")
 
 
 def _run(fw: Firmware) -> BaseException | None:

@@ -125,16 +125,17 @@ class Client:
         due = (learner.task or 0, learner.bn, learner.samples_in_task,
                dict(learner.class_counts))
         self.held = due if self.pace is not None and not self.pace() else None
-        return None if self.held else self._update(*due)
+        return self._update(*due) if self.held is None else None
 
     def held_update(self) -> Update | None:
         """The update of the last due mini-batch when backpressure held it back (once), from
         the model as it is now but named by the mini-batch it was due at (the stream may have
         gone on to one the schedule does not admit): sent at the end of a stream, so that the
-        device's last mini-batches still reach the fleet."""
-        if self.held is None:
-            return None
+        device's last mini-batches still reach the fleet. None when nothing is held, or when
+        the stream has gone on into another task, whose burn-in has not passed."""
         due, self.held = self.held, None
+        if due is None or due[0] != (self.learner.task or 0):
+            return None
         return self._update(*due)
 
     def _update(self, task: int, batch: int, samples: int,
@@ -159,6 +160,7 @@ class Client:
         state = {"format": FORMAT, "fingerprint": fingerprint(self.cid, self.learn, self.fed),
                  **self.learner.state_dict()}
         state["counters"] = {**state["counters"], "version": self.version, "seq": self.seq}
+        state["held"] = None if self.held is None else [*self.held[:3], dict(self.held[3])]
         state["base"] = {k: np.array(v, copy=True) for k, v in self.base.items()}
         state["sent"] = None if self.sent is None else {k: np.array(v, copy=True)
                                                         for k, v in self.sent.items()}
@@ -173,6 +175,9 @@ class Client:
         self.learner.load_state_dict(state)
         self.version = state["counters"]["version"]
         self.seq = state["counters"]["seq"]
+        held = state.get("held")  # absent from checkpoints of earlier versions
+        self.held = None if held is None else (
+            int(held[0]), int(held[1]), int(held[2]), {int(c): int(n) for c, n in held[3].items()})
         self.base = dict(state["base"])
         self.sent = state["sent"]
         dev = self.device

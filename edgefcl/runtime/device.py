@@ -57,7 +57,7 @@ class DeviceRunner:
 
     Hooks for a device built on this runner (firmware_sim.Firmware: flash, radio, compute
     budget), no-ops here: `admit_stream`, `check_alive`, `on_idle`, `before_stream`,
-    `before_batch`, `after_batch`, `after_stream`, `send_update`, `status_fields`,
+    `before_batch`, `after_batch`, `after_stream`, `send_update`, `send_last`, `status_fields`,
     `final_status`, `result_fields` and `after_run`.
     """
 
@@ -255,10 +255,10 @@ class DeviceRunner:
                                max(0.0, min(0.05, deadline - time.monotonic())))
 
     # -- outbound -------------------------------------------------------------------------
-    def _send(self, msg: Update | Tick) -> bytes:
+    def _send(self, msg: Update | Tick, last: bool = False) -> bytes:
         payload = encode(msg, fleet=self.cfg.mqtt.fleet, wire_dtype=wire_dtype(self.cfg.mqtt))
         if isinstance(msg, Update):
-            self.send_update(msg.seq, payload)
+            (self.send_last if last else self.send_update)(msg.seq, payload)
             self.unanswered += 1
             self.last_update = (msg.seq, msg.base_version, payload, self._aggregator())
         else:
@@ -377,7 +377,7 @@ class DeviceRunner:
             if not sync:
                 final = self.client.held_update()  # the last mini-batches reach the fleet
                 if final is not None:
-                    self._send(final)
+                    self._send(final, last=True)
                 self._last_round()
             self.after_stream()
             state = "done"
@@ -526,6 +526,10 @@ class DeviceRunner:
         """Publish an encoded update (QoS 1)."""
         self.link.publish(self.topics.update(self.cid), payload, qos=1)
         self.bytes_up += len(payload)
+
+    def send_last(self, seq: int, payload: bytes) -> None:
+        """Publish the update held back to the end of the stream (after the last mini-batch)."""
+        self.send_update(seq, payload)
 
     def status_fields(self) -> dict:
         """Extra fields of every status message."""

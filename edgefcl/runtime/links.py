@@ -92,3 +92,6 @@ class NullLink:
 
     def expire_pending(self) -> int:
         return 0
+
+    def counters(self) -> dict[str, int]:
+        return {}
