@@ -15,6 +15,7 @@ import torch
 from edgefcl.build import Setup, make_optimizer, prepare
 from edgefcl.config import ConfigError, RunConfig
 from edgefcl.learn.export import export_onnx
+from edgefcl.learn.learner import resolve_device
 from edgefcl.learn.methods import get_method
 from edgefcl.learn.models import build_model
 from edgefcl.learn.perturb import IMAGE_VIEWS, make_perturber, tta_logits, tta_logits_looped
@@ -156,18 +157,22 @@ def _per_batch_ms(r) -> dict:
     return t
 
 
-def train_floor_ms(cfg: RunConfig, setup: Setup, seconds: float = 3.0) -> float:
-    """Bare torch time of one mini-batch's training, ms (mean over `seconds` after a warm-up):
-    `local_epochs` steps of a copy of the run's initial model with its optimizer on
-    2 x batch_size samples of the first task (the batch and a same-size replay draw), without
-    the augmented views of the later steps, the replay draws or any bookkeeping: the floor of
-    the training step the client's timings measure."""
+def bare_train_ms(cfg: RunConfig, setup: Setup, seconds: float = 3.0) -> float:
+    """Bare torch time of one mini-batch's training, ms (mean over `seconds`, at least one
+    mini-batch, after a warm-up): `local_epochs` steps of a copy of the run's initial model
+    with its optimizer, on the run's device, on 2 x batch_size samples of the first task (the
+    batch and a same-size replay draw, as in every task after the first), without the views of
+    the later steps, the replay draws or any bookkeeping: a reference for the training step
+    the client's timings measure."""
     torch.set_num_threads(cfg.learn.threads)
-    model = copy.deepcopy(setup.initial).train()
+    device = resolve_device(cfg.learn.device)
+    model = copy.deepcopy(setup.initial).to(device).train()
     opt = make_optimizer(model, cfg.learn)
     task = setup.tasks[0][0]
     n = 2 * cfg.data.batch_size
-    x, y = torch.from_numpy(task.x_train[:n]), torch.from_numpy(task.y_train[:n]).long()
+    x = torch.from_numpy(task.x_train[:n]).to(device)
+    y = torch.from_numpy(task.y_train[:n]).long().to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def one_batch() -> None:
         for _ in range(cfg.learn.local_epochs):
@@ -178,13 +183,16 @@ def train_floor_ms(cfg: RunConfig, setup: Setup, seconds: float = 3.0) -> float:
 
     for _ in range(10):
         one_batch()
-    t0 = now = time.perf_counter()
+    sync()
+    t0 = time.perf_counter()
     batches = 0
-    while now - t0 < seconds:
+    while True:
         one_batch()
         batches += 1
+        sync()
         now = time.perf_counter()
-    return 1000 * (now - t0) / batches
+        if now - t0 >= seconds:
+            return 1000 * (now - t0) / batches
 
 
 def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
@@ -222,20 +230,20 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
                   f"{row['score_wait']:6.2f} {row['memory']:7.2f} {row['score_thread']:7.2f} "
                   f"{row['wall_s']:7.2f}")
         bi, cbr = rows[cfg.learn.method], rows["cbr"]
-        floor = train_floor_ms(run_cfg, prepare(run_cfg, cfg.seed))
+        bare = bare_train_ms(run_cfg, prepare(run_cfg, cfg.seed))
         ratios = {"wall": bi["wall_s"] / cbr["wall_s"],
                   "step_vs_train": bi["step"] / cbr["train"],
                   "step_vs_cbr_step": bi["step"] / cbr["step"],
-                  "cbr_train_vs_bare_torch": cbr["train"] / floor}
+                  "cbr_train_vs_bare_torch": cbr["train"] / bare}
         print(f"{name:<7} bare torch training of a mini-batch ({cfg.learn.local_epochs} steps on "
-              f"{2 * cfg.data.batch_size} samples, no views or replay draws): {floor:.2f} ms; "
+              f"{2 * cfg.data.batch_size} samples, no views or replay draws): {bare:.2f} ms; "
               f"cbr's train is {ratios['cbr_train_vs_bare_torch']:.2f}x that")
-        report[name] = {"dataset": spec, "runs": rows, "ratios": ratios, "bare_train_ms": floor,
+        report[name] = {"dataset": spec, "runs": rows, "ratios": ratios, "bare_train_ms": bare,
                         "view_stability": view_stability(
                             logs, get_method(cfg.learn.method).score,
                             _retest_logs(dataclasses.replace(run_cfg, learn=dataclasses.replace(
                                 run_cfg.learn, method=cfg.learn.method)), logs))}
-        print(f"{name:<7} ratios: wall {ratios['wall']:.2f}x, per-batch step / bare train step "
+        print(f"{name:<7} ratios: wall {ratios['wall']:.2f}x, per-batch step / cbr train step "
               f"{ratios['step_vs_train']:.2f}x, step / cbr step {ratios['step_vs_cbr_step']:.2f}x")
     print("\nview stability: each scoring call's ranking from its first k views against all "
           "views (the first seed's run); k: median Spearman rho over calls (share of calls at "
@@ -325,8 +333,10 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
             sizes = [int(v) for v in _csv(study.get("per_class"))] or list(DEFAULT_PER_CLASS)
         except ValueError as e:
             raise ConfigError(f"--per-class takes whole numbers, e.g. 5,10,20: {e}") from None
+        if min(sizes) < 0:
+            raise ConfigError(f"--per-class takes sizes >= 0 (0: no memory), got {min(sizes)}")
         rules = _csv(study.get("rules")) or list(DEFAULT_RULES)
-        bench_memory(cfg, out, datasets, sizes, rules, int(study.get("jobs") or 1))
+        bench_memory(cfg, out, datasets, sizes, rules, int(study.get("jobs", 1)))
         print(f"\nwritten {out / 'bench_memory.json'}")
         return 0
     from edgefcl.bench_transport import bench_transport

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -258,21 +259,46 @@ def run_cell(cfg: RunConfig, dataset: str, spec_ds: str, n_classes: int, per_cla
             "global_sha256": r.global_sha256}
 
 
+def _failed(cell: tuple) -> None:
+    _, dataset, _, _, per_class, seed, rule = cell
+    print(f"the run {dataset} M/class {per_class} {rule.label} seed {seed} failed:",
+          file=sys.stderr, flush=True)
+
+
 def _records(cells: list[tuple], jobs: int) -> Iterator[dict]:
     """`run_cell(*cell)` of every cell, in order with one job, as they finish with more (in
-    worker processes forked from a server that imported torch once)."""
+    worker processes forked from a server that imported torch once). A failed run stops the
+    grid: the runs not started are cancelled, those running finish and are handed back, and
+    the first error is raised at the end, after a line that names its run."""
     if jobs <= 1:
         for cell in cells:
-            yield run_cell(*cell)
+            try:
+                yield run_cell(*cell)
+            except Exception:
+                _failed(cell)
+                raise
         return
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "edgefcl.simulate"])
-    pool = ProcessPoolExecutor(jobs, mp_context=ctx)
-    try:
-        for future in as_completed([pool.submit(run_cell, *cell) for cell in cells]):
-            yield future.result()
-    finally:
-        pool.shutdown(cancel_futures=True)
+    failure: tuple[tuple, BaseException] | None = None
+    with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(run_cell, *cell): cell for cell in cells}
+        try:
+            for future in as_completed(futures):
+                if future.cancelled():
+                    continue
+                error = future.exception()
+                if error is None:
+                    yield future.result()
+                elif failure is None:
+                    failure = (futures[future], error)
+                    for other in futures:
+                        other.cancel()
+        finally:
+            pool.shutdown(cancel_futures=True)
+    if failure is not None:
+        _failed(failure[0])
+        raise failure[1]
 
 
 def bench_memory(cfg: RunConfig, out: Path, datasets: list[str], per_class: list[int],

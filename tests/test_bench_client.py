@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from edgefcl.bench import log_scores, spearman, train_floor_ms, view_stability
+from edgefcl.bench import bare_train_ms, log_scores, spearman, view_stability
 from edgefcl.build import prepare
 from edgefcl.config import RunConfig
 from edgefcl.simulate import simulate
@@ -50,11 +50,11 @@ def test_logging_the_scores_leaves_the_run_unchanged():
     assert logs and all(z.ndim == 3 and z.shape[0] == 12 for z in logs)
 
 
-def test_the_bare_training_floor_trains_a_copy_of_the_initial_model():
+def test_the_bare_training_step_trains_a_copy_of_the_initial_model():
     cfg = RunConfig()
     setup = prepare(cfg, 0)
     before = {k: v.clone() for k, v in setup.initial.state_dict().items()}
-    assert train_floor_ms(cfg, setup, seconds=0.05) > 0
+    assert bare_train_ms(cfg, setup, seconds=0.0) > 0  # one mini-batch at least
     after = setup.initial.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 

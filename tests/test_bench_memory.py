@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from edgefcl.bench_memory import (
+    _records,
     bar_check,
     bench_memory,
     format_paired,
@@ -88,12 +89,36 @@ def test_jobs_in_worker_processes_give_the_same_runs(tmp_path):
     cfg.data.tasks, cfg.fed.clients, cfg.seeds = 2, 2, 2
     keep = ("dataset", "per_class", "rule", "seed", "accuracy", "forgetting", "global_sha256")
 
-    def runs(out: Path, jobs: int) -> list[tuple]:
+    def runs(out: Path, jobs: int) -> tuple[list[tuple], list[dict]]:
         bench_memory(cfg, out, ["digits"], [2], ["cbr", "bi"], jobs=jobs)
         report = json.loads((out / "bench_memory.json").read_text())
-        return sorted(tuple(r[k] for k in keep) for r in report["runs"])
+        rows = [{k: v for k, v in r.items() if k != "wall_s"} for r in report["rows"]]
+        return sorted(tuple(r[k] for k in keep) for r in report["runs"]), rows
 
     one = runs(tmp_path / "one", 1)
-    assert len(one) == 4 and runs(tmp_path / "two", 2) == one
+    assert len(one[0]) == 4 and runs(tmp_path / "two", 2) == one  # the rows in grid order too
     with pytest.raises(ConfigError, match="--jobs"):
         bench_memory(cfg, tmp_path / "none", ["digits"], [2], ["cbr"], jobs=0)
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_in_a_worker_is_named_and_its_error_raised(capsys):
+    good, bad = RunConfig(), RunConfig()
+    good.data.tasks, good.fed.clients = 2, 2
+    bad.learn.model = "no-such-model"
+    cells = [(good, "digits", "digits", 10, 1, 0, parse_rule("er")),
+             (bad, "digits", "digits", 10, 1, 1, parse_rule("cbr"))]
+    got = []
+    with pytest.raises(ConfigError, match="no-such-model"):
+        for record in _records(cells, jobs=2):
+            got.append(record)
+    assert "the run digits M/class 1 cbr seed 1 failed" in capsys.readouterr().err
+    assert [r["rule"] for r in got] == ["er"]  # the run beside it finished and came back
+
+
+@pytest.mark.parametrize("value, message", [("5,x", "whole numbers"), ("5,-1", ">= 0")])
+def test_bad_memory_sizes_are_refused(tmp_path, value, message):
+    from edgefcl.bench import run_bench
+
+    with pytest.raises(ConfigError, match=message):
+        run_bench("memory", RunConfig(), tmp_path, 1, study={"per_class": value})
