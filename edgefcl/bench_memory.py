@@ -281,21 +281,21 @@ def _records(cells: list[tuple], jobs: int) -> Iterator[dict]:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "edgefcl.simulate"])
     failure: tuple[tuple, BaseException] | None = None
-    with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+    pool = ProcessPoolExecutor(jobs, mp_context=ctx)
+    try:
         futures = {pool.submit(run_cell, *cell): cell for cell in cells}
-        try:
-            for future in as_completed(futures):
-                if future.cancelled():
-                    continue
-                error = future.exception()
-                if error is None:
-                    yield future.result()
-                elif failure is None:
-                    failure = (futures[future], error)
-                    for other in futures:
-                        other.cancel()
-        finally:
-            pool.shutdown(cancel_futures=True)
+        for future in as_completed(futures):
+            if future.cancelled():
+                continue
+            error = future.exception()
+            if error is None:
+                yield future.result()
+            elif failure is None:
+                failure = (futures[future], error)
+                for other in futures:
+                    other.cancel()
+    finally:
+        pool.shutdown(cancel_futures=True)  # also when the caller stops early (Ctrl-C)
     if failure is not None:
         _failed(failure[0])
         raise failure[1]
