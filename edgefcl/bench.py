@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgefcl.build import Setup, make_optimizer, prepare
+from edgefcl.build import Setup, make_optimizer, prepare, use_cpu_threads
 from edgefcl.config import ConfigError, RunConfig
 from edgefcl.learn.export import export_onnx
 from edgefcl.learn.learner import resolve_device
@@ -164,7 +164,7 @@ def bare_train_ms(cfg: RunConfig, setup: Setup, seconds: float = 3.0) -> float:
     batch and a same-size replay draw, as in every task after the first), without the views of
     the later steps, the replay draws or any bookkeeping: a reference for the training step
     the client's timings measure."""
-    torch.set_num_threads(cfg.learn.threads)
+    use_cpu_threads(cfg.learn.threads)
     device = resolve_device(cfg.learn.device)
     model = copy.deepcopy(setup.initial).to(device).train()
     opt = make_optimizer(model, cfg.learn)
@@ -298,7 +298,7 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
               f"{1000 * s['single_pass_s']:12.1f} {1000 * s['per_view_s']:12.1f} "
               f"{s['speedup']:7.2f}x")
     threads = cfg.learn.threads
-    torch.set_num_threads(threads)
+    use_cpu_threads(threads)
     models = [(cases[0][0], setup.initial, setup.dataset.sample_shape)]
     for name, shape in (("mlp", (40,)), ("cnn", (1, 28, 28)), ("resnet18", (3, 32, 32))):
         models.append((f"{name}/{'x'.join(map(str, shape))}", build_model(name, shape, 10), shape))

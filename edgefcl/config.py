@@ -161,7 +161,8 @@ class LearnConfig:
         "sample; the prior dominates on small streams)"
     )
     device: str = opt("cpu", "torch device: cpu | cuda | cuda:N")
-    threads: int = opt(1, "torch CPU threads per client (1 keeps runs bit-reproducible)")
+    threads: int = opt(1, "CPU threads of torch and numpy's BLAS per client process (1 keeps runs "
+                       "bit-reproducible)")
     prequential: bool = opt(
         True, "count test-then-train accuracy on the stream (one eval forward per batch "
         "before training on it)"

@@ -8,9 +8,15 @@ from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
-from edgefcl.build import for_method, initial_global, initial_prototypes, make_client, prepare
+from edgefcl.build import (
+    for_method,
+    initial_global,
+    initial_prototypes,
+    make_client,
+    prepare,
+    use_cpu_threads,
+)
 from edgefcl.config import RunConfig
 from edgefcl.data.streams import count_batches
 from edgefcl.data.types import TaskData
@@ -40,7 +46,7 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
     method = method or cfg.learn.method
     seed = cfg.seed if seed is None else seed
     cfg = for_method(cfg, method)
-    torch.set_num_threads(cfg.learn.threads)
+    use_cpu_threads(cfg.learn.threads)
     start = time.perf_counter()
     setup = prepare(cfg, seed)
     K, T = cfg.fed.clients, cfg.data.tasks

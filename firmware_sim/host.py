@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from edgefcl.build import Setup, make_client, prepare
+from edgefcl.build import Setup, make_client, prepare, use_cpu_threads
 from edgefcl.config import RunConfig
 from edgefcl.data.workload import client_id
 from edgefcl.transport.mqtt import TransportError
@@ -173,9 +173,8 @@ def run_host(cfg: RunConfig, specs: list[DeviceSpec], state_root: Path,
              results: Path | None = None, commands: IO[str] | None = None) -> int:
     """Run the devices of `specs` until every one finished its stream; returns an exit code
     (0: all done, 2: a device refused its configuration, 1: another failure)."""
-    import torch
 
-    torch.set_num_threads(cfg.learn.threads)
+    use_cpu_threads(cfg.learn.threads)
     setup = prepare(cfg, cfg.seed)
     loop = RadioLoop()
     sups = {s.cid: DeviceSupervisor(cfg, setup, s, Path(state_root), results, loop)

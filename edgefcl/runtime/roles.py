@@ -140,14 +140,13 @@ def cmd_client(args: argparse.Namespace) -> int:
     profile = fleet_profile(cfg, initial_global(cfg, setup), setup.dataset)
     if fleet is not None:  # now the data shape and the model tensors too
         check_join(cid, cfg.mqtt.fleet, profile, fleet)
-    import torch
 
-    from edgefcl.build import make_client
+    from edgefcl.build import make_client, use_cpu_threads
     from edgefcl.data.workload import client_stream
     from edgefcl.runtime.device import DeviceRunner
     from edgefcl.runtime.heap import freeze_startup_heap
 
-    torch.set_num_threads(cfg.learn.threads)
+    use_cpu_threads(cfg.learn.threads)
     client = make_client(cfg, setup, args.index, cfg.learn.method, cfg.seed, cid=cid)
     source = (client_stream(cfg, setup.tasks[args.index], args.index, cfg.seed)
               if args.source == "local" else None)
