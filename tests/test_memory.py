@@ -281,6 +281,22 @@ def test_pending_scores_are_what_update_scores():
     assert torch.equal(mem.x, twin.x) and torch.equal(mem.score, twin.score)
 
 
+def test_a_plan_made_ahead_is_not_used_for_another_update():
+    def filled() -> ReplayMemory:
+        mem = ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0)
+        mem.update(*batch([0, 1, 2], 0), 0, id_score)
+        mem.update(*batch([3, 4, 5], 1), 0, id_score)
+        return mem
+
+    for other in (dict(y=0), dict(version=3), dict(task=1)):
+        mem, twin = filled(), filled()
+        assert mem.pending_scores(*batch([6, 7], 1), 0, 0) is not None  # planned for class 1
+        args = (*batch([6, 7], other.get("y", 1)), other.get("task", 0), id_score)
+        kept = mem.update(*args, version=other.get("version", 0))
+        assert kept == twin.update(*args, version=other.get("version", 0)), other
+        assert torch.equal(mem.x, twin.x) and torch.equal(mem.y, twin.y), other
+
+
 def test_balanced_random_and_reservoir_never_score():
     rec = Recorder()
     for policy in ("balanced-random", "reservoir"):

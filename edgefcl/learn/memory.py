@@ -223,6 +223,9 @@ class ReplayMemory:
         self._priority = torch.zeros(0, dtype=torch.float32, device=self.device)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seed))
+        # the plan `pending_scores` made, kept for the `update` that follows with the same
+        # batch and arguments (nothing in between changes the memory): (key, labels, plan)
+        self._ahead: tuple[tuple, Tensor, _Plan] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -378,7 +381,21 @@ class ReplayMemory:
                                self._classes).all()):
             return None  # a new label's leftover priority is drawn in update(): score there
         plan = self._plan(y, task, version, rescore_all, keep_stale)
+        self._ahead = (self._plan_key(task, version, rescore_all, keep_stale), y, plan)
         return self._stack(x, plan.need, self.size) if plan.need.numel() else None
+
+    def _plan_key(self, task: int, version: int, rescore_all: bool, keep_stale: bool) -> tuple:
+        return (self.seen, self.size, task, version, rescore_all, keep_stale)
+
+    def _planned(self, y: Tensor, task: int, version: int, rescore_all: bool,
+                 keep_stale: bool) -> _Plan:
+        """`_plan`, taken from the last `pending_scores` when it planned this very update."""
+        ahead, self._ahead = self._ahead, None
+        if (ahead is not None and ahead[0] == self._plan_key(task, version, rescore_all,
+                                                             keep_stale)
+                and torch.equal(ahead[1], y)):
+            return ahead[2]
+        return self._plan(y, task, version, rescore_all, keep_stale)
 
     def _plan(self, y: Tensor, task: int, version: int, rescore_all: bool,
               keep_stale: bool) -> _Plan:
@@ -431,7 +448,7 @@ class ReplayMemory:
         n = size + b
         sc = torch.cat([self.score[:size], torch.zeros(b, device=dev)])
         vc = torch.cat([self.score_version[:size], torch.full_like(y, -1)])
-        plan = self._plan(y, task, version, rescore_all, keep_stale)
+        plan = self._planned(y, task, version, rescore_all, keep_stale)
         inv, counts, keep_n, ranked = plan.inv, plan.counts, plan.keep_n, plan.ranked
 
         scored = plan.need.numel()
@@ -537,3 +554,4 @@ class ReplayMemory:
         self._classes = d["classes"].to(dev, torch.int64)
         self._priority = d["priority"].to(dev, torch.float32)
         self._gen.set_state(d["generator"])
+        self._ahead = None
