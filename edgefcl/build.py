@@ -32,10 +32,10 @@ from edgefcl.learn.variational import client_hooks
 
 
 def use_cpu_threads(threads: int) -> None:
-    """Run the process's torch ops and numpy's BLAS on `threads` threads (LearnConfig.threads).
-    BLAS matters too: the TTA views solve small homographies with numpy, and OpenBLAS's
-    default of one thread per core (each woken, then spinning, at every call) cost the
-    scoring thread 1.1 ms a mini-batch on the demo (4.8 against 3.7 ms)."""
+    """Run the process's torch ops and the BLAS libraries loaded so far (numpy's) on `threads`
+    threads (LearnConfig.threads). BLAS matters too: the TTA views solve small homographies
+    with numpy, and OpenBLAS's default of one thread per core (each woken, then spinning, at
+    every call) slowed the scoring thread and the trainer beside it (README, Speed)."""
     from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(threads)

@@ -2,7 +2,8 @@
 
 Each device runs on its own thread with its own radio (TCP proxy), MqttLink, Client and flash
 directory: the real DeviceRunner / Client code, several devices per process to keep a fleet
-light on a small machine (`torch.set_num_threads` applies to the whole process). Killing the
+light on a small machine (`use_cpu_threads` sets torch's and BLAS's threads for the whole
+process). Killing the
 process (`kill -9`) crashes all of its devices at an arbitrary point; a reboot from the
 profile or the `reboot` command crashes one device at its next step (see device.Firmware).
 
@@ -173,7 +174,6 @@ def run_host(cfg: RunConfig, specs: list[DeviceSpec], state_root: Path,
              results: Path | None = None, commands: IO[str] | None = None) -> int:
     """Run the devices of `specs` until every one finished its stream; returns an exit code
     (0: all done, 2: a device refused its configuration, 1: another failure)."""
-
     use_cpu_threads(cfg.learn.threads)
     setup = prepare(cfg, cfg.seed)
     loop = RadioLoop()

@@ -281,20 +281,43 @@ def test_pending_scores_are_what_update_scores():
     assert torch.equal(mem.x, twin.x) and torch.equal(mem.score, twin.score)
 
 
-def test_a_plan_made_ahead_is_not_used_for_another_update():
-    def filled() -> ReplayMemory:
-        mem = ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0)
-        mem.update(*batch([0, 1, 2], 0), 0, id_score)
-        mem.update(*batch([3, 4, 5], 1), 0, id_score)
-        return mem
+def _memory(*fills: tuple[list[int], int, int]) -> ReplayMemory:
+    """A step-ranked memory of 6 after the updates (ids, label, version), all of task 0."""
+    mem = ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0)
+    for ids, label, version in fills:
+        mem.update(*batch(ids, label), 0, id_score, version=version)
+    return mem
 
-    for other in (dict(y=0), dict(version=3), dict(task=1)):
-        mem, twin = filled(), filled()
-        assert mem.pending_scores(*batch([6, 7], 1), 0, 0) is not None  # planned for class 1
-        args = (*batch([6, 7], other.get("y", 1)), other.get("task", 0), id_score)
-        kept = mem.update(*args, version=other.get("version", 0))
-        assert kept == twin.update(*args, version=other.get("version", 0)), other
-        assert torch.equal(mem.x, twin.x) and torch.equal(mem.y, twin.y), other
+
+def test_update_reuses_the_plan_made_ahead_for_the_same_batch(monkeypatch):
+    mem = _memory(([0, 1, 2], 0, 0), ([3, 4, 5], 1, 0))
+    plans = []
+    real = ReplayMemory._plan
+    monkeypatch.setattr(ReplayMemory, "_plan", lambda self, *a: plans.append(a) or real(self, *a))
+    x, y = batch([6, 7], 1)
+    ahead = mem.pending_scores(x, y, 0, 0)
+    assert mem.update(x, y, 0, id_score, scores=id_score(ahead)) == 5
+    assert len(plans) == 1
+
+
+def test_a_plan_made_ahead_is_not_used_for_another_update():
+    # planned for (label 1, task 0, version 0); each case updates with one of them changed
+    cases = [
+        # another label: class 0 over quota instead of class 1
+        ("label", [([0, 1, 2], 0, 0), ([3, 4, 5], 1, 0)], {"label": 0}),
+        # another version: class 1's scores of version 0 must be made again
+        ("version", [([0, 1, 2], 0, 0), ([3, 4, 5], 1, 0), ([6, 7], 1, 0)], {"version": 3}),
+        # another task: class 0 (4 slots of task 0) is no longer ranked, only class 1
+        ("task", [([0, 1, 2, 3], 0, 0), ([4, 5], 1, 0)], {"task": 1}),
+    ]
+    for name, fills, change in cases:
+        mem, twin = _memory(*fills), _memory(*fills)
+        assert mem.pending_scores(*batch([8, 9], 1), 0, 0) is not None, name
+        x, y = batch([8, 9], change.get("label", 1))
+        task, version = change.get("task", 0), change.get("version", 0)
+        scored = mem.update(x, y, task, id_score, version=version)
+        assert scored == twin.update(x, y, task, id_score, version=version), name
+        assert torch.equal(mem.x, twin.x) and torch.equal(mem.y, twin.y), name
 
 
 def test_balanced_random_and_reservoir_never_score():

@@ -381,7 +381,7 @@ class ReplayMemory:
                                self._classes).all()):
             return None  # a new label's leftover priority is drawn in update(): score there
         plan = self._plan(y, task, version, rescore_all, keep_stale)
-        self._ahead = (self._plan_key(task, version, rescore_all, keep_stale), y, plan)
+        self._ahead = (self._plan_key(task, version, rescore_all, keep_stale), y.clone(), plan)
         return self._stack(x, plan.need, self.size) if plan.need.numel() else None
 
     def _plan_key(self, task: int, version: int, rescore_all: bool, keep_stale: bool) -> tuple:
