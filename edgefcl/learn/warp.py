@@ -228,25 +228,34 @@ def _to_grid_units(maps: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.stack([x, y, row_w], axis=-2)
 
 
+_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
 def warp(x: Tensor, maps: np.ndarray) -> Tensor:
     """Warp the (N, C, H, W) batch by the maps (G, N, 3, 3) (output pixel -> source pixel):
     shape (G, N, C, H, W), on x's device, in one bilinear `grid_sample` with zeros padding.
 
     The G warps of an image are one sampling grid of G * H rows over that image (no copy of x);
-    the grid is built elementwise and divided by the projective scale only for the views that
-    have one, so each image's warp is the same whatever else is in the call."""
+    the grid is built elementwise in x's float precision, in numpy (a few operations that
+    hold the GIL briefly, where torch operations would hand it to a training thread and back
+    at each), and divided by the projective scale only for the views that have one, so each
+    image's warp is the same whatever else is in the call."""
     maps = np.asarray(maps, dtype=np.float64)
     g, n, (c, height, width) = maps.shape[0], x.shape[0], x.shape[1:]
     if g == 0 or n == 0:
         return x.new_empty(g, *x.shape)
-    units = np.ascontiguousarray(_to_grid_units(maps, height, width).transpose(1, 2, 3, 0))
-    m = torch.from_numpy(units).to(device=x.device, dtype=x.dtype)[..., None, None]
-    cols = torch.arange(width, device=x.device, dtype=x.dtype)  # (W,)
-    rows = torch.arange(height, device=x.device, dtype=x.dtype)[:, None]  # (H, 1)
+    dtype = _NUMPY_FLOATS.get(x.dtype, np.float32)  # bfloat16: built in float32, then cast
+    units = _to_grid_units(maps, height, width).transpose(1, 2, 3, 0).astype(dtype)
+    m = units[..., None, None]  # (N, 3, 3, G, 1, 1)
+    cols = np.arange(width, dtype=dtype)  # (W,)
+    rows = np.arange(height, dtype=dtype)[:, None]  # (H, 1)
     grid = m[:, :2, 0] * cols + (m[:, :2, 1] * rows + m[:, :2, 2])  # (N, 2, G, H, W)
-    for j in np.flatnonzero((maps[:, :, 2, :2] != 0).reshape(g, -1).any(1)).tolist():
-        den = m[:, 2, 0, j] * cols + (m[:, 2, 1, j] * rows + m[:, 2, 2, j])  # (N, H, W)
-        grid[:, :, j] /= den[:, None]
-    grid = grid.reshape(n, 2, g * height, width).permute(0, 2, 3, 1)  # (N, G*H, W, 2), a view
-    out = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    projective = np.flatnonzero((maps[:, :, 2, :2] != 0).reshape(g, -1).any(1))
+    if projective.size:
+        p = m[:, 2][:, :, projective]  # (N, 3, P, 1, 1): the views' bottom rows
+        den = p[:, 0] * cols + (p[:, 1] * rows + p[:, 2])  # (N, P, H, W)
+        grid[:, :, projective] /= den[:, None]
+    grid = grid.reshape(n, 2, g * height, width).transpose(0, 2, 3, 1)  # (N, G*H, W, 2)
+    grid_t = torch.from_numpy(np.ascontiguousarray(grid)).to(x.device, x.dtype)
+    out = F.grid_sample(x, grid_t, mode="bilinear", padding_mode="zeros", align_corners=False)
     return out.reshape(n, c, g, height, width).permute(2, 0, 1, 3, 4)
