@@ -3,9 +3,9 @@
 Each device runs on its own thread with its own radio (TCP proxy), MqttLink, Client and flash
 directory: the real DeviceRunner / Client code, several devices per process to keep a fleet
 light on a small machine (`use_cpu_threads` sets torch's and BLAS's threads for the whole
-process). Killing the
-process (`kill -9`) crashes all of its devices at an arbitrary point; a reboot from the
-profile or the `reboot` command crashes one device at its next step (see device.Firmware).
+process). Killing the process (`kill -9`) crashes all of its devices at an arbitrary point; a
+reboot from the profile or the `reboot` command crashes one device at its next step (see
+device.Firmware).
 
 Commands on stdin (one per line), used by the fleet launcher to inject faults:
     cut <device> <seconds>     force the device's link down
