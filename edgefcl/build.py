@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from threadpoolctl import threadpool_limits
 
 from edgefcl.config import FedConfig, LearnConfig, RunConfig, resolve_current_share, resolve_fed
 from edgefcl.data.types import Dataset, TaskData
@@ -36,8 +37,6 @@ def use_cpu_threads(threads: int) -> None:
     threads (LearnConfig.threads). BLAS matters too: the TTA views solve small homographies
     with numpy, and OpenBLAS's default of one thread per core (each woken, then spinning, at
     every call) slowed the scoring thread and the trainer beside it (README, Speed)."""
-    from threadpoolctl import threadpool_limits
-
     torch.set_num_threads(threads)
     threadpool_limits(threads, user_api="blas")
 
