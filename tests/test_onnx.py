@@ -311,6 +311,24 @@ def test_template_takes_another_models_weights():
     np.testing.assert_allclose(got, old, atol=PARITY)
 
 
+@pytest.mark.parametrize("arch,shape", [("cnn", (1, 8, 8)), ("mlp", (12,))])
+def test_a_refill_writes_the_graph_protobuf_would(arch, shape):
+    # the refill overwrites byte ranges of one serialized graph; it must be the very graph
+    # that setting the initializers and serializing gives, for every weight of the model
+    torch.manual_seed(1)
+    first, second = build_model(arch, shape, 4), build_model(arch, shape, 4)
+    template = OnnxTemplate(first, shape)
+    assert template._spans is not None
+    fast = template.with_weights(second.state_dict())
+    spans, template._spans = template._spans, None
+    assert fast == template.with_weights(second.state_dict())
+    assert fast != template.with_weights(first.state_dict())
+    template._spans = spans
+    bigger = build_model(arch, shape, 5)  # a weight of another size must not be written
+    with pytest.raises(DataError, match="bytes"):
+        template.with_weights(bigger.state_dict())
+
+
 def test_onnxruntime_scoring_follows_each_snapshot_from_one_export():
     learn = LearnConfig(method="bi", memory_size=12, score_backend="onnxruntime")
     torch.manual_seed(3)
