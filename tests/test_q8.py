@@ -60,6 +60,10 @@ def good() -> dict[str, np.ndarray]:
     (lambda p: p.pop("w" + CODES), "names"),
     (lambda p: p.update(x=np.zeros(1, f32)), "names"),
     (lambda p: p.update(w=np.zeros((3, 4), f32)), "names"),  # both dense and coded
+    # the attack: a second code tensor named after the range, which decode looks up as
+    # w::q8range::q8range when the round closes
+    (lambda p: p.update({"w" + RANGE + CODES: p["w" + CODES]}), "names"),
+    (lambda p: p.update({"w" + CODES + RANGE: p["w" + RANGE]}), "names"),
     (lambda p: p.update({"w" + CODES: p["w" + CODES].astype(np.int8)}), "dtype"),
     (lambda p: p.update({"w" + CODES: np.zeros((4, 3), np.uint8)}), "shape"),
     (lambda p: p.update({"w" + RANGE: np.zeros(3, f32)}), "shape"),
@@ -77,7 +81,7 @@ def test_validator_rejects_malformed_payloads(change, reason: str) -> None:  # n
 
 
 names = st.sampled_from(["w", "b", "x", "w::q8", "w::q8range", "b::q8", "b::q8range",
-                         "w::q8::q8range", "::q8"])
+                         "w::q8::q8range", "w::q8range::q8", "::q8"])
 dtypes = st.sampled_from([np.uint8, np.int8, np.float32, np.float64, np.float16])
 shapes = st.sampled_from([(3, 4), (4,), (2,), (4, 3), (), (12,)])
 tensor = st.tuples(dtypes, shapes).flatmap(lambda ds: arrays(ds[0], ds[1]))

@@ -12,6 +12,7 @@ import numpy as np
 from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
 from edgefcl.federation.aggregation import RoundInput, Strategy
+from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
 from edgefcl.federation.registry import get_encoding
@@ -49,6 +50,21 @@ class _Round:
 
 def _nbytes(update: Update) -> int:
     return sum(np.asarray(t).nbytes for t in update.tensors.values())
+
+
+def decode_updates(encoding: Encoding, updates: list[Update], counters: Counter) -> list[Update]:
+    """The updates with dense tensors, decoded by `encoding`; an update it cannot decode (a
+    gap in its validator, reached by input) is dropped and counted as `rejected_decode`,
+    never the round."""
+    out = []
+    for u in updates:
+        try:
+            out.append(replace(u, tensors=encoding.decode(u.tensors)))
+        except Exception as e:  # any encoding's decoder: a payload its validator let through
+            counters["rejected_decode"] += 1
+            log.warning("dropped the update of %s seq %s: its %s payload does not decode (%s)",
+                        u.client, u.seq, encoding.name, type(e).__name__)
+    return out
 
 
 class Aggregator:
@@ -231,13 +247,24 @@ class Aggregator:
         self._round = _Round()
         return RoundClosed(self.tick, None)
 
+    def drop_round(self) -> None:
+        """Discard the open round and its updates (counted as `dropped_round`): what the
+        daemon does when closing it failed, so that one bad round cannot fail every poll."""
+        self.counters["dropped_round"] += 1
+        self.counters["dropped_updates"] += len(self._round.updates)
+        self._round = _Round()
+
     def _close_round(self, tick: int | None) -> RoundClosed:
-        participants = tuple(sorted(self._round.updates))
-        seqs = {c: self._round.updates[c].seq for c in participants}
+        decoded = decode_updates(self.encoding, [self._round.updates[c]
+                                                 for c in sorted(self._round.updates)],
+                                 self.counters)
+        if not decoded:
+            self._round = _Round()
+            return RoundClosed(tick, None)
+        participants = tuple(u.client for u in decoded)
+        seqs = {u.client: u.seq for u in decoded}
         self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
                                                  self.history.get, participants))
-        decoded = [replace(u, tensors=self.encoding.decode(u.tensors))
-                   for u in (self._round.updates[c] for c in participants)]
         updates = prepare_round(decoded, self.global_.tensors, self.fed, self.counters,
                                 self.encoding.form)
         for u in updates:

@@ -55,13 +55,24 @@ class Q8Encoder:
         return tensors
 
 
+def _spec_name(key: str, spec: Spec) -> str | None:
+    """The spec tensor `key` carries: the name itself, or the name and exactly one of the
+    suffixes (None for anything else, such as a name with both)."""
+    if key in spec:
+        return key
+    for suffix in (CODES, RANGE):
+        if key.endswith(suffix) and key[: -len(suffix)] in spec:
+            return key[: -len(suffix)]
+    return None
+
+
 def check_q8(tensors: Tensors, spec: Spec) -> str | None:
     """Reason to reject a q8 payload: every spec tensor exactly once, as float32 or as a
     uint8 code of its shape with a finite [lo, step >= 0] whose top value is finite."""
     seen = set()
     for key, t in tensors.items():
-        name = key.removesuffix(CODES).removesuffix(RANGE)
-        if name not in spec:
+        name = _spec_name(key, spec)
+        if name is None:
             return "names"
         if key == name:
             reason = check_tensor(t, spec[name])

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregation import RoundInput
-from edgefcl.federation.aggregator import Aggregator, RoundClosed, _Round
+from edgefcl.federation.aggregator import Aggregator, RoundClosed, _Round, decode_updates
 from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.prototypes import PrototypeTable
 from edgefcl.federation.registry import get_encoding
@@ -122,12 +122,15 @@ class ShardWorker(Aggregator):
         rnd = self._round
         if not rnd.updates:
             return None
-        participants = tuple(sorted(rnd.updates))
+        c: Counter[str] = Counter()
+        decoded = decode_updates(self.encoding, [rnd.updates[p] for p in sorted(rnd.updates)], c)
+        if not decoded:
+            self.counters.update(c)
+            self._round = _Round()
+            return None
+        participants = tuple(u.client for u in decoded)
         self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
                                                  self.history.get, participants))
-        decoded = [replace(u, tensors=self.encoding.decode(u.tensors))
-                   for u in (rnd.updates[p] for p in participants)]
-        c: Counter[str] = Counter()
         for u in prepare_round(decoded, self.global_.tensors, self.fed, c, self.encoding.form):
             self.strategy.add(u)
         c.update(self.strategy.counters())
