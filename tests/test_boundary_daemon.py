@@ -3,6 +3,8 @@ driven through `AggregatorDaemon.handle` exactly as the MQTT thread's inbox deli
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -274,3 +276,84 @@ def test_a_reinstalled_device_starts_a_new_session(tmp_path) -> None:
     d.handle(tp.update("a"), update(seq=1, value=3.0))
     assert d.agg.counters["new_sessions"] == 1 and d.agg.counters["accepted"] == 2
     assert d.agg.counters["replaced"] == 1  # still one update of a per round
+
+
+def _status(client: str, state: str, **body) -> bytes:
+    return encode(Message("status", {"state": state, **body}, sender=client), fleet=FLEET)
+
+
+def test_an_update_that_does_not_decode_is_dropped_and_the_round_closes(tmp_path,
+                                                                          monkeypatch) -> None:
+    # the attack (a gap in an encoding's validator): a payload that passes validation and
+    # fails to decode when the round closes. Before, the round's close raised at every poll
+    # and the daemon exited; now only that update is dropped.
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+    plain = d.agg.encoding.decode
+
+    def decode(tensors):
+        if tensors["w"][0] == 666:
+            raise KeyError("w::q8range::q8range")
+        return plain(tensors)
+
+    monkeypatch.setattr(d.agg, "encoding", dataclasses.replace(d.agg.encoding, decode=decode))
+    for c in "abc":
+        d.handle(tp.status(c), _status(c, "online"))
+    d.handle(tp.update("a"), update("a", value=666.0))
+    d.handle(tp.update("b"), update("b", value=1.0))
+    d.handle(tp.update("c"), update("c", value=1.0))
+    assert d.agg.counters["rejected_decode"] == 1 and d.agg.rounds == 1
+    assert d.agg.global_.participants == ("b", "c")
+    assert not d.agg._round.updates
+    d.store.close()
+
+
+def test_a_round_that_fails_to_close_is_dropped_not_fatal(tmp_path, monkeypatch) -> None:
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+    d.handle(tp.update("a"), update("a"))
+
+    def boom(now):
+        raise ValueError("a bug reached by input while a round closes")
+
+    monkeypatch.setattr(d.agg, "poll", boom)
+    d._serve_rounds(0.0)  # before: raised out of the main loop
+    assert d.agg.counters["rejected_internal"] == 1 and d.agg.counters["dropped_round"] == 1
+    assert d.agg.counters["dropped_updates"] == 1 and not d.agg._round.updates
+    monkeypatch.undo()
+    d._serve_rounds(0.0)  # the next poll finds an empty round
+    assert d.agg.counters["rejected_internal"] == 1
+    d.store.close()
+
+
+def test_ids_off_the_roster_neither_finish_the_run_nor_grow_the_state(tmp_path) -> None:
+    # the attacks: "done" from ids that never joined ended the run (and a restart then refused
+    # a finished run); thousands of ids filled the status until devices dropped it
+    d = make_daemon(tmp_path, roster="a,b,c")
+    tp = topics(d.cfg.mqtt)
+    for i in range(3):
+        d.handle(tp.status(f"ghost{i}"), _status(f"ghost{i}", "done"))
+    for i in range(300):
+        g = f"ghost{i}"
+        d.handle(tp.status(g), _status(g, "online", incarnation="x"))
+        d.handle(tp.update(g), update(g))
+    assert not d.done and not d.agg.active
+    assert set(d.bytes_in) == set() and set(d.agg.admission.incarnation) == set()
+    assert d.agg.counters["rejected_roster"] >= 603
+    d.results = None
+    d.handle(tp.status("a"), _status("a", "online", incarnation="x"))
+    d.handle(tp.update("a"), update("a"))
+    d.handle(tp.status("a"), _status("a", "done"))
+    assert d.done == {"a"} and set(d.bytes_in) == {"a"}
+    d.store.close()
+
+
+def test_a_learned_roster_stops_at_its_cap_for_statuses_too(tmp_path) -> None:
+    d = make_daemon(tmp_path)  # no roster: the first 3 ids (clients) are learned
+    tp = topics(d.cfg.mqtt)
+    for c in ("a", "b", "c", "ghost"):
+        d.handle(tp.status(c), _status(c, "online"))
+    d.handle(tp.status("ghost2"), _status("ghost2", "done"))
+    assert d.agg.active == {"a", "b", "c"} and not d.done
+    assert d.agg.admission.roster == {"a", "b", "c"}
+    d.store.close()

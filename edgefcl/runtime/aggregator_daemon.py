@@ -216,7 +216,8 @@ class AggregatorDaemon:
                 log.warning("rejected %s: claims client %s on %s", type(msg).__name__, msg.client,
                             topic)
                 return
-            self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + len(payload)
+            if msg.client in self.agg.admission.roster:  # bounded: never a map of every id
+                self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + len(payload)
             self.round_bytes_in += len(payload)
             if (self.cfg.fed.mode == "sync" and msg.seq <= self.agg.last_seq.get(msg.client, -1)
                     and self.last_answer is not None):
@@ -235,8 +236,12 @@ class AggregatorDaemon:
             self.agg.counters["rejected_kind"] += 1
 
     def _on_status(self, client: str, body: dict, now: float) -> None:
+        """A device's status. Only roster clients count: an id the roster does not admit
+        neither joins nor finishes the run, and leaves no trace in the daemon's state."""
         state = body.get("state")
         if state == "online":
+            if not self.agg.join(client, now):
+                return  # counted as rejected_roster
             self.done.discard(client)
             inc = body.get("incarnation")
             if isinstance(inc, str) and 0 < len(inc) <= 64 and \
@@ -244,7 +249,8 @@ class AggregatorDaemon:
                 self.agg.counters["new_sessions"] += 1
                 log.info("%s: new device incarnation %s (sequence numbers start again)",
                          client, inc)
-            self.agg.join(client, now)
+        elif state in ("offline", "done") and client not in self.agg.admission.roster:
+            self.agg.counters["rejected_roster"] += 1
         elif state in ("offline", "done"):
             if state == "done":
                 self.done.add(client)
@@ -270,6 +276,18 @@ class AggregatorDaemon:
         # re-send their unanswered reports and the tick is collected again.
         if self.cfg.fed.mode == "sync":
             self._answer(closed)
+
+    def _serve_rounds(self, now: float) -> None:
+        """Close what is due (async timeouts, silent clients). A round that fails to close (a
+        bug reached by input) is dropped, counted and logged; it must not fail every poll."""
+        try:
+            if self.cfg.fed.mode == "async":
+                self._closed(self.agg.poll(now))
+            self._closed(self.agg.expire(now))
+        except Exception:
+            self.agg.counters["rejected_internal"] += 1
+            log.exception("internal error while closing a round: its updates are dropped")
+            self.agg.drop_round()
 
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval; a changed factor is
@@ -317,9 +335,7 @@ class AggregatorDaemon:
                 reconnects = self.link.reconnects  # the broker may have lost retained messages
                 self._publish_config()
                 self._publish_global(self.agg.global_)
-            if self.cfg.fed.mode == "async":
-                self._closed(self.agg.poll(now))
-            self._closed(self.agg.expire(now))
+            self._serve_rounds(now)
             if now >= next_status:
                 self._pressure()
                 self._publish_status()
