@@ -69,7 +69,7 @@ def make(mode="sync", **kw):
 
 
 def test_sync_tick_closes_when_everyone_reported_and_mixes():
-    agg = make()
+    agg = make(max_share=1.0)  # sample-weighted: with the default cap two updates weigh alike
     assert agg.submit(upd("a", 2.0, n=10)) is None
     assert agg.submit(Tick("b", 1, 0, 4)) is None
     closed = agg.submit(upd("c", 4.0, n=30))

@@ -147,13 +147,13 @@ def apc_update(client, rows, vals, kb=None, n=10, seq=1, batch=4):
     return Update(client, 0, seq, 0, batch, n, t, "apc")
 
 
-def make_agg(kb_size=2):
-    fed = FedConfig(clients=2, burn_in=2, jump=2, encoding="apc", apc_kb_size=kb_size)
+def make_agg(kb_size=2, **kw):
+    fed = FedConfig(clients=2, burn_in=2, jump=2, encoding="apc", apc_kb_size=kb_size, **kw)
     return Aggregator({"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)}, fed)
 
 
 def test_server_averages_rows_over_senders_and_fills_the_knowledge_base():
-    agg = make_agg()
+    agg = make_agg(max_share=1.0)  # sample-weighted (the default cap weighs two alike)
     agg.submit(apc_update("a", [0], [2.0, 2.0], kb=([1], [5.0]), n=10))
     closed = agg.submit(apc_update("b", [0, 1], [6.0, 6.0, 8.0, 8.0], n=30))
     g = closed.global_.tensors

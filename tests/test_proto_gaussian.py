@@ -68,14 +68,15 @@ def test_two_devices_conflate_a_label_row_by_hand():
 
 def test_the_share_cap_bounds_a_devices_sample_weight_in_the_precision():
     # three devices, equal sigma 1; the third claims 1,000 samples against 10 and 10:
-    # the cap 2/3 gives it 40 of 60 (test_prototypes' water-filling), so r = 3 * (10, 10, 40)
-    # / 60 = (0.5, 0.5, 2) and mu = (0 + 0 + 2 * 9) / 3 = 6 (uncapped: 9 * 2.94 / 3 = 8.82)
+    # the cap 1/2 gives it 20 of 40 (test_prototypes' water-filling), so r = 3 * (10, 10, 20)
+    # / 40 = (0.75, 0.75, 1.5) and mu = (0 + 0 + 1.5 * 9) / 3 = 4.5 (uncapped: 9 * 2.94 / 3
+    # = 8.82)
     sent = [gtable(["x"], [0], [1], [10]), gtable(["x"], [0], [1], [10]),
             gtable(["x"], [9], [1], [1000])]
     empty = PrototypeTable.empty(1, gaussian=True)
     counters: Counter = Counter()
     out = average_tables(sent, empty, 0.5, max_share=0.0, counters=counters)
-    np.testing.assert_allclose(out.rows[0], [6.0], rtol=1e-6)
+    np.testing.assert_allclose(out.rows[0], [4.5], rtol=1e-6)
     np.testing.assert_allclose(out.sigmas[0], [1 / math.sqrt(3)], rtol=1e-6)
     assert counters["prototype_share_capped"] == 1
     plain = average_tables(sent, empty, 0.5, max_share=1.0)

@@ -106,9 +106,10 @@ def test_average_is_per_label_weighted_by_samples_and_mixed_with_the_previous_ro
 
 def test_a_label_row_is_share_capped_per_label():
     # three devices hold label a; the third claims 1,000 samples and pulls the row to 90.
-    # weights (10, 10, 1000), cap 2/3 (twice an equal share of 3): water-filling gives the
-    # third 2/3 of a total of 20 / (1 - 2/3) = 60, i.e. 40: row = 90 * 40 / 60 = 60
-    # (uncapped 90 * 1000 / 1020 = 88.24). With max_share 0.5: 20, 90 * 20 / 40 = 45.
+    # weights (10, 10, 1000), default cap 1/2 (twice an equal share of 3, at most half):
+    # water-filling gives the third 1/2 of a total of 20 / (1 - 1/2) = 40, i.e. 20:
+    # row = 90 * 20 / 40 = 45 (uncapped 90 * 1000 / 1020 = 88.24). With max_share 2/3: the
+    # third 2/3 of 20 / (1 - 2/3) = 60, i.e. 40: 90 * 40 / 60 = 60.
     # Label b is held by the third device alone: nothing to cap (as the share rule with
     # one update).
     empty = PrototypeTable.empty(3)
@@ -120,10 +121,10 @@ def test_a_label_row_is_share_capped_per_label():
 
     counters: Counter = Counter()
     out = average_tables(sent, empty, 0.5, max_share=0.0, counters=counters)
-    np.testing.assert_allclose(out.rows[:, 0], [60.0, 90.0], rtol=1e-6)
-    assert out.counts.tolist() == [60, 5] and counters["prototype_share_capped"] == 1
-    half = average_tables(sent, empty, 0.5, max_share=0.5)
-    np.testing.assert_allclose(half.rows[:, 0], [45.0, 90.0], rtol=1e-6)
+    np.testing.assert_allclose(out.rows[:, 0], [45.0, 90.0], rtol=1e-6)
+    assert out.counts.tolist() == [40, 5] and counters["prototype_share_capped"] == 1
+    two_thirds = average_tables(sent, empty, 0.5, max_share=2 / 3)
+    np.testing.assert_allclose(two_thirds.rows[:, 0], [60.0, 90.0], rtol=1e-6)
 
 
 def test_one_device_cannot_own_a_shared_label_row_through_the_aggregator():

@@ -16,9 +16,9 @@ from edgefcl.federation.robust.variance import check_variances
 ZERO = {"w": np.zeros(2, np.float32)}
 
 
-def upd(client, value, n=8, shape=(2,), extra=None):
+def upd(client, value, n=8, shape=(2,), extra=None, counts=None):
     t = {"w": np.full(shape, value, np.float32), **(extra or {})}
-    return Update(client, 0, 1, 0, 1, n, t)
+    return Update(client, 0, 1, 0, 1, n, t, class_counts=counts)
 
 
 def run_round(updates, initial=None, **fed) -> np.ndarray:
@@ -51,6 +51,46 @@ def test_share_cap_water_filling_by_hand() -> None:
                              upd("z", 1.0, n=10**6)], clip_factor=0.0)
     np.testing.assert_allclose(g["w"], [0.5, 0.5], rtol=1e-6)
     assert counters["share_capped"] == 1
+
+
+def test_one_of_two_updates_owns_nothing_more_than_the_honest_one() -> None:
+    # the attack: a round that closes on quorum with two updates, one honest (delta 1) and one
+    # inflated 10**7 times claiming 100x the samples. With the plain median of two norms (their
+    # mean) the bound is 1.5e7 x the honest norm and a cap of 2 / 2 is none: the global moved
+    # by 5e6. Now the bound is the smaller norm (tau = 3) and each holds at most half.
+    g, counters = run_round([upd("a", 1.0), upd("z", 1e7, n=800)])
+    np.testing.assert_allclose(g["w"], [(1.0 + 3.0) / 2] * 2, rtol=1e-6)
+    assert counters["clipped"] == 1 and counters["share_capped"] == 1
+    # three updates: no client above half of the sample weight (it was 2/3)
+    g, _ = run_round([upd("a", 0.0), upd("b", 0.0), upd("z", 1.0, n=10**6)], clip_factor=0.0)
+    np.testing.assert_allclose(g["w"], [0.5, 0.5], rtol=1e-6)
+
+
+def test_invented_classes_do_not_buy_a_class_weighted_round() -> None:
+    # the attack: class-weighted averages the class models equally, so an update claiming 60
+    # class ids no one else has (1 sample each, within the sample limit) got 60 of 64 class
+    # models, 93.7 % of the round, where the share cap (2 / 4) allows half
+    honest = [upd("a", 0.0, n=20, counts={0: 10, 1: 10}), upd("b", 0.0, n=20, counts={2: 20}),
+              upd("c", 0.0, n=20, counts={3: 20})]
+    evil = upd("z", 1.0, n=60, counts={1000 + i: 1 for i in range(60)})
+    g, counters = run_round([*honest, evil], aggregation="class-weighted", clip_factor=0.0)
+    np.testing.assert_allclose(g["w"], [0.5, 0.5], rtol=1e-6)
+    assert counters["share_capped"] == 1
+    # rounds where no one holds more than the cap keep the rule as it was: class models
+    # 0: a, 1: (a + b) / 2, 2: c, 3: d (shares 3/8, 1/8, 1/4, 1/4)
+    g, counters = run_round([upd("a", 1.0, n=20, counts={0: 10, 1: 10}),
+                             upd("b", 5.0, n=10, counts={1: 10}),
+                             upd("c", 0.0, n=10, counts={2: 10}),
+                             upd("d", 0.0, n=10, counts={3: 10})],
+                            aggregation="class-weighted", clip_factor=0.0)
+    np.testing.assert_allclose(g["w"], [(1.0 + 3.0 + 0.0 + 0.0) / 4] * 2, rtol=1e-6)
+    assert not counters["share_capped"]
+
+
+def test_an_honest_pair_is_clipped_only_beyond_three_times() -> None:
+    g, counters = run_round([upd("a", 1.0), upd("b", 2.9)])
+    np.testing.assert_allclose(g["w"], [(1.0 + 2.9) / 2] * 2, rtol=1e-6)
+    assert not counters["clipped"] and not counters["share_capped"]
 
 
 @settings(max_examples=200, deadline=None)

@@ -209,7 +209,7 @@ def make_agg(initial=None, **kw):
 
 
 def test_per_entry_average_over_senders_by_hand():
-    agg = make_agg()
+    agg = make_agg(max_share=1.0)  # sample-weighted (the default cap weighs two alike)
     agg.submit(sparse_update("a", [1], [2.0], n=10))
     closed = agg.submit(sparse_update("b", [1, 3], [4.0, 8.0], n=30))
     # entry 1: (10*2 + 30*4)/40 = 3.5, mixed 0.5 -> 1.75; entry 3: only b -> 8 * 0.5 = 4

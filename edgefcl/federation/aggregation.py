@@ -114,6 +114,9 @@ class Strategy:
 
     decomposable: ClassVar[bool] = False
     """True for rules whose round state is sums (`partial()` / `merge()` work)."""
+    weights_by_class: ClassVar[bool] = False
+    """True for rules whose weights are per class, not per sample (the share cap then caps
+    each update's share of the class-weighted average: `robust/share.py`)."""
 
     def __init__(self, fed: FedConfig, spec: Spec) -> None:
         self.fed = fed
@@ -195,6 +198,7 @@ class ClassWeightedFedAvg(Strategy):
     client's samples of that class), then average the class models equally."""
 
     decomposable = True
+    weights_by_class = True
 
     def reset(self) -> None:
         self.per_class: dict[int, WeightedSum] = {}

@@ -7,6 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 
+def default_cap(n: int) -> float:
+    """The cap of `max_share` 0 among n weights: twice an equal share, and never more than
+    half, so that no one outweighs all the others together (two members: an equal share)."""
+    return min(2.0 / n, 0.5) if n >= 2 else 1.0
+
+
 def capped_weights(weights: np.ndarray, cap: float) -> np.ndarray:
     """Weights whose shares are all <= cap (cap >= 1/len); unchanged when already so."""
     w = np.asarray(weights, np.float64)
@@ -27,8 +33,8 @@ def capped_weights(weights: np.ndarray, cap: float) -> np.ndarray:
 
 def capped_groups(weights: np.ndarray, groups: np.ndarray, max_share: float) -> np.ndarray:
     """`capped_weights` applied within every group of two or more members (the rows sent
-    for one prototype label): cap `max_share`, 0: twice an equal share of the group's
-    members; `max_share` >= 1: unchanged."""
+    for one prototype label): cap `max_share`, 0: `default_cap` of the group's members;
+    `max_share` >= 1: unchanged."""
     w = np.asarray(weights, np.float64)
     if max_share >= 1 or len(w) < 2:
         return w
@@ -37,6 +43,6 @@ def capped_groups(weights: np.ndarray, groups: np.ndarray, max_share: float) -> 
     starts = np.flatnonzero(np.r_[True, np.diff(groups[order]) != 0])
     for members in np.split(order, starts[1:]):  # loops over groups, not members
         if len(members) >= 2:
-            cap = max_share if max_share > 0 else 2.0 / len(members)
+            cap = max_share if max_share > 0 else default_cap(len(members))
             out[members] = capped_weights(w[members], cap)
     return out
