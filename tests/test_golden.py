@@ -2,7 +2,8 @@
 and aggregation rule. A change that moves any of them changes what a run learns: deliberate
 changes regenerate the file (`EDGEFCL_REGOLD=1 pytest tests/test_golden.py`) and say why in the
 commit; refactors keep them identical. Values are kept per platform (torch version and CPU
-instruction set: AVX2 and AVX-512 kernels round differently); a platform without values skips."""
+instruction set: AVX2, AVX-512 and AVX-512 with AMX kernels round differently); a platform
+without values skips."""
 
 from __future__ import annotations
 
@@ -61,10 +62,13 @@ def _config(overrides: dict) -> RunConfig:
 
 
 def platform() -> str:
-    """Bit-exact results hold per platform: torch's CPU kernels differ by instruction set."""
+    """Bit-exact results hold per platform: torch's CPU kernels differ by instruction set,
+    and on AVX-512 also with AMX (oneDNN and MKL dispatch on it: the same tree gives other
+    hashes on an AVX-512 machine with AMX than on one without)."""
     import torch
 
-    return f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
+    amx = " AMX" if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() else ""
+    return f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}{amx}"
 
 
 def _all() -> dict[str, dict[str, str]]:
