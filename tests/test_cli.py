@@ -80,6 +80,8 @@ def test_help_explains_every_option(capsys):
     (["simulate", "--config", "/no/such.toml"], "config file not found"),
     (["simulate", "--jump", "0"], "jump"),
     (["simulate", "--device", "cuda:7", "--clients", "1", "--tasks", "1"], "CUDA"),
+    (["simulate", "--export-onnx", "/proc/nope/{cid}.onnx", "--clients", "1", "--tasks", "1"],
+     "--export-onnx: cannot create folder /proc/nope"),
 ])
 def test_bad_input_gives_a_clear_error(argv, needle, capsys):
     assert main(argv) == 2

@@ -428,9 +428,18 @@ def _agrees(model: nn.Module, scorer: OnnxModel, sample_shape: tuple[int, ...]) 
 
 
 def make_client_onnx(learn: LearnConfig) -> ClientOnnx | None:
-    """The client's onnxruntime support, or None when neither option asks for it."""
+    """The client's onnxruntime support, or None when neither option asks for it. The folder
+    of `export_onnx` is created here, so that a path that cannot be written is one clear error
+    before training, not a failure at the first global."""
     if not learn.export_onnx and not scores_with_onnxruntime(learn):
         return None
+    if learn.export_onnx:
+        folder = Path(learn.export_onnx).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--export-onnx: cannot create folder {folder} "
+                              f"({e.strerror or e}); give a writable path") from e
     return ClientOnnx(learn)
 
 

@@ -1,4 +1,4 @@
-"""MQTT topic names of one fleet (see the protocol table in ARCHITECTURE.md).
+"""MQTT topic names of one fleet (the README's "Networked runtime (MQTT)" lists them).
 
 All topics live under `<root>/<fleet>/`:
 
