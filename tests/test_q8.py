@@ -71,6 +71,9 @@ def good() -> dict[str, np.ndarray]:
     (lambda p: p.update({"w" + RANGE: np.array([np.nan, 1], f32)}), "nonfinite"),
     (lambda p: p.update({"w" + RANGE: np.array([0, -1], f32)}), "nonfinite"),
     (lambda p: p.update({"w" + RANGE: np.array([3e38, 3e38], f32)}), "nonfinite"),
+    (lambda p: p.update({"w" + RANGE: np.array([-2e6, 0], f32)}), "range"),
+    (lambda p: p.update({"w" + RANGE: np.array([0, 1e4], f32)}), "range"),  # top 2.55e6
+    (lambda p: p.update(b=np.full(4, 2e6, f32)), "range"),
     (lambda p: p.update(b=np.zeros(5, f32)), "shape"),
     (lambda p: p.update(b=np.full(4, np.inf, f32)), "nonfinite"),
 ])

@@ -208,6 +208,15 @@ def make_agg(initial=None, **kw):
     return Aggregator(initial or {"w": np.zeros(4, np.float32)}, fed)
 
 
+def test_an_entry_beyond_the_global_bound_is_rejected():
+    # the attack: sparse entries are averaged over their senders, so an entry only the
+    # attacker sends took its value alone (3e38: every later global rejected by every device)
+    agg = make_agg()
+    assert agg.submit(sparse_update("z", [3], [3e38])) is None
+    assert agg.submit(sparse_update("z", [3], [-1.5e6], seq=2, batch=6)) is None
+    assert agg.counters["rejected_range"] == 2
+
+
 def test_per_entry_average_over_senders_by_hand():
     agg = make_agg(max_share=1.0)  # sample-weighted (the default cap weighs two alike)
     agg.submit(sparse_update("a", [1], [2.0], n=10))

@@ -22,6 +22,12 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
+from edgefcl.federation.prototypes import MAX_ROW_ABS
+
+MAX_VALUE = MAX_ROW_ABS
+"""Largest magnitude of a value in an update: the bound every device checks a global against
+(`global_check.MAX_ABS`). A value beyond it can only make a global that devices reject; in a
+sparse update, an entry no other client sends would set it alone."""
 
 Spec = dict[str, tuple[int, ...]]
 """Global tensor name -> shape."""
@@ -67,13 +73,16 @@ def mix(new: dict[str, np.ndarray], previous: Tensors, weight: float,
 
 
 def check_tensor(t: np.ndarray, shape: tuple[int, ...]) -> str | None:
-    """Reason to reject one dense tensor: shape, dtype (float32), finiteness."""
+    """Reason to reject one dense tensor: shape, dtype (float32), finiteness, magnitude
+    (at most MAX_VALUE)."""
     if tuple(t.shape) != tuple(shape):
         return "shape"
     if t.dtype != np.float32:
         return "dtype"
     if not np.isfinite(t).all():
         return "nonfinite"
+    if t.size and np.abs(t).max() > MAX_VALUE:
+        return "range"
     return None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.federation.aggregation import Spec, check_tensor
+from edgefcl.federation.aggregation import MAX_VALUE, Spec, check_tensor
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.rules import DENSE_RULES
@@ -68,7 +68,8 @@ def _spec_name(key: str, spec: Spec) -> str | None:
 
 def check_q8(tensors: Tensors, spec: Spec) -> str | None:
     """Reason to reject a q8 payload: every spec tensor exactly once, as float32 or as a
-    uint8 code of its shape with a finite [lo, step >= 0] whose top value is finite."""
+    uint8 code of its shape with a finite [lo, step >= 0] whose values stay within
+    MAX_VALUE."""
     seen = set()
     for key, t in tensors.items():
         name = _spec_name(key, spec)
@@ -94,6 +95,8 @@ def check_q8(tensors: Tensors, spec: Spec) -> str | None:
                 top = t[0] + np.float32(LEVELS) * t[1]
             if not (np.isfinite(t).all() and t[1] >= 0 and np.isfinite(top)):
                 return "nonfinite"
+            if max(abs(float(t[0])), abs(float(top))) > MAX_VALUE:
+                return "range"
         seen.add(name)
     return None if seen == set(spec) else "names"
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgefcl.federation.aggregation import Spec, Strategy, check_tensor
+from edgefcl.federation.aggregation import MAX_VALUE, Spec, Strategy, check_tensor
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.indexing import INDEX_FORMATS, decode_positions, encode_cheapest
 from edgefcl.federation.indexing.base import SparseError
@@ -223,7 +223,10 @@ def _values(v: np.ndarray, count: int, suffix: str = "val") -> np.ndarray:
         v = from_bfloat16(v)
     if not np.isfinite(v).all():
         raise SparseError("nonfinite", "NaN or Inf values")
-    return v.astype(np.float64)
+    out = v.astype(np.float64)
+    if out.size and np.abs(out).max() > MAX_VALUE:
+        raise SparseError("range", f"values beyond {MAX_VALUE:g} in magnitude")
+    return out
 
 
 def decode_group(parts: dict[str, np.ndarray], shape: tuple[int, ...],
