@@ -124,6 +124,24 @@ def test_aggregator_averages_dequantised_updates_and_counts_rejections() -> None
     np.testing.assert_allclose(closed.global_.tensors["w"], want, rtol=1e-6)
 
 
+def test_a_variance_under_a_code_name_is_checked_once_decoded() -> None:
+    # the attack: the validator checks variances by name, so a negative BatchNorm variance
+    # sent as uint8 codes (a vector may travel coded) reached the global (-0.5 after mixing)
+    fed = FedConfig(clients=2, encoding="q8", burn_in=0, jump=1, clip_factor=0)
+    g = {"w": np.zeros((3, 4), f32), "bn.running_var": np.ones(4, f32)}
+    agg = Aggregator(g, fed)
+    honest = Q8Encoder().encode({"w": np.full((3, 4), 0.1, f32), "bn.running_var":
+                                 np.ones(4, f32)}, g)
+    evil = {**Q8Encoder().encode(g, g), "bn.running_var" + CODES: np.zeros(4, np.uint8),
+            "bn.running_var" + RANGE: np.array([-5.0, 0.0], f32)}
+    del evil["bn.running_var"]
+    assert agg.submit(Update("a", 0, 1, 0, 1, 10, honest, "q8")) is None
+    closed = agg.submit(Update("z", 0, 1, 0, 1, 10, evil, "q8"))
+    assert closed is not None and closed.participants == ("a",)
+    assert agg.counters["rejected_variance"] == 1
+    assert (closed.global_.tensors["bn.running_var"] > 0).all()
+
+
 @pytest.mark.parametrize("rule", ["fedavg", "class-weighted", "median", "trimmed-mean"])
 def test_q8_takes_every_dense_rule(rule: str) -> None:
     cfg = apply(RunConfig(), {"fed": {"encoding": "q8", "aggregation": rule}})

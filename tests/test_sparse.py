@@ -217,6 +217,39 @@ def test_an_entry_beyond_the_global_bound_is_rejected():
     assert agg.counters["rejected_range"] == 2
 
 
+def test_a_global_devices_would_reject_is_never_published():
+    # the attack: each update stays within the values' bound, but an entry no one else sends
+    # is pushed +9e5 at every round (a sparse value is a change on the sender's base), and a
+    # negative BatchNorm variance travels under its encoded name; the aggregator drops such a
+    # round instead of publishing a version every device rejects
+    agg = make_agg({"w": np.zeros(4, np.float32),
+                    "bn.running_var": np.ones(2, np.float32)})
+
+    def send(client, pos, vals, seq, var=None):
+        u = sparse_update(client, pos, vals, seq=seq, base=agg.global_.version,
+                          batch=2 + 2 * seq)
+        u.tensors["bn.running_var"] = np.ones(2, np.float32)
+        if var is not None:  # the variance as a sparse change, under its encoded name
+            del u.tensors["bn.running_var"]
+            u.tensors["bn.running_var" + IDX] = encode_indices(np.array([0], np.int64))
+            u.tensors["bn.running_var" + VAL] = np.array([var], np.float32)
+        return agg.submit(u)
+
+    closed = None
+    for r in range(4):
+        send("a", [0], [0.1], r + 1)
+        closed = send("z", [3], [9e5], r + 1)
+    assert closed is not None and closed.global_ is None
+    assert agg.counters["dropped_global_range"] >= 1
+    assert np.abs(agg.global_.tensors["w"]).max() <= 1e6
+    version = agg.global_.version
+    send("a", [0], [0.1], 9)
+    closed = send("z", [3], [0.0], 9, var=-10.0)
+    assert closed is not None and closed.global_ is None
+    assert agg.counters["dropped_global_variance"] == 1 and agg.global_.version == version
+    assert (agg.global_.tensors["bn.running_var"] > 0).all()
+
+
 def test_per_entry_average_over_senders_by_hand():
     agg = make_agg(max_share=1.0)  # sample-weighted (the default cap weighs two alike)
     agg.submit(sparse_update("a", [1], [2.0], n=10))

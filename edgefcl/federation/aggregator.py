@@ -11,7 +11,7 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
-from edgefcl.federation.aggregation import RoundInput, Strategy
+from edgefcl.federation.aggregation import MAX_VALUE, RoundInput, Strategy
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
@@ -52,6 +52,21 @@ def _nbytes(update: Update) -> int:
     return sum(np.asarray(t).nbytes for t in update.tensors.values())
 
 
+def global_fault(tensors: Tensors) -> str | None:
+    """Why devices would reject a global with these tensors (`global_check`): a value not
+    finite ("nonfinite") or beyond MAX_VALUE ("range"), a BatchNorm variance <= 0
+    ("variance"); None when they would take it. Updates are checked one by one, but some
+    faults only show in their sum: variances through encoded keys the validator cannot
+    read, or a sparse entry pushed a little further at every round."""
+    for t in tensors.values():
+        if t.dtype.kind == "f" and t.size:
+            if not np.isfinite(t).all():
+                return "nonfinite"
+            if np.abs(t).max() > MAX_VALUE:
+                return "range"
+    return check_variances(tensors)
+
+
 def decode_updates(encoding: Encoding, updates: list[Update], counters: Counter) -> list[Update]:
     """The updates with dense tensors, decoded by `encoding`; an update it cannot decode (a
     gap in its validator, reached by input) is dropped and counted as `rejected_decode`,
@@ -59,11 +74,18 @@ def decode_updates(encoding: Encoding, updates: list[Update], counters: Counter)
     out = []
     for u in updates:
         try:
-            out.append(replace(u, tensors=encoding.decode(u.tensors)))
+            decoded = replace(u, tensors=encoding.decode(u.tensors))
         except Exception as e:  # any encoding's decoder: a payload its validator let through
             counters["rejected_decode"] += 1
             log.warning("dropped the update of %s seq %s: its %s payload does not decode (%s)",
                         u.client, u.seq, encoding.name, type(e).__name__)
+            continue
+        if encoding.form == "dense" and check_variances(decoded.tensors) is not None:
+            counters["rejected_variance"] += 1  # a variance under an encoded name (q8 codes)
+            log.warning("dropped the update of %s seq %s: a BatchNorm variance <= 0 once "
+                        "decoded", u.client, u.seq)
+            continue
+        out.append(decoded)
     return out
 
 
@@ -271,6 +293,13 @@ class Aggregator:
             self.strategy.add(u)
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
+        fault = global_fault(tensors)
+        if fault is not None:  # never a version devices would reject: the round is dropped
+            self.counters[f"dropped_global_{fault}"] += 1
+            log.warning("round of %s dropped: its global would fail the devices' check (%s)",
+                        ",".join(participants), fault)
+            self._round = _Round()
+            return RoundClosed(tick, None)
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants,
                                    self._next_prototypes(updates))
         self.history.push(self.global_.version, tensors)

@@ -34,7 +34,13 @@ from dataclasses import dataclass, field
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregation import RoundInput
-from edgefcl.federation.aggregator import Aggregator, RoundClosed, _Round, decode_updates
+from edgefcl.federation.aggregator import (
+    Aggregator,
+    RoundClosed,
+    _Round,
+    decode_updates,
+    global_fault,
+)
 from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.prototypes import PrototypeTable
 from edgefcl.federation.registry import get_encoding
@@ -246,17 +252,24 @@ class ShardRoot(Aggregator):
         seqs = dict(sorted(self.in_round.items()))
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
-        self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
-        self.history.push(self.global_.version, tensors)
-        self.rounds += 1
+        fault = global_fault(tensors)
+        if fault is None:
+            self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
+            self.history.push(self.global_.version, tensors)
+            self.rounds += 1
+            log.info("round %d closed from partials: version %d, %d participants", self.rounds,
+                     self.global_.version, len(participants))
+            closed = RoundClosed(None, self.global_, participants, seqs)
+        else:  # as a single aggregator: never a version devices would reject
+            self.counters[f"dropped_global_{fault}"] += 1
+            log.warning("round of %d participants dropped: its global would fail the devices' "
+                        "check (%s)", len(participants), fault)
+            closed = RoundClosed(None, None)
         self._round = _Round()
         self._open_round()
         self._merged = []
         self.in_round = {}
         self.reported = set()
-        log.info("round %d closed from partials: version %d, %d participants", self.rounds,
-                 self.global_.version, len(participants))
-        closed = RoundClosed(None, self.global_, participants, seqs)
         held, self.deferred = self.deferred, []
         for p in held:  # what waited for this round, in arrival order
             self.merge(p, now)
