@@ -357,3 +357,28 @@ def test_a_learned_roster_stops_at_its_cap_for_statuses_too(tmp_path) -> None:
     assert d.agg.active == {"a", "b", "c"} and not d.done
     assert d.agg.admission.roster == {"a", "b", "c"}
     d.store.close()
+
+
+def test_a_lock_step_tick_that_fails_to_close_is_answered_and_the_run_goes_on(
+        tmp_path, monkeypatch) -> None:
+    # in lock-step a tick closes inside submit: a failure there left the tick unanswered and
+    # every later report `rejected_early`; now the round is dropped and the tick answered
+    d = make_daemon(tmp_path, mode="sync", clients=2, min_clients=1)
+    tp = topics(d.cfg.mqtt)
+    plain = d.agg.strategy.result
+
+    def boom(previous):
+        raise ValueError("a bug reached by input while a tick closes")
+
+    monkeypatch.setattr(d.agg.strategy, "result", boom)
+    d.handle(tp.update("a"), update("a", seq=1))
+    d.handle(tp.update("b"), update("b", seq=1))
+    assert d.agg.counters["rejected_internal"] == 1 and d.agg.counters["dropped_round"] == 1
+    answers = [p for t, p in d.link.sent if t == tp.tick]
+    assert answers and d.agg.tick == 1 and d.agg.global_.version == 0
+    monkeypatch.setattr(d.agg.strategy, "result", plain)
+    d.handle(tp.update("a"), update("a", seq=2, batch=2))
+    d.handle(tp.update("b"), update("b", seq=2, batch=2))
+    assert d.agg.tick == 2 and d.agg.global_.version == 1
+    assert not d.agg.counters["rejected_early"]
+    d.store.close()

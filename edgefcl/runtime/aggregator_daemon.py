@@ -7,6 +7,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from edgefcl.config import RunConfig
@@ -216,17 +217,17 @@ class AggregatorDaemon:
                 log.warning("rejected %s: claims client %s on %s", type(msg).__name__, msg.client,
                             topic)
                 return
-            if msg.client in self.agg.admission.roster:  # bounded: never a map of every id
-                self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + len(payload)
             self.round_bytes_in += len(payload)
             if (self.cfg.fed.mode == "sync" and msg.seq <= self.agg.last_seq.get(msg.client, -1)
                     and self.last_answer is not None):
                 self._publish(self.topics.tick, self.last_answer)  # a client retransmitted
-            self._closed(self.agg.submit(msg, now))
+            self._close_safely(lambda: self.agg.submit(msg, now))
+            if msg.client in self.agg.admission.roster:  # bounded: never a map of every id
+                self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + len(payload)
             if msg.client in self.done and msg.client in self.agg.active:
                 # a queued update that arrived after the client's retained "done": it reports
                 # nothing more, so no round waits for it
-                self._closed(self.agg.leave(msg.client, now))
+                self._close_safely(lambda: self.agg.leave(msg.client, now))
         elif isinstance(msg, Message) and msg.kind == "status" and sender is not None:
             self._on_status(sender, msg.body, now)
         elif isinstance(msg, Message) and msg.kind == "control":
@@ -249,15 +250,15 @@ class AggregatorDaemon:
                 self.agg.counters["new_sessions"] += 1
                 log.info("%s: new device incarnation %s (sequence numbers start again)",
                          client, inc)
-        elif state in ("offline", "done") and client not in self.agg.admission.roster:
-            self.agg.counters["rejected_roster"] += 1
+        elif state in ("offline", "done") and not self.agg.admission.admit(client):
+            self.agg.counters["rejected_roster"] += 1  # (a learned roster with room learns it)
         elif state in ("offline", "done"):
             if state == "done":
                 self.done.add(client)
                 if self.results is not None:
                     self.results.on_device_done(client, body)
             if client in self.agg.active:
-                self._closed(self.agg.leave(client, now))
+                self._close_safely(lambda: self.agg.leave(client, now))
 
     def _closed(self, closed: RoundClosed | None) -> None:
         if closed is None:
@@ -278,16 +279,26 @@ class AggregatorDaemon:
             self._answer(closed)
 
     def _serve_rounds(self, now: float) -> None:
-        """Close what is due (async timeouts, silent clients). A round that fails to close (a
-        bug reached by input) is dropped, counted and logged; it must not fail every poll."""
+        """Close what is due (async timeouts, silent clients)."""
+        if self.cfg.fed.mode == "async":
+            self._close_safely(lambda: self.agg.poll(now))
+        self._close_safely(lambda: self.agg.expire(now))
+
+    def _close_safely(self, step: Callable[[], RoundClosed | None]) -> None:
+        """Run one aggregator step that may close a round, then announce what closed. A step
+        that fails (a bug reached by input) drops the open round, counted and logged, so that
+        it cannot fail every later step; a lock-step tick is then answered without a global,
+        so that devices go on."""
         try:
-            if self.cfg.fed.mode == "async":
-                self._closed(self.agg.poll(now))
-            self._closed(self.agg.expire(now))
+            closed = step()
         except Exception:
             self.agg.counters["rejected_internal"] += 1
-            log.exception("internal error while closing a round: its updates are dropped")
+            log.exception("internal error in the aggregator: the open round is dropped")
             self.agg.drop_round()
+            if self.cfg.fed.mode == "sync":
+                self._answer(RoundClosed(self.agg.tick, None))
+            return
+        self._closed(closed)
 
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval; a changed factor is

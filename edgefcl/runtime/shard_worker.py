@@ -135,14 +135,23 @@ class WorkerDaemon:
         elif isinstance(msg, Message) and msg.kind == "status" and topic != t.control:
             client, body = t.client_from(topic), msg.body
             inc = body.get("incarnation")
-            if body.get("state") == "online" and isinstance(inc, str) and 0 < len(inc) <= 64:
+            if (body.get("state") == "online" and isinstance(inc, str) and 0 < len(inc) <= 64
+                    and agg.admission.admit(client)):  # bounded: roster clients only
                 agg.admission.session(client, inc)
         elif isinstance(msg, Message) and msg.kind == "control" and \
                 msg.body.get("command") == "stop":
             self.stop_event.set()
 
     def flush(self) -> None:
-        p = self.agg.flush()
+        """Send the partial of the updates held, if any. A flush that fails (a bug reached by
+        input) drops them, counted and logged: the worker goes on."""
+        try:
+            p = self.agg.flush()
+        except Exception:
+            self.agg.counters["rejected_internal"] += 1
+            log.exception("internal error while aggregating a partial: its updates are dropped")
+            self.agg.drop_round()
+            return
         if p is None:
             return
         payload = encode_partial(p, fleet=self.cfg.mqtt.fleet)
