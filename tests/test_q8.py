@@ -127,7 +127,8 @@ def test_aggregator_averages_dequantised_updates_and_counts_rejections() -> None
 def test_a_variance_under_a_code_name_is_checked_once_decoded() -> None:
     # the attack: the validator checks variances by name, so a negative BatchNorm variance
     # sent as uint8 codes (a vector may travel coded) reached the global (-0.5 after mixing)
-    fed = FedConfig(clients=2, encoding="q8", burn_in=0, jump=1, clip_factor=0)
+    fed = FedConfig(clients=3, min_clients=2, encoding="q8", burn_in=0, jump=1, clip_factor=0,
+                    mode="async")
     g = {"w": np.zeros((3, 4), f32), "bn.running_var": np.ones(4, f32)}
     agg = Aggregator(g, fed)
     honest = Q8Encoder().encode({"w": np.full((3, 4), 0.1, f32), "bn.running_var":
@@ -136,9 +137,13 @@ def test_a_variance_under_a_code_name_is_checked_once_decoded() -> None:
             "bn.running_var" + RANGE: np.array([-5.0, 0.0], f32)}
     del evil["bn.running_var"]
     assert agg.submit(Update("a", 0, 1, 0, 1, 10, honest, "q8")) is None
-    closed = agg.submit(Update("z", 0, 1, 0, 1, 10, evil, "q8"))
-    assert closed is not None and closed.participants == ("a",)
-    assert agg.counters["rejected_variance"] == 1
+    # without z, the round has fewer than min_clients (2): it waits for more
+    assert agg.submit(Update("z", 0, 1, 0, 1, 10, evil, "q8")) is None
+    assert agg.counters["rejected_variance"] == 1 and set(agg._round.updates) == {"a"}
+    b = Q8Encoder().encode({"w": np.full((3, 4), 0.3, f32), "bn.running_var":
+                            np.ones(4, f32)}, g)
+    closed = agg.submit(Update("b", 0, 1, 0, 1, 10, b, "q8"))
+    assert closed is not None and closed.participants == ("a", "b")
     assert (closed.global_.tensors["bn.running_var"] > 0).all()
 
 

@@ -88,6 +88,24 @@ def test_invented_classes_do_not_buy_a_class_weighted_round() -> None:
     assert not counters["share_capped"]
 
 
+def test_updates_that_do_not_move_do_not_pull_the_bound_to_nothing() -> None:
+    # two of four sent no change: a bound at their (lower) median was 0, and every other
+    # update was clipped to the global. Now only the updates that moved set it.
+    g, counters = run_round([upd("a", 1.0), upd("b", 1.2), upd("x", 0.0), upd("y", 0.0)])
+    np.testing.assert_allclose(g["w"], [(1.0 + 1.2) / 4] * 2, rtol=1e-6)
+    assert not counters["clipped"]
+
+
+def test_a_global_with_a_sigma_devices_reject_is_not_published() -> None:
+    from edgefcl.federation.aggregator import global_fault
+
+    ok = {"w": np.ones(2, np.float32), "w::sigma": np.ones(2, np.float32)}
+    assert global_fault(ok) is None
+    assert global_fault({**ok, "w::sigma": np.array([1.0, 0.0], np.float32)}) == "sigma"
+    assert global_fault({**ok, "w": np.array([1.0, 2e6], np.float32)}) == "range"
+    assert global_fault({**ok, "bn.running_var": np.array([-1.0], np.float32)}) == "variance"
+
+
 def test_an_honest_pair_is_clipped_only_beyond_three_times() -> None:
     g, counters = run_round([upd("a", 1.0), upd("b", 2.9)])
     np.testing.assert_allclose(g["w"], [(1.0 + 2.9) / 2] * 2, rtol=1e-6)

@@ -266,3 +266,33 @@ def test_a_worker_flushes_as_soon_as_its_updates_reach_the_round_buffer():
     w.submit(Update("b", 0, 1, 0, 1, 4, {"w": np.ones(300_000, np.float32)}), 0.0)
     assert w.flush_due(0.1, interval=60.0)  # 2.29 MiB >= 2 MiB
     assert w.flush() is not None and not w.flush_due(0.2, interval=60.0)
+
+
+def test_class_weighted_shards_only_without_the_share_cap():
+    # its cap needs the round's class totals: a shard that capped alone rewrote its updates
+    # into one class and the sharded global went far from the single one (0.125 for 0.333)
+    initial = initial_for("dense", np.random.default_rng(0))
+    for kind in (ShardWorker, ShardRoot):
+        with pytest.raises(ShardError, match="max-share 1"):
+            kind(initial, fed_for("dense", "class-weighted", max_share=0.0))
+        kind(initial, fed_for("dense", "class-weighted", max_share=1.0))
+
+
+def test_a_dropped_root_round_leaves_nothing_behind():
+    # the root holds partials, not updates: dropping its round must clear them, or the
+    # round that failed to close fails again at every poll
+    rng = np.random.default_rng(4)
+    fed, initial, ups = _root_and_partials(rng)
+    root = ShardRoot(initial, fed)
+    root.worker_online("w0")
+    w = ShardWorker(initial, fed, worker="w0")
+    for u in ups[:2]:
+        w.submit(u, 0.0)
+    root.merge(w.flush(), 0.0)
+    root.drop_round()
+    assert not root.in_round and not root.reported and root.counters["dropped_updates"] == 2
+    assert root.poll(100.0) is None and root.global_.version == 0
+    for u in ups[2:4]:
+        w.submit(u, 101.0)
+    closed = root.merge(w.flush(), 101.0) or root.poll(200.0)
+    assert closed is not None and closed.global_.version == 1

@@ -13,6 +13,7 @@ from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
 from edgefcl.federation.aggregation import MAX_VALUE, RoundInput, Strategy
 from edgefcl.federation.encodings import Encoding
+from edgefcl.federation.gaussian import SIGMA
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
 from edgefcl.federation.registry import get_encoding
@@ -54,16 +55,18 @@ def _nbytes(update: Update) -> int:
 
 def global_fault(tensors: Tensors) -> str | None:
     """Why devices would reject a global with these tensors (`global_check`): a value not
-    finite ("nonfinite") or beyond MAX_VALUE ("range"), a BatchNorm variance <= 0
-    ("variance"); None when they would take it. Updates are checked one by one, but some
-    faults only show in their sum: variances through encoded keys the validator cannot
-    read, or a sparse entry pushed a little further at every round."""
-    for t in tensors.values():
+    finite ("nonfinite") or beyond MAX_VALUE ("range"), a Gaussian sigma <= 0 ("sigma"), a
+    BatchNorm variance <= 0 ("variance"); None when they would take it. Updates are checked
+    one by one, but some faults only show in their sum: variances through encoded keys the
+    validator cannot read, or a sparse entry pushed a little further at every round."""
+    for k, t in tensors.items():
         if t.dtype.kind == "f" and t.size:
             if not np.isfinite(t).all():
                 return "nonfinite"
             if np.abs(t).max() > MAX_VALUE:
                 return "range"
+            if k.endswith(SIGMA) and not (t > 0).all():
+                return "sigma"
     return check_variances(tensors)
 
 
@@ -276,11 +279,18 @@ class Aggregator:
         self.counters["dropped_updates"] += len(self._round.updates)
         self._round = _Round()
 
-    def _close_round(self, tick: int | None) -> RoundClosed:
-        decoded = decode_updates(self.encoding, [self._round.updates[c]
-                                                 for c in sorted(self._round.updates)],
+    def _close_round(self, tick: int | None) -> RoundClosed | None:
+        """Aggregate the round (None: an async round that, without the updates dropped while
+        decoding, has fewer than `min_clients` and waits for more)."""
+        rnd = self._round
+        decoded = decode_updates(self.encoding, [rnd.updates[c] for c in sorted(rnd.updates)],
                                  self.counters)
-        if not decoded:
+        if len(decoded) < max(self.fed.min_clients, 1):
+            if tick is None and decoded:
+                kept = {u.client for u in decoded}
+                for c in [c for c in rnd.updates if c not in kept]:
+                    rnd.nbytes -= _nbytes(rnd.updates.pop(c))
+                return None
             self._round = _Round()
             return RoundClosed(tick, None)
         participants = tuple(u.client for u in decoded)

@@ -23,7 +23,8 @@ Only rules with `decomposable = True` can be sharded (FedAvg and class-weighted 
 dense-form encoding, dense and q8; conflation, moments; sparse FedAvg). Robust rules that
 look at the whole round run per shard: clipping by the shard's median norm and the share cap
 among the shard's participants (with all rules off, a sharded round equals the
-single-aggregator round up to float64 rounding).
+single-aggregator round up to float64 rounding); class-weighted shards only with the cap off,
+as its cap needs the round's class totals.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def check_shardable(fed: FedConfig, prototypes: PrototypeTable | None = None) ->
     if rule is None or not rule.decomposable:
         raise ShardError(f"aggregation '{fed.aggregation}' ({fed.encoding}) does not decompose "
                          "into partial sums; run it with --role single")
+    if rule.weights_by_class and fed.max_share < 1:
+        raise ShardError(f"aggregation '{fed.aggregation}' caps each update's share of the "
+                         "class models, which needs the whole round; shard it with "
+                         "--max-share 1 (no cap) or run it with --role single")
 
 
 @dataclass
@@ -265,15 +270,25 @@ class ShardRoot(Aggregator):
             log.warning("round of %d participants dropped: its global would fail the devices' "
                         "check (%s)", len(participants), fault)
             closed = RoundClosed(None, None)
+        self._reset_round()
+        held, self.deferred = self.deferred, []
+        for p in held:  # what waited for this round, in arrival order
+            self.merge(p, now)
+        return closed
+
+    def drop_round(self) -> None:
+        """Discard the open round: the merged partials and who is in it (counted as
+        `dropped_round` and `dropped_updates`), as closing it would have reset them."""
+        self.counters["dropped_round"] += 1
+        self.counters["dropped_updates"] += len(self.in_round)
+        self._reset_round()
+
+    def _reset_round(self) -> None:
         self._round = _Round()
         self._open_round()
         self._merged = []
         self.in_round = {}
         self.reported = set()
-        held, self.deferred = self.deferred, []
-        for p in held:  # what waited for this round, in arrival order
-            self.merge(p, now)
-        return closed
 
     def worker_online(self, worker: str) -> None:
         self.live_workers.add(worker)

@@ -5,7 +5,7 @@ a round's accepted updates before the strategy averages them, in order.
 | rule                       | module          | dense | sparse/apc | gaussian | default          |
 |----------------------------|-----------------|-------|------------|----------|------------------|
 | BatchNorm variances > 0    | variance.py     | yes   | dense parts| plain    | always (reject)  |
-| norm clipping of deltas    | clipping.py     | yes   | no         | no       | 3 x lower median |
+| norm clipping of deltas    | clipping.py     | yes   | no         | no       | 3 x median norm  |
 | weight share cap           | share.py        | yes   | yes        | plain+mm | 2/n, <= 1/2      |
 | sigma floor                | sigma_floor.py  | no    | no         | yes      | 0.5 x median     |
 | coordinate-wise median     | median.py       | yes   | no         | no       | --aggregation    |

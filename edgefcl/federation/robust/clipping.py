@@ -1,10 +1,9 @@
 """Norm clipping: each dense update's delta to the current global is scaled down to at most
 tau in L2 norm (over all float tensors), so a scaled or inflated update moves the global no more
-than an honest one. tau is `fed.clip_norm` when set, else `fed.clip_factor` times the lower
-median delta norm of the round (adaptive; the lower of the two middle norms for an even count:
-with two updates the smaller one, so that an inflated update cannot raise its own bound, where
-the mean of the two would; an honest pair is clipped only when one norm is over 3 times the
-other, at the default factor 3)."""
+than an honest one. tau is `fed.clip_norm` when set, else `fed.clip_factor` times the median
+delta norm of the round's updates that moved (adaptive; with two of them the smaller norm, so
+that an inflated update cannot raise its own bound, where their mean would: an honest pair is
+clipped only when one norm is over 3 times the other, at the default factor 3)."""
 
 from __future__ import annotations
 
@@ -28,10 +27,14 @@ def delta_norm(tensors: Tensors, global_: Tensors) -> float:
     return float(np.sqrt(total))
 
 
-def lower_median(values: list[float]) -> float:
-    """The median of an odd count, the lower of the two middle values of an even one."""
-    return float(np.partition(np.asarray(values, np.float64), (len(values) - 1) // 2)[
-        (len(values) - 1) // 2])
+def reference_norm(norms: list[float]) -> float:
+    """The norm the adaptive bound scales: the median of the norms above 0 (an update that
+    does not move cannot pull the bound down to nothing), and of two the smaller one (their
+    mean, the median, would let the larger set its own bound); 0 when none moved."""
+    moved = np.asarray([n for n in norms if n > 0], np.float64)
+    if moved.size == 0:
+        return 0.0
+    return float(moved.min()) if moved.size == 2 else float(np.median(moved))
 
 
 def clip(update: Update, global_: Tensors, tau: float, norm: float) -> Update:
@@ -50,7 +53,7 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
     if form != "dense" or (fed.clip_norm <= 0 and fed.clip_factor <= 0) or not updates:
         return updates
     norms = [delta_norm(u.tensors, global_) for u in updates]
-    tau = fed.clip_norm if fed.clip_norm > 0 else fed.clip_factor * lower_median(norms)
+    tau = fed.clip_norm if fed.clip_norm > 0 else fed.clip_factor * reference_norm(norms)
     out = []
     for u, n in zip(updates, norms, strict=True):
         if n > tau:
