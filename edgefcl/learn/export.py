@@ -365,6 +365,7 @@ class ClientOnnx:
         """Write the live model to the export path (if one is set)."""
         if self.export_path and client.sample_shape is not None:
             path = self.export_path.replace("{cid}", client.cid)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
             protos = getattr(client, "protos", None)
             if protos is None:
                 export_onnx(client.model, client.sample_shape, path)
@@ -433,8 +434,8 @@ def make_client_onnx(learn: LearnConfig) -> ClientOnnx | None:
     before training, not a failure at the first global."""
     if not learn.export_onnx and not scores_with_onnxruntime(learn):
         return None
-    if learn.export_onnx:
-        folder = Path(learn.export_onnx).parent
+    if learn.export_onnx:  # the folder above the first "{cid}" (per-client ones: at export)
+        folder = Path(learn.export_onnx.split("{cid}")[0] + "x").parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
