@@ -97,7 +97,7 @@ def test_updates_that_do_not_move_do_not_pull_the_bound_to_nothing() -> None:
 
 
 def test_a_global_with_a_sigma_devices_reject_is_not_published() -> None:
-    from edgefcl.federation.aggregator import global_fault
+    from edgefcl.federation.global_check import global_fault
 
     ok = {"w": np.ones(2, np.float32), "w::sigma": np.ones(2, np.float32)}
     assert global_fault(ok) is None

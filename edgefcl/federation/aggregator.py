@@ -11,9 +11,9 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
-from edgefcl.federation.aggregation import MAX_VALUE, RoundInput, Strategy
+from edgefcl.federation.aggregation import RoundInput, Strategy
 from edgefcl.federation.encodings import Encoding
-from edgefcl.federation.gaussian import SIGMA
+from edgefcl.federation.global_check import global_fault
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
 from edgefcl.federation.registry import get_encoding
@@ -51,23 +51,6 @@ class _Round:
 
 def _nbytes(update: Update) -> int:
     return sum(np.asarray(t).nbytes for t in update.tensors.values())
-
-
-def global_fault(tensors: Tensors) -> str | None:
-    """Why devices would reject a global with these tensors (`global_check`): a value not
-    finite ("nonfinite") or beyond MAX_VALUE ("range"), a Gaussian sigma <= 0 ("sigma"), a
-    BatchNorm variance <= 0 ("variance"); None when they would take it. Updates are checked
-    one by one, but some faults only show in their sum: variances through encoded keys the
-    validator cannot read, or a sparse entry pushed a little further at every round."""
-    for k, t in tensors.items():
-        if t.dtype.kind == "f" and t.size:
-            if not np.isfinite(t).all():
-                return "nonfinite"
-            if np.abs(t).max() > MAX_VALUE:
-                return "range"
-            if k.endswith(SIGMA) and not (t > 0).all():
-                return "sigma"
-    return check_variances(tensors)
 
 
 def decode_updates(encoding: Encoding, updates: list[Update], counters: Counter) -> list[Update]:

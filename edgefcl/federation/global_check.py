@@ -39,6 +39,31 @@ def _optional(name: str, t: np.ndarray, expected: Spec) -> bool:
     return False
 
 
+def value_fault(name: str, t: np.ndarray) -> str | None:
+    """Why a device rejects the values of global tensor `name`: not finite, beyond MAX_ABS
+    in magnitude, or a Gaussian sigma <= 0 (None: they pass)."""
+    if t.dtype.kind == "f" and not np.isfinite(t).all():
+        return "nonfinite"
+    if t.dtype.kind == "f" and t.size and np.abs(t).max() > MAX_ABS:
+        return "range"
+    if name.endswith("::sigma") and not (t > 0).all():
+        return "sigma"
+    return None
+
+
+def global_fault(tensors: dict[str, np.ndarray]) -> str | None:
+    """Why devices would reject a global with these tensors for their values (`value_fault`,
+    then BatchNorm variances <= 0); None when they would take them. The aggregator checks
+    every global it makes: updates are checked one by one, and some faults only show in
+    their sum (variances through encoded keys the validator cannot read, a sparse entry
+    pushed a little further at every round)."""
+    for k, t in tensors.items():
+        reason = value_fault(k, t)
+        if reason is not None:
+            return reason
+    return check_variances(tensors)
+
+
 def check_global(g: GlobalModel, expected: Spec, held_version: int,
                  max_step: int = MAX_VERSION_STEP,
                  library_width: int | None = None,
@@ -62,12 +87,9 @@ def check_global(g: GlobalModel, expected: Spec, held_version: int,
             return "shape"
         if t.dtype.str != spec[1]:
             return "dtype"
-        if t.dtype.kind == "f" and not np.isfinite(t).all():
-            return "nonfinite"
-        if t.dtype.kind == "f" and t.size and np.abs(t).max() > MAX_ABS:
-            return "range"
-        if k.endswith("::sigma") and not (t > 0).all():
-            return "sigma"
+        reason = value_fault(k, t)
+        if reason is not None:
+            return reason
     if g.prototypes is not None:  # the prototype library
         reason = check_table(g.prototypes, library_width)  # MAX_ROW_ABS = MAX_ABS
         if reason is not None:

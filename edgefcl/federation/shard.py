@@ -35,13 +35,8 @@ from dataclasses import dataclass, field
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregation import RoundInput
-from edgefcl.federation.aggregator import (
-    Aggregator,
-    RoundClosed,
-    _Round,
-    decode_updates,
-    global_fault,
-)
+from edgefcl.federation.aggregator import Aggregator, RoundClosed, _Round, decode_updates
+from edgefcl.federation.global_check import global_fault
 from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.prototypes import PrototypeTable
 from edgefcl.federation.registry import get_encoding
