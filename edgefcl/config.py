@@ -127,6 +127,11 @@ class LearnConfig:
         True, "score a batch's candidates on a second thread while the client trains on it "
         "(once a frozen scoring snapshot exists; same results either way)"
     )
+    score_process: bool = opt(
+        True, "with onnxruntime scoring, build the TTA views and run the scoring snapshot in a "
+        "worker process (one per client process, started with it) instead of in the client's "
+        "interpreter, so the views never hold the training thread's GIL (same results)"
+    )
     score_chunk: int = opt(
         0, "max perturbed samples per scoring forward pass (0: auto, 256 on CPU where smaller "
         "passes stay in cache, 4096 on CUDA)"

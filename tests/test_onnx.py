@@ -265,7 +265,7 @@ def test_onnxruntime_scoring_matches_torch():
     a, b = c.learner._score(x), ref.learner._score(x)  # same perturber seeds: same views
     np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
     # the onnxruntime path ran (an export of the snapshot) and matches the torch logits
-    assert c.onnx is not None and c.onnx._version == c.score_version
+    assert c.onnx is not None and c.onnx._snapshot.version == c.score_version
     z_ort = c.onnx.tta_logits(c, x)
     z_torch = tta_logits(ref.score_model, x, ref.perturber)
     np.testing.assert_allclose(z_ort.numpy(), z_torch.numpy(), atol=PARITY)

@@ -18,6 +18,7 @@ import dataclasses
 import io
 import logging
 import math
+import os
 import threading
 import warnings
 from collections import OrderedDict
@@ -33,8 +34,10 @@ from edgefcl.data.types import DataError
 from edgefcl.federation.prototypes import ROWS_KEY
 from edgefcl.learn.models import build_model, model_device, resolve_model_name
 from edgefcl.learn.params import get_tensors, set_tensors
-from edgefcl.learn.perturb import eval_mode
+from edgefcl.learn.perturb import ImagePerturber, NoisePerturber, Perturber, eval_mode
 from edgefcl.learn.prototypes import ProtoNet, proto_model
+from edgefcl.learn.score_worker import PerturberSpec, WorkerError, shared_worker
+from edgefcl.learn.scores import uncertainty
 from edgefcl.learn.variational import client_hooks
 from edgefcl.ondevice import OnnxModel
 from edgefcl.statefiles import atomic_write, load_json, load_tensors
@@ -355,8 +358,11 @@ class ClientOnnx:
         self.ort_scoring = scores_with_onnxruntime(learn)
         self.fallback = learn.score_backend == "auto"  # to torch, when the model cannot export
         self.threads = learn.threads
-        self._scorer: OnnxModel | None = None
-        self._version = -1
+        # the views and the session in a worker process, started now so that its start-up
+        # overlaps the rounds before the first global
+        self.worker = shared_worker(learn.threads) if (
+            self.ort_scoring and learn.score_process) else None
+        self._snapshot = _ScoringSnapshot(f"{os.getpid()}-{id(self)}")
         self._template: tuple[tuple, OnnxTemplate | None] | None = None  # checked, by signature
         self.exports = 0
         self.scoring_exports = 0  # exports this client made for scoring
@@ -374,8 +380,8 @@ class ClientOnnx:
                 atomic_write(Path(path), with_labels(data, protos.library.labels))
             self.exports += 1
 
-    def _snapshot_scorer(self, model: nn.Module, sample_shape: tuple[int, ...]) -> OnnxModel:
-        """An onnxruntime session of the scoring snapshot `model`."""
+    def _snapshot_graph(self, model: nn.Module, sample_shape: tuple[int, ...]) -> bytes:
+        """The ONNX graph of the scoring snapshot `model`."""
         state = model.state_dict()
         signature = (type(model).__name__, repr(model), sample_shape,
                      tuple((k, tuple(v.shape)) for k, v in state.items()))
@@ -383,27 +389,29 @@ class ClientOnnx:
             template, exported = self.templates.get(signature, model, sample_shape)
             self.scoring_exports += exported
             if template.complete:
-                scorer = OnnxModel(template.with_weights(state), self.threads)
+                graph = template.with_weights(state)
                 # the refilled graph must compute this model: else export each snapshot whole
-                if _agrees(model, scorer, sample_shape):
+                if _agrees(model, OnnxModel(graph, self.threads), sample_shape):
                     self._template = (signature, template)
-                    return scorer
+                    return graph
             self._template = (signature, None)
         template = self._template[1]
         if template is None:
             self.scoring_exports += 1
-            return OnnxModel(export_onnx(model, sample_shape), self.threads)
-        return OnnxModel(template.with_weights(state), self.threads)
+            return export_onnx(model, sample_shape)
+        return template.with_weights(state)
 
-    def tta_logits(self, client: Learner, x: Tensor) -> Tensor | None:
-        """(P, N, C) logits of the TTA views of x from the onnxruntime snapshot, or None when
-        scoring should stay on torch."""
+    def _ready(self, client: Learner, x: Tensor) -> bool:
+        """Whether onnxruntime scores x, with the graph of the current snapshot at hand."""
         if (not self.ort_scoring or client.score_model is None or client.perturber is None
                 or client.learn.score_source != "tta"):
-            return None
-        if self._version != client.score_version or self._scorer is None:
+            return False
+        snap = self._snapshot
+        if snap.version != client.score_version or snap.graph is None:
             try:
-                self._scorer = self._snapshot_scorer(client.score_model, tuple(x.shape[1:]))
+                snap.graph = self._snapshot_graph(client.score_model, tuple(x.shape[1:]))
+                snap.scorer = None if self.worker is not None else OnnxModel(snap.graph,
+                                                                             self.threads)
             except Exception as e:  # the exporter and onnxruntime raise their own types
                 if not self.fallback:
                     raise ConfigError(f"score_backend onnxruntime cannot run this model ({e}); "
@@ -411,12 +419,91 @@ class ClientOnnx:
                 log.warning("%s: scoring falls back to torch, onnxruntime cannot run this "
                             "model: %s", client.cid, e)
                 self.ort_scoring = False
-                return None
-            self._version = client.score_version
-        views = client.perturber(x)
+                return False
+            snap.version = client.score_version
+        return True
+
+    def tta_logits(self, client: Learner, x: Tensor) -> Tensor | None:
+        """(P, N, C) logits of the TTA views of x from the onnxruntime snapshot, computed in
+        this process, or None when scoring should stay on torch."""
+        if not self._ready(client, x):
+            return None
+        return self._logits_here(client, x, client.perturber.next_seed())
+
+    def _logits_here(self, client: Learner, x: Tensor, seed: int) -> Tensor:
+        snap = self._snapshot
+        if snap.scorer is None:
+            snap.scorer = OnnxModel(snap.graph, self.threads)
+        views = client.perturber(x, seed)
         flat = views.flatten(0, 1).cpu().numpy()
-        z = self._scorer.logits(flat, batch_size=client.learn.score_chunk)
+        z = snap.scorer.logits(flat, batch_size=client.learn.score_chunk)
         return torch.from_numpy(z).reshape(views.shape[0], views.shape[1], -1).to(x.device)
+
+    def start_scores(self, client: Learner, x: Tensor, method: str) -> WorkerScores | None:
+        """Send x to the scoring worker for its `method` scores, to be taken later with
+        `result()`; None when no worker scores it (no worker, torch scoring, a perturber the
+        worker cannot rebuild)."""
+        spec = _perturber_spec(client.perturber)
+        if self.worker is None or spec is None or not self._ready(client, x):
+            return None
+        pending = WorkerScores(self, client, x, method, client.perturber.next_seed())
+        snap = self._snapshot
+        try:
+            pending.rid = self.worker.submit(snap.key, snap.version, snap.graph, spec, method,
+                                             x.cpu().numpy(), pending.seed,
+                                             client.learn.score_chunk)
+        except WorkerError as e:
+            self.lost_worker(client, e)
+        return pending
+
+    def lost_worker(self, client: Learner, error: WorkerError) -> None:
+        """Score in this process from now on."""
+        log.warning("%s: %s; scoring goes on in this process", client.cid, error)
+        self.worker = None
+
+
+class WorkerScores:
+    """Scores asked of the scoring worker: `result()` waits for them; when the worker fails,
+    it computes them in this process from the same view seed (the same scores)."""
+
+    def __init__(self, onnx: ClientOnnx, client: Learner, x: Tensor, method: str,
+                 seed: int) -> None:
+        self.onnx, self.client, self.x, self.method, self.seed = onnx, client, x, method, seed
+        self.rid: int | None = None  # None: the request did not reach the worker
+        self.worker_seconds = 0.0
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """(P, N, C) logits and (N,) scores."""
+        onnx, worker, dev = self.onnx, self.onnx.worker, self.x.device
+        if self.rid is not None and worker is not None:
+            try:
+                logits, scores, self.worker_seconds = worker.result(self.rid)
+                return torch.from_numpy(logits).to(dev), torch.from_numpy(scores).to(dev)
+            except WorkerError as e:
+                onnx.lost_worker(self.client, e)
+        logits = onnx._logits_here(self.client, self.x, self.seed)
+        return logits, uncertainty(self.method, logits)
+
+
+@dataclasses.dataclass
+class _ScoringSnapshot:
+    """A client's scoring snapshot as onnxruntime runs it: its graph, its session in this
+    process (when scoring here) and the key of its session in the scoring worker. Not plain
+    data: a checkpoint does not carry it, a restored client rebuilds it."""
+
+    key: str
+    version: int = -1
+    graph: bytes | None = None
+    scorer: OnnxModel | None = None
+
+
+def _perturber_spec(perturber: Perturber) -> PerturberSpec | None:
+    """What a scoring worker rebuilds `perturber` from; None for a perturber it cannot."""
+    if type(perturber) is ImagePerturber:
+        return ("image", perturber.num_views, 0.0)
+    if type(perturber) is NoisePerturber:
+        return ("vector", perturber.num_views, perturber.noise_std)
+    return None
 
 
 def _agrees(model: nn.Module, scorer: OnnxModel, sample_shape: tuple[int, ...]) -> bool:

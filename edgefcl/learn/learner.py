@@ -22,7 +22,7 @@ from edgefcl.data.types import Batch
 from edgefcl.learn.bayes import predict_logits, score_logits
 from edgefcl.learn.checkpoint import data_attrs, load_data_attrs, load_module_state, module_state
 from edgefcl.learn.drift import StreamMonitor
-from edgefcl.learn.export import ClientOnnx
+from edgefcl.learn.export import ClientOnnx, WorkerScores
 from edgefcl.learn.memory import MemorySpec, ReplayMemory
 from edgefcl.learn.models import penultimate
 from edgefcl.learn.perturb import Perturber, augment_batch, eval_mode
@@ -188,7 +188,7 @@ class Learner:
             self.opt.step()
 
     # -- memory ---------------------------------------------------------------------------
-    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor) -> Future | None:
+    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor) -> Future | _WorkerResult | None:
         """Start scoring, on a second thread, the candidates the memory update after this
         batch will need, when they are known before training: the scoring model must be the
         frozen snapshot (not the model being trained). The scores are identical to scoring
@@ -201,6 +201,9 @@ class Learner:
                                            keep_stale=self.learn.rescore == "never")
         if cands is None:
             return None
+        pending = self._start_in_worker(cands, ahead=True)
+        if pending is not None:
+            return pending
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"score-{self.cid}")
         return self._pool.submit(self._score, cands, self.background)
@@ -231,7 +234,21 @@ class Learner:
     def _random_scores(self, x: torch.Tensor) -> torch.Tensor:
         return torch.rand(len(x), generator=self.gen).to(x.device)
 
+    def _start_in_worker(self, x: torch.Tensor, ahead: bool = False) -> _WorkerResult | None:
+        """x's scores asked of the scoring worker process, or None where it does not score.
+        `ahead`: asked before training, to be taken after it."""
+        if self.onnx is None:
+            return None
+        pending = self.onnx.start_scores(self, x, self.score_method)
+        return None if pending is None else _WorkerResult(self, pending, ahead)
+
     def _score(self, x: torch.Tensor, timings: Counter | None = None) -> torch.Tensor:
+        pending = self._start_in_worker(x)
+        if pending is not None:  # the trainer waits for them: its scoring time
+            t0 = self.clock.now()
+            scores = pending.result()
+            (self.timings if timings is None else timings)["score"] += self.clock.now() - t0
+            return scores
         t0 = self.clock.now()
         model = self.score_model if self.score_model is not None else self.model
         logits = self.onnx.tta_logits(self, x) if self.onnx is not None else None
@@ -341,3 +358,22 @@ class Learner:
             correct += int((pred == target[i:i + batch_size]).sum())
         self.model.train(was_training)
         return correct / len(y)
+
+
+class _WorkerResult:
+    """Scores being computed by the scoring worker, taken like a Future's (`result()`):
+    logged as the learner logs its own, the worker's time counted as scoring done while
+    training when asked `ahead`."""
+
+    def __init__(self, learner: Learner, pending: WorkerScores, ahead: bool) -> None:
+        self.learner, self.pending, self.ahead = learner, pending, ahead
+
+    def result(self) -> torch.Tensor:
+        """The scores (N,)."""
+        logits, scores = self.pending.result()
+        learner = self.learner
+        if self.ahead:
+            learner.background["score"] += self.pending.worker_seconds
+        if learner.score_log is not None:
+            learner.score_log.append(logits.detach().cpu())
+        return scores
