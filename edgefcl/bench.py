@@ -206,7 +206,8 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
     print(f"\n{cfg.learn.method} (selection {cfg.learn.selection}, rescore {cfg.learn.rescore}, "
           f"overlap {cfg.learn.score_overlap}) vs cbr, per mini-batch ms and wall s, "
           f"mean over {cfg.seeds} seed(s). step = train + score + wait + memory on the "
-          f"client's thread; thread = scoring done on the second thread while training:")
+          f"client's thread; thread = scoring done while training, on the scoring worker "
+          f"(process {cfg.learn.score_process}) or a second thread:")
     print(f"{'config':<7} {'method':<6} {'step':>7} {'train':>7} {'score':>7} {'wait':>6} "
           f"{'memory':>7} {'thread':>7} {'wall s':>7}")
     for name, spec in configs:
