@@ -189,10 +189,11 @@ class Learner:
 
     # -- memory ---------------------------------------------------------------------------
     def _score_ahead(self, x: torch.Tensor, y: torch.Tensor) -> Future | _WorkerResult | None:
-        """Start scoring, on a second thread, the candidates the memory update after this
-        batch will need, when they are known before training: the scoring model must be the
-        frozen snapshot (not the model being trained). The scores are identical to scoring
-        after training; the perturber is only used by one thread at a time."""
+        """Start scoring the candidates the memory update after this batch will need, when
+        they are known before training (the scoring model must be the frozen snapshot, not the
+        model being trained): in the scoring worker process, else on a second thread. The
+        scores are identical to scoring after training; the perturber is only used by one
+        thread at a time."""
         if (not self.learn.score_overlap or self.memory is None or self.score_model is None
                 or self.policy != "balanced-score" or self.skip_scoring):
             return None
@@ -243,13 +244,12 @@ class Learner:
         return None if pending is None else _WorkerResult(self, pending, ahead)
 
     def _score(self, x: torch.Tensor, timings: Counter | None = None) -> torch.Tensor:
+        t0 = self.clock.now()
         pending = self._start_in_worker(x)
         if pending is not None:  # the trainer waits for them: its scoring time
-            t0 = self.clock.now()
             scores = pending.result()
             (self.timings if timings is None else timings)["score"] += self.clock.now() - t0
             return scores
-        t0 = self.clock.now()
         model = self.score_model if self.score_model is not None else self.model
         logits = self.onnx.tta_logits(self, x) if self.onnx is not None else None
         if logits is None:
