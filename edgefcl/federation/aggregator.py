@@ -262,6 +262,17 @@ class Aggregator:
         self.counters["dropped_updates"] += len(self._round.updates)
         self._round = _Round()
 
+    def _rejects_global(self, tensors: Tensors, participants: tuple[str, ...]) -> bool:
+        """Whether a round's result would fail the devices' check (`global_fault`): then it is
+        never published as a version, the round is dropped (counted, logged)."""
+        fault = global_fault(tensors)
+        if fault is None:
+            return False
+        self.counters[f"dropped_global_{fault}"] += 1
+        log.warning("round of %d participants dropped: its global would fail the devices' "
+                    "check (%s)", len(participants), fault)
+        return True
+
     def _close_round(self, tick: int | None) -> RoundClosed | None:
         """Aggregate the round (None: an async round that, without the updates dropped while
         decoding, has fewer than `min_clients` and waits for more)."""
@@ -286,11 +297,7 @@ class Aggregator:
             self.strategy.add(u)
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
-        fault = global_fault(tensors)
-        if fault is not None:  # never a version devices would reject: the round is dropped
-            self.counters[f"dropped_global_{fault}"] += 1
-            log.warning("round of %s dropped: its global would fail the devices' check (%s)",
-                        ",".join(participants), fault)
+        if self._rejects_global(tensors, participants):
             self._round = _Round()
             return RoundClosed(tick, None)
         self.global_ = GlobalModel(self.global_.version + 1, tensors, participants,

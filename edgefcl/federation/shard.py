@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregation import RoundInput
 from edgefcl.federation.aggregator import Aggregator, RoundClosed, _Round, decode_updates
-from edgefcl.federation.global_check import global_fault
 from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.prototypes import PrototypeTable
 from edgefcl.federation.registry import get_encoding
@@ -252,19 +251,15 @@ class ShardRoot(Aggregator):
         seqs = dict(sorted(self.in_round.items()))
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
-        fault = global_fault(tensors)
-        if fault is None:
+        if self._rejects_global(tensors, participants):  # as a single aggregator
+            closed = RoundClosed(None, None)
+        else:
             self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
             self.history.push(self.global_.version, tensors)
             self.rounds += 1
             log.info("round %d closed from partials: version %d, %d participants", self.rounds,
                      self.global_.version, len(participants))
             closed = RoundClosed(None, self.global_, participants, seqs)
-        else:  # as a single aggregator: never a version devices would reject
-            self.counters[f"dropped_global_{fault}"] += 1
-            log.warning("round of %d participants dropped: its global would fail the devices' "
-                        "check (%s)", len(participants), fault)
-            closed = RoundClosed(None, None)
         self._reset_round()
         held, self.deferred = self.deferred, []
         for p in held:  # what waited for this round, in arrival order
