@@ -10,7 +10,7 @@ import copy
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -141,7 +141,7 @@ class Learner:
         t1 = clock()
         scores = None
         if ahead is not None:
-            scores = ahead.result()
+            scores = ahead()
             self.scored_ahead += 1
         t_mem = clock()
         score_before = self.timings["score"]
@@ -188,12 +188,13 @@ class Learner:
             self.opt.step()
 
     # -- memory ---------------------------------------------------------------------------
-    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor) -> Future | _WorkerResult | None:
+    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor
+                     ) -> Callable[[], torch.Tensor] | None:
         """Start scoring the candidates the memory update after this batch will need, when
         they are known before training (the scoring model must be the frozen snapshot, not the
         model being trained): in the scoring worker process, else on a second thread. The
         scores are identical to scoring after training; the perturber is only used by one
-        thread at a time."""
+        thread at a time. Returns what gives the scores, waiting for them."""
         if (not self.learn.score_overlap or self.memory is None or self.score_model is None
                 or self.policy != "balanced-score" or self.skip_scoring):
             return None
@@ -202,12 +203,13 @@ class Learner:
                                            keep_stale=self.learn.rescore == "never")
         if cands is None:
             return None
-        pending = self._start_in_worker(cands, ahead=True)
+        pending = (None if self.onnx is None
+                   else self.onnx.start_scores(self, cands, self.score_method))
         if pending is not None:
-            return pending
+            return lambda: self._take(pending, self.background)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"score-{self.cid}")
-        return self._pool.submit(self._score, cands, self.background)
+        return self._pool.submit(self._score, cands, self.background).result
 
     def _update_memory(self, x: torch.Tensor, y: torch.Tensor,
                        scores: torch.Tensor | None = None) -> None:
@@ -235,19 +237,21 @@ class Learner:
     def _random_scores(self, x: torch.Tensor) -> torch.Tensor:
         return torch.rand(len(x), generator=self.gen).to(x.device)
 
-    def _start_in_worker(self, x: torch.Tensor, ahead: bool = False) -> _WorkerResult | None:
-        """x's scores asked of the scoring worker process, or None where it does not score.
-        `ahead`: asked before training, to be taken after it."""
-        if self.onnx is None:
-            return None
-        pending = self.onnx.start_scores(self, x, self.score_method)
-        return None if pending is None else _WorkerResult(self, pending, ahead)
+    def _take(self, pending: WorkerScores, worker_time: Counter | None = None) -> torch.Tensor:
+        """The scores the scoring worker computed, logged as `_score` logs its own; the
+        worker's seconds are added to `worker_time` (scores asked ahead: `background`)."""
+        logits, scores = pending.result()
+        if worker_time is not None:
+            worker_time["score"] += pending.worker_seconds
+        if self.score_log is not None:
+            self.score_log.append(logits.detach().cpu())
+        return scores
 
     def _score(self, x: torch.Tensor, timings: Counter | None = None) -> torch.Tensor:
         t0 = self.clock.now()
-        pending = self._start_in_worker(x)
+        pending = None if self.onnx is None else self.onnx.start_scores(self, x, self.score_method)
         if pending is not None:  # the trainer waits for them: its scoring time
-            scores = pending.result()
+            scores = self._take(pending)
             (self.timings if timings is None else timings)["score"] += self.clock.now() - t0
             return scores
         model = self.score_model if self.score_model is not None else self.model
@@ -359,21 +363,3 @@ class Learner:
         self.model.train(was_training)
         return correct / len(y)
 
-
-class _WorkerResult:
-    """Scores being computed by the scoring worker, taken like a Future's (`result()`):
-    logged as the learner logs its own, the worker's time counted as scoring done while
-    training when asked `ahead`."""
-
-    def __init__(self, learner: Learner, pending: WorkerScores, ahead: bool) -> None:
-        self.learner, self.pending, self.ahead = learner, pending, ahead
-
-    def result(self) -> torch.Tensor:
-        """The scores (N,)."""
-        logits, scores = self.pending.result()
-        learner = self.learner
-        if self.ahead:
-            learner.background["score"] += self.pending.worker_seconds
-        if learner.score_log is not None:
-            learner.score_log.append(logits.detach().cpu())
-        return scores
