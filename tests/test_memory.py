@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,7 +58,7 @@ def ids_of(mem: ReplayMemory, label: int | None = None) -> set[int]:
     ],
 )
 def test_water_fill_hand_computed(counts, prio, cap, expected):
-    got = water_fill(torch.tensor(counts), torch.tensor(prio), cap)
+    got = water_fill(np.array(counts), np.array(prio, dtype=np.float32), cap)
     assert got.tolist() == expected
 
 
@@ -531,10 +532,10 @@ class ByTask(Grouping):
 
     name = "task"
 
-    def key(self, y: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+    def key(self, y: np.ndarray, task: np.ndarray) -> np.ndarray:
         return task
 
-    def allot(self, counts: torch.Tensor, priority: torch.Tensor, capacity: int) -> torch.Tensor:
+    def allot(self, counts: np.ndarray, priority: np.ndarray, capacity: int) -> np.ndarray:
         return water_fill(counts, priority, capacity)
 
 
@@ -577,9 +578,9 @@ def test_grouping_is_pluggable():
     ],
 )
 def test_stream_paced_allotment_hand_computed(counts, current, share, expected):
-    c = torch.tensor(counts)
-    keep = stream_paced(c, torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor(current).bool(),
-                        share, ClassBalanced(), 30)
+    c = np.array(counts)
+    keep = stream_paced(c, np.array([0.1, 0.2, 0.3, 0.4], dtype=np.float32),
+                        np.array(current, dtype=bool), share, ClassBalanced(), 30)
     assert keep.tolist() == expected and int(keep.sum()) == 30
 
 

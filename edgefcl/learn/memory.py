@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,38 +67,37 @@ Featurizer = Callable[[Tensor], Tensor]
 """Maps a stacked batch of samples (m, *sample_shape) to (m, d) features."""
 
 
-def water_fill(counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
+def water_fill(counts: np.ndarray, priority: np.ndarray, capacity: int) -> np.ndarray:
     """Per-class number of kept samples for candidate `counts` (all > 0) and `capacity`.
 
     q = the largest integer with sum_c min(counts_c, q) <= capacity; each class keeps
     min(counts_c, q), and the capacity - sum leftover slots go one each to the over-quota
     classes with the lowest `priority`. Requires counts.sum() > capacity >= 0.
     """
-    m = counts.numel()
-    ns, _ = torch.sort(counts)
-    before = torch.cumsum(ns, 0) - ns  # candidates of the classes smaller than class i
+    m = counts.size
+    ns = np.sort(counts)
+    before = np.cumsum(ns) - ns  # candidates of the classes smaller than class i
     # f(ns[i]) = sum_c min(counts_c, ns[i]); the first i where it exceeds capacity is the
     # first over-quota class, and there f(q) = before[i] + q * (m - i).
-    fill = before + ns * (m - torch.arange(m, device=counts.device))
-    i = torch.argmax((fill > capacity).to(torch.int32))
-    q = torch.div(capacity - before[i], m - i, rounding_mode="floor")
-    keep = torch.minimum(counts, q)
+    fill = before + ns * (m - np.arange(m))
+    i = int(np.argmax(fill > capacity))
+    q = (capacity - before[i]) // (m - i)
+    keep = np.minimum(counts, q)
     leftover = capacity - keep.sum()
     over = counts > q
-    prio = torch.where(over, priority, torch.full_like(priority, float("inf")))
-    rank = torch.empty_like(counts)
-    rank[torch.argsort(prio, stable=True)] = torch.arange(m, device=counts.device)
-    return keep + (over & (rank < leftover)).to(keep.dtype)
+    rank = np.empty(m, dtype=np.int64)
+    rank[np.argsort(np.where(over, priority, np.inf), kind="stable")] = np.arange(m)
+    return keep + (over & (rank < leftover))
 
 
-def stream_paced(counts: Tensor, priority: Tensor, current: Tensor, share: int,
-                 grouping: Grouping, capacity: int) -> Tensor:
+def stream_paced(counts: np.ndarray, priority: np.ndarray, current: np.ndarray, share: int,
+                 grouping: Grouping, capacity: int) -> np.ndarray:
     """Per-group kept samples under `stream` pacing: the current task's groups (`current`)
     together keep at most `share` (all their candidates when they have fewer); the past groups
     share the rest (`grouping.allot`), and what they cannot fill goes back to the current
     groups, so the memory stays full. Requires counts.sum() > capacity."""
     cur, past = counts[current], counts[~current]
-    keep = torch.empty_like(counts)
+    keep = np.empty_like(counts)
     room_past = capacity - min(int(cur.sum()), share)
     keep[~current] = (past if int(past.sum()) <= room_past
                       else grouping.allot(past, priority[~current], room_past))
@@ -112,16 +112,18 @@ class Grouping(ABC):
 
     `key` maps every candidate to an integer group (>= 0); `allot` gives every group's number
     of kept samples. Groups get a random leftover priority when first seen (the memory draws
-    it), passed to `allot`."""
+    it), passed to `allot`. Both work on numpy arrays: the memory plans on the host, where
+    these small integer arrays cost a few microseconds an operation (torch's own per-operation
+    cost made the plan 3-4x slower)."""
 
     name: str = ""
 
     @abstractmethod
-    def key(self, y: Tensor, task: Tensor) -> Tensor:
+    def key(self, y: np.ndarray, task: np.ndarray) -> np.ndarray:
         """(n,) int64 group of every candidate, from its label `y` and task `task`."""
 
     @abstractmethod
-    def allot(self, counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
+    def allot(self, counts: np.ndarray, priority: np.ndarray, capacity: int) -> np.ndarray:
         """(m,) kept samples per group for candidate `counts` (sum > capacity)."""
 
 
@@ -130,10 +132,10 @@ class ClassBalanced(Grouping):
 
     name = "class"
 
-    def key(self, y: Tensor, task: Tensor) -> Tensor:
+    def key(self, y: np.ndarray, task: np.ndarray) -> np.ndarray:
         return y
 
-    def allot(self, counts: Tensor, priority: Tensor, capacity: int) -> Tensor:
+    def allot(self, counts: np.ndarray, priority: np.ndarray, capacity: int) -> np.ndarray:
         return water_fill(counts, priority, capacity)
 
 
@@ -155,6 +157,11 @@ class MemorySpec:
         return ReplayMemory(self.capacity, sample_shape, self.policy, self.selection,
                             self.device, seed, rank_past=self.rank_past, grouping=self.grouping,
                             current_share=self.current_share)
+
+
+def _host(t: Tensor) -> np.ndarray:
+    """t as a numpy array (a view for a CPU tensor)."""
+    return t.detach().cpu().numpy()
 
 
 @dataclass(frozen=True)
@@ -282,7 +289,7 @@ class ReplayMemory:
         if self.policy == "reservoir":
             self._reservoir(x, y, task)
             return 0
-        self._note_classes(self.grouping.key(y, torch.full_like(y, task)))
+        self._note_classes(self._groups(_host(y), task))
         scored = 0
         if self.size + b <= self.capacity:
             sl = slice(self.size, self.size + b)
@@ -318,14 +325,26 @@ class ReplayMemory:
             raise DataError("labels must be >= 0")
         return x.detach().to(self.device, self.x.dtype), y
 
-    def _note_classes(self, y: Tensor) -> None:
+    def _groups(self, y: np.ndarray, task: int) -> np.ndarray:
+        """The group of every sample of a batch of `task` with labels `y`."""
+        return self.grouping.key(y, np.full_like(y, task))
+
+    def _known(self, groups: np.ndarray) -> np.ndarray:
+        """Which of `groups` were offered before (a binary search of the sorted groups, far
+        cheaper than np.isin on arrays this small)."""
+        classes = _host(self._classes)
+        if classes.size == 0:
+            return np.zeros(groups.shape, dtype=bool)
+        return classes[np.searchsorted(classes, groups).clip(max=classes.size - 1)] == groups
+
+    def _note_classes(self, groups: np.ndarray) -> None:
         """Register groups never offered before, each with a random leftover priority."""
-        labels = torch.unique(y)
-        new = labels[~torch.isin(labels, self._classes)]
-        if new.numel() == 0:
+        unknown = ~self._known(groups)
+        if not unknown.any():
             return
-        prio = torch.rand(new.numel(), generator=self._gen, device=self.device)
-        classes = torch.cat([self._classes, new])
+        new = np.unique(groups[unknown])
+        prio = torch.rand(new.size, generator=self._gen, device=self.device)
+        classes = torch.cat([self._classes, torch.from_numpy(new).to(self.device)])
         order = torch.argsort(classes)
         self._classes = classes[order]
         self._priority = torch.cat([self._priority, prio])[order]
@@ -377,58 +396,60 @@ class ReplayMemory:
         x, y = self._check_batch(x, y)
         if self.capacity == 0 or self.size + y.numel() <= self.capacity or y.numel() == 0:
             return None
-        if not bool(torch.isin(self.grouping.key(y, torch.full_like(y, task)),
-                               self._classes).all()):
+        labels = _host(y).copy()
+        if not self._known(self._groups(labels, task)).all():
             return None  # a new label's leftover priority is drawn in update(): score there
-        plan = self._plan(y, task, version, rescore_all, keep_stale)
-        self._ahead = (self._plan_key(task, version, rescore_all, keep_stale), y.clone(), plan)
+        plan = self._plan(labels, task, version, rescore_all, keep_stale)
+        self._ahead = (self._plan_key(task, version, rescore_all, keep_stale), labels, plan)
         return self._stack(x, plan.need, self.size) if plan.need.numel() else None
 
     def _plan_key(self, task: int, version: int, rescore_all: bool, keep_stale: bool) -> tuple:
         return (self.seen, self.size, task, version, rescore_all, keep_stale)
 
-    def _planned(self, y: Tensor, task: int, version: int, rescore_all: bool,
+    def _planned(self, y: np.ndarray, task: int, version: int, rescore_all: bool,
                  keep_stale: bool) -> _Plan:
         """`_plan`, taken from the last `pending_scores` when it planned this very update."""
         ahead, self._ahead = self._ahead, None
         if (ahead is not None and ahead[0] == self._plan_key(task, version, rescore_all,
                                                              keep_stale)
-                and torch.equal(ahead[1], y)):
+                and np.array_equal(ahead[1], y)):
             return ahead[2]
         return self._plan(y, task, version, rescore_all, keep_stale)
 
-    def _plan(self, y: Tensor, task: int, version: int, rescore_all: bool,
+    def _plan(self, y: np.ndarray, task: int, version: int, rescore_all: bool,
               keep_stale: bool) -> _Plan:
-        """Classes, allotments, ranked classes and the candidates needing a score."""
-        dev, size, b = self.device, self.size, y.numel()
-        n = size + b
-        yc = torch.cat([self.y[:size], y])
-        tc = torch.cat([self.task[:size], torch.full((b,), task, dtype=torch.int64, device=dev)])
-        vc = torch.cat([self.score_version[:size], torch.full_like(y, -1)])
-        groups = self.grouping.key(yc, tc)
-        labels, inv, counts = torch.unique(groups, return_inverse=True, return_counts=True)
-        m = labels.numel()
-        prio = self._priority[torch.searchsorted(self._classes, labels)]
+        """Classes, allotments, ranked classes and the candidates needing a score (memory
+        slots, then the batch's labels `y`), worked out on the host in numpy."""
+        size, b = self.size, y.size
+        yc = np.concatenate([_host(self.y[:size]), y])
+        tc = np.concatenate([_host(self.task[:size]), np.full(b, task, dtype=np.int64)])
+        labels, inv, counts = np.unique(self.grouping.key(yc, tc), return_inverse=True,
+                                        return_counts=True)
+        m = labels.size
+        prio = _host(self._priority)[np.searchsorted(_host(self._classes), labels)]
         keep_n = self.grouping.allot(counts, prio, self.capacity)
         # A class of the current task: any of its candidates belongs to `task`.
-        current = torch.zeros(m, dtype=torch.bool, device=dev)
+        current = np.zeros(m, dtype=bool)
         current[inv[tc == task]] = True
-        if self.current_share == "stream" and not bool(current.all()):
+        if self.current_share == "stream" and not current.all():
             share = self.capacity * (self._task_seen(task) + b) // (self.seen + b)
             keep_n = stream_paced(counts, prio, current, share, self.grouping, self.capacity)
-        ranked = torch.zeros(m, dtype=torch.bool, device=dev)
-        need = torch.zeros(0, dtype=torch.int64, device=dev)
+        ranked = np.zeros(m, dtype=bool)
+        need = np.zeros(0, dtype=np.int64)
         if self.policy == "balanced-score":
             ranked = (counts > keep_n) & (current | self.rank_past)
             if self.rule.needs_scores:
+                vc = np.concatenate([_host(self.score_version[:size]),
+                                     np.full(b, -1, dtype=np.int64)])
                 if rescore_all:
-                    valid = torch.zeros(n, dtype=torch.bool, device=dev)
+                    valid = np.zeros(size + b, dtype=bool)
                 elif keep_stale:
                     valid = vc >= 0
                 else:
                     valid = (vc == version) | (~current[inv] & (vc >= 0))
-                need = torch.nonzero(ranked[inv] & ~valid).squeeze(1)
-        return _Plan(inv, counts, keep_n, ranked, need)
+                need = np.flatnonzero(ranked[inv] & ~valid)
+        return _Plan(*(torch.from_numpy(a).to(self.device)
+                       for a in (inv, counts, keep_n, ranked, need)))
 
     def _balanced(
         self,
@@ -448,7 +469,7 @@ class ReplayMemory:
         n = size + b
         sc = torch.cat([self.score[:size], torch.zeros(b, device=dev)])
         vc = torch.cat([self.score_version[:size], torch.full_like(y, -1)])
-        plan = self._planned(y, task, version, rescore_all, keep_stale)
+        plan = self._planned(_host(y), task, version, rescore_all, keep_stale)
         inv, counts, keep_n, ranked = plan.inv, plan.counts, plan.keep_n, plan.ranked
 
         scored = plan.need.numel()
