@@ -235,6 +235,7 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
         ratios = {"wall": bi["wall_s"] / cbr["wall_s"],
                   "step_vs_train": bi["step"] / cbr["train"],
                   "step_vs_cbr_step": bi["step"] / cbr["step"],
+                  "step_vs_bare_torch": bi["step"] / bare,
                   "cbr_train_vs_bare_torch": cbr["train"] / bare}
         print(f"{name:<7} bare torch training of a mini-batch ({cfg.learn.local_epochs} steps on "
               f"{2 * cfg.data.batch_size} samples, no views or replay draws): {bare:.2f} ms; "
@@ -245,7 +246,9 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
                             _retest_logs(dataclasses.replace(run_cfg, learn=dataclasses.replace(
                                 run_cfg.learn, method=cfg.learn.method)), logs))}
         print(f"{name:<7} ratios: wall {ratios['wall']:.2f}x, per-batch step / cbr train step "
-              f"{ratios['step_vs_train']:.2f}x, step / cbr step {ratios['step_vs_cbr_step']:.2f}x")
+              f"{ratios['step_vs_train']:.2f}x, step / bare torch training "
+              f"{ratios['step_vs_bare_torch']:.2f}x, step / cbr step "
+              f"{ratios['step_vs_cbr_step']:.2f}x")
     print("\nview stability: each scoring call's ranking from its first k views against all "
           "views (the first seed's run); k: median Spearman rho over calls (share of calls at "
           ">= 0.9); then the ranking drawn twice (a run with twice the views, each half "
