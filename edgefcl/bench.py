@@ -198,7 +198,8 @@ def bare_train_ms(cfg: RunConfig, setup: Setup, seconds: float = 3.0) -> float:
 def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
     """Wall time of the configured BI run against CBR on the same stream, on the run's
     configuration and on digits upscaled to 28x28 images, interleaved seed by seed (the order
-    alternates) so that other load hits both alike; per-batch time split of each."""
+    alternates) so that other load hits both alike; per-batch time split of each; the bare
+    torch training step timed after each seed's runs (its median is the reference)."""
     from edgefcl.bench_memory import dataset_spec
 
     configs = [("demo", cfg.data.dataset), ("28x28", dataset_spec("digits28", out))]
@@ -214,11 +215,14 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
         run_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=spec))
         runs: dict[str, list] = {"cbr": [], cfg.learn.method: []}
         logs: list[torch.Tensor] = []  # the scoring calls of the first seed's run
+        setup = prepare(run_cfg, cfg.seed)
+        bares: list[float] = []  # the bare step, timed beside every seed's runs
         for i, seed in enumerate(range(cfg.seed, cfg.seed + cfg.seeds)):
             order = ["cbr", cfg.learn.method][:: 1 if i % 2 == 0 else -1]
             for m in order:
                 probe = log_scores(logs) if i == 0 and m == cfg.learn.method else None
                 runs[m].append(simulate(run_cfg, method=m, seed=seed, observe=probe))
+            bares.append(bare_train_ms(run_cfg, setup, seconds=1.5))
         rows = {}
         for m, rs in runs.items():
             ms = [_per_batch_ms(r) for r in rs]
@@ -231,16 +235,18 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
                   f"{row['score_wait']:6.2f} {row['memory']:7.2f} {row['score_thread']:7.2f} "
                   f"{row['wall_s']:7.2f}")
         bi, cbr = rows[cfg.learn.method], rows["cbr"]
-        bare = bare_train_ms(run_cfg, prepare(run_cfg, cfg.seed))
+        bare = float(np.median(bares))
         ratios = {"wall": bi["wall_s"] / cbr["wall_s"],
                   "step_vs_train": bi["step"] / cbr["train"],
                   "step_vs_cbr_step": bi["step"] / cbr["step"],
                   "step_vs_bare_torch": bi["step"] / bare,
                   "cbr_train_vs_bare_torch": cbr["train"] / bare}
         print(f"{name:<7} bare torch training of a mini-batch ({cfg.learn.local_epochs} steps on "
-              f"{2 * cfg.data.batch_size} samples, no views or replay draws): {bare:.2f} ms; "
+              f"{2 * cfg.data.batch_size} samples, no views or replay draws; median of "
+              f"{len(bares)}, one after each seed's runs): {bare:.2f} ms; "
               f"cbr's train is {ratios['cbr_train_vs_bare_torch']:.2f}x that")
         report[name] = {"dataset": spec, "runs": rows, "ratios": ratios, "bare_train_ms": bare,
+                        "bare_train_ms_each": bares,
                         "view_stability": view_stability(
                             logs, get_method(cfg.learn.method).score,
                             _retest_logs(dataclasses.replace(run_cfg, learn=dataclasses.replace(

@@ -69,6 +69,7 @@ def test_cost_vs_cbr_reports_ratios_and_view_stability(tmp_path):
         r = report[name]
         assert r["ratios"]["wall"] > 0 and set(r["runs"]) == {"cbr", "bi"}
         assert r["bare_train_ms"] > 0 and r["ratios"]["cbr_train_vs_bare_torch"] > 0
+        assert r["bare_train_ms_each"] == [r["bare_train_ms"]]  # one seed: one timing
         bi, ratios = r["runs"]["bi"], r["ratios"]
         assert ratios["step_vs_bare_torch"] == pytest.approx(bi["step"] / r["bare_train_ms"])
         s = r["view_stability"]
