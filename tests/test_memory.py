@@ -11,6 +11,8 @@ import io
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
@@ -67,6 +69,24 @@ def _reference_q(counts: list[int], cap: int) -> int:
     while sum(min(n, q + 1) for n in counts) <= cap:
         q += 1
     return q
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.data())
+def test_water_fill_fills_exactly_by_quota_and_priority(counts, data):
+    cap = data.draw(st.integers(0, sum(counts) - 1))
+    prio = np.array(data.draw(st.permutations(range(len(counts)))), dtype=np.float32)
+    keep = water_fill(np.array(counts), prio, cap)
+    q = _reference_q(counts, cap)
+    assert int(keep.sum()) == cap
+    for n, k in zip(counts, keep.tolist(), strict=True):
+        assert k == n if n <= q else k in (q, q + 1)
+    # the leftover slots go to the over-quota classes of lowest priority
+    plus = [p for n, k, p in zip(counts, keep.tolist(), prio.tolist(), strict=True)
+            if n > q and k == q + 1]
+    rest = [p for n, k, p in zip(counts, keep.tolist(), prio.tolist(), strict=True)
+            if n > q and k == q]
+    assert not plus or not rest or max(plus) < min(rest)
 
 
 # ---------------------------------------------------------------- construction and input

@@ -4,9 +4,10 @@ uncertainty-ranked (BI and the other scores) population policies.
 All storage is preallocated on one torch device and every update is vectorized over the
 candidates (no per-sample Python loops). An update's plan (the groups, their allotments and
 the candidates that need a score) is worked out on the host in numpy from the small label
-arrays, where torch's per-operation cost dominated; the samples stay on the device. All randomness comes from one `torch.Generator`
-seeded at construction, so a run is reproducible for a seed and survives a
-`state_dict()` / `load_state_dict()` round-trip (device reboots).
+arrays, where torch's per-operation cost dominated; the samples stay on the device. All
+randomness comes from one `torch.Generator` seeded at construction, so a run is
+reproducible for a seed and survives a `state_dict()` / `load_state_dict()` round-trip
+(device reboots).
 
 Class-balanced update (NOTES.md section 1, step 2), when a batch does not fit any more:
 candidates = memory + batch. The per-class allotment is water-filling: the largest integer q
