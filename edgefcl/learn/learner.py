@@ -248,12 +248,15 @@ class Learner:
         return scores
 
     def _score(self, x: torch.Tensor, timings: Counter | None = None) -> torch.Tensor:
+        """The memory's scores of x: from the scoring worker (waited for) or computed here;
+        the time goes to `timings` (default: the client thread's)."""
         t0 = self.clock.now()
         pending = None if self.onnx is None else self.onnx.start_scores(self, x, self.score_method)
-        if pending is not None:  # the trainer waits for them: its scoring time
-            scores = self._take(pending)
-            (self.timings if timings is None else timings)["score"] += self.clock.now() - t0
-            return scores
+        scores = self._take(pending) if pending is not None else self._score_here(x)
+        (self.timings if timings is None else timings)["score"] += self.clock.now() - t0
+        return scores
+
+    def _score_here(self, x: torch.Tensor) -> torch.Tensor:
         model = self.score_model if self.score_model is not None else self.model
         logits = self.onnx.tta_logits(self, x) if self.onnx is not None else None
         if logits is None:
@@ -261,9 +264,7 @@ class Learner:
                                   self.learn.score_samples, self.learn.score_chunk)
         if self.score_log is not None:  # benchmarks: how the scores depend on the views
             self.score_log.append(logits.detach().cpu())
-        scores = uncertainty(self.score_method, logits)
-        (self.timings if timings is None else timings)["score"] += self.clock.now() - t0
-        return scores
+        return uncertainty(self.score_method, logits)
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate features of the scoring model (eval mode, no grad), for rules that
@@ -362,4 +363,3 @@ class Learner:
             correct += int((pred == target[i:i + batch_size]).sum())
         self.model.train(was_training)
         return correct / len(y)
-
