@@ -29,6 +29,7 @@ score: their samples were scored while their task was current), or from any vers
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from edgefcl.learn.selection import Candidates, Selection, get_selection
 POLICIES = ("reservoir", "balanced-random", "balanced-score")
 UNIFORM = get_selection("random")
 """How every class that no rule ranks is cut: a uniform draw."""
+MAX_NEW_GROUPS_AHEAD = 3
+"""New groups in one batch up to which `pending_scores` plans ahead (2^k plans for k)."""
 _STATE_KEYS = (
     "capacity",
     "sample_shape",
@@ -234,8 +237,9 @@ class ReplayMemory:
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seed))
         # the plan `pending_scores` made, kept for the `update` that follows with the same
-        # batch and arguments (nothing in between changes the memory): (key, labels, plan)
-        self._ahead: tuple[tuple, Tensor, _Plan] | None = None
+        # batch and arguments (nothing in between changes the memory): (key, labels, plan or
+        # None when update must make it again, the candidates it asked to score)
+        self._ahead: tuple[tuple, np.ndarray, _Plan | None, Tensor] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -392,44 +396,81 @@ class ReplayMemory:
         keep_stale: bool = False,
     ) -> Tensor | None:
         """The stacked candidates that `update` with these arguments will score (None when it
-        scores none), computed without changing the memory or drawing random numbers: a
-        caller can score them ahead (e.g. while it trains) and pass the scores to `update`."""
+        scores none, or when which it scores depends on the leftover priorities it will draw
+        for labels never offered before), computed without changing the memory or drawing
+        random numbers: a caller can score them ahead (e.g. while it trains) and pass the
+        scores to `update`."""
         if self.policy != "balanced-score" or not self.rule.needs_scores:
             return None
         x, y = self._check_batch(x, y)
         if self.capacity == 0 or self.size + y.numel() <= self.capacity or y.numel() == 0:
             return None
         labels = _host(y).copy()
-        if not self._known(self._groups(labels, task)).all():
-            return None  # a new label's leftover priority is drawn in update(): score there
-        plan = self._plan(labels, task, version, rescore_all, keep_stale)
-        self._ahead = (self._plan_key(task, version, rescore_all, keep_stale), labels, plan)
-        return self._stack(x, plan.need, self.size) if plan.need.numel() else None
+        groups = self._groups(labels, task)
+        new = np.unique(groups[~self._known(groups)])
+        key = self._plan_key(task, version, rescore_all, keep_stale)
+        if new.size == 0:
+            plan = self._plan(labels, task, version, rescore_all, keep_stale)
+            need = plan.need
+        else:
+            need = self._need_whatever_priority(labels, task, version, rescore_all,
+                                                keep_stale, new)
+            if need is None:
+                return None  # the new groups' priorities, drawn in update(), decide: score there
+            plan = None  # made again in update(), with the priorities it draws
+        self._ahead = (key, labels, plan, need)
+        return self._stack(x, need, self.size) if need.numel() else None
+
+    def _need_whatever_priority(self, y: np.ndarray, task: int, version: int,
+                                rescore_all: bool, keep_stale: bool,
+                                new: np.ndarray) -> Tensor | None:
+        """The candidates needing a score when they are the same whatever leftover priorities
+        `update` draws for the `new` groups, else None. An allotment that gives leftovers by
+        priority rank (water-filling, `stream_paced`) decides each new group only by whether
+        it ranks before the known groups it competes with or after them, so the plans with
+        every new group's priority at either end (2^k of them) cover every draw; `update`
+        checks the plan it makes against this one all the same."""
+        if new.size > MAX_NEW_GROUPS_AHEAD:
+            return None
+        needs = [self._plan(y, task, version, rescore_all, keep_stale,
+                            assumed=(new, np.array(ends, dtype=np.float32))).need
+                 for ends in itertools.product((-1.0, 2.0), repeat=new.size)]
+        return needs[0] if all(torch.equal(needs[0], n) for n in needs[1:]) else None
 
     def _plan_key(self, task: int, version: int, rescore_all: bool, keep_stale: bool) -> tuple:
         return (self.seen, self.size, task, version, rescore_all, keep_stale)
 
     def _planned(self, y: np.ndarray, task: int, version: int, rescore_all: bool,
-                 keep_stale: bool) -> _Plan:
-        """`_plan`, taken from the last `pending_scores` when it planned this very update."""
+                 keep_stale: bool) -> tuple[_Plan, Tensor | None]:
+        """`_plan` (taken from the last `pending_scores` when it planned this very update) and
+        the candidates that `pending_scores` asked to score for it (None: it did not)."""
         ahead, self._ahead = self._ahead, None
         if (ahead is not None and ahead[0] == self._plan_key(task, version, rescore_all,
                                                              keep_stale)
                 and np.array_equal(ahead[1], y)):
-            return ahead[2]
-        return self._plan(y, task, version, rescore_all, keep_stale)
+            plan = ahead[2]
+            if plan is None:
+                plan = self._plan(y, task, version, rescore_all, keep_stale)
+            return plan, ahead[3]
+        return self._plan(y, task, version, rescore_all, keep_stale), None
 
     def _plan(self, y: np.ndarray, task: int, version: int, rescore_all: bool,
-              keep_stale: bool) -> _Plan:
+              keep_stale: bool, assumed: tuple[np.ndarray, np.ndarray] | None = None) -> _Plan:
         """Classes, allotments, ranked classes and the candidates needing a score (memory
-        slots, then the batch's labels `y`), worked out on the host in numpy."""
+        slots, then the batch's labels `y`), worked out on the host in numpy; `assumed`:
+        (groups not offered yet, their leftover priorities) to plan as if they were known."""
         size, b = self.size, y.size
         yc = np.concatenate([_host(self.y[:size]), y])
         tc = np.concatenate([_host(self.task[:size]), np.full(b, task, dtype=np.int64)])
         labels, inv, counts = np.unique(self.grouping.key(yc, tc), return_inverse=True,
                                         return_counts=True)
         m = labels.size
-        prio = _host(self._priority)[np.searchsorted(_host(self._classes), labels)]
+        classes, priority = _host(self._classes), _host(self._priority)
+        if assumed is not None:
+            order = np.argsort(np.concatenate([classes, assumed[0]]))
+            classes = np.concatenate([classes, assumed[0]])[order]
+            priority = np.concatenate([priority, assumed[1]])[order]
+        prio = priority[np.searchsorted(classes, labels)]
         keep_n = self.grouping.allot(counts, prio, self.capacity)
         # A class of the current task: any of its candidates belongs to `task`.
         current = np.zeros(m, dtype=bool)
@@ -472,7 +513,10 @@ class ReplayMemory:
         n = size + b
         sc = torch.cat([self.score[:size], torch.zeros(b, device=dev)])
         vc = torch.cat([self.score_version[:size], torch.full_like(y, -1)])
-        plan = self._planned(_host(y), task, version, rescore_all, keep_stale)
+        plan, need_ahead = self._planned(_host(y), task, version, rescore_all, keep_stale)
+        if scores is not None and need_ahead is not None and not torch.equal(plan.need,
+                                                                             need_ahead):
+            scores = None  # scored ahead for other candidates than the drawn priorities need
         inv, counts, keep_n, ranked = plan.inv, plan.counts, plan.keep_n, plan.ranked
 
         scored = plan.need.numel()
