@@ -72,6 +72,8 @@ def test_cost_vs_cbr_reports_ratios_and_view_stability(tmp_path):
         assert r["bare_train_ms_each"] == [r["bare_train_ms"]]  # one seed: one timing
         bi, ratios = r["runs"]["bi"], r["ratios"]
         assert ratios["step_vs_bare_torch"] == pytest.approx(bi["step"] / r["bare_train_ms"])
+        assert bi["step_each"] == [pytest.approx(bi["step"])]  # one seed: its own step
+        assert 0 < bi["train_each"][0] < bi["step_each"][0]
         s = r["view_stability"]
         assert s["views"] == 12 and s["calls"] > 0 and len(s["prefixes"]) == 10
         assert -1.0 <= s["retest"]["median_rho"] <= 1.0
