@@ -125,7 +125,7 @@ def child(state_dir: Path) -> None:
         payload = encode(Update(c, d.agg.global_.version, seq, 0, seq, 8, tensors,
                                 class_counts={0: 8}, prototypes=table), fleet=cfg.mqtt.fleet)
         d.handle(d.topics.update(c), payload)
-        d._closed(d.agg.poll(time.monotonic()))
+        d._close_safely(lambda: d.agg.poll(time.monotonic()))
 
 
 def check(state_dir: Path) -> dict:

@@ -407,7 +407,7 @@ def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = Fal
         d.agg.admission.last_seq.clear()
         d.agg.admission.last_batch.clear()
         d.handle(topic, payload)
-        d._closed(d.agg.poll(time.monotonic()))
+        d._close_safely(lambda: d.agg.poll(time.monotonic()))
         d.stop_event.clear()  # a genuine stop on the control topic: keep fuzzing
 
     report = drive(handle, lambda: dict(d.agg.counters), topics,

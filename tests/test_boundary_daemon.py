@@ -136,7 +136,7 @@ def test_any_sequence_of_mutated_messages_never_escapes(tmp_path_factory, msgs) 
             if cut:
                 payload = payload[: len(payload) * cut // 4]
             d.handle(f"{tp.base}/{topic}", bytes(payload))  # must never raise
-            d._closed(d.agg.poll(1e9))
+            d._close_safely(lambda: d.agg.poll(1e9))
     finally:
         # 400 examples with open state databases took the test process past 1,024 file
         # descriptors, where paho's select() no longer sees a socket (a later broker test then
@@ -227,7 +227,7 @@ def test_any_sequence_of_mutated_prototype_libraries_never_escapes(tmp_path_fact
             elif how == "field":
                 payload = _field_mutation(payload, rng)
             d.handle(f"{tp.base}/{topic}", payload)  # must never raise
-            d._closed(d.agg.poll(1e9))
+            d._close_safely(lambda: d.agg.poll(1e9))
     finally:
         d.store.close()
     assert d.agg.counters["rejected_internal"] == 0
@@ -381,4 +381,108 @@ def test_a_lock_step_tick_that_fails_to_close_is_answered_and_the_run_goes_on(
     d.handle(tp.update("b"), update("b", seq=2, batch=2))
     assert d.agg.tick == 2 and d.agg.global_.version == 1
     assert not d.agg.counters["rejected_early"]
+    d.store.close()
+
+
+# ---------------------------------------------------------------- the second attack round
+
+
+def _wire_f16_daemon(tmp_path, **fed) -> AggregatorDaemon:
+    values = {"fed": {"clients": 3, "burn_in": 0, "jump": 1, "mode": "async",
+                      "min_clients": 2, **fed},
+              "mqtt": {"fleet": FLEET, "max_payload": 1 << 20, "wire_dtype": "float16"},
+              "quiet": True}
+    d = AggregatorDaemon(apply(RunConfig(), values), INITIAL, tmp_path / "state")
+    d.link = Sink()
+    return d
+
+
+def test_a_global_the_float16_wire_cannot_carry_is_never_a_version(tmp_path) -> None:
+    # the attack: with --wire-dtype float16 and clipping off, one in-range update (1e6, the
+    # devices' bound) made a global of 2.5e5, past float16's 65504: encoding it raised after
+    # the round had advanced the version, so versions were made that were never saved or
+    # published (a restart then refused the state), and on the poll path the daemon exited
+    d = _wire_f16_daemon(tmp_path, clip_factor=0.0)
+    tp = topics(d.cfg.mqtt)
+    d.handle(tp.update("a"), update("a", value=1e6))
+    d.handle(tp.update("b"), update("b", value=1.0))
+    assert d.agg.global_.version == 0 and d.agg.rounds == 0
+    assert d.agg.counters["dropped_global_wire_nonfinite"] == 1
+    assert not [t for t, _ in d.link.sent if t == tp.global_]
+    d.handle(tp.update("a"), update("a", seq=2, batch=2, value=1.0))  # honest rounds go on
+    d.handle(tp.update("b"), update("b", seq=2, batch=2, value=1.0))
+    assert d.agg.global_.version == 1
+    d.store.close()
+    again = _wire_f16_daemon(tmp_path, clip_factor=0.0)  # the state directory stays usable
+    assert again.agg.global_.version == 1
+    again.store.close()
+
+
+def test_a_global_that_fails_to_announce_is_undone_on_every_path(tmp_path, monkeypatch) -> None:
+    d = make_daemon(tmp_path, round_timeout=1.0)
+    tp = topics(d.cfg.mqtt)
+    for c in "abc":
+        d.handle(tp.status(c), _status(c, "online"))
+    d.handle(tp.update("a"), update("a"))
+    d.handle(tp.update("b"), update("b"))  # c is silent: the round closes on the poll
+
+    def boom(g):
+        raise ValueError("a global the codec cannot write")
+
+    monkeypatch.setattr(d, "_encode_global", boom)
+    d._serve_rounds(1e9)  # before: raised out of the main loop (the daemon exited)
+    assert d.agg.counters["rejected_internal"] == 1
+    assert d.agg.global_.version == 0 and d.agg.rounds == 0
+    assert d.agg.history.versions() == [0]
+    monkeypatch.undo()
+    d.handle(tp.update("a"), update("a", seq=2, batch=2))
+    d.handle(tp.update("b"), update("b", seq=2, batch=2))
+    d._serve_rounds(2e9)
+    assert d.agg.global_.version == 1 and d.store.published(1) is not None
+    d.store.close()
+
+
+def test_online_statuses_do_not_keep_a_silent_device_in_lock_step(tmp_path) -> None:
+    # the attack: a roster device re-published `online` and never reported; every status
+    # refreshed its liveness, so it never left the active set and no tick closed again
+    d = make_daemon(tmp_path, mode="sync", clients=2, min_clients=1, client_timeout=5.0)
+    d._on_status("a", {"state": "online"}, 0.0)
+    d._on_status("b", {"state": "online"}, 0.0)
+    d._close_safely(lambda: d.agg.submit(Tick("b", 1, 0, 1), 1.0))
+    for t in (2.0, 4.0, 6.0):
+        d._on_status("a", {"state": "online"}, t)
+        d._serve_rounds(t)
+    assert "a" not in d.agg.active and d.agg.tick == 1  # the tick closed without it
+    d._on_status("a", {"state": "online"}, 7.0)  # a status alone does not bring it back
+    assert "a" not in d.agg.active
+    d._close_safely(lambda: d.agg.submit(Tick("a", 1, 0, 1), 8.0))  # a report does
+    assert "a" in d.agg.active
+    d.store.close()
+
+
+def test_one_devices_done_does_not_end_the_run(tmp_path) -> None:
+    # the attack: with --exit-when-done, one device's `done` while the others had not joined
+    # yet (or were offline for a moment) ended the run and marked it finished
+    d = make_daemon(tmp_path, roster="a,b,c", client_timeout=30.0)
+    d.exit_when_done = True
+    d._on_status("a", {"state": "online"}, 0.0)
+    d._on_status("a", {"state": "done"}, 0.5)
+    assert not d._run_over(now=2.0, last_input=0.5)  # b and c are not heard from yet
+    for c in "bc":  # they join, then drop off the network for a moment (their last will)
+        d._on_status(c, {"state": "online"}, 1.0)
+        d._on_status(c, {"state": "offline"}, 2.0)
+    assert not d._run_over(now=4.0, last_input=2.0)
+    assert d._run_over(now=33.0, last_input=2.0)  # gone for client_timeout: the run ended
+    d.store.close()
+
+
+def test_the_run_ends_a_quiet_second_after_every_client_is_done(tmp_path) -> None:
+    d = make_daemon(tmp_path, client_timeout=30.0)  # a learned roster of 3
+    d.exit_when_done = True
+    for c in "abc":
+        d._on_status(c, {"state": "online"}, 0.0)
+        d._on_status(c, {"state": "done"}, 1.0)
+    assert not d._run_over(now=1.5, last_input=1.0) and d._run_over(now=2.0, last_input=1.0)
+    d.exit_when_done = False
+    assert not d._run_over(now=99.0, last_input=1.0)
     d.store.close()

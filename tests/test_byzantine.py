@@ -51,7 +51,7 @@ def run_fleet(attack: str, state_dir, **fed) -> tuple[float, dict]:
                      .astype(np.float32)) for k, v in INITIAL.items()}
             upd = Update(c, g.version, step, 0, step, bs * step, t, class_counts={0: bs * step})
             d.handle(d.topics.update(c), encode(upd, fleet="byz"))
-        d._closed(d.agg.poll(1e9))
+        d._close_safely(lambda: d.agg.poll(1e9))
         assert not d.stop_event.is_set()
     assert d.agg.counters["rejected_internal"] == 0 and d.agg.rounds >= 5
     w = d.agg.global_.tensors["fc.weight"]

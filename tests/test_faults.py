@@ -31,8 +31,10 @@ class Fleet:
         cfg = apply(RunConfig(), {
             "data": {"tasks": 2, "classes_per_task": 2},
             "learn": {"memory_size": 40, "local_epochs": 1},
+            # a killed client: the aggregator ends the run once nothing came for client_timeout
             "fed": {"clients": CLIENTS, "burn_in": 2, "jump": 2, "mode": "async",
-                    "min_clients": 2, "round_timeout": 1.0, "max_staleness": 1000} | fed,
+                    "min_clients": 2, "round_timeout": 1.0, "max_staleness": 1000,
+                    "client_timeout": 5.0} | fed,
             "mqtt": {"broker": url, "fleet": f"f{os.getpid()}"}})
         self.cfg = cfg
         self.tmp = tmp

@@ -13,7 +13,7 @@ from edgefcl.config import FedConfig
 from edgefcl.federation.admission import Admission
 from edgefcl.federation.aggregation import RoundInput, Strategy
 from edgefcl.federation.encodings import Encoding
-from edgefcl.federation.global_check import global_fault
+from edgefcl.federation.global_check import published_fault
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
 from edgefcl.federation.registry import get_encoding
@@ -99,8 +99,12 @@ class Aggregator:
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
                  batch_size: int | None = None,
                  prototypes: PrototypeTable | None = None,
-                 row_prior_sigma: float | None = None) -> None:
+                 row_prior_sigma: float | None = None,
+                 wire_dtype: str | None = None) -> None:
         self.fed = fed
+        self.wire_dtype = wire_dtype
+        """The dtype globals travel in (None: as they are): a global it cannot carry, as
+        devices would decode it, is never made a version."""
         self.row_prior_sigma = row_prior_sigma
         """The prior sigma of a new label's Gaussian row (the devices' `bayes_sigma`): the
         fedbnn rule multiplies it by the row's likelihoods."""
@@ -113,6 +117,8 @@ class Aggregator:
         self.history = GlobalHistory(fed.max_staleness + 1)
         self.history.push(version, self.global_.tensors)
         self.active: set[str] = set()
+        self.silent: set[str] = set()
+        """Clients that left the active set for silence: only a report brings one back."""
         self.roster_complete = fed.mode == "async"
         self.admission = Admission(fed, batch_size)
         self.last_seen: dict[str, float] = {}
@@ -135,10 +141,14 @@ class Aggregator:
     # -- membership -----------------------------------------------------------------------
     def join(self, client: str, now: float | None = None) -> bool:
         """Add a roster client to the active set (it is expected to report); False (and
-        counted as `rejected_roster`) for a client the roster does not admit."""
+        counted as `rejected_roster`) for a client the roster does not admit. Only reports
+        prove a client alive: joining again leaves an active client's last report time as it
+        is, and a client that left for silence (`expire`) comes back only with a report."""
         if not self.admission.admit(client):
             self.counters["rejected_roster"] += 1
             return False
+        if client in self.active or client in self.silent:
+            return True
         self.active.add(client)
         if now is not None:
             self.last_seen[client] = now
@@ -155,6 +165,7 @@ class Aggregator:
                   if now - self.last_seen.setdefault(c, now) > self.fed.client_timeout]
         for c in silent:
             self.active.discard(c)
+            self.silent.add(c)
             self.counters["silent_left"] += 1
             log.warning("client %s silent for %.0f s: no longer waited for", c,
                         self.fed.client_timeout)
@@ -199,6 +210,7 @@ class Aggregator:
         self.admission.accept(msg)
         if now is not None:
             self.last_seen[msg.client] = now
+        self.silent.discard(msg.client)
         if msg.client not in self.active:
             self.join(msg.client, now)
         rnd = self._round
@@ -262,16 +274,28 @@ class Aggregator:
         self.counters["dropped_updates"] += len(self._round.updates)
         self._round = _Round()
 
-    def _rejects_global(self, tensors: Tensors, participants: tuple[str, ...]) -> bool:
-        """Whether a round's result would fail the devices' check (`global_fault`): then it is
-        never published as a version, the round is dropped (counted, logged)."""
-        fault = global_fault(tensors)
+    def _rejects_global(self, g: GlobalModel) -> bool:
+        """Whether a round's result `g` would fail the devices' check as they receive it
+        (`published_fault`): then it is never a version, the round is dropped (counted,
+        logged)."""
+        fault = published_fault(g, self.wire_dtype)
         if fault is None:
             return False
         self.counters[f"dropped_global_{fault}"] += 1
         log.warning("round of %d participants dropped: its global would fail the devices' "
-                    "check (%s)", len(participants), fault)
+                    "check (%s)", len(g.participants), fault)
         return True
+
+    def mark(self) -> tuple:
+        """What `restore` goes back to: the global and the round count."""
+        return self.global_, self.rounds
+
+    def restore(self, mark: tuple) -> None:
+        """Go back to `mark`: the rounds since made globals that were never saved nor
+        announced (the daemon failed to), so they never happened."""
+        previous, self.rounds = mark
+        self.history.drop_after(previous.version)
+        self.global_ = previous
 
     def _close_round(self, tick: int | None) -> RoundClosed | None:
         """Aggregate the round (None: an async round that, without the updates dropped while
@@ -297,11 +321,12 @@ class Aggregator:
             self.strategy.add(u)
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
-        if self._rejects_global(tensors, participants):
+        candidate = GlobalModel(self.global_.version + 1, tensors, participants,
+                                self._next_prototypes(updates))
+        if self._rejects_global(candidate):
             self._round = _Round()
             return RoundClosed(tick, None)
-        self.global_ = GlobalModel(self.global_.version + 1, tensors, participants,
-                                   self._next_prototypes(updates))
+        self.global_ = candidate
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self._round = _Round()

@@ -64,6 +64,31 @@ def global_fault(tensors: dict[str, np.ndarray]) -> str | None:
     return check_variances(tensors)
 
 
+def as_received(t: np.ndarray, wire_dtype: str | None) -> np.ndarray:
+    """A tensor as devices decode it from a wire of `wire_dtype` (None: as sent): float32 goes
+    as that dtype and back, which overflows float16 past 65504 and flushes tiny values to 0."""
+    if wire_dtype is None or t.dtype != np.float32:
+        return t
+    with np.errstate(over="ignore", under="ignore"):
+        return t.astype(wire_dtype).astype(np.float32)
+
+
+def published_fault(g: GlobalModel, wire_dtype: str | None = None) -> str | None:
+    """Why devices would reject global `g` for its values (`global_fault`, and the prototype
+    library's rows and sigmas), as they receive it over a wire of `wire_dtype`: a fault only
+    the wire makes is `wire_<fault>`. None when they would take it."""
+    for wire in (None, wire_dtype) if wire_dtype is not None else (None,):
+        fault = global_fault({k: as_received(t, wire) for k, t in g.tensors.items()})
+        table = g.prototypes
+        if fault is None and table is not None:
+            fault = value_fault("rows", as_received(table.rows, wire))
+            if fault is None and table.sigmas is not None:
+                fault = value_fault("rows::sigma", as_received(table.sigmas, wire))
+        if fault is not None:
+            return fault if wire is None else f"wire_{fault}"
+    return None
+
+
 def check_global(g: GlobalModel, expected: Spec, held_version: int,
                  max_step: int = MAX_VERSION_STEP,
                  library_width: int | None = None,

@@ -157,9 +157,9 @@ class ShardRoot(Aggregator):
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
                  batch_size: int | None = None, prototypes: PrototypeTable | None = None,
-                 row_prior_sigma: float | None = None) -> None:
+                 row_prior_sigma: float | None = None, wire_dtype: str | None = None) -> None:
         check_shardable(fed, prototypes)  # no library: `row_prior_sigma` is never needed
-        super().__init__(initial, fed, version, batch_size)
+        super().__init__(initial, fed, version, batch_size, wire_dtype=wire_dtype)
         self._open_round()
         self.live_workers: set[str] = set()
         self.reported: set[str] = set()
@@ -251,10 +251,11 @@ class ShardRoot(Aggregator):
         seqs = dict(sorted(self.in_round.items()))
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
-        if self._rejects_global(tensors, participants):  # as a single aggregator
+        candidate = GlobalModel(self.global_.version + 1, tensors, participants)
+        if self._rejects_global(candidate):  # as a single aggregator
             closed = RoundClosed(None, None)
         else:
-            self.global_ = GlobalModel(self.global_.version + 1, tensors, participants)
+            self.global_ = candidate
             self.history.push(self.global_.version, tensors)
             self.rounds += 1
             log.info("round %d closed from partials: version %d, %d participants", self.rounds,

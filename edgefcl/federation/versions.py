@@ -40,6 +40,11 @@ class GlobalHistory:
         while len(self._versions) > self.size:
             self._versions.popitem(last=False)
 
+    def drop_after(self, version: int) -> None:
+        """Forget the versions newer than `version`."""
+        for v in [v for v in self._versions if v > version]:
+            del self._versions[v]
+
     def get(self, version: int) -> Tensors | None:
         return self._versions.get(version)
 

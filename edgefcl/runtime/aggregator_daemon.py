@@ -38,8 +38,8 @@ SENDER = "aggregator"
 
 
 class AggregatorDaemon:
-    """Runs an Aggregator over MQTT until stopped (SIGTERM/SIGINT, `control` stop, or when
-    `exit_when_done` and no client is active any more after at least one finished).
+    """Runs an Aggregator over MQTT until stopped (SIGTERM/SIGINT, `control` stop, or with
+    `exit_when_done` when the run is over: `_run_over`).
 
     State directory: `state.db`, one transaction per round (`runtime.store`; the global's
     prototype library, head `prototypes`, is saved with its tensors), validated on
@@ -61,7 +61,8 @@ class AggregatorDaemon:
         self.topics = topics(cfg.mqtt)
         self.agg = self.aggregator_class(initial, cfg.fed, batch_size=cfg.data.batch_size,
                                          prototypes=initial_library(cfg, initial),
-                                         row_prior_sigma=cfg.learn.bayes_sigma)
+                                         row_prior_sigma=cfg.learn.bayes_sigma,
+                                         wire_dtype=wire_dtype(cfg.mqtt))
         self.spec_hash = spec_hash(tensor_spec(initial))
         self.exit_when_done = exit_when_done
         self.status_every = status_every
@@ -129,11 +130,12 @@ class AggregatorDaemon:
                     "time": round(time.time(), 3)}
             if self.results is not None:
                 line.update(self.results.on_round(closed.global_))
-            self.rounds_log.append(line)
-            del self.rounds_log[:-20]
         with_global = line is not None or initial
         library = self.agg.global_.prototypes  # saved with the tensors, under one sha256
         self.store.commit(state, tensors if with_global else None, line, library)
+        if line is not None:
+            self.rounds_log.append(line)
+            del self.rounds_log[:-20]
         self.store.write_views(state, tensors if with_global else None, line,
                                prototypes=library)
 
@@ -260,12 +262,20 @@ class AggregatorDaemon:
             if client in self.agg.active:
                 self._close_safely(lambda: self.agg.leave(client, now))
 
-    def _closed(self, closed: RoundClosed | None) -> None:
+    def _closed(self, closed: RoundClosed | None, before: tuple) -> None:
+        """Save and announce what closed; a new global that cannot be written or saved is
+        undone (the aggregator goes back to `before`, its `mark()`) and the error raised: no
+        version exists that was not saved first."""
         if closed is None:
             return
         if closed.global_ is not None:
-            payload = self._encode_global(closed.global_)
-            self._save_state(closed, len(payload))  # saved before it is announced
+            try:
+                payload = self._encode_global(closed.global_)
+                self._save_state(closed, len(payload))  # saved before it is announced
+            except Exception:
+                if self.store.published(closed.global_.version) is None:
+                    self.agg.restore(before)
+                raise
             self.round_bytes_in = 0
             self._publish_global(closed.global_, payload)
             if delta_downlink(self.cfg.fed):  # devices at the previous version take the change
@@ -285,20 +295,19 @@ class AggregatorDaemon:
         self._close_safely(lambda: self.agg.expire(now))
 
     def _close_safely(self, step: Callable[[], RoundClosed | None]) -> None:
-        """Run one aggregator step that may close a round, then announce what closed. A step
-        that fails (a bug reached by input) drops the open round, counted and logged, so that
-        it cannot fail every later step; a lock-step tick is then answered without a global,
-        so that devices go on."""
+        """Run one aggregator step that may close a round, then save and announce what
+        closed. A step or an announcement that fails (a bug reached by input) drops the open
+        round, counted and logged, so that it cannot fail every later step; a lock-step tick is
+        then answered without a global, so that devices go on."""
+        before = self.agg.mark()
         try:
-            closed = step()
+            self._closed(step(), before)
         except Exception:
             self.agg.counters["rejected_internal"] += 1
             log.exception("internal error in the aggregator: the open round is dropped")
             self.agg.drop_round()
             if self.cfg.fed.mode == "sync":
                 self._answer(RoundClosed(self.agg.tick, None))
-            return
-        self._closed(closed)
 
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval; a changed factor is
@@ -311,6 +320,19 @@ class AggregatorDaemon:
     def subscriptions(self) -> list[str]:
         """What the daemon listens to: device updates and statuses, operator control."""
         return [self.topics.updates, self.topics.statuses, self.topics.control]
+
+    def _run_over(self, now: float, last_input: float) -> bool:
+        """With `exit_when_done`: every roster client reported its stream done (the whole
+        roster, or as many as a learned one admits), then a quiet second; or, once one did,
+        none is active and nothing came for `client_timeout` seconds (the others were killed
+        or never came). One device's `done` while the others have not joined yet, or are
+        reconnecting, does not end the run."""
+        if not self.exit_when_done or not self.done or self.agg.active:
+            return False
+        quiet = now - last_input
+        if len(self.done) >= self.agg.admission.cap:
+            return quiet >= 1.0
+        return self.cfg.fed.client_timeout > 0 and quiet >= self.cfg.fed.client_timeout
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> int:
@@ -355,10 +377,9 @@ class AggregatorDaemon:
                 self._save_state(None)
                 self.store.mark_finished()  # every expected client is done: the run ended
                 self._publish_status()  # operators see the final rounds at once
-            if (self.exit_when_done and self.done and not self.agg.active
-                    and now - last_input >= 1.0):
+            if self._run_over(now, last_input):
                 finished = True
-                break  # every client that joined finished its stream or went offline
+                break
         self._save_state(None)
         if finished:
             self.store.mark_finished()

@@ -211,8 +211,9 @@ def add_role_commands(sub) -> None:
                    help="initial global model tensors (default: built from the config's model "
                    "and dataset with --seed)")
     a.add_argument("--exit-when-done", action="store_true",
-                   help="exit once every client reported its stream done (the run is then "
-                   "finished)")
+                   help="exit once every roster client reported its stream done, or, after "
+                   "one did, when none is active and nothing came for --client-timeout s (the "
+                   "others died or never came); the run is then finished")
     a.add_argument("--eval-data", metavar="DATASET",
                    help="evaluate every new global on the test split of this dataset spec "
                    "(like --dataset; 'config': the config's dataset) and log its accuracy per "

@@ -85,7 +85,7 @@ class RootDaemon(AggregatorDaemon):
                     reason if reason in REASONS else "")
             else:
                 self.worker_pressure.pop(worker, None)
-                self._closed(self.agg.worker_offline(worker, now))
+                self._close_safely(lambda: self.agg.worker_offline(worker, now))
             self._relay_pressure()
             return
         p = decode_partial(payload, self.cfg.mqtt.fleet, self.spec_shapes, worker=worker,
@@ -97,4 +97,4 @@ class RootDaemon(AggregatorDaemon):
         if reason is not None:
             log.warning("rejected partial of %s (%d participants): %s", worker,
                         len(p.participants), reason)
-        self._closed(self.agg.poll(now))
+        self._close_safely(lambda: self.agg.poll(now))
