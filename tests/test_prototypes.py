@@ -145,6 +145,33 @@ def test_one_device_cannot_own_a_shared_label_row_through_the_aggregator():
     assert agg.counters["prototype_share_capped"] == 1
 
 
+def test_one_device_cannot_fill_the_library_with_invented_labels():
+    # the attack: one update with 1,024 invented labels took every slot of the global library
+    # in its first round (the honest label, sorting after them, was cut) and kept them
+    fed = FedConfig(clients=3, min_clients=2, burn_in=1, jump=1, clip_factor=0)
+    initial = {"w": np.zeros(2, np.float32)}
+    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    invented = [f"a{i:04d}" for i in range(MAX_LABELS)]
+    closed = None
+    for c in ("c0", "c1", "evil"):
+        agg.join(c)
+    for seq in (1, 2, 3):  # three rounds of the three
+        for c, labels in (("c0", ["cat"]), ("c1", ["cat", "dog"]), ("evil", invented)):
+            u = Update(c, agg.global_.version, seq, 0, seq + 1, 10, initial,
+                       prototypes=table(labels))
+            closed = agg.submit(u) or closed
+    library = closed.global_.prototypes.labels
+    quota = MAX_LABELS // 2  # the share cap's bound among 3 clients: at most half
+    assert {"cat", "dog"} <= set(library)
+    assert sum(label.startswith("a") for label in library) == quota
+    assert agg.counters["prototype_labels_left_out"] == 3 * (MAX_LABELS - quota)
+    # a label another device sends too is shared: it no longer counts against the first
+    assert agg.label_owners.get("dog") == "c1" and "cat" not in agg.label_owners
+    restored = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    restored.load_state(agg.state() | {"prototypes": closed.global_.prototypes})
+    assert restored.label_owners == agg.label_owners
+
+
 def test_global_library_stays_within_the_label_bound():
     prev = table([f"p{i}" for i in range(MAX_LABELS - 1)])
     out = average_tables([table(["x", "y"])], prev, 0.5)

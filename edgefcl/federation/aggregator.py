@@ -17,7 +17,7 @@ from edgefcl.federation.global_check import published_fault
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
 from edgefcl.federation.registry import get_encoding
-from edgefcl.federation.robust import check_variances, prepare_round
+from edgefcl.federation.robust import check_variances, label_room, prepare_round
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import GlobalHistory
 
@@ -125,6 +125,9 @@ class Aggregator:
         self.tick = 0
         self.rounds = 0
         self.counters: Counter[str] = Counter()
+        self.label_owners: dict[str, str] = {}
+        """Library labels one device alone introduced, and that device (`label_room`);
+        replaced, never changed in place, so that `mark` holds it by reference."""
         self._round = _Round()
         self.encoding = get_encoding(fed.encoding)
         self.strategy = self._new_strategy()
@@ -287,13 +290,13 @@ class Aggregator:
         return True
 
     def mark(self) -> tuple:
-        """What `restore` goes back to: the global and the round count."""
-        return self.global_, self.rounds
+        """What `restore` goes back to: the global, the round count and the label owners."""
+        return self.global_, self.rounds, self.label_owners
 
     def restore(self, mark: tuple) -> None:
         """Go back to `mark`: the rounds since made globals that were never saved nor
         announced (the daemon failed to), so they never happened."""
-        previous, self.rounds = mark
+        previous, self.rounds, self.label_owners = mark
         self.history.drop_after(previous.version)
         self.global_ = previous
 
@@ -321,12 +324,12 @@ class Aggregator:
             self.strategy.add(u)
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
-        candidate = GlobalModel(self.global_.version + 1, tensors, participants,
-                                self._next_prototypes(updates))
+        library, owners = self._next_prototypes(updates)
+        candidate = GlobalModel(self.global_.version + 1, tensors, participants, library)
         if self._rejects_global(candidate):
             self._round = _Round()
             return RoundClosed(tick, None)
-        self.global_ = candidate
+        self.global_, self.label_owners = candidate, owners
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self._round = _Round()
@@ -352,17 +355,23 @@ class Aggregator:
         """Whether Gaussian rows follow the fedbnn rule (likelihoods times the prior)."""
         return table is not None and table.gaussian and self.fed.aggregation == "fedbnn"
 
-    def _next_prototypes(self, updates: list[Update]) -> PrototypeTable | None:
+    def _next_prototypes(self, updates: list[Update]
+                         ) -> tuple[PrototypeTable | None, dict[str, str]]:
+        """The round's library and label owners (the new labels admitted by `label_room`)."""
         previous = self.global_.prototypes
         if previous is None:
-            return None
+            return None, self.label_owners
         sent = [u for u in updates if u.prototypes is not None]
+        tables, owners = label_room.admit(
+            [u.prototypes for u in sent], [u.client for u in sent],  # type: ignore[misc]
+            previous, self.label_owners, label_room.quota(self.fed, self.admission.cap),
+            self.counters)
         likelihood = None
         if self._rows_by_likelihood(previous):  # as FedBNNProduct: SNN-phase updates averaged
             likelihood = [u.base_version >= self.fed.bnn_init_rounds for u in sent]
-        return average_tables([u.prototypes for u in sent],  # type: ignore[misc]
-                              previous, self.fed.mix, self.fed.max_share, self.counters,
-                              self.fed.sigma_floor, likelihood, self.row_prior_sigma)
+        return average_tables(tables, previous, self.fed.mix, self.fed.max_share,
+                              self.counters, self.fed.sigma_floor, likelihood,
+                              self.row_prior_sigma), owners
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:
@@ -370,7 +379,8 @@ class Aggregator:
         return {"version": self.global_.version, "tensors": self.global_.tensors,
                 "participants": list(self.global_.participants), "tick": self.tick,
                 "rounds": self.rounds, "last_seq": dict(self.last_seq),
-                "admission": self.admission.state(), "counters": dict(self.counters)}
+                "admission": self.admission.state(), "counters": dict(self.counters),
+                "label_owners": dict(self.label_owners)}
 
     def load_state(self, state: dict) -> None:
         """Resume from `state()` output, with the global's prototype library under
@@ -384,3 +394,4 @@ class Aggregator:
         self.rounds = int(state.get("rounds", 0))
         self.admission.load_state(state.get("admission", {"last_seq": state.get("last_seq", {})}))
         self.counters = Counter(state.get("counters", {}))
+        self.label_owners = {str(k): str(v) for k, v in state.get("label_owners", {}).items()}

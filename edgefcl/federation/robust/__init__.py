@@ -10,12 +10,15 @@ a round's accepted updates before the strategy averages them, in order.
 | sigma floor                | sigma_floor.py  | no    | no         | yes      | 0.5 x median     |
 | coordinate-wise median     | median.py       | yes   | no         | no       | --aggregation    |
 | trimmed mean               | trimmed_mean.py | yes   | no         | no       | --aggregation    |
+| label room (new labels)    | label_room.py   | library (any encoding)      | 2/n x 1,024, <= 512 |
 
 Clipping and the coordinate-wise rules need whole tensors, which sparse and apc updates are
 not (they carry a subset of entries relative to the client's base), so only the share cap
 protects those; Gaussian updates get the sigma floor (precision rules) and the share cap
 (sample-weighted parts: plain tensors and moment matching). Conflation counts every client
 once, so the share cap does not apply to its Gaussians; the sigma floor does.
+The label room is applied by the aggregator to the round's prototype libraries (one device's
+invented labels cannot fill the global library); like the share cap, `max_share` sets it.
 With all rules off (`clip_factor 0`, `max_share 1`, `sigma_floor 0`) the aggregation is the
 plain one, bit for bit.
 """

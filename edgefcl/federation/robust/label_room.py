@@ -1,0 +1,85 @@
+"""Label room: the prototype library's MAX_LABELS slots are shared by the fleet, so that one
+device cannot fill them with labels it invents (the open label space's share cap).
+
+A label in the library that one device alone introduced is that device's (`owners`) until
+another device sends it too; then it is shared. A device may own at most `quota` labels: the
+share cap's bound (`fed.max_share`; 0: twice an equal share of the roster, at most half) of
+MAX_LABELS, and none at all with `max_share` >= 1 (off). Each round the new labels enter in
+this order while the library has room: those two devices or more sent, then each device's own
+in name order, taken in turns (one each per turn, devices in id order) up to its quota. A new
+label left out is left out of that round's tables (`prototype_labels_left_out`, one per row);
+it may enter later, when its sender has room again or another device sends it too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from edgefcl.config import FedConfig
+from edgefcl.data.labels import MAX_LABELS
+from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.share_cap import default_cap
+
+
+def quota(fed: FedConfig, roster: int) -> int:
+    """The most library labels one device may own among a roster of `roster` devices."""
+    if fed.max_share >= 1:
+        return MAX_LABELS
+    cap = fed.max_share if fed.max_share > 0 else default_cap(roster)
+    return max(1, int(cap * MAX_LABELS))
+
+
+def admit(tables: Sequence[PrototypeTable], senders: Sequence[str], library: PrototypeTable,
+          owners: dict[str, str], limit: int, counters: Counter
+          ) -> tuple[list[PrototypeTable], dict[str, str]]:
+    """`tables` (sent by `senders`, one each) without the rows of the new labels that do not
+    enter the `library` this round, and the owners after the round (label -> the device that
+    alone introduced it; a new dict, `owners` is left as it is)."""
+    owners = dict(owners)
+    known = set(library.labels)
+    sent_by: dict[str, set[str]] = {}
+    for client, t in zip(senders, tables, strict=True):
+        for label in t.labels:
+            sent_by.setdefault(label, set()).add(client)
+    for label, clients in sent_by.items():  # another device sends it: shared from now on
+        if label in owners and clients - {owners[label]}:
+            del owners[label]
+    new = {label: clients for label, clients in sent_by.items() if label not in known}
+    if not new:
+        return list(tables), owners
+    room = MAX_LABELS - len(known)
+    enter = sorted(label for label, clients in new.items() if len(clients) > 1)[:room]
+    room -= len(enter)
+    held = Counter(owners.values())
+    own: dict[str, list[str]] = {}
+    for label in sorted(new):
+        if len(new[label]) == 1:
+            own.setdefault(next(iter(new[label])), []).append(label)
+    queues = {c: iter(labels) for c, labels in sorted(own.items())}
+    while room > 0 and queues:
+        for client in list(queues):
+            label = next(queues[client], None) if held[client] < limit else None
+            if label is None:
+                del queues[client]
+                continue
+            if room == 0:
+                break
+            enter.append(label)
+            owners[label] = client
+            held[client] += 1
+            room -= 1
+    keep = known | set(enter)
+    out = []
+    for t in tables:
+        mask = np.array([label in keep for label in t.labels], dtype=bool)
+        if mask.all():
+            out.append(t)
+            continue
+        counters["prototype_labels_left_out"] += int((~mask).sum())
+        out.append(PrototypeTable(tuple(np.array(t.labels, dtype=object)[mask].tolist()),
+                                  t.rows[mask], t.counts[mask],
+                                  None if t.sigmas is None else t.sigmas[mask]))
+    return out, owners
