@@ -15,6 +15,7 @@ import torch
 
 from edgefcl.build import new_client
 from edgefcl.config import FedConfig, LearnConfig, RunConfig, apply
+from edgefcl.data.labels import check_names
 from edgefcl.data.loaders import load_dataset
 from edgefcl.data.types import Batch
 from edgefcl.federation.aggregator import Aggregator
@@ -170,6 +171,34 @@ def test_one_device_cannot_fill_the_library_with_invented_labels():
     restored = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
     restored.load_state(agg.state() | {"prototypes": closed.global_.prototypes})
     assert restored.label_owners == agg.label_owners
+
+
+@pytest.mark.parametrize("label", ["\0", "cat\0", "c\tat", "c\nat", "\x7f"])
+def test_labels_with_control_characters_are_refused_everywhere(label):
+    # the attack: numpy's string arrays (which names travel in) drop trailing NULs, so "\0"
+    # became the empty label "" in the global library (every device refused every later
+    # global; a restart refused the state) and "cat\0", "cat\0\0", ... each passed as a
+    # distinct label and merged into "cat"'s row, one device owning it
+    assert check_table(table([label]), 3) == "prototype_label"
+    assert check_names([label]) is not None
+    with pytest.raises(CodecError):
+        decode(encode(Update("c0", 0, 1, 0, 2, 10, {"w": np.zeros(2, np.float32)},
+                             prototypes=table(["ok", label])), fleet="f"), "f")
+
+
+def test_one_device_cannot_own_a_row_through_label_variants():
+    fed = FedConfig(clients=3, min_clients=3, burn_in=1, jump=1, clip_factor=0)
+    initial = {"w": np.zeros(2, np.float32)}
+    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    for c in ("c0", "c1", "evil"):
+        agg.join(c)
+    variants = ["cat"] + [f"cat{chr(0) * i}" for i in range(1, 8)]
+    for c, labels, value in (("c0", ["cat"], 0.1), ("c1", ["cat"], 0.1),
+                             ("evil", variants, MAX_ROW_ABS)):
+        u = Update(c, 0, 1, 0, 2, 10, initial, prototypes=table(labels, value=value))
+        assert agg.submit(u) is None or c == "evil"
+    assert agg.counters["rejected_prototype_label"] == 1
+    assert agg.global_.version == 0  # the two honest updates wait for a third
 
 
 def test_global_library_stays_within_the_label_bound():

@@ -1,7 +1,7 @@
 """Label names, the labels of a prototype-head run from the data through the wire to predict.
 
-- Bounds: a name has 1-MAX_LABEL_CHARS characters; a library or a stream batch holds at most
-  MAX_LABELS distinct names (`check_names`).
+- Bounds: a name has 1-MAX_LABEL_CHARS printable characters (`valid_name`); a library or a
+  stream batch holds at most MAX_LABELS distinct names (`check_names`).
 - `label_ids`: the integer a device uses for a name inside its tensors (replay memory groups,
   class counts). It is a function of the name alone, so every device gives a name the same id
   without any class list: a canonical decimal name ("0", "17") keeps its number (numbered
@@ -30,13 +30,21 @@ HASHED = 1 << 62
 """Ids at and above this are digests of names that are not canonical decimals."""
 
 
+def valid_name(n: object) -> bool:
+    """Whether `n` is a label name: a string of 1-MAX_LABEL_CHARS printable characters. No NUL
+    or other control character: numpy's string arrays, which names travel in, drop trailing
+    NULs, so "cat\\0" would become "cat" after every check made on the string."""
+    return isinstance(n, str) and 0 < len(n) <= MAX_LABEL_CHARS and n.isprintable()
+
+
 def check_names(names: Sequence[object]) -> str | None:
     """Why `names` (distinct labels) are not valid label names, or None."""
     if len(names) > MAX_LABELS:
         return f"{len(names)} labels > limit {MAX_LABELS}"
     for n in names:
-        if not isinstance(n, str) or not 0 < len(n) <= MAX_LABEL_CHARS:
-            return f"label {str(n)[:80]!r} is not a string of 1-{MAX_LABEL_CHARS} characters"
+        if not valid_name(n):
+            return (f"label {str(n)[:80]!r} is not a string of 1-{MAX_LABEL_CHARS} printable "
+                    "characters")
     return None
 
 

@@ -13,6 +13,8 @@ device merges it (`library_width`, `library_gaussian`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from edgefcl.federation.messages import GlobalModel
@@ -74,16 +76,15 @@ def as_received(t: np.ndarray, wire_dtype: str | None) -> np.ndarray:
 
 
 def published_fault(g: GlobalModel, wire_dtype: str | None = None) -> str | None:
-    """Why devices would reject global `g` for its values (`global_fault`, and the prototype
-    library's rows and sigmas), as they receive it over a wire of `wire_dtype`: a fault only
-    the wire makes is `wire_<fault>`. None when they would take it."""
+    """Why devices would reject global `g` for its values (`global_fault`) or its prototype
+    library (`check_table`), as they receive it over a wire of `wire_dtype`: a fault only the
+    wire makes is `wire_<fault>`. None when they would take it."""
     for wire in (None, wire_dtype) if wire_dtype is not None else (None,):
         fault = global_fault({k: as_received(t, wire) for k, t in g.tensors.items()})
         table = g.prototypes
         if fault is None and table is not None:
-            fault = value_fault("rows", as_received(table.rows, wire))
-            if fault is None and table.sigmas is not None:
-                fault = value_fault("rows::sigma", as_received(table.sigmas, wire))
+            fault = check_table(replace(table, rows=as_received(table.rows, wire), sigmas=(
+                None if table.sigmas is None else as_received(table.sigmas, wire))), None)
         if fault is not None:
             return fault if wire is None else f"wire_{fault}"
     return None

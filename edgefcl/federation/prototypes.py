@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefcl.config import RunConfig, resolve_head
-from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS  # noqa: F401  (re-exported)
+from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS, valid_name  # noqa: F401
 from edgefcl.federation.share_cap import capped_groups
 from edgefcl.federation.sigma_bounds import LIK_FLOOR, LIK_SIGMA_MAX, median_floor  # noqa: F401
 
@@ -108,7 +108,7 @@ def check_table(table: object, width: int | None) -> str | None:
     labels, rows, counts = table.labels, table.rows, table.counts
     if not isinstance(labels, tuple) or len(labels) > MAX_LABELS:
         return "prototype_count"
-    if not all(isinstance(s, str) and 0 < len(s) <= MAX_LABEL_CHARS for s in labels):
+    if not all(valid_name(s) for s in labels):
         return "prototype_label"
     if len(set(labels)) != len(labels):
         return "prototype_duplicate"
@@ -185,11 +185,12 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
             if counters is not None and not all(sent_flags):
                 counters["prototype_snn_ignored"] += sum(1 for f in sent_flags if not f)
             sent = [t for t, f in zip(sent, sent_flags, strict=True) if f]
-    labels = np.array([s for t in sent for s in t.labels], dtype=object)
+    labels = [s for t in sent for s in t.labels]
     rows = np.concatenate([t.rows for t in sent]).astype(np.float64)
     counts = np.concatenate([t.counts for t in sent]).astype(np.float64)
-    names, inverse = np.unique(labels.astype(str), return_inverse=True)
-    inverse = inverse.reshape(-1)
+    names = sorted(set(labels))  # the names as sent: never through a numpy string array
+    at_name = {n: i for i, n in enumerate(names)}
+    inverse = np.array([at_name[s] for s in labels], dtype=np.int64)
     capped = capped_groups(counts, inverse, max_share)
     if counters is not None:
         counters["prototype_share_capped"] += int((capped < counts).sum())

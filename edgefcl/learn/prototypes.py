@@ -33,6 +33,7 @@ from edgefcl.federation.prototypes import (
     MAX_ROW_ABS,
     SIGMA_MIN,
     PrototypeTable,
+    valid_name,
 )
 from edgefcl.learn.bayes import bayesian_layers, kl_normal, softplus_inv
 
@@ -101,9 +102,10 @@ class PrototypeLibrary:
         if new:
             if len(self.labels) + len(new) > MAX_LABELS:
                 raise ValueError(f"more than {MAX_LABELS} labels in the prototype library")
-            bad = [n for n in new if not 0 < len(n) <= MAX_LABEL_CHARS]
+            bad = [n for n in new if not valid_name(n)]
             if bad:
-                raise ValueError(f"label name {bad[0][:80]!r} is not 1-{MAX_LABEL_CHARS} chars")
+                raise ValueError(f"label name {bad[0][:80]!r} is not 1-{MAX_LABEL_CHARS} "
+                                 "printable characters")
             self._grow(new, torch.zeros(len(new), self.dim + 1, device=self.device))
         return torch.tensor([self.index[n] for n in names], device=self.device), len(new)
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.prototypes import MAX_LABEL_CHARS, MAX_LABELS, PrototypeTable
+from edgefcl.federation.prototypes import MAX_LABEL_CHARS, MAX_LABELS, PrototypeTable, valid_name
 from edgefcl.transport import integrity
 from edgefcl.transport.bounds import DEFAULT_LIMITS, Limits, scan
 from edgefcl.transport.errors import CodecError
@@ -399,13 +399,14 @@ def _decode_message(kind: str, m: dict[str, Any]) -> Message:
 
 
 def _label_list(names: Any, what: str) -> list[str]:
-    """`names` if it is a list of at most MAX_LABELS strings of 1-MAX_LABEL_CHARS characters."""
+    """`names` if it is a list of at most MAX_LABELS label names (`valid_name`)."""
     if not isinstance(names, list):
         raise CodecError("malformed", f"{what} must be a list of strings")
     if len(names) > MAX_LABELS:
         raise CodecError("limits", f"{len(names)} {what} > limit {MAX_LABELS}")
-    if not all(isinstance(n, str) and 0 < len(n) <= MAX_LABEL_CHARS for n in names):
-        raise CodecError("malformed", f"{what} must be strings of 1-{MAX_LABEL_CHARS} characters")
+    if not all(valid_name(n) for n in names):
+        raise CodecError("malformed", f"{what} must be strings of 1-{MAX_LABEL_CHARS} printable "
+                         "characters")
     return names
 
 
