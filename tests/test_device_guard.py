@@ -112,3 +112,53 @@ def test_mutated_globals_never_escape(runner_factory, flips, cut) -> None:
 
 
 _RUNNER: dict = {}
+
+
+# ---------------------------------------------------------------- the aggregator's other bodies
+
+
+def body(kind: str, **fields) -> bytes:
+    return encode(Message(kind, fields, sender="aggregator"), fleet="g")
+
+
+@pytest.mark.parametrize("kind,fields", [
+    ("config", {"incarnation": np.zeros(2, np.float32)}),  # crashed _resend_if_restarted
+    ("config", {"spec_hash": np.zeros(2, np.float32)}),  # crashed the join check
+    ("config", {"method": np.zeros(2, np.float32)}),
+    ("config", {"sample_shape": ["x", {}]}),
+    ("status", {"state": "refused", "time": "x"}),  # crashed the join wait
+    ("status", {"state": np.zeros(2, np.float32)}),
+    ("answer", {"tick": 1, "version": "1", "participants": ["c000"]}),
+    ("answer", {"tick": 1, "version": 1, "participants": "c000"}),
+    ("answer", {"tick": 1, "version": 10**9, "participants": ["c000"]}),  # hung lock-step
+    ("answer", {"version": 1, "participants": []}),
+])
+def test_forged_bodies_from_the_aggregator_are_rejected_not_kept(runner_factory, kind,
+                                                                  fields) -> None:
+    # the attack (a stolen credential with a broken ACL): bodies the codec lets through,
+    # with tensors or junk where the device reads a string, a number or a list
+    r = runner_factory()
+    tp = topics(r.cfg.mqtt)
+    topic = {"config": tp.config, "status": tp.aggregator_status, "answer": tp.tick}[kind]
+    r._on_message(topic, body(kind, **fields))
+    assert r.rejections["malformed"] == 1 or r.rejections["version-jump"] == 1
+    assert r.fleet_config is None and r.aggregator_state is None and not r.answers
+    r._on_message(tp.config, body("config", incarnation="x", spec_hash="abc", burn_in=4))
+    r._on_message(tp.aggregator_status, body("status", state="online", time=1.0))
+    r._on_message(tp.tick, body("answer", tick=1, version=1, participants=["c000"]))
+    assert r.fleet_config["incarnation"] == "x" and r.aggregator_state["state"] == "online"
+    assert r.answers[1]["version"] == 1
+
+
+def test_a_lock_step_device_gives_up_on_an_answered_global_that_never_comes(
+        runner_factory) -> None:
+    r = runner_factory()
+    r.answer_timeout = 0.05
+    r._send = lambda msg, last=False: b""
+    tp = topics(r.cfg.mqtt)
+    v = r.client.version
+    tick = r.client.seq + 1
+    r._on_message(tp.tick, body("answer", tick=tick, version=v + 5,
+                                participants=[r.cid]))
+    r._sync_round(None)  # before: waited for version v + 5 for ever
+    assert r.client.version == v and r.rejections["answer_unmet"] == 1

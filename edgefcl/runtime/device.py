@@ -16,7 +16,7 @@ import numpy as np
 
 from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch, TaskData
-from edgefcl.federation.global_check import check_global
+from edgefcl.federation.global_check import MAX_VERSION_STEP, check_global
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.sparse import SparseError
 from edgefcl.federation.versions import (
@@ -30,6 +30,7 @@ from edgefcl.learn.drift import stream_report
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.metrics import forgetting
 from edgefcl.runtime.backpressure import Pacer, advertised
+from edgefcl.runtime.bodies import body_fault
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.statefiles import save_json
@@ -38,6 +39,9 @@ from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encod
 log = logging.getLogger("edgefcl.client")
 
 END = object()
+GLOBAL_FETCHES = 3
+"""Times a lock-step device fetches the whole global for an answered version that has not come
+before it goes on without it (each after `answer_timeout` s)."""
 
 
 class Stopped(Exception):
@@ -150,6 +154,11 @@ class DeviceRunner:
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind.replace("globalmodel", "global") != allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")
+        fault = body_fault(kind, msg.body) if isinstance(msg, Message) else None
+        if fault is not None:
+            raise CodecError("malformed", fault)
+        if kind == "answer" and msg.body["version"] - self.client.version > MAX_VERSION_STEP:
+            raise CodecError("version-jump", f"an answer names version {msg.body['version']}")
         with self.cond:
             if isinstance(msg, GlobalModel):
                 self.bytes_down += len(payload)
@@ -162,7 +171,7 @@ class DeviceRunner:
                 if "backpressure" in msg.body:
                     self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
             elif isinstance(msg, Message) and msg.kind == "answer":
-                self.answers[int(msg.body["tick"])] = msg.body
+                self.answers[msg.body["tick"]] = msg.body
             elif isinstance(msg, Message) and msg.kind == "control":
                 cmd = msg.body["command"]
                 self.paused = cmd == "pause"
@@ -403,11 +412,24 @@ class DeviceRunner:
             self.link.publish(self.topics.update(self.cid), payload, qos=1)
 
         answer = self._wait(lambda: self.answers.pop(tick, None), self.answer_timeout, resend)
-        version = int(answer["version"])
+        version = answer["version"]
         if self.cid in answer["participants"] and version > self.client.version:
+            fetches = 0
+
+            def fetch() -> None:
+                nonlocal fetches
+                fetches += 1
+                self._fetch_whole()
+
             g = self._wait(lambda: self.latest if self.latest is not None and
-                           self.latest.version >= version else None,
-                           self.answer_timeout, self._fetch_whole)
+                           self.latest.version >= version else (
+                               False if fetches >= GLOBAL_FETCHES else None),
+                           self.answer_timeout, fetch)
+            if g is False:  # an answer naming a global that never came: go on without it
+                self.rejections["answer_unmet"] += 1
+                log.warning("%s: tick %d answered with version %d, which never came; going "
+                            "on without it", self.cid, tick, version)
+                return
             self.client.apply_global(g, "replace")
             self.rounds += 1
 

@@ -81,6 +81,7 @@ def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5
     import secrets
     import threading
 
+    from edgefcl.runtime.bodies import body_fault
     from edgefcl.runtime.links import open_link, topics
     from edgefcl.transport.codec import CodecError, Message, decode
 
@@ -92,7 +93,8 @@ def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5
             msg = decode(payload, cfg.mqtt.fleet)
         except CodecError:
             return
-        if isinstance(msg, Message) and msg.kind == "config":
+        if isinstance(msg, Message) and msg.kind == "config" and \
+                body_fault("config", msg.body) is None:
             got.update(msg.body)
             ready.set()
 
