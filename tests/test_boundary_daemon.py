@@ -486,3 +486,15 @@ def test_the_run_ends_a_quiet_second_after_every_client_is_done(tmp_path) -> Non
     d.exit_when_done = False
     assert not d._run_over(now=99.0, last_input=1.0)
     d.store.close()
+
+
+def test_messages_off_the_roster_do_not_keep_an_ending_run_open(tmp_path) -> None:
+    # the attack: with --exit-when-done, an id off the roster publishing junk every 0.5 s
+    # reset the quiet second for ever: the daemon never exited after every device was done
+    d = make_daemon(tmp_path, roster="a,b")
+    tp = topics(d.cfg.mqtt)
+    assert not d._keeps_open(tp.update("ghost")) and not d._keeps_open(tp.status("ghost"))
+    assert not d._keeps_open(f"{tp.base}/junk/x")
+    assert d._keeps_open(tp.status("a")) and d._keeps_open(tp.update("b"))
+    assert d._keeps_open(tp.control)  # the operator's
+    d.store.close()

@@ -321,6 +321,16 @@ class AggregatorDaemon:
         """What the daemon listens to: device updates and statuses, operator control."""
         return [self.topics.updates, self.topics.statuses, self.topics.control]
 
+    def _keeps_open(self, topic: str) -> bool:
+        """Whether a message on `topic` counts as input that keeps an ending run open: the
+        operator's, or a roster client's (ids off the roster cannot delay the end)."""
+        if topic == self.topics.control:
+            return True
+        try:
+            return self.topics.client_from(topic) in self.agg.admission.roster
+        except ValueError:
+            return False
+
     def _run_over(self, now: float, last_input: float) -> bool:
         """With `exit_when_done`: every roster client reported its stream done (the whole
         roster, or as many as a learned one admits), then a quiet second; or, once one did,
@@ -361,7 +371,8 @@ class AggregatorDaemon:
             item = self.inbox.get(timeout=0.1)
             if item is not None:
                 self.handle(*item)
-                last_input = time.monotonic()
+                if self._keeps_open(item[0]):
+                    last_input = time.monotonic()
             now = time.monotonic()
             self.link.expire_pending()
             if self.link.reconnects != reconnects and self.link.is_connected:

@@ -63,6 +63,13 @@ class RootDaemon(AggregatorDaemon):
                      self.backpressure.reason or "down")
             self._publish_config()
 
+    def _keeps_open(self, topic: str) -> bool:
+        """Its workers' partials and statuses too."""
+        try:
+            return self.topics.worker_from(topic)[1] in self.workers
+        except ValueError:
+            return super()._keeps_open(topic)
+
     def _handle(self, topic: str, payload: bytes | CodecError) -> None:
         try:
             kind, worker = self.topics.worker_from(topic)
