@@ -18,6 +18,28 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+def one_line(text: str) -> str:
+    """`text` with every non-printable character escaped (a newline as \\n, ESC as \\x1b):
+    what a device sent can neither forge a log line nor drive a terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+class PlainFormatter(logging.Formatter):
+    """Readable lines: the message escaped by `one_line` (the ids and fields a daemon quotes
+    come from devices); a traceback that follows is the process's own and stays as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        message = record.message
+        record.message = one_line(message)
+        try:
+            return super().formatMessage(record)
+        finally:
+            record.message = message
+
+
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever `sys.stderr` is at emit time (it may be replaced after set-up, e.g.
     by a test's capture), never to a stream that has since been closed."""
@@ -34,7 +56,7 @@ class _StderrHandler(logging.StreamHandler):
 def setup_logging(level: int, as_json: bool = False) -> None:
     """Configure the root logger on stderr."""
     handler = _StderrHandler()
-    handler.setFormatter(JsonFormatter() if as_json else logging.Formatter(
+    handler.setFormatter(JsonFormatter() if as_json else PlainFormatter(
         "%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

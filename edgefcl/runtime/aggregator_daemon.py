@@ -247,7 +247,7 @@ class AggregatorDaemon:
                 return  # counted as rejected_roster
             self.done.discard(client)
             inc = body.get("incarnation")
-            if isinstance(inc, str) and 0 < len(inc) <= 64 and \
+            if isinstance(inc, str) and 0 < len(inc) <= 64 and inc.isprintable() and \
                     self.agg.admission.session(client, inc):
                 self.agg.counters["new_sessions"] += 1
                 log.info("%s: new device incarnation %s (sequence numbers start again)",

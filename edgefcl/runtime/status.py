@@ -1,9 +1,13 @@
 """`edgefcl status`: the aggregator and every device of a fleet, read from the retained status
-topics (and the retained `config`)."""
+topics (and the retained `config`). What a device published is untrusted: every value shown
+is made a number, or a short printable string, when the snapshot is taken (`_int`, `_num`,
+`_text`), so that no status can crash the view, make its JSON invalid or drive the
+operator's terminal (escapes, carriage returns, newlines that forge rows)."""
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import sys
 import threading
@@ -11,6 +15,7 @@ import time
 from typing import Any
 
 from edgefcl.config import RunConfig
+from edgefcl.logs import one_line
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.transport.codec import CodecError, Message, decode
 
@@ -50,42 +55,84 @@ class FleetView:
         now = time.time()
         with self.lock:
             agg = _aggregator_row(self.aggregator, now) if self.aggregator else None
-            devices = {cid: _device_row(b, now) for cid, b in sorted(self.devices.items())}
-            config = dict(self.config) if self.config else None
+            devices = {_text(cid, 40): _device_row(b, now)
+                       for cid, b in sorted(self.devices.items())}
+            config = _plain(self.config) if self.config else None
         if config:
             config.pop("received", None)
         return {"fleet": self.cfg.mqtt.fleet, "broker": self.cfg.mqtt.broker,
                 "time": round(now, 3), "config": config, "aggregator": agg, "devices": devices}
 
 
+def _num(v: Any) -> float | None:
+    """A finite real number, or None for anything else."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) and abs(v) < 1e18 else None
+
+
+def _int(v: Any) -> int | None:
+    """An integer of at most 18 digits, or None for anything else."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 10**18 else None
+
+
+def _text(v: Any, size: int) -> str:
+    """A string of at most `size` characters, non-printable ones escaped ("?" for a value
+    that is not a string)."""
+    if not isinstance(v, str):
+        return "?"
+    v = one_line(v[:size])
+    return v if len(v) <= size else v[: size - 3] + "..."
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """`v` as strict JSON data: finite numbers, short strings, lists and maps of them."""
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)):
+        return _int(v) if isinstance(v, int) else _num(v)
+    if isinstance(v, str):
+        return _text(v, 200)
+    if isinstance(v, (list, tuple)) and depth < 8:
+        return [_plain(x, depth + 1) for x in v[:1024]]
+    if isinstance(v, dict) and depth < 8:
+        return {_text(str(k), 64): _plain(x, depth + 1) for k, x in list(v.items())[:1024]}
+    return "?"
+
+
 def _age(body: dict[str, Any], now: float) -> float:
     """Seconds since the sender last spoke (its own clock when it sent one, else arrival)."""
-    sent = body.get("time")
-    t = sent if isinstance(sent, (int, float)) else body["received"]
-    return round(max(0.0, now - t), 1)
+    sent = _num(body.get("time"))
+    return round(max(0.0, now - (sent if sent is not None else body["received"])), 1)
 
 
 def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
-    counters = b.get("counters") or {}
-    rejected = {k[len("rejected_"):]: v for k, v in counters.items() if k.startswith("rejected_")}
-    last = (b.get("last_rounds") or [None])[-1]
-    bytes_in = b.get("bytes_in") or {}
-    return {"state": b.get("state", "?"), "version": b.get("version"),
-            "rounds": b.get("rounds"), "active": b.get("active", []), "done": b.get("done", []),
-            "accepted": counters.get("accepted", 0), "rejected": rejected,
-            "bytes_in": sum(bytes_in.values()) if isinstance(bytes_in, dict) else bytes_in,
-            "bytes_out": b.get("bytes_out", 0),
-            "last_round_age_s": round(now - last["time"], 1) if last and "time" in last
-            else None,
-            "accuracy": b.get("accuracy"), "last_seen_s": _age(b, now)}
+    counters = b.get("counters") if isinstance(b.get("counters"), dict) else {}
+    rejected = {_text(k[len("rejected_"):], 40): _int(v) or 0 for k, v in counters.items()
+                if isinstance(k, str) and k.startswith("rejected_")}
+    last = (b.get("last_rounds") or [None])[-1] if isinstance(b.get("last_rounds"), list) \
+        else None
+    last_time = _num(last.get("time")) if isinstance(last, dict) else None
+    bytes_in = b.get("bytes_in")
+    ids = [_text(c, 40) for c in b.get("active", []) if isinstance(b.get("active"), list)]
+    done = [_text(c, 40) for c in b.get("done", []) if isinstance(b.get("done"), list)]
+    return {"state": _text(b.get("state", "?"), 12), "version": _int(b.get("version")),
+            "rounds": _int(b.get("rounds")), "active": ids, "done": done,
+            "accepted": _int(counters.get("accepted")) or 0, "rejected": rejected,
+            "bytes_in": sum(_int(n) or 0 for n in bytes_in.values())
+            if isinstance(bytes_in, dict) else _int(bytes_in) or 0,
+            "bytes_out": _int(b.get("bytes_out")) or 0,
+            "last_round_age_s": round(now - last_time, 1) if last_time is not None else None,
+            "accuracy": _num(b.get("accuracy")), "last_seen_s": _age(b, now)}
 
 
 def _device_row(b: dict[str, Any], now: float) -> dict[str, Any]:
-    return {"state": b.get("state", "?"), "task": b.get("task"), "batches": b.get("consumed"),
-            "version": b.get("version"), "rounds": b.get("rounds"),
-            "prequential": b.get("prequential"), "accuracy": b.get("accuracy"),
-            "rejected": b.get("rejected", 0), "last_seen_s": _age(b, now),
-            "reason": b.get("reason")}
+    reason = b.get("reason")
+    return {"state": _text(b.get("state", "?"), 12), "task": _int(b.get("task")),
+            "batches": _int(b.get("consumed")), "version": _int(b.get("version")),
+            "rounds": _int(b.get("rounds")), "prequential": _num(b.get("prequential")),
+            "accuracy": _num(b.get("accuracy")), "rejected": _int(b.get("rejected")) or 0,
+            "last_seen_s": _age(b, now), "reason": None if reason is None else _text(reason, 300)}
 
 
 def _fmt(v: Any, spec: str = "", none: str = "-") -> str:

@@ -1,0 +1,71 @@
+"""Attacks on what the operator sees: a device's retained status, shown by `edgefcl status`,
+and the strings the daemon logs about a device, are untrusted."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from edgefcl.config import RunConfig, apply
+from edgefcl.logs import PlainFormatter
+from edgefcl.runtime.links import topics
+from edgefcl.runtime.status import FleetView, render
+from edgefcl.transport.codec import Message, encode
+
+FLEET = "ops"
+ESC = "\x1b"
+
+
+def view_with(**fields) -> FleetView:
+    cfg = apply(RunConfig(), {"mqtt": {"fleet": FLEET}, "quiet": True})
+    view = FleetView(cfg)
+    tp = topics(cfg.mqtt)
+    good = {"state": "online", "task": 0, "consumed": 5, "version": 2, "rounds": 1,
+            "prequential": 50.0, "rejected": 0, "time": 1.0}
+    view.on_message(tp.status("dev1"), encode(Message("status", good | fields, sender="dev1"),
+                                              fleet=FLEET))
+    view.on_message(tp.status("dev2"), encode(Message("status", good, sender="dev2"),
+                                              fleet=FLEET))
+    return view
+
+
+@pytest.mark.parametrize("fields", [
+    {"state": f"{ESC}[2J{ESC}[Hon\rline", "reason": "x\ndev9      online   1   99.9"},
+    {"reason": f"{ESC}]0;pwned\a{ESC}[8mhidden"},
+    {"accuracy": "high"}, {"state": {"a": 1}}, {"rejected": [1, 2]},
+    {"prequential": b"\x00\x01"}, {"accuracy": np.zeros(2, np.float32)},
+    {"accuracy": float("nan"), "prequential": float("inf")},
+    {"task": 2**63 - 1, "consumed": -5, "version": "7"},
+])
+def test_a_devices_status_cannot_crash_or_drive_the_operators_terminal(fields) -> None:
+    # the attacks: escapes and newlines in status fields reached the operator's terminal raw
+    # (a cleared screen, a forged row for a device that does not exist); a field of the wrong
+    # type crashed `edgefcl status` with a traceback; NaN made --json output invalid
+    snap = view_with(**fields).snapshot()
+    text = render(snap)
+    assert ESC not in text and "\r" not in text and "\a" not in text
+    assert not any(line.lstrip().startswith("dev9") for line in text.splitlines())
+    rows = text.split("\n\n", 1)[1].splitlines()  # the device table
+    assert rows[0].startswith("device")
+    assert [r.split()[0] for r in rows[1:]] in (["dev1", "dev2"], ["dev1", "dev1:", "dev2"])
+    json.loads(json.dumps(snap, allow_nan=False))  # strict JSON, whatever the device sent
+
+
+def test_a_long_reason_is_cut() -> None:
+    text = render(view_with(reason="r" * 100_000).snapshot())
+    assert len(text) < 2_000
+
+
+def test_device_strings_cannot_forge_log_lines() -> None:
+    # the attack: a `client` field with a newline and a fake "all clients done" line (and an
+    # incarnation with a carriage return) was written to the daemon's log as it came
+    record = logging.LogRecord("edgefcl.aggregator", logging.WARNING, __file__, 1,
+                               "rejected update: claims client %s on %s", (
+                                   f"dev2\n2026-01-01 INFO all clients done{ESC}[2K\r", "t"),
+                               None)
+    line = PlainFormatter("%(levelname)s %(message)s").format(record)
+    assert "\n" not in line and ESC not in line and "\r" not in line
+    assert "claims client dev2\\n2026-01-01 INFO all clients done\\x1b[2K\\r on t" in line
