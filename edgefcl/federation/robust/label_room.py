@@ -59,18 +59,16 @@ def admit(tables: Sequence[PrototypeTable], senders: Sequence[str], library: Pro
         if len(new[label]) == 1:
             own.setdefault(next(iter(new[label])), []).append(label)
     queues = {c: iter(labels) for c, labels in sorted(own.items())}
-    while room > 0 and queues:
+    while room > 0 and queues:  # one label per device per turn, while it has quota
         for client in list(queues):
             label = next(queues[client], None) if held[client] < limit else None
             if label is None:
                 del queues[client]
-                continue
-            if room == 0:
-                break
-            enter.append(label)
-            owners[label] = client
-            held[client] += 1
-            room -= 1
+            elif room > 0:
+                enter.append(label)
+                owners[label] = client
+                held[client] += 1
+                room -= 1
     keep = known | set(enter)
     out = []
     for t in tables:
@@ -79,7 +77,7 @@ def admit(tables: Sequence[PrototypeTable], senders: Sequence[str], library: Pro
             out.append(t)
             continue
         counters["prototype_labels_left_out"] += int((~mask).sum())
-        out.append(PrototypeTable(tuple(np.array(t.labels, dtype=object)[mask].tolist()),
+        out.append(PrototypeTable(tuple(lb for lb, k in zip(t.labels, mask, strict=True) if k),
                                   t.rows[mask], t.counts[mask],
                                   None if t.sigmas is None else t.sigmas[mask]))
     return out, owners
