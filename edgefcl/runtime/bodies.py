@@ -14,16 +14,18 @@ def _is_str(v: Any) -> bool:
     return isinstance(v, str) and len(v) <= 1024
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An int, not a bool."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """An int or a float, not a bool."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _is_ints(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= 8 and all(_is_int(x) for x in v)
+    return isinstance(v, list) and len(v) <= 8 and all(is_int(x) for x in v)
 
 
 def _is_names(v: Any) -> bool:
@@ -33,12 +35,12 @@ def _is_names(v: Any) -> bool:
 _FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "config": {"incarnation": _is_str, "spec_hash": _is_str, "method": _is_str,
                "model": _is_str, "encoding": _is_str, "aggregation": _is_str,
-               "wire_dtype": _is_str, "mode": _is_str, "burn_in": _is_int, "jump": _is_int,
-               "min_clients": _is_int, "clients": _is_int, "n_classes": _is_int,
+               "wire_dtype": _is_str, "mode": _is_str, "burn_in": is_int, "jump": is_int,
+               "min_clients": is_int, "clients": is_int, "n_classes": is_int,
                "sample_shape": _is_ints},
-    "status": {"state": _is_str, "reason": _is_str, "time": _is_number,
+    "status": {"state": _is_str, "reason": _is_str, "time": is_number,
                "incarnation": _is_str},
-    "answer": {"tick": _is_int, "version": _is_int, "participants": _is_names},
+    "answer": {"tick": is_int, "version": is_int, "participants": _is_names},
 }
 """The fields a device reads, by body kind, and what each must be where present."""
 REQUIRED = {"config": (), "status": ("state",), "answer": ("tick", "version", "participants")}

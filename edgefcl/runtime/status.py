@@ -16,6 +16,7 @@ from typing import Any
 
 from edgefcl.config import RunConfig
 from edgefcl.logs import one_line
+from edgefcl.runtime.bodies import is_int, is_number
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.transport.codec import CodecError, Message, decode
 
@@ -66,14 +67,12 @@ class FleetView:
 
 def _num(v: Any) -> float | None:
     """A finite real number, or None for anything else."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) and abs(v) < 1e18 else None
+    return float(v) if is_number(v) and math.isfinite(v) and abs(v) < 1e18 else None
 
 
 def _int(v: Any) -> int | None:
     """An integer of at most 18 digits, or None for anything else."""
-    return v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 10**18 else None
+    return v if is_int(v) and abs(v) < 10**18 else None
 
 
 def _text(v: Any, size: int) -> str:
