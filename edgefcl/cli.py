@@ -85,6 +85,8 @@ BENCHES = {
     "fuzz": "mutated payloads through the aggregator's and the device's message handlers",
     "flood": "the aggregator process's resident memory under chunk and tensor-count floods "
              "over Mosquitto, with honest devices' rounds timed",
+    "async": "the async study: rules x timing profiles x datasets x seeds in process on the "
+             "virtual clock, against lock-step (A, F, worst task; table, JSON and plot)",
     "memory": "the memory study: selection rules x datasets x memory sizes x seeds (A, F as "
               "mean ± sample std, wall time per run; table, JSON and plot)",
 }
@@ -99,6 +101,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from edgefcl.bench_fleet import run_from_args
 
         return run_from_args(args, cfg, Path(cfg.out or "runs/bench"))
+    if args.what == "async":
+        from edgefcl.bench_async import run_from_args as run_async_study
+
+        return run_async_study(args, cfg, Path(cfg.out or "runs/bench"))
     if args.what == "shard":
         from edgefcl.bench_shard import bench_shard
 
@@ -209,9 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
     b = add_command(sub, "bench", "benchmarks that print numbers and write JSON",
                  " ".join(f"{name}: {text}." for name, text in BENCHES.items()), cmd_bench)
     b.add_argument("what", choices=list(BENCHES), help="what to benchmark")
-    b.add_argument("--datasets", default="digits,mnist1d,digits28",
-                   help="memory: comma-separated datasets (digits28: digits upscaled to 28x28 "
-                   "images; any --dataset spec such as npz:PATH) (default: %(default)s)")
+    b.add_argument("--datasets",
+                   help="memory, async: comma-separated datasets (digits28: digits upscaled to "
+                   "28x28 images; any --dataset spec such as npz:PATH) (default: memory "
+                   "digits,mnist1d,digits28; async digits,mnist1d)")
+    b.add_argument("--async-rules",
+                   help="async: comma-separated rules NAME[/FIELD=VALUE...] (presets in "
+                   "edgefcl/bench_async.py; default: lockstep and the async presets)")
+    b.add_argument("--profiles", help="async: comma-separated timing profiles (default: "
+                   "homogeneous,heterogeneous)")
     b.add_argument("--per-class", default="5,10,20,50",
                    help="memory: memory sizes in samples per class (default: %(default)s)")
     b.add_argument("--rules", default="er,cbr,bi,bi:bottom@on_change,bi:top,bi:step@on_change,"
@@ -219,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory: rules METHOD[:SELECTION][+past][@RESCORE] (default: "
                    "%(default)s)")
     b.add_argument("--jobs", type=int, default=1,
-                   help="memory: runs at once, each in its own process (same results; the "
+                   help="memory, async: runs at once, each in its own process (same results; the "
                    "wall times per run then include their contention) (default: %(default)s)")
     b.add_argument("--repeats", type=int, default=3, help="timing repeats (default: 3)")
     b.add_argument("--count", type=int, default=0,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgefcl.federation.staleness import STALENESS
 from edgefcl.tomlfields import apply_table, coerce_field
 
 
@@ -241,6 +242,22 @@ class FedConfig:
     round_max_mib: float = opt(64.0, "async: a round also closes as soon as the updates it "
                                "holds reach this many MiB (a FedBuff-style buffer that bounds "
                                "the aggregator's memory under load; 0: no bound)")
+    buffer: int = opt(0, "async: a round also closes as soon as it holds this many updates "
+                      "(FedBuff's K; 0: off)")
+    fold: str = opt("model", "async: what a round averages: model (the models as sent, the "
+                    "paper's rule) | delta (each update's change since the global it was trained "
+                    "from, applied to the current global: FedBuff; mix is the server learning "
+                    "rate); the registry is edgefcl.federation.folds")
+    staleness: str = opt("constant", "weight of an update based on a global tau versions old, "
+                         "in its round and in the round's mix: constant | polynomial "
+                         "((1+tau)^-a) | hinge (1 up to b, then 1/(a(tau-b)+1)) (FedAsync)")
+    staleness_a: float = opt(0.5, "the staleness rule's a")
+    staleness_b: float = opt(4.0, "the staleness rule's b (hinge)")
+    device_merge: str = opt("delta", "async: how a device merges a global it took part in: "
+                            "delta (theta_global + theta_now - theta_sent) | replace "
+                            "(theta_global) | staleness (theta_global + s(tau) (theta_now - "
+                            "theta_sent), tau: versions the global moved on since the update's "
+                            "base); the registry is edgefcl.learn.merges")
     max_backpressure: float = opt(8.0, "async: the most an overloaded aggregator stretches its "
                                   "devices' jump (backpressure factor on the retained config "
                                   "and status; 1: off)")
@@ -308,6 +325,11 @@ class RunConfig:
     seed: int = opt(0, "random seed (data split, class order, init, training)")
     seeds: int = opt(1, "number of seeds to run (seed, seed+1, ...); results as mean ± std")
     compare: str = opt("", "comma-separated methods to run side by side, e.g. bi,er,fedavg")
+    profile: str = opt(
+        "homogeneous", "async in process: the devices' timing on the virtual clock: "
+        "homogeneous | heterogeneous (10x spread of speeds, lognormal delays, 3 %% dropouts) | "
+        "trace:PATH (a JSON trace; an MQTT run writes its matched trace, timing_trace.json)"
+    )
     transport: str = opt(
         "inprocess", "inprocess (one process) | mqtt (aggregator, clients and replayer as "
         "separate processes talking through a broker)"
@@ -528,6 +550,9 @@ def validate(cfg: RunConfig) -> None:
         (f.sigma_floor >= 0, "sigma_floor must be >= 0"),
         (f.max_seq_gap >= 1, "max_seq_gap must be >= 1"),
         (f.max_backpressure >= 1, "max_backpressure must be >= 1 (1: off)"),
+        (f.buffer >= 0, "buffer must be >= 0 (0: off)"),
+        (f.staleness in STALENESS, f"staleness must be one of {', '.join(STALENESS)}"),
+        (f.staleness_a >= 0 and f.staleness_b >= 0, "staleness_a and staleness_b must be >= 0"),
         (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,
          "apc_l1, apc_l2 and apc_prune must be >= 0"),
         (0 < le.apc_send <= 1, "apc_send must be in (0, 1]"),

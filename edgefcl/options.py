@@ -15,7 +15,7 @@ from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml
 from edgefcl.errors import UserError
 
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
-RUN_ONLY = ("seeds", "compare", "transport", "out", "quiet")
+RUN_ONLY = ("seeds", "compare", "profile", "transport", "out", "quiet")
 """Run options that only `simulate` and `bench` use (several runs, a run directory)."""
 DAEMON_HELP = {"broker": "broker URL mqtt://HOST:PORT or mqtts://HOST:PORT (default: [mqtt] "
                f"broker of --config, else {DEFAULT_BROKER})"}

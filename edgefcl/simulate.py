@@ -1,10 +1,10 @@
-"""In-process simulation: K clients and the aggregator in one process, lock-step, deterministic
-for a seed. The networked runtime (`edgefcl.runtime`) drives the same objects over MQTT."""
+"""In-process simulation: K clients and the aggregator in one process, deterministic for a
+seed: lock-step here, async on a virtual clock (`edgefcl.sim.asynchronous`). The networked
+runtime (`edgefcl.runtime`) drives the same objects over MQTT."""
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -19,32 +19,27 @@ from edgefcl.build import (
 )
 from edgefcl.config import RunConfig
 from edgefcl.data.streams import count_batches
-from edgefcl.data.types import TaskData
 from edgefcl.data.workload import client_stream
 from edgefcl.federation.aggregator import Aggregator
-from edgefcl.federation.messages import GlobalModel, Update
+from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_message
 from edgefcl.learn.client import Client
-from edgefcl.learn.drift import stream_report
-from edgefcl.learn.export import architecture_spec, global_state
-from edgefcl.learn.params import global_sha256
-from edgefcl.metrics import CommStats, label_coverage
+from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult, cfg_dict  # noqa: F401  (re-exported)
-from edgefcl.transport import codec
-
-
-def evaluate_all(client: Client, tasks: list[TaskData]) -> np.ndarray:
-    """Accuracy of the client's model on every task's test data."""
-    return np.array([client.evaluate(t.x_test, t.y_test) for t in tasks])
+from edgefcl.sim.asynchronous import simulate_async
+from edgefcl.sim.outcome import encoded_size, evaluate_all, run_result  # noqa: F401  (re-exported)
 
 
 def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
              progress: Callable[[int, int, str], None] | None = None,
              observe: Callable[[Client], None] | None = None) -> RunResult:
-    """Run one in-process lock-step simulation and return its result. `observe` is called
-    with every client once it is built (benchmarks attach their probes)."""
+    """Run one in-process simulation (lock-step, or async on a virtual clock with the run's
+    timing profile) and return its result. `observe` is called with every client once it is
+    built (benchmarks attach their probes)."""
     method = method or cfg.learn.method
     seed = cfg.seed if seed is None else seed
+    if cfg.fed.mode == "async":
+        return simulate_async(cfg, method, seed, progress, observe)
     cfg = for_method(cfg, method)
     use_cpu_threads(cfg.learn.threads)
     start = time.perf_counter()
@@ -96,22 +91,7 @@ def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
                     [task.y_test for task in setup.tasks[k]])
         if progress is not None:
             progress(min(tick, total), total, f"rounds {agg.rounds}")
-    g = agg.global_
-    return RunResult(method, seed, acc, agg.rounds, comm, global_sha256(g.tensors, g.prototypes),
-                     cfg_dict(cfg, method, seed), time.perf_counter() - start,
-                     {"scored_samples": int(sum(c.scored for c in clients)),
-                      "batches": int(sum(c.batches for c in clients)),
-                      "timings": dict(sum((c.timings for c in clients), Counter())),
-                      "background_timings": dict(sum((c.background for c in clients),
-                                                     Counter())),
-                      "aggregator": dict(agg.counters),
-                      "model_spec": architecture_spec(cfg.learn.model, setup.dataset.sample_shape,
-                                               setup.dataset.n_classes, cfg.learn.hidden),
-                      "labels": (list(g.prototypes.labels) if g.prototypes is not None
-                                 else setup.dataset.labels),  # prototypes: library order
-                      **label_coverage(coverage, clients[0].protos is not None),
-                      **stream_report(clients)},
-                     global_state=global_state(clients[0], g))
+    return run_result(cfg, method, seed, setup, clients, agg, acc, coverage, comm, start)
 
 
 def _deliver(g: GlobalModel, clients: list[Client], comm: CommStats, cfg: RunConfig,
@@ -132,9 +112,3 @@ def _deliver(g: GlobalModel, clients: list[Client], comm: CommStats, cfg: RunCon
         comm.received(cid, size)
         total += size
     comm.per_round_down.append(total)
-
-
-def encoded_size(msg: Update | GlobalModel, cfg: RunConfig) -> int:
-    """Bytes the message occupies on the wire: its msgpack payload as the codec encodes it."""
-    wire = "<f2" if cfg.mqtt.wire_dtype == "float16" else None
-    return len(codec.encode(msg, fleet=cfg.mqtt.fleet, wire_dtype=wire))

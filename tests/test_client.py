@@ -11,6 +11,7 @@ from edgefcl.config import FedConfig, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.client import Client
+from edgefcl.learn.merges import MERGES
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 
@@ -81,14 +82,14 @@ def test_apply_global_replace_and_delta_merge():
     c.step(batch(0, 1, [0, 1]))
     u = c.step(batch(0, 2, [0, 1]))
     g = GlobalModel(1, {k: np.zeros_like(v) for k, v in u.tensors.items()}, ("c0",))
-    c.apply_global(g, "replace")
+    c.apply_global(g)
     assert all(np.all(v == 0) for v in get_tensors(c.model).values()) and c.version == 1
     c.step(batch(0, 3, [0, 1]))
     u2 = c.step(batch(0, 4, [0, 1]))
     assert c.step(batch(0, 5, [0, 1])) is None  # progress made after sending u2
     now = get_tensors(c.model)
     g2 = GlobalModel(2, {k: np.ones_like(v) for k, v in u2.tensors.items()}, ("c0",))
-    c.apply_global(g2, "delta")
+    c.apply_global(g2, MERGES["delta"])
     merged = get_tensors(c.model)
     for k in merged:
         np.testing.assert_allclose(merged[k], 1 + now[k] - u2.tensors[k], atol=1e-6)
@@ -131,7 +132,7 @@ def test_delta_merge_never_moves_batchnorm_statistics_below_zero():
     # a global whose running variances are far below what the client sent
     g = {k: (v * 1e-3 if "running_var" in k else v) for k, v in u.tensors.items()}
     c.sent = u.tensors
-    c.apply_global(GlobalModel(1, g, ("c0",)), "delta")
+    c.apply_global(GlobalModel(1, g, ("c0",)), MERGES["delta"])
     state = get_tensors(c.model)
     for k in state:
         if "running_var" in k:
@@ -213,7 +214,7 @@ def test_state_dict_lists_its_parts_explicitly():
                           "sample_shape", "monitor", "onnx", "prototypes", "base", "sent",
                           "downlink", "encoder", "hooks", "held"}
     assert set(state["counters"]) == {"score_version", "task", "bn", "samples_in_task",
-                                      "scored", "batches", "version", "seq"}
+                                      "scored", "batches", "version", "seq", "sent_base"}
     fresh = make_client()
     fresh.load_state_dict(state)
     assert (fresh.bn, fresh.seq, fresh.memory.size) == (c.bn, c.seq, c.memory.size)

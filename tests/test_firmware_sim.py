@@ -23,6 +23,7 @@ from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, apply
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.learn.client import Client
+from edgefcl.learn.merges import MERGES
 from edgefcl.learn.models import MLP
 from edgefcl.learn.params import get_tensors
 from edgefcl.runtime.links import NullLink
@@ -75,7 +76,8 @@ def drive(client: Client, bs: list[Batch]) -> None:
         upd = client.step(b)
         if upd is not None and upd.seq % 2 == 0:
             shrunk = {k: 0.9 * v for k, v in client.base.items()}
-            client.apply_global(GlobalModel(client.version + 1, shrunk, (client.cid,)), "delta")
+            client.apply_global(GlobalModel(client.version + 1, shrunk, (client.cid,)),
+                                MERGES["delta"])
 
 
 def roundtrip(state: dict) -> dict:

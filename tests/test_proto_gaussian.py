@@ -27,6 +27,7 @@ from edgefcl.federation.prototypes import (
     table_digest,
 )
 from edgefcl.learn.bayes import predict_logits
+from edgefcl.learn.merges import MERGES
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 from edgefcl.learn.prototypes import PrototypeLibrary, proto_model
@@ -250,7 +251,7 @@ def drive(c, bs):
             assert p.sigmas is not None and check_table(p, p.width) is None
             shrunk = PrototypeTable(p.labels, 0.9 * p.rows, p.counts, 0.9 * p.sigmas)
             c.apply_global(GlobalModel(c.version + 1, {k: 0.9 * v for k, v in c.base.items()},
-                                       (c.cid,), shrunk), "delta")
+                                       (c.cid,), shrunk), MERGES["delta"])
 
 
 def test_training_moves_the_rows_sigmas_and_a_checkpoint_restores_them_bit_for_bit():

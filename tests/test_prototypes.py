@@ -31,6 +31,7 @@ from edgefcl.federation.prototypes import (
     feature_width,
 )
 from edgefcl.learn.global_format import global_tensors
+from edgefcl.learn.merges import MERGES
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 from edgefcl.learn.prototypes import ProtoNet, PrototypeLibrary, proto_model
@@ -562,7 +563,7 @@ def test_checkpoint_restores_a_prototype_client_bit_for_bit():
                 shrunk = PrototypeTable(p.labels, 0.9 * p.rows, p.counts)
                 c.apply_global(GlobalModel(c.version + 1, {k: 0.9 * v for k, v in
                                                            c.base.items()}, (c.cid,), shrunk),
-                               "delta")
+                               MERGES["delta"])
 
     a = make()
     drive(a, bs[:6])

@@ -23,6 +23,7 @@ import numpy as np
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.prototypes import MAX_ROW_ABS
+from edgefcl.federation.staleness import Constant, staleness_rule
 
 MAX_VALUE = MAX_ROW_ABS
 """Largest magnitude of a value in an update: the bound every device checks a global against
@@ -130,9 +131,11 @@ class Strategy:
     def __init__(self, fed: FedConfig, spec: Spec) -> None:
         self.fed = fed
         self.spec = dict(spec)
-        self.mix_weight = fed.mix
+        self.mix_base = fed.mix
+        self.staleness = staleness_rule(fed.staleness, fed.staleness_a, fed.staleness_b)
         self.counts: Counter[str] = Counter()
         self.round = RoundInput(-1, {})
+        self.fresh = [0.0, 0.0]
         self.reset()
 
     # -- the contract ----------------------------------------------------------------------
@@ -140,6 +143,7 @@ class Strategy:
         """Open a round: fresh accumulators and counters."""
         self.round = rnd
         self.counts = Counter()
+        self.fresh = [0.0, 0.0]
         self.reset()
 
     def add(self, update: Update) -> None:
@@ -150,6 +154,36 @@ class Strategy:
         """The new global: the round's estimate mixed with `previous`."""
         new, sent = self.estimate(previous)
         return self.mix(new, previous, sent)
+
+    def discount(self, update: Update) -> float:
+        """The staleness rule's weight of `update` (1 for one trained from the global the
+        round replaces), noted for the round's mix (`mix_weight`). Rules that weigh updates
+        multiply their weight by it."""
+        if isinstance(self.staleness, Constant):
+            return 1.0
+        d = self.staleness(max(self.round.version - update.base_version, 0))
+        n = float(max(update.num_samples, 1))
+        self.fresh[0] += n * d
+        self.fresh[1] += n
+        return d
+
+    @property
+    def mix_weight(self) -> float:
+        """`mix` times the round's sample-weighted mean staleness weight (FedAsync's
+        alpha * s(tau)); `mix` itself under the constant rule."""
+        if not self.fresh[1]:
+            return self.mix_base
+        return self.mix_base * self.fresh[0] / self.fresh[1]
+
+    def fresh_partial(self) -> dict:
+        """The staleness weights noted so far, for a partial (`merge_fresh` adds them)."""
+        return {"fresh": {"weight": self.fresh[0], "count": self.fresh[1]}}
+
+    def merge_fresh(self, partial: dict) -> None:
+        """Add a partial's staleness weights (none in a partial of the constant rule)."""
+        fresh = partial.get("fresh") or {}
+        self.fresh[0] += float(fresh.get("weight", 0.0))
+        self.fresh[1] += float(fresh.get("count", 0.0))
 
     def counters(self) -> Counter[str]:
         """What this round counted (added to the aggregator's counters when it closes)."""
@@ -188,18 +222,20 @@ class FedAvg(Strategy):
         self.acc = WeightedSum()
 
     def add(self, update: Update) -> None:
-        self.acc.add(update.tensors, float(max(update.num_samples, 1)))
+        self.acc.add(update.tensors, float(max(update.num_samples, 1)) * self.discount(update))
 
     def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
         return self.acc.mean(), None
 
     def partial(self) -> dict:
         """{"weight": w, "sums": {name: float64 sum of w * tensor}}."""
-        return {"weight": self.acc.weight, "sums": dict(self.acc.sums or {})}
+        return {"weight": self.acc.weight, "sums": dict(self.acc.sums or {}),
+                **self.fresh_partial()}
 
     def merge(self, partial: dict) -> None:
         """Add another shard's `partial()`."""
         merge_weighted_sum(self.acc, partial)
+        self.merge_fresh(partial)
 
 
 class ClassWeightedFedAvg(Strategy):
@@ -214,9 +250,11 @@ class ClassWeightedFedAvg(Strategy):
 
     def add(self, update: Update) -> None:
         counts = update.class_counts or {-1: update.num_samples}
+        d = self.discount(update)
         for c, n in sorted(counts.items()):
             if n > 0:
-                self.per_class.setdefault(int(c), WeightedSum()).add(update.tensors, float(n))
+                self.per_class.setdefault(int(c), WeightedSum()).add(update.tensors,
+                                                                     float(n) * d)
 
     def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
         if not self.per_class:
@@ -227,12 +265,14 @@ class ClassWeightedFedAvg(Strategy):
     def partial(self) -> dict:
         """{"classes": {class: {"weight": w, "sums": {...}}}} (class ids as strings)."""
         return {"classes": {str(c): {"weight": a.weight, "sums": dict(a.sums or {})}
-                            for c, a in sorted(self.per_class.items())}}
+                            for c, a in sorted(self.per_class.items())},
+                **self.fresh_partial()}
 
     def merge(self, partial: dict) -> None:
         """Add another shard's `partial()`, class by class."""
         for c, p in sorted(partial["classes"].items(), key=lambda kv: int(kv[0])):
             merge_weighted_sum(self.per_class.setdefault(int(c), WeightedSum()), p)
+        self.merge_fresh(partial)
 
 
 def merge_weighted_sum(acc: WeightedSum, partial: dict) -> None:

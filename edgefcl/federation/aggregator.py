@@ -9,10 +9,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from edgefcl.config import FedConfig
+from edgefcl.config import ConfigError, FedConfig
 from edgefcl.federation.admission import Admission
 from edgefcl.federation.aggregation import RoundInput, Strategy
 from edgefcl.federation.encodings import Encoding
+from edgefcl.federation.folds import FOLDS, Fold
 from edgefcl.federation.global_check import published_fault
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
@@ -75,6 +76,46 @@ def decode_updates(encoding: Encoding, updates: list[Update], counters: Counter)
     return out
 
 
+def get_fold(name: str) -> Fold:
+    """The fold rule `name`; ConfigError listing the rules otherwise."""
+    fold = FOLDS.get(name)
+    if fold is None:
+        raise ConfigError(f"unknown fold '{name}'; choose from {', '.join(FOLDS)}")
+    return fold
+
+
+def note_round(updates: list[Update], version: int, counters: Counter,
+               whole: bool = True) -> None:
+    """Count what a round folds: its size (`round_size_<n>`, unless not `whole`: a shard
+    worker's part) and each update's staleness, the versions between its base and the global
+    it replaces (`folded_staleness_<tau>`); the same counters in process and over MQTT
+    (`async_stats` summarises them)."""
+    if whole:
+        counters[f"round_size_{len(updates)}"] += 1
+    for u in updates:
+        counters[f"folded_staleness_{max(version - u.base_version, 0)}"] += 1
+
+
+def async_stats(counters: dict) -> dict:
+    """Rounds, updates per round and staleness of the folded updates (mean and histogram),
+    and what was dropped, from an aggregator's counters."""
+    def hist(prefix: str) -> dict[int, int]:
+        return {int(k[len(prefix):]): int(v) for k, v in sorted(counters.items())
+                if k.startswith(prefix) and k[len(prefix):].isdigit()}
+
+    sizes, stale = hist("round_size_"), hist("folded_staleness_")
+    rounds, folded = sum(sizes.values()), sum(stale.values())
+
+    def mean(h: dict[int, int], n: int) -> float:
+        return round(sum(k * v for k, v in h.items()) / n, 3) if n else 0.0
+
+    return {"rounds": rounds, "folded": folded, "updates_per_round": mean(sizes, rounds),
+            "round_sizes": sizes, "staleness_mean": mean(stale, folded),
+            "staleness": stale, "dropped_stale": int(counters.get("rejected_stale", 0)),
+            "replaced": int(counters.get("replaced", 0)),
+            "closed_buffer": int(counters.get("closed_buffer", 0))}
+
+
 class Aggregator:
     """Validates updates, schedules rounds (lock-step ticks or async quorum + timeout),
     aggregates them and versions the global model.
@@ -130,6 +171,7 @@ class Aggregator:
         replaced, never changed in place, so that `mark` holds it by reference."""
         self._round = _Round()
         self.encoding = get_encoding(fed.encoding)
+        self.fold = get_fold(fed.fold)
         self.strategy = self._new_strategy()
 
     def _new_strategy(self) -> Strategy:
@@ -249,6 +291,9 @@ class Aggregator:
             return None
         if self.active <= rnd.reported:
             return self._close_round(None)
+        if self.fed.buffer and len(rnd.updates) >= self.fed.buffer:
+            self.counters["closed_buffer"] += 1  # FedBuff: every K updates
+            return self._close_round(None)
         if self._round_full():
             self.counters["closed_full"] += 1  # bounded memory: the buffer is full
             return self._close_round(None)
@@ -318,8 +363,9 @@ class Aggregator:
         seqs = {u.client: u.seq for u in decoded}
         self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
                                                  self.history.get, participants))
-        updates = prepare_round(decoded, self.global_.tensors, self.fed, self.counters,
-                                self.encoding.form)
+        updates = prepare_round(self.folded(decoded), self.global_.tensors, self.fed,
+                                self.counters, self.encoding.form)
+        note_round(updates, self.global_.version, self.counters)
         for u in updates:
             self.strategy.add(u)
         tensors = self.strategy.result(self.global_.tensors)
@@ -336,6 +382,13 @@ class Aggregator:
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants, seqs)
+
+    def folded(self, decoded: list[Update]) -> list[Update]:
+        """The round's decoded updates as the fold rule (`fed.fold`) has them averaged."""
+        if self.encoding.form != "dense":
+            return decoded  # other forms carry their own base (folds.py)
+        return self.fold.apply(decoded, self.global_.tensors, self.global_.version,
+                               self.history.get, self.counters)
 
     # -- prototype library (head prototypes; federation/prototypes.py) ---------------------
     def _check_prototypes(self, msg: Update) -> str | None:

@@ -40,7 +40,7 @@ class APCFedAvg(Strategy):
 
     def add(self, update: Update) -> None:
         payload = decode_payload(update.tensors, self.spec, self.forms, kb=True)
-        w = float(max(update.num_samples, 1))
+        w = float(max(update.num_samples, 1)) * self.discount(update)
         for name, pos, vals in entries(payload, None):
             self.acc.add(name, int(np.prod(self.spec[name])), pos, vals, w)
         for name, t in payload.dense.items():

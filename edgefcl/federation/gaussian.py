@@ -149,8 +149,10 @@ class GaussianStrategy(Strategy):
 
     def add(self, update: Update) -> None:
         bases, plain = split_wire(update.tensors)
+        d = self.discount(update)  # plain tensors' weight and the round's mix
         if plain:
-            self.plain.add({k: update.tensors[k] for k in plain}, float(max(update.num_samples, 1)))
+            self.plain.add({k: update.tensors[k] for k in plain},
+                           float(max(update.num_samples, 1)) * d)
         self._add_gaussians(update, bases)
 
     def _add_gaussians(self, update: Update, bases: list[str]) -> None:
@@ -227,11 +229,12 @@ class Conflation(GaussianStrategy):
         sums with the number of clients."""
         return {"plain": {"weight": self.plain.weight, "sums": dict(self.plain.sums or {})},
                 "prec": dict(self.sums.prec), "eta": dict(self.sums.eta),
-                "count": self.sums.count}
+                "count": self.sums.count, **self.fresh_partial()}
 
     def merge(self, partial: dict) -> None:
         """Add another shard's `partial()`."""
         merge_weighted_sum(self.plain, partial["plain"])
+        self.merge_fresh(partial)
         for b in sorted(partial["prec"]):
             prec = np.asarray(partial["prec"][b], np.float64)
             if b not in self.sums.prec:
@@ -275,12 +278,13 @@ class MomentMatching(GaussianStrategy):
         return {"plain": {"weight": self.plain.weight, "sums": dict(self.plain.sums or {})},
                 "first": {"weight": self.first.weight, "sums": dict(self.first.sums or {})},
                 "second": {"weight": self.second.weight, "sums": dict(self.second.sums or {})},
-                "origin": dict(self.origin)}
+                "origin": dict(self.origin), **self.fresh_partial()}
 
     def merge(self, partial: dict) -> None:
         """Add another shard's `partial()`; its second moments are moved to this instance's
         origins: sum w (x - o)^2 = sum w (x - o')^2 + 2 (o' - o) (sum w x - W o') + W (o' - o)^2."""
         merge_weighted_sum(self.plain, partial["plain"])
+        self.merge_fresh(partial)
         first, second = partial["first"], partial["second"]
         if not first["sums"]:
             return

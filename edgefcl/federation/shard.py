@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregation import RoundInput
-from edgefcl.federation.aggregator import Aggregator, RoundClosed, _Round, decode_updates
+from edgefcl.federation.aggregator import (
+    Aggregator,
+    RoundClosed,
+    _Round,
+    decode_updates,
+    note_round,
+)
 from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.prototypes import PrototypeTable
 from edgefcl.federation.registry import get_encoding
@@ -136,7 +142,10 @@ class ShardWorker(Aggregator):
         participants = tuple(u.client for u in decoded)
         self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
                                                  self.history.get, participants))
-        for u in prepare_round(decoded, self.global_.tensors, self.fed, c, self.encoding.form):
+        updates = prepare_round(self.folded(decoded), self.global_.tensors, self.fed, c,
+                                self.encoding.form)
+        note_round(updates, self.global_.version, c, whole=False)
+        for u in updates:
             self.strategy.add(u)
         c.update(self.strategy.counters())
         self.counters.update(c)

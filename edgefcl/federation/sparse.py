@@ -33,6 +33,7 @@ import numpy as np
 
 from edgefcl.federation.aggregation import MAX_VALUE, Spec, Strategy, check_tensor
 from edgefcl.federation.encodings import Encoding
+from edgefcl.federation.folds import FOLDS
 from edgefcl.federation.indexing import INDEX_FORMATS, decode_positions, encode_cheapest
 from edgefcl.federation.indexing.base import SparseError
 from edgefcl.federation.indexing.gaps import (  # noqa: F401  (re-exported)
@@ -352,6 +353,8 @@ class SparseFedAvg(Strategy):
         self.acc = EntrySums()
 
     def _base(self, version: int) -> Tensors:
+        if FOLDS[self.fed.fold].onto_current:
+            return self.round.previous  # the delta fold: every delta onto the current global
         base = self.round.bases(version)
         if base is None:
             self.counts["sparse_rebased"] += 1
@@ -362,7 +365,7 @@ class SparseFedAvg(Strategy):
         base = self._base(update.base_version)
         spec = {k: v.shape for k, v in base.items()}
         payload = decode_payload(update.tensors, spec, self.forms)
-        w = float(max(update.num_samples, 1))
+        w = float(max(update.num_samples, 1)) * self.discount(update)
         for name, pos, vals in entries(payload, base):
             self.acc.add(name, base[name].size, pos, vals, w)
         for name, t in payload.dense.items():
@@ -375,7 +378,8 @@ class SparseFedAvg(Strategy):
     def partial(self) -> dict:
         """Per tensor, the flat per-entry sums of weight * absolute value and of weight (the
         deltas were already turned into absolute values against their base)."""
-        return {"sums": dict(self.acc.sums), "weights": dict(self.acc.weights)}
+        return {"sums": dict(self.acc.sums), "weights": dict(self.acc.weights),
+                **self.fresh_partial()}
 
     def merge(self, partial: dict) -> None:
         """Add another shard's `partial()`, entry by entry."""
@@ -385,6 +389,7 @@ class SparseFedAvg(Strategy):
                 self.acc.sums[k], self.acc.weights[k] = np.zeros_like(s), np.zeros_like(s)
             self.acc.sums[k] += s
             self.acc.weights[k] += np.asarray(partial["weights"][k], np.float64).ravel()
+        self.merge_fresh(partial)
 
 
 def payload_reason(tensors: Tensors, spec: Spec, forms: frozenset[str],

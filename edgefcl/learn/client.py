@@ -24,6 +24,7 @@ from edgefcl.learn.checkpoint import (
     load_data_attrs,
 )
 from edgefcl.learn.learner import Learner
+from edgefcl.learn.merges import REPLACE, MergeRule, local_weight
 from edgefcl.learn.objectives import MethodHooks
 from edgefcl.learn.params import get_tensors, set_tensors
 
@@ -62,6 +63,8 @@ class Client:
         self.base = get_tensors(learner.model)  # state of the last global merged
         self.downlink = DownlinkState(self.base)  # turns delta globals into whole ones
         self.sent: dict[str, np.ndarray] | None = None
+        self.sent_base = 0
+        """The version of the global the last update sent was trained from."""
         self.pace: Callable[[], bool] | None = None
         """Asked at every due update whether to send it (None: always); a held update keeps
         its sequence number and is not encoded, unless it is the last of the stream
@@ -141,6 +144,7 @@ class Client:
     def _update(self, task: int, batch: int, samples: int,
                 class_counts: dict[int, int]) -> Update:
         self.sent = get_tensors(self.learner.model)
+        self.sent_base = self.version
         payload = self.encoder.encode(self.sent, self.base)
         protos = self.learner.protos
         return Update(self.cid, self.version, self.seq, task, batch, samples, payload,
@@ -159,7 +163,8 @@ class Client:
         last state sent (`sent`), the downlink, encoder (error feedback) and hooks state."""
         state = {"format": FORMAT, "fingerprint": fingerprint(self.cid, self.learn, self.fed),
                  **self.learner.state_dict()}
-        state["counters"] = {**state["counters"], "version": self.version, "seq": self.seq}
+        state["counters"] = {**state["counters"], "version": self.version, "seq": self.seq,
+                             "sent_base": self.sent_base}
         state["held"] = None if self.held is None else [*self.held[:3], dict(self.held[3])]
         state["base"] = {k: np.array(v, copy=True) for k, v in self.base.items()}
         state["sent"] = None if self.sent is None else {k: np.array(v, copy=True)
@@ -175,6 +180,7 @@ class Client:
         self.learner.load_state_dict(state)
         self.version = state["counters"]["version"]
         self.seq = state["counters"]["seq"]
+        self.sent_base = int(state["counters"].get("sent_base", 0))
         held = state.get("held")  # absent from checkpoints of earlier versions
         self.held = None if held is None else (
             int(held[0]), int(held[1]), int(held[2]), {int(c): int(n) for c, n in held[3].items()})
@@ -186,30 +192,24 @@ class Client:
         load_data_attrs(self.hooks, state["hooks"], dev)
 
     # -- federation -----------------------------------------------------------------------
-    def apply_global(self, g: GlobalModel, merge: str = "replace") -> None:
-        """Merge a global model this client took part in.
-
-        replace: theta = theta_global (lock-step, Algorithm 1).
-        delta: theta = theta_global + (theta_now - theta_sent) for the learned parameters,
-        keeping the progress made since the update was sent (async); statistics buffers
-        (BatchNorm) take the global's value.
-        The model as it was just before the merge becomes the scoring snapshot.
-        `g` may be a delta from the version this client holds (sparse downlink).
+    def apply_global(self, g: GlobalModel, rule: MergeRule = REPLACE) -> None:
+        """Merge a global model this client took part in, by `rule` (`learn/merges.py`):
+        replace (lock-step, Algorithm 1), or an async rule that keeps the progress made since
+        the update was sent. The model as it was just before the merge becomes the scoring
+        snapshot. `g` may be a delta from the version this client holds (sparse downlink).
         """
         g = self.downlink.resolve(g)
         self.learner.snapshot()
         now = get_tensors(self.model)
         merged = self.encoder.decode_global(g.tensors, now)
         self.base = merged
-        if merge == "delta" and self.sent is not None:
-            # Only learned parameters are additive: BatchNorm statistics take the global's
-            # value (a running variance moved by a delta can turn negative: NaN in eval mode).
-            params = dict(self.model.named_parameters())
-            merged = {k: merged[k] + (now[k] - self.sent[k]) if k in params else merged[k]
-                      for k in merged}
+        if rule is not REPLACE:
+            params = {k for k, _ in self.model.named_parameters()}
+            weight = local_weight(rule, self.fed, g.version - self.sent_base)
+            merged = rule.apply(merged, now, self.sent, params, weight)
         set_tensors(self.model, merged)
         if self.protos is not None:
-            self.protos.merge(g.prototypes, merge)
+            self.protos.merge(g.prototypes, rule.keeps_local)
         self.version = g.version
         self.hooks.on_global(self, g)
         if self.onnx is not None:

@@ -133,10 +133,12 @@ class PrototypeHead:
             return self.library.likelihood_table(self.sent)
         return self.sent
 
-    def merge(self, table: PrototypeTable | None, merge: str) -> None:
+    def merge(self, table: PrototypeTable | None, keeps_local: bool) -> None:
+        """Take the global library; `keeps_local`: rows this device sent keep their progress
+        since (the async delta merges)."""
         if table is None or not self.share:
             return
-        self.library.merge(table, self.sent if merge == "delta" else None)
+        self.library.merge(table, self.sent if keeps_local else None)
 
     def snapshot_into(self, snapshot: ProtoNet) -> None:
         """The scoring snapshot's classifier: the rows of the labels this device trained on

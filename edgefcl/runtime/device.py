@@ -28,6 +28,7 @@ from edgefcl.federation.versions import (
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.global_format import global_tensors
+from edgefcl.learn.merges import CAUGHT_UP, MERGED, merge_global
 from edgefcl.metrics import forgetting
 from edgefcl.runtime.backpressure import Pacer, advertised
 from edgefcl.runtime.bodies import body_fault
@@ -98,6 +99,10 @@ class DeviceRunner:
         aggregator it was sent to, from its retained config)."""
         self.rejected = 0
         self.duplicates = 0
+        self.first_batch: float | None = None
+        self.stream_s = 0.0
+        """Seconds from the first mini-batch to the end of the stream (the matched timing
+        profile of an MQTT run reads it: `edgefcl.sim.profiles`)."""
         # every global is checked against this device's own model before it is adopted
         self.global_spec = tensor_spec(global_tensors(client.model, cfg.fed.encoding))
         protos = client.protos  # head prototypes with a shared library: rows of its width
@@ -363,6 +368,8 @@ class DeviceRunner:
                  self.cfg.mqtt.fleet, self.cfg.fed.mode)
         try:
             for batch in self._stream():
+                if self.first_batch is None:
+                    self.first_batch = time.monotonic()
                 self.before_batch(batch)
                 self._wait(lambda: True if not self.paused else None)
                 upd = self.client.step(batch)
@@ -383,6 +390,8 @@ class DeviceRunner:
                 if self.consumed % self.status_every == 0:
                     self._status("online")
                 self.after_batch(batch)
+            if self.first_batch is not None:
+                self.stream_s = time.monotonic() - self.first_batch
             if not sync:
                 final = self.client.held_update()  # the last mini-batches reach the fleet
                 if final is not None:
@@ -430,22 +439,19 @@ class DeviceRunner:
                 log.warning("%s: tick %d answered with version %d, which never came; going "
                             "on without it", self.cid, tick, version)
                 return
-            self.client.apply_global(g, "replace")
+            self.client.apply_global(g)
             self.rounds += 1
 
     def _merge_async(self) -> None:
         with self.cond:
             g = self.latest
-        if g is None or g.version <= self.client.version:
+        if g is None:
             return
-        if self.cid in g.participants:
-            self.client.apply_global(g, "delta")
+        done = merge_global(self.client, g, self.cfg.fed)  # the simulator's decision too
+        if done == MERGED:
             self.rounds += 1
             self.unanswered = 0
-        elif g.version - self.client.version > self.cfg.fed.max_staleness // 2:
-            # back from a reboot or a long outage: its updates would soon all be rejected as
-            # stale and it would never take part (and merge) again, so it catches up
-            self.client.apply_global(g, "delta")
+        elif done == CAUGHT_UP:
             self.catch_ups += 1
 
     def _aggregator(self) -> str | None:
@@ -510,7 +516,8 @@ class DeviceRunner:
                "timings": dict(c.timings), "link": self.link.counters() if self.link else {},
                "rejected": self.rejected, "rejections": dict(self.rejections),
                "duplicate_batches": self.duplicates,
-               "catch_ups": self.catch_ups, "held_backpressure": self.pacer.held}
+               "catch_ups": self.catch_ups, "held_backpressure": self.pacer.held,
+               "stream_s": round(self.stream_s, 3)}
         if len(self.acc):
             acc = np.nan_to_num(self.acc)
             out["accuracy"] = float(100 * acc[-1].mean())

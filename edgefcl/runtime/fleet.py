@@ -21,6 +21,7 @@ from edgefcl.build import Setup, initial_global, make_client, prepare
 from edgefcl.config import RunConfig, dump_toml
 from edgefcl.data.streams import count_batches
 from edgefcl.data.workload import client_id
+from edgefcl.federation.aggregator import async_stats
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.prototypes import split_table
 from edgefcl.learn.drift import summarize_drift
@@ -31,6 +32,7 @@ from edgefcl.results import RunResult, cfg_dict
 from edgefcl.runtime.launcher import start_role, warm_up
 from edgefcl.runtime.links import open_link
 from edgefcl.runtime.supervisor import Deadline, FleetError, FleetProgress, Supervisor
+from edgefcl.sim.profiles import matched_trace
 from edgefcl.statefiles import load_json, load_tensors, save_tensors
 from edgefcl.transport.broker import EmbeddedBroker
 
@@ -123,9 +125,11 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
     comm = CommStats()
     extra = {"scored_samples": 0, "batches": 0, "timings": {}}
     prequential, drift = {}, {}
+    per_device: list[dict] = []
     coverage: dict[str, list] = {"known_labels": [], "unknown_label_test_samples": []}
     for k in range(K):
         r = json.loads((results_dir / f"{client_id(k)}.json").read_text())
+        per_device.append(r)
         acc[k] = np.asarray(r["accuracy_matrix"])
         for key, rows in coverage.items():
             if key in r:  # prototype head
@@ -149,6 +153,9 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
     state = load_json(state_dir / "state.json")
     tensors, library = split_table(load_tensors(state_dir / "global.npz"))
     extra["aggregator"] = state.get("counters", {})
+    if cfg.fed.mode == "async":  # the counters the async simulator reports, and its profile
+        extra["asynchrony"] = async_stats(extra["aggregator"])
+        extra["timing_trace"] = matched_trace(per_device)
     rounds_log = state_dir / "rounds.jsonl"
     for line in rounds_log.read_text().splitlines() if rounds_log.exists() else []:
         entry = json.loads(line)

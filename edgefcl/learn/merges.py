@@ -1,0 +1,96 @@
+"""Device-side merge rules: how a device takes a global it took part in while it kept
+training (async). One function per rule; `MERGES` is the registry, `get_merge` looks one up.
+
+Each rule gets the global decoded into model state (`merged`), the model now (`now`), the
+state it last sent (`sent`), the names of the learned parameters (statistics such as
+BatchNorm running means and variances always take the global's value: a variance moved by a
+delta can turn negative) and `tau`, the versions the global moved on since the base of the
+update it counts. `merge_global` is the async device's one decision, shared by the daemon's
+device (`runtime/device.py`) and the in-process simulator (`edgefcl.asyncsim`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgefcl.config import ConfigError, FedConfig
+from edgefcl.federation.messages import GlobalModel
+from edgefcl.federation.staleness import staleness_rule
+
+State = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class MergeRule:
+    """One merge rule: `keeps_local` says whether the device's prototype rows keep their
+    progress since sending too (row = global + now - sent)."""
+
+    name: str
+    apply: Callable[[State, State, State | None, set[str], float], State]
+    keeps_local: bool
+
+
+def replace(merged: State, now: State, sent: State | None, params: set[str],
+            weight: float) -> State:
+    """theta = theta_global (lock-step, Algorithm 1)."""
+    return merged
+
+
+def delta(merged: State, now: State, sent: State | None, params: set[str],
+          weight: float) -> State:
+    """theta = theta_global + weight * (theta_now - theta_sent) for the learned parameters:
+    the progress made since the update was sent is kept (weight 1: the plain delta merge)."""
+    if sent is None:
+        return merged
+    return {k: merged[k] + weight * (now[k] - sent[k]) if k in params else merged[k]
+            for k in merged}
+
+
+MERGES = {r.name: r for r in (
+    MergeRule("replace", replace, False),
+    MergeRule("delta", delta, True),
+    MergeRule("staleness", delta, True),
+)}
+"""Rule name -> rule. `staleness` is the delta merge with weight s(tau) of the run's
+staleness rule (`--staleness`): the further the global moved on, the less local drift is
+added to it."""
+
+REPLACE = MERGES["replace"]
+MERGED, CAUGHT_UP = "merged", "caught_up"
+"""What `merge_global` did."""
+
+
+def get_merge(name: str) -> MergeRule:
+    """The merge rule `name`; ConfigError listing the rules otherwise."""
+    rule = MERGES.get(name)
+    if rule is None:
+        raise ConfigError(f"unknown device_merge '{name}'; choose from {', '.join(MERGES)}")
+    return rule
+
+
+def local_weight(rule: MergeRule, fed: FedConfig, tau: int) -> float:
+    """The weight of the local progress the rule adds back (1 but for `staleness`)."""
+    if rule is MERGES["staleness"]:
+        return staleness_rule(fed.staleness, fed.staleness_a, fed.staleness_b)(tau)
+    return 1.0
+
+
+def merge_global(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
+    """Async: what a device does with the newest global `g` before its next mini-batch.
+    "merged" when it took part (the run's `device_merge` rule), "caught_up" when it did not
+    but is more than half of `max_staleness` versions behind (back from a reboot or a long
+    outage: its updates would soon all be rejected as stale, so it catches up with the
+    delta rule), None when it keeps training on its own model."""
+    if g.version <= client.version:
+        return None
+    if client.cid in g.participants:
+        client.apply_global(g, get_merge(fed.device_merge))
+        return MERGED
+    if g.version - client.version > fed.max_staleness // 2:
+        client.apply_global(g, MERGES["delta"])
+        return CAUGHT_UP
+    return None

@@ -1,0 +1,229 @@
+"""The async fleet on a virtual clock: the same `Aggregator` the daemon wraps and the same
+`Client` and merge decision (`learn.merges.merge_global`) the daemon's devices run, with the
+broker replaced by delays drawn from a timing profile (`profiles.py`).
+
+Per device, as `runtime/device.py` does over MQTT: train a mini-batch (its compute time), send
+the update when the schedule says so (it reaches the aggregator after the uplink delay), merge
+the newest global it has received, evaluate at the end of a task. At the end of its stream a
+device sends its held update and waits, up to `round_timeout` + 1 s, for a global that counts
+its last update, then reports done (the aggregator stops waiting for it). Globals reach every
+device after its downlink delay; a device keeps only the newest (the retained global at QoS 0).
+A dropout takes a device off for a while: it trains nothing, and on reconnect receives the
+retained global. The aggregator polls its timeouts every `POLL_S` virtual seconds, as the
+daemon does between inbox reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from edgefcl.build import (
+    for_method,
+    initial_global,
+    initial_prototypes,
+    make_client,
+    prepare,
+    use_cpu_threads,
+)
+from edgefcl.config import RunConfig
+from edgefcl.data.streams import count_batches
+from edgefcl.data.types import Batch
+from edgefcl.data.workload import client_stream
+from edgefcl.federation.aggregator import Aggregator, RoundClosed, async_stats
+from edgefcl.federation.messages import GlobalModel, Update
+from edgefcl.learn.client import Client
+from edgefcl.learn.merges import MERGED, merge_global
+from edgefcl.metrics import CommStats
+from edgefcl.results import RunResult
+from edgefcl.sim.clock import VirtualClock
+from edgefcl.sim.outcome import encoded_size, evaluate_all, run_result
+from edgefcl.sim.profiles import DeviceClock, timings
+
+POLL_S = 0.1
+"""How often the aggregator checks its round timeout and silent clients (virtual seconds)."""
+
+
+class SimDevice:
+    """One device's state in the simulator."""
+
+    def __init__(self, k: int, client: Client, stream: Iterator[Batch], clock: DeviceClock):
+        self.k = k
+        self.client = client
+        self.stream = stream
+        self.clock = clock
+        self.latest: GlobalModel | None = None
+        self.unanswered = False
+        self.last_base = 0
+        self.waiting_until: float | None = None
+        self.done = False
+        self.drops = 0
+        self.offline_s = 0.0
+
+
+class AsyncFleet:
+    """The event handlers of one async run (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, agg: Aggregator, devices: list[SimDevice],
+                 on_task_end: Callable[[SimDevice, int], None],
+                 progress: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.fed = cfg.fed
+        self.agg = agg
+        self.devices = devices
+        self.clock = VirtualClock()
+        self.comm = CommStats()
+        self.on_task_end = on_task_end
+        self.progress = progress
+        self.round_up = 0
+
+    def run(self) -> None:
+        for d in self.devices:
+            self.agg.join(d.client.cid, 0.0)
+            self.clock.at(d.clock.compute(), self.batch, d)
+        self.clock.at(POLL_S, self.poll)
+        self.clock.run()
+
+    # -- devices ---------------------------------------------------------------------------
+    def batch(self, d: SimDevice) -> None:
+        """The device finished training its next mini-batch."""
+        b = next(d.stream, None)
+        if b is None:
+            self.end_of_stream(d)
+            return
+        upd = d.client.step(b)
+        if upd is not None:
+            self.send(d, upd)
+        self.merge(d)
+        if b.end_of_task:
+            self.on_task_end(d, b.task)
+        self.progress()
+        off = d.clock.drops()
+        if off is not None:  # off the network; back with the retained global
+            d.drops += 1
+            d.offline_s += off
+            self.clock.after(off, self.reconnect, d)
+            return
+        self.clock.after(d.clock.compute(), self.batch, d)
+
+    def reconnect(self, d: SimDevice) -> None:
+        g = self.agg.global_
+        if g.version > 0:
+            self.clock.at(d.clock.arrival(self.clock.now, "down"), self.receive, d, g)
+        self.clock.after(d.clock.compute(), self.batch, d)
+
+    def send(self, d: SimDevice, upd: Update) -> None:
+        size = encoded_size(upd, self.cfg)
+        self.comm.sent(d.client.cid, size)
+        self.round_up += size
+        d.unanswered, d.last_base = True, upd.base_version
+        self.clock.at(d.clock.arrival(self.clock.now, "up"), self.arrive, upd)
+
+    def merge(self, d: SimDevice) -> None:
+        if d.latest is not None and merge_global(d.client, d.latest, self.fed) == MERGED:
+            d.unanswered = False
+
+    def receive(self, d: SimDevice, g: GlobalModel) -> None:
+        """A global reached the device (it keeps the newest); a device waiting at the end of
+        its stream merges at once."""
+        if d.done or (d.latest is not None and d.latest.version >= g.version):
+            return
+        d.latest = g
+        if d.waiting_until is not None:
+            self.merge(d)
+            if not d.unanswered or g.version - d.last_base > self.fed.max_staleness:
+                self.finish(d)
+
+    def end_of_stream(self, d: SimDevice) -> None:
+        final = d.client.held_update()
+        if final is not None:
+            self.send(d, final)
+        if not d.unanswered:
+            self.finish(d)
+            return
+        d.waiting_until = self.clock.now + self.fed.round_timeout + 1.0
+        self.clock.at(d.waiting_until, self.give_up, d)
+
+    def give_up(self, d: SimDevice) -> None:
+        if not d.done:
+            self.finish(d)
+
+    def finish(self, d: SimDevice) -> None:
+        d.done = True
+        d.waiting_until = None
+        self.clock.at(d.clock.arrival(self.clock.now, "up"), self.leave, d.client.cid)
+
+    # -- the aggregator --------------------------------------------------------------------
+    def arrive(self, upd: Update) -> None:
+        self.closed(self.agg.submit(upd, self.clock.now))
+
+    def leave(self, cid: str) -> None:
+        self.closed(self.agg.leave(cid, self.clock.now))
+
+    def poll(self) -> None:
+        now = self.clock.now
+        self.closed(self.agg.poll(now))
+        self.closed(self.agg.expire(now))
+        if not all(d.done for d in self.devices) or self.agg.active:
+            self.clock.after(POLL_S, self.poll)
+
+    def closed(self, c: RoundClosed | None) -> None:
+        """Publish a new global: every device receives it after its downlink delay."""
+        if c is None or c.global_ is None:
+            return
+        g = c.global_
+        size = encoded_size(g, self.cfg)
+        self.comm.per_round_up.append(self.round_up)
+        self.comm.per_round_down.append(size * len(self.devices))
+        self.round_up = 0
+        for d in self.devices:
+            self.comm.received(d.client.cid, size)
+            self.clock.at(d.clock.arrival(self.clock.now, "down"), self.receive, d, g)
+
+
+def simulate_async(cfg: RunConfig, method: str, seed: int,
+                   progress: Callable[[int, int, str], None] | None = None,
+                   observe: Callable[[Client], None] | None = None) -> RunResult:
+    """One async run on the virtual clock with the timing profile `cfg.profile`; the same
+    seed and profile give the same run, bit for bit."""
+    cfg = for_method(cfg, method)
+    use_cpu_threads(cfg.learn.threads)
+    start = time.perf_counter()
+    per_device = timings(cfg.profile, cfg.fed.clients, seed)
+    setup = prepare(cfg, seed)
+    K, T = cfg.fed.clients, cfg.data.tasks
+    clients = [make_client(cfg, setup, k, method, seed) for k in range(K)]
+    if observe is not None:
+        for c in clients:
+            observe(c)
+    devices = [SimDevice(k, c, client_stream(cfg, setup.tasks[k], k, seed),
+                         DeviceClock(per_device[k], seed, k)) for k, c in enumerate(clients)]
+    agg = Aggregator(initial_global(cfg, setup), cfg.fed, batch_size=cfg.data.batch_size,
+                     prototypes=initial_prototypes(setup, cfg.fed.encoding),
+                     row_prior_sigma=cfg.learn.bayes_sigma)
+    acc = np.zeros((K, T, T))
+    coverage = np.zeros((2, K, T), np.int64)
+    total = sum(sum(count_batches(t, cfg.data.batch_size)) for t in setup.tasks)
+    done = [0]
+
+    def task_end(d: SimDevice, task: int) -> None:
+        acc[d.k, task] = evaluate_all(d.client, setup.tasks[d.k])
+        if d.client.protos is not None:
+            coverage[:, d.k, task] = d.client.protos.coverage(
+                [t.y_test for t in setup.tasks[d.k]])
+
+    def step() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(min(done[0], total), total, f"rounds {agg.rounds}")
+
+    fleet = AsyncFleet(cfg, agg, devices, task_end, step)
+    fleet.run()
+    stats = async_stats(agg.counters) | {
+        "virtual_s": round(fleet.clock.now, 3), "profile": cfg.profile,
+        "drops": int(sum(d.drops for d in devices)),
+        "offline_s": round(float(sum(d.offline_s for d in devices)), 3)}
+    return run_result(cfg, method, seed, setup, clients, agg, acc, coverage, fleet.comm, start,
+                      asynchrony=stats)
