@@ -242,8 +242,9 @@ class FedConfig:
     round_max_mib: float = opt(64.0, "async: a round also closes as soon as the updates it "
                                "holds reach this many MiB (a FedBuff-style buffer that bounds "
                                "the aggregator's memory under load; 0: no bound)")
-    buffer: int = opt(0, "async: a round also closes as soon as it holds this many updates "
-                      "(FedBuff's K; 0: off)")
+    buffer: int = opt(0, "async: a round also closes once this many updates came in, newer "
+                      "ones of a client that replaced its older included, with min_clients "
+                      "clients among them (FedBuff's K; 0: off)")
     fold: str = opt("model", "async: what a round averages: model (the models as sent, the "
                     "paper's rule) | delta (each update's change since the global it was trained "
                     "from, applied to the current global: FedBuff; mix is the server learning "

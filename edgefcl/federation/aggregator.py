@@ -48,6 +48,8 @@ class _Round:
     opened_at: float | None = None
     nbytes: int = 0
     """Bytes of the tensors of `updates` (async rounds close at `round_max_mib`)."""
+    arrived: int = 0
+    """Updates accepted into the round, replaced ones included (`buffer` counts them)."""
 
 
 def _nbytes(update: Update) -> int:
@@ -272,6 +274,7 @@ class Aggregator:
                 rnd.nbytes -= _nbytes(rnd.updates[msg.client])
             rnd.updates[msg.client] = msg
             rnd.nbytes += _nbytes(msg)
+            rnd.arrived += 1
         else:
             self.counters["ticks"] += 1
         return self._maybe_close(now)
@@ -291,7 +294,7 @@ class Aggregator:
             return None
         if self.active <= rnd.reported:
             return self._close_round(None)
-        if self.fed.buffer and len(rnd.updates) >= self.fed.buffer:
+        if self.fed.buffer and rnd.arrived >= self.fed.buffer:
             self.counters["closed_buffer"] += 1  # FedBuff: every K updates
             return self._close_round(None)
         if self._round_full():

@@ -1,0 +1,88 @@
+"""The async simulator: same seed and profile, same global; profiles and traces checked with
+one-line errors; a link keeps its order; the counters an MQTT run reports too."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from edgefcl.config import RunConfig, apply
+from edgefcl.sim.clock import VirtualClock
+from edgefcl.sim.profiles import DeviceClock, DeviceTiming, ProfileError, timings, write_trace
+from edgefcl.simulate import simulate
+
+
+def small(profile: str, seed: int = 0, **fed) -> RunConfig:
+    cfg = apply(RunConfig(), {"data": {"tasks": 2}, "fed": {"mode": "async", **fed},
+                              "learn": {"local_epochs": 1}, "quiet": True})
+    return dataclasses.replace(cfg, profile=profile, seed=seed)
+
+
+@pytest.mark.parametrize("profile", ["homogeneous", "heterogeneous"])
+def test_same_seed_and_profile_give_the_same_global(profile):
+    a, b = simulate(small(profile)), simulate(small(profile))
+    assert a.global_sha256 == b.global_sha256
+    assert a.extra["asynchrony"] == b.extra["asynchrony"]
+    assert a.rounds > 0 and a.extra["asynchrony"]["folded"] >= 2 * a.rounds
+
+
+def test_the_profile_changes_the_run():
+    assert simulate(small("homogeneous")).global_sha256 != \
+        simulate(small("heterogeneous")).global_sha256
+
+
+def test_a_trace_reproduces_its_profile(tmp_path):
+    path = tmp_path / "trace.json"
+    write_trace(path, timings("heterogeneous", 3, 0))
+    assert timings(f"trace:{path}", 3, 0) == timings("heterogeneous", 3, 0)
+    a = simulate(small(f"trace:{path}"))
+    assert a.global_sha256 == simulate(small("heterogeneous")).global_sha256
+
+
+def test_a_trace_repeats_its_last_device(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"devices": [{"compute_s": 0.5}]}))
+    assert [t.compute_s for t in timings(f"trace:{path}", 3, 0)] == [0.5, 0.5, 0.5]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{", "not a JSON timing trace"),
+    ("[]", "one object per device"),
+    ('{"devices": [{"compute": 1}]}', "unknown fields ['compute']"),
+    ('{"devices": [{"compute_s": -1}]}', "compute_s must be > 0"),
+    ('{"devices": [{"dropout": 1.5}]}', "dropout must be in [0, 1)"),
+    ('{"devices": [{"delay_s": "fast"}]}', "delay_s must be a finite number"),
+    ('{"devices": [{"delay_s": NaN}]}', "delay_s must be a finite number"),
+])
+def test_bad_traces_get_one_line_errors(tmp_path, text, message):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(ProfileError) as e:
+        timings(f"trace:{path}", 2, 0)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_profiles_and_missing_traces_are_refused(tmp_path):
+    with pytest.raises(ProfileError, match="choose from homogeneous"):
+        timings("fast", 2, 0)
+    with pytest.raises(ProfileError, match="not found"):
+        timings(f"trace:{tmp_path / 'none.json'}", 2, 0)
+
+
+def test_a_link_keeps_its_order():
+    """Lognormal delays would let a later message overtake: MQTT over TCP does not."""
+    c = DeviceClock(DeviceTiming(delay_s=0.05, delay_sigma=2.0), seed=0, index=0)
+    arrivals = [c.arrival(0.001 * i, "up") for i in range(200)]
+    assert arrivals == sorted(arrivals)
+
+
+def test_the_clock_runs_events_in_time_then_scheduling_order():
+    clock, seen = VirtualClock(), []
+    clock.at(2.0, seen.append, "c")
+    clock.at(1.0, seen.append, "a")
+    clock.at(1.0, seen.append, "b")
+    clock.at(0.5, lambda: clock.after(0.25, seen.append, "first"))
+    clock.run()
+    assert seen == ["first", "a", "b", "c"] and clock.now == 2.0
