@@ -101,6 +101,7 @@ class DeviceRunner:
         self.duplicates = 0
         self.first_batch: float | None = None
         self.stream_s = 0.0
+        self.first_batch_at = 0.0
         """Seconds from the first mini-batch to the end of the stream (the matched timing
         profile of an MQTT run reads it: `edgefcl.sim.profiles`)."""
         # every global is checked against this device's own model before it is adopted
@@ -370,6 +371,7 @@ class DeviceRunner:
             for batch in self._stream():
                 if self.first_batch is None:
                     self.first_batch = time.monotonic()
+                    self.first_batch_at = time.time()
                 self.before_batch(batch)
                 self._wait(lambda: True if not self.paused else None)
                 upd = self.client.step(batch)
@@ -517,7 +519,7 @@ class DeviceRunner:
                "rejected": self.rejected, "rejections": dict(self.rejections),
                "duplicate_batches": self.duplicates,
                "catch_ups": self.catch_ups, "held_backpressure": self.pacer.held,
-               "stream_s": round(self.stream_s, 3)}
+               "stream_s": round(self.stream_s, 3), "first_batch_at": self.first_batch_at}
         if len(self.acc):
             acc = np.nan_to_num(self.acc)
             out["accuracy"] = float(100 * acc[-1].mean())

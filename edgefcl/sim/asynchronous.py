@@ -82,7 +82,7 @@ class AsyncFleet:
     def run(self) -> None:
         for d in self.devices:
             self.agg.join(d.client.cid, 0.0)
-            self.clock.at(d.clock.compute(), self.batch, d)
+            self.clock.at(d.clock.timing.start_s + d.clock.compute(), self.batch, d)
         self.clock.at(POLL_S, self.poll)
         self.clock.run()
 

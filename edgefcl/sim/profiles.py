@@ -45,6 +45,8 @@ class DeviceTiming:
     """Chance that the device drops off after a mini-batch."""
     offline_s: float = 1.0
     """Mean time offline after a dropout (exponential)."""
+    start_s: float = 0.0
+    """When the device starts its stream (devices of a real fleet start apart)."""
 
     def check(self, where: str) -> None:
         """ProfileError naming the first impossible value."""
@@ -56,8 +58,9 @@ class DeviceTiming:
             raise ProfileError(f"{where}: compute_s must be > 0 (seconds per mini-batch)")
         if not 0 <= self.compute_jitter < 1:
             raise ProfileError(f"{where}: compute_jitter must be in [0, 1)")
-        if self.delay_s < 0 or self.delay_sigma < 0 or self.offline_s < 0:
-            raise ProfileError(f"{where}: delay_s, delay_sigma and offline_s must be >= 0")
+        if min(self.delay_s, self.delay_sigma, self.offline_s, self.start_s) < 0:
+            raise ProfileError(f"{where}: delay_s, delay_sigma, offline_s and start_s must be "
+                               ">= 0")
         if not 0 <= self.dropout < 1:
             raise ProfileError(f"{where}: dropout must be in [0, 1)")
 
@@ -149,12 +152,15 @@ def write_trace(path: Path, devices: list[DeviceTiming]) -> None:
 
 def matched_trace(device_results: list[dict], delay_s: float = 0.005) -> dict:
     """The trace that matches an MQTT run: each device's compute time per mini-batch from its
-    measured stream time (`stream_s` / batches), loopback delays (`delay_s`), no dropouts;
-    `results.json` carries it as `timing_trace` and `trace:results.json` reads it back."""
+    measured stream time (`stream_s` / batches), when it started its stream after the first
+    device did (`first_batch_at`), loopback delays (`delay_s`), no dropouts; `results.json`
+    carries it as `timing_trace` and `trace:results.json` reads it back."""
     devices = []
-    for r in device_results:
+    starts = [float(r.get("first_batch_at", 0.0)) for r in device_results]
+    first = min(starts, default=0.0)
+    for r, start in zip(device_results, starts, strict=True):
         batches = max(int(r.get("batches", 0)), 1)
         compute = float(r.get("stream_s", 0.0)) / batches
         devices.append(asdict(DeviceTiming(compute_s=round(max(compute, 1e-4), 6),
-                                           delay_s=delay_s)))
+                                           delay_s=delay_s, start_s=round(start - first, 3))))
     return {"devices": devices}
