@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import multiprocessing
 import sys
 import tomllib
@@ -24,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from edgefcl.config import ConfigError, FedConfig, RunConfig, validate
+from edgefcl.metrics import sample_std
+from edgefcl.report import pyplot
 from edgefcl.tomlfields import coerce_field
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -108,12 +109,6 @@ def _records(cells: list[tuple], jobs: int) -> Iterator[dict]:
             yield f.result()
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (ddof=1; nan for one value)."""
-    a = np.asarray(values, float)
-    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else math.nan
-
-
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per (dataset, profile, rule): A, F as mean ± sample std, the lowest final task
     accuracy of any client in any run, runs with a task below 50 %, staleness, rounds."""
@@ -122,10 +117,10 @@ def summarize(runs: list[dict]) -> list[dict]:
         cells.setdefault((r["dataset"], r["profile"], r["rule"]), []).append(r)
     rows = []
     for (ds, profile, rule), rs in sorted(cells.items()):
-        a, a_sd = mean_std([r["accuracy"] for r in rs])
-        f, f_sd = mean_std([r["forgetting"] for r in rs])
+        a, f = [r["accuracy"] for r in rs], [r["forgetting"] for r in rs]
         rows.append({"dataset": ds, "profile": profile, "rule": rule, "n": len(rs),
-                     "accuracy": a, "accuracy_std": a_sd, "forgetting": f, "forgetting_std": f_sd,
+                     "accuracy": float(np.mean(a)), "accuracy_std": sample_std(a),
+                     "forgetting": float(np.mean(f)), "forgetting_std": sample_std(f),
                      "worst_task": min(r["worst_task"] for r in rs),
                      "runs_below_50": sum(r["worst_task"] < 50 for r in rs),
                      "staleness_mean": float(np.mean([r["staleness_mean"] for r in rs])),
@@ -148,11 +143,7 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """A per rule, one panel per dataset, one bar per profile (error bars: sample std)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     datasets = sorted({r["dataset"] for r in rows})
     profiles = sorted({r["profile"] for r in rows})
     rules = list(dict.fromkeys(r["rule"] for r in rows))
@@ -164,12 +155,11 @@ def plot(rows: list[dict], path: Path) -> None:
             x = [i + j * width for i, rule in enumerate(rules) if rule in cell]
             ys = [cell[rule] for rule in rules if rule in cell]
             ax.bar(x, [r["accuracy"] for r in ys], width,
-                   yerr=[0 if math.isnan(r["accuracy_std"]) else r["accuracy_std"] for r in ys],
+                   yerr=[r["accuracy_std"] for r in ys],
                    label=profile, capsize=2)
         ax.set_xticks([i + width * (len(profiles) - 1) / 2 for i in range(len(rules))])
         ax.set_xticklabels(rules, rotation=30, ha="right", fontsize=8)
-        lo = min(r["accuracy"] - (r["accuracy_std"] if not math.isnan(r["accuracy_std"]) else 0)
-                 for r in rows if r["dataset"] == ds)
+        lo = min(r["accuracy"] - r["accuracy_std"] for r in rows if r["dataset"] == ds)
         ax.set_ylim(max(0.0, lo - 5), 100)
         ax.set_ylabel("A (%)")
         ax.set_title(f"{ds}: final average accuracy, mean ± sample std")

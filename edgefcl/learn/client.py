@@ -24,7 +24,7 @@ from edgefcl.learn.checkpoint import (
     load_data_attrs,
 )
 from edgefcl.learn.learner import Learner
-from edgefcl.learn.merges import REPLACE, MergeRule, local_weight
+from edgefcl.learn.merges import REPLACE, MergeRule
 from edgefcl.learn.objectives import MethodHooks
 from edgefcl.learn.params import get_tensors, set_tensors
 
@@ -205,7 +205,7 @@ class Client:
         self.base = merged
         if rule is not REPLACE:
             params = {k for k, _ in self.model.named_parameters()}
-            weight = local_weight(rule, self.fed, g.version - self.sent_base)
+            weight = rule.local_weight(self.fed, g.version - self.sent_base)
             merged = rule.apply(merged, now, self.sent, params, weight)
         set_tensors(self.model, merged)
         if self.protos is not None:

@@ -27,11 +27,19 @@ State = dict[str, np.ndarray]
 @dataclass(frozen=True)
 class MergeRule:
     """One merge rule: `keeps_local` says whether the device's prototype rows keep their
-    progress since sending too (row = global + now - sent)."""
+    progress since sending too (row = global + now - sent); `by_staleness` whether the local
+    progress added back is weighed by the run's staleness rule."""
 
     name: str
     apply: Callable[[State, State, State | None, set[str], float], State]
     keeps_local: bool
+    by_staleness: bool = False
+
+    def local_weight(self, fed: FedConfig, tau: int) -> float:
+        """The weight of the local progress this rule adds back: s(tau) or 1."""
+        if not self.by_staleness:
+            return 1.0
+        return staleness_rule(fed.staleness, fed.staleness_a, fed.staleness_b)(tau)
 
 
 def replace(merged: State, now: State, sent: State | None, params: set[str],
@@ -53,7 +61,7 @@ def delta(merged: State, now: State, sent: State | None, params: set[str],
 MERGES = {r.name: r for r in (
     MergeRule("replace", replace, False),
     MergeRule("delta", delta, True),
-    MergeRule("staleness", delta, True),
+    MergeRule("staleness", delta, True, by_staleness=True),
 )}
 """Rule name -> rule. `staleness` is the delta merge with weight s(tau) of the run's
 staleness rule (`--staleness`): the further the global moved on, the less local drift is
@@ -70,13 +78,6 @@ def get_merge(name: str) -> MergeRule:
     if rule is None:
         raise ConfigError(f"unknown device_merge '{name}'; choose from {', '.join(MERGES)}")
     return rule
-
-
-def local_weight(rule: MergeRule, fed: FedConfig, tau: int) -> float:
-    """The weight of the local progress the rule adds back (1 but for `staleness`)."""
-    if rule is MERGES["staleness"]:
-        return staleness_rule(fed.staleness, fed.staleness_a, fed.staleness_b)(tau)
-    return 1.0
 
 
 def merge_global(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:

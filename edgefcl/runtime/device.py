@@ -99,11 +99,10 @@ class DeviceRunner:
         aggregator it was sent to, from its retained config)."""
         self.rejected = 0
         self.duplicates = 0
-        self.first_batch: float | None = None
-        self.stream_s = 0.0
-        self.first_batch_at = 0.0
-        """Seconds from the first mini-batch to the end of the stream (the matched timing
-        profile of an MQTT run reads it: `edgefcl.sim.profiles`)."""
+        # the matched timing profile of an MQTT run reads these (`edgefcl.sim.profiles`)
+        self.first_batch: float | None = None  # monotonic time of the first mini-batch
+        self.first_batch_at = 0.0  # and its wall time (devices start apart)
+        self.stream_s = 0.0  # from the first mini-batch to the end of the stream
         # every global is checked against this device's own model before it is adopted
         self.global_spec = tensor_spec(global_tensors(client.model, cfg.fed.encoding))
         protos = client.protos  # head prototypes with a shared library: rows of its width
