@@ -44,6 +44,8 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 """Named rules of the study: [fed] fields set over the run's config."""
 
+LOCKSTEP = "lock-step"
+"""The profile column of lock-step runs (timing profiles do not apply to them)."""
 DEFAULT_RULES = ("lockstep", "fedavg", "replace", "fedasync-poly", "fedasync-hinge", "fedbuff",
                  "fedbuff-poly")
 DEFAULT_PROFILES = ("homogeneous", "heterogeneous")
@@ -142,9 +144,12 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """A per rule, one panel per dataset, one bar per profile (error bars: sample std)."""
+    """A per rule, one panel per dataset, one bar per profile (error bars: sample std); the
+    lock-step reference as a dashed line with its std as a band."""
     plt = pyplot()
     datasets = sorted({r["dataset"] for r in rows})
+    sync = [r for r in rows if r["profile"] == LOCKSTEP]
+    rows = [r for r in rows if r["profile"] != LOCKSTEP]
     profiles = sorted({r["profile"] for r in rows})
     rules = list(dict.fromkeys(r["rule"] for r in rows))
     fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.2), squeeze=False)
@@ -159,7 +164,11 @@ def plot(rows: list[dict], path: Path) -> None:
                    label=profile, capsize=2)
         ax.set_xticks([i + width * (len(profiles) - 1) / 2 for i in range(len(rules))])
         ax.set_xticklabels(rules, rotation=30, ha="right", fontsize=8)
-        lo = min(r["accuracy"] - r["accuracy_std"] for r in rows if r["dataset"] == ds)
+        for r in (r for r in sync if r["dataset"] == ds):
+            ax.axhline(r["accuracy"], ls="--", color="0.3", label=f"lock-step ({r['rule']})")
+            ax.axhspan(r["accuracy"] - r["accuracy_std"], r["accuracy"] + r["accuracy_std"],
+                       color="0.85", zorder=0)
+        lo = min(r["accuracy"] - r["accuracy_std"] for r in rows + sync if r["dataset"] == ds)
         ax.set_ylim(max(0.0, lo - 5), 100)
         ax.set_ylabel("A (%)")
         ax.set_title(f"{ds}: final average accuracy, mean ± sample std")
@@ -185,7 +194,7 @@ def bench_async(base: RunConfig, out: Path, datasets: list[str], rules: list[str
     runs = []
     for i, rec in enumerate(_records(cells, jobs), 1):
         if PRESETS[rec["rule"].split("/")[0]].get("mode") == "sync":
-            rec["profile"] = "lock-step"
+            rec["profile"] = LOCKSTEP
         runs.append(rec)
         print(f"[{i}/{len(cells)}] {rec['dataset']} {rec['rule']} {rec['profile']} seed "
               f"{rec['seed']}: A {rec['accuracy']:.1f} worst task {rec['worst_task']:.1f}",
