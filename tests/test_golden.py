@@ -64,11 +64,24 @@ def _config(overrides: dict) -> RunConfig:
 def platform() -> str:
     """Bit-exact results hold per platform: torch's CPU kernels differ by instruction set,
     and on AVX-512 also with AMX (oneDNN and MKL dispatch on it: the same tree gives other
-    hashes on an AVX-512 machine with AMX than on one without)."""
+    hashes on an AVX-512 machine with AMX than on one without), and with AVX-512 FP16 where
+    AMX is not visible (an Intel machine whose AMX a VM hides gives other hashes than an AMD
+    AVX-512 one)."""
     import torch
 
     amx = " AMX" if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() else ""
-    return f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}{amx}"
+    fp16 = " FP16" if not amx and "avx512_fp16" in _cpu_flags() else ""
+    return f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}{amx}{fp16}"
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's flags as Linux lists them (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def _all() -> dict[str, dict[str, str]]:
