@@ -41,13 +41,17 @@ PRESETS: dict[str, dict[str, object]] = {
                      "staleness_a": 0.5},
     "fedbuff-merge-staleness": {"mode": "async", "fold": "delta", "buffer": 3,
                                 "staleness": "polynomial", "device_merge": "staleness"},
+    "fedbuff-lr1": {"mode": "async", "fold": "delta", "buffer": 4, "mix": 1.0},
+    "task-aware": {"mode": "async", "fold": "model", "task_decay": 0.5},
+    "fedbuff-task": {"mode": "async", "fold": "delta", "buffer": 4, "mix": 1.0,
+                     "task_decay": 0.1},
 }
 """Named rules of the study: [fed] fields set over the run's config."""
 
 LOCKSTEP = "lock-step"
 """The profile column of lock-step runs (timing profiles do not apply to them)."""
-DEFAULT_RULES = ("lockstep", "fedavg", "replace", "fedasync-poly", "fedasync-hinge", "fedbuff",
-                 "fedbuff-poly")
+DEFAULT_RULES = ("lockstep", "fedavg", "replace", "fedasync-poly", "fedbuff", "fedbuff-lr1",
+                 "task-aware", "fedbuff-task")
 DEFAULT_PROFILES = ("homogeneous", "heterogeneous")
 DEFAULT_DATASETS = ("digits", "mnist1d")
 

@@ -254,6 +254,9 @@ class FedConfig:
                          "((1+tau)^-a) | hinge (1 up to b, then 1/(a(tau-b)+1)) (FedAsync)")
     staleness_a: float = opt(0.5, "the staleness rule's a")
     staleness_b: float = opt(4.0, "the staleness rule's b (hinge)")
+    task_decay: float = opt(1.0, "async: an update whose sender is k tasks behind the round's "
+                            "newest weighs task_decay^k (devices at different speeds are on "
+                            "different tasks; 1: off)")
     device_merge: str = opt("delta", "async: how a device merges a global it took part in: "
                             "delta (theta_global + theta_now - theta_sent) | replace "
                             "(theta_global) | staleness (theta_global + s(tau) (theta_now - "
@@ -554,6 +557,7 @@ def validate(cfg: RunConfig) -> None:
         (f.buffer >= 0, "buffer must be >= 0 (0: off)"),
         (f.staleness in STALENESS, f"staleness must be one of {', '.join(STALENESS)}"),
         (f.staleness_a >= 0 and f.staleness_b >= 0, "staleness_a and staleness_b must be >= 0"),
+        (0 < f.task_decay <= 1, "task_decay must be in (0, 1] (1: off)"),
         (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,
          "apc_l1, apc_l2 and apc_prune must be >= 0"),
         (0 < le.apc_send <= 1, "apc_send must be in (0, 1]"),

@@ -22,7 +22,7 @@ def _fleet(args: argparse.Namespace) -> int:
     opts = FleetOptions(devices=args.devices, config=args.config, broker=args.broker,
                         per_process=args.per_process, rate=args.rate, seed=args.seed,
                         timeout=args.timeout, byzantine=args.byzantine, attack=args.attack,
-                        defences=not args.no_defences)
+                        defences=not args.no_defences, speed_spread=args.speed_spread)
     if args.profile:
         opts.profiles = [Path(p) for p in args.profile]
     plan = FaultPlan(kill=args.kill, kill_at=args.kill_at, kill_down_s=args.kill_down_s,
@@ -87,8 +87,11 @@ def _device(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(f"--devices-file {args.devices_file}: invalid JSON: {e}") from None
         for d in listed:
-            specs.append(DeviceSpec(int(d["index"]), load_profile(d["profile"]),
-                                    float(d.get("skew_s", 0.0))))
+            prof = load_profile(d["profile"])
+            speed = float(d.get("speed", 1.0))  # the fleet's speed spread (--speed-spread)
+            prof = dataclasses.replace(prof, compute=dataclasses.replace(
+                prof.compute, slowdown=prof.compute.slowdown * speed))
+            specs.append(DeviceSpec(int(d["index"]), prof, float(d.get("skew_s", 0.0))))
     profile = load_profile(args.profile) if args.profile else DeviceProfile()
     specs += [DeviceSpec(k, profile, args.skew_s) for k in args.index]
     if not specs:
@@ -123,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--broker", default="mosquitto", help="'mosquitto' (start a local one, "
                    "needed for broker restarts) or mqtt://HOST:PORT")
     f.add_argument("--per-process", type=int, default=4, help="devices per host process")
+    f.add_argument("--speed-spread", type=float, default=1.0,
+                   help="spread the devices' compute slowdowns log-uniform over this ratio, "
+                   "on top of their profiles (10: the async simulator's heterogeneous speeds; "
+                   "default: 1, as the profiles say)")
     f.add_argument("--rate", type=float, default=2.0, help="stream mini-batches per second per "
                    "device (0: as fast as they consume)")
     f.add_argument("--seed", type=int, default=0, help="seed of the data split, models and "

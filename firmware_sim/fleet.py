@@ -60,7 +60,7 @@ class Fleet:
             cfg.mqtt.broker = broker.url
             cfg.mqtt.fleet = f"fw{secrets.token_hex(3)}"
             layout = prepare_fleet(cfg, w, self.profiles, self.profile_paths, opts.per_process,
-                                   self.plan.skew_s, self.rng)
+                                   self.plan.skew_s, self.rng, opts.speed_spread)
             fleet = FleetProcesses(cfg, w, layout, self.plan, opts.devices, self.events,
                                    self.rng)
             stack.callback(fleet.procs.stop_all, grace=0)

@@ -16,6 +16,7 @@ from edgefcl.build import initial_global, make_client, prepare
 from edgefcl.config import ConfigError, RunConfig, dump_toml, load_toml
 from edgefcl.data.streams import stream_batches
 from edgefcl.data.workload import client_id
+from edgefcl.sim.profiles import slowdowns
 from edgefcl.statefiles import save_tensors
 from firmware_sim.byzantine import ATTACKS
 from firmware_sim.device import expected_digest
@@ -41,6 +42,10 @@ class FleetOptions:
     timeout: float = 900.0
     byzantine: int = 0
     """Attacker identities added to the honest devices (firmware_sim.byzantine)."""
+    speed_spread: float = 1.0
+    """Devices' compute slowdowns spread log-uniform over this ratio, on top of their
+    profiles' (`edgefcl.sim.profiles.slowdowns`, the async simulator's heterogeneous speeds:
+    10); 1: as the profiles say."""
     attack: str = "noise"
     defences: bool = True
     """False: the robust aggregation rules off (clipping, share cap, sigma floor); the
@@ -64,6 +69,9 @@ def fleet_config(opts: FleetOptions) -> RunConfig:
         cfg.fed.max_share, cfg.fed.sigma_floor = 1.0, 0.0
     if cfg.fed.mode != "async":
         raise ConfigError("the fleet runs in async mode (set [fed] mode = \"async\")")
+    if not opts.speed_spread >= 1:
+        raise ConfigError("--speed-spread must be >= 1 (the slowest device's slowdown over "
+                          "the fastest's)")
     if opts.per_process < 1:
         raise ConfigError("--per-process must be >= 1")
     if opts.rate < 0:
@@ -99,7 +107,7 @@ class FleetLayout:
 
 def prepare_fleet(cfg: RunConfig, workdir: Path, profiles: list[DeviceProfile],
                   profile_paths: list[Path], per_process: int, skew_s: float,
-                  rng: random.Random) -> FleetLayout:
+                  rng: random.Random, speed_spread: float = 1.0) -> FleetLayout:
     """Write the fleet's files into `workdir` (dataset.npz, initial.npz, fleet.toml,
     hosts/<host>.json); `cfg.data.dataset` is pointed at the data file."""
     setup = prepare(cfg, cfg.seed)
@@ -125,11 +133,12 @@ def prepare_fleet(cfg: RunConfig, workdir: Path, profiles: list[DeviceProfile],
     host_dir = workdir / "hosts"
     host_dir.mkdir(exist_ok=True)
     cids = list(expected)
+    speeds = slowdowns(len(cids), cfg.seed, speed_spread)
     hosts: dict[str, list[str]] = {}
     for h in range(0, len(cids), per_process):
         name = f"host{h // per_process:02d}"
         group = cids[h:h + per_process]
-        specs = [{"index": int(c[1:]), "skew_s": skews[c],
+        specs = [{"index": int(c[1:]), "skew_s": skews[c], "speed": float(speeds[int(c[1:])]),
                   "profile": str(profile_paths[int(c[1:]) % len(profiles)])} for c in group]
         (host_dir / f"{name}.json").write_text(json.dumps(specs, indent=1))
         hosts[name] = group

@@ -4,6 +4,7 @@ counters, and their composition with sharding."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ from edgefcl.federation.aggregation import FedAvg
 from edgefcl.federation.aggregator import Aggregator, async_stats
 from edgefcl.federation.folds import FOLDS
 from edgefcl.federation.messages import Update
+from edgefcl.federation.robust import prepare_round
+from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.shard import ShardRoot, ShardWorker
 from edgefcl.federation.staleness import staleness_rule
 from edgefcl.learn.merges import MERGES
@@ -37,14 +40,38 @@ def test_staleness_weights_the_update_and_the_round_mix():
     the estimate is (4 + 0.5 * 1) / 1.5 = 3, and the mix is 0.5 * 15/20 = 0.375:
     0.375 * 3 + 0.625 * 0 = 1.125."""
     fed = FedConfig(staleness="polynomial", staleness_a=0.5, **RULES_OFF)
-    from edgefcl.federation.aggregation import RoundInput
-
     s = FedAvg(fed, {"w": (2,)})
-    s.configure_round(RoundInput(3, {"w": np.zeros(2, np.float32)}))
-    s.add(upd("a", 4.0, base=3))
-    s.add(upd("b", 1.0, base=0))
+    for u in weigh([upd("a", 4.0, base=3), upd("b", 1.0, base=0)], 3, fed, s):
+        s.add(u)
     assert s.mix_weight == pytest.approx(0.375)
     np.testing.assert_allclose(s.result({"w": np.zeros(2, np.float32)})["w"], 1.125)
+
+
+def test_task_lag_weighs_updates_behind_the_newest_task():
+    """task_decay 0.5: an update one task behind weighs half, two behind a quarter; the
+    round's mix is not changed by it (it is relative)."""
+    fed = FedConfig(task_decay=0.5, **RULES_OFF)
+    s = FedAvg(fed, {"w": (2,)})
+    ups = [replace(upd(c, 1.0), task=t) for c, t in (("a", 2), ("b", 1), ("c", 0))]
+    assert [u.num_samples for u in weigh(ups, 0, fed, s)] == [10, 5, 2.5]
+    assert s.mix_weight == 0.5
+
+
+def test_a_fresh_device_among_stale_ones_keeps_to_the_share_cap():
+    """Attack: one device on the current global while the honest ones are stale (or behind
+    its claimed task) would hold most of the round's weight after the staleness and task
+    weights; those weights come before the share cap, so it holds at most max_share."""
+    fed = FedConfig(staleness="hinge", staleness_a=10.0, staleness_b=0.0, task_decay=0.1,
+                    max_share=0.0, clip_factor=0.0, sigma_floor=0.0)
+    honest = [replace(upd(f"h{i}", 1.0, base=0), task=0) for i in range(3)]
+    attacker = replace(upd("x", 9.0, base=3, n=50), task=99)
+    s = FedAvg(fed, {"w": (2,)})
+    for u in prepare_round(weigh(honest + [attacker], 3, fed, s),
+                           {"w": np.zeros(2, np.float32)}, fed, Counter()):
+        s.add(u)
+    new, _ = s.estimate({"w": np.zeros(2, np.float32)})
+    share = (new["w"][0] - 1.0) / (9.0 - 1.0)  # the attacker's part of the average
+    assert share <= 0.5 + 1e-9  # 2 / 4 devices, at most a half
 
 
 def test_the_constant_rule_leaves_the_mix_alone():

@@ -86,3 +86,13 @@ def test_the_clock_runs_events_in_time_then_scheduling_order():
     clock.at(0.5, lambda: clock.after(0.25, seen.append, "first"))
     clock.run()
     assert seen == ["first", "a", "b", "c"] and clock.now == 2.0
+
+
+def test_slowdowns_span_the_spread_and_follow_the_seed():
+    from edgefcl.sim.profiles import slowdowns
+
+    s = slowdowns(20, 0, 10.0)
+    assert s.min() == 1.0 and s.max() == 10.0 and ((s >= 1) & (s <= 10)).all()
+    assert (s == slowdowns(20, 0, 10.0)).all() and (s != slowdowns(20, 1, 10.0)).any()
+    assert (slowdowns(5, 0, 1.0) == 1.0).all()
+    assert [t.compute_s for t in timings("heterogeneous", 20, 0)] == list(0.03 * s)

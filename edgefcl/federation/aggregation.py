@@ -23,7 +23,6 @@ import numpy as np
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.prototypes import MAX_ROW_ABS
-from edgefcl.federation.staleness import Constant, staleness_rule
 
 MAX_VALUE = MAX_ROW_ABS
 """Largest magnitude of a value in an update: the bound every device checks a global against
@@ -71,6 +70,13 @@ def mix(new: dict[str, np.ndarray], previous: Tensors, weight: float,
             mixed = np.where(sent[k].reshape(prev.shape), mixed, prev)
         out[k] = mixed.astype(np.float32)
     return out
+
+
+def sample_weight(update: Update) -> float:
+    """An update's sample weight: `num_samples` (admission keeps it >= 1; the share cap and
+    the async round weights scale it, `round_weights.py`), 1 where it is not positive."""
+    n = float(update.num_samples)
+    return n if n > 0 else 1.0
 
 
 def check_tensor(t: np.ndarray, shape: tuple[int, ...]) -> str | None:
@@ -132,7 +138,6 @@ class Strategy:
         self.fed = fed
         self.spec = dict(spec)
         self.mix_base = fed.mix
-        self.staleness = staleness_rule(fed.staleness, fed.staleness_a, fed.staleness_b)
         self.counts: Counter[str] = Counter()
         self.round = RoundInput(-1, {})
         self.fresh = [0.0, 0.0]
@@ -155,17 +160,11 @@ class Strategy:
         new, sent = self.estimate(previous)
         return self.mix(new, previous, sent)
 
-    def discount(self, update: Update) -> float:
-        """The staleness rule's weight of `update` (1 for one trained from the global the
-        round replaces), noted for the round's mix (`mix_weight`). Rules that weigh updates
-        multiply their weight by it."""
-        if isinstance(self.staleness, Constant):
-            return 1.0
-        d = self.staleness(max(self.round.version - update.base_version, 0))
-        n = float(max(update.num_samples, 1))
-        self.fresh[0] += n * d
-        self.fresh[1] += n
-        return d
+    def note_freshness(self, samples: float, weight: float) -> None:
+        """Note an update's samples and staleness weight for the round's mix (`mix_weight`;
+        `round_weights.weigh` calls it)."""
+        self.fresh[0] += samples * weight
+        self.fresh[1] += samples
 
     @property
     def mix_weight(self) -> float:
@@ -222,7 +221,7 @@ class FedAvg(Strategy):
         self.acc = WeightedSum()
 
     def add(self, update: Update) -> None:
-        self.acc.add(update.tensors, float(max(update.num_samples, 1)) * self.discount(update))
+        self.acc.add(update.tensors, sample_weight(update))
 
     def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
         return self.acc.mean(), None
@@ -250,11 +249,9 @@ class ClassWeightedFedAvg(Strategy):
 
     def add(self, update: Update) -> None:
         counts = update.class_counts or {-1: update.num_samples}
-        d = self.discount(update)
         for c, n in sorted(counts.items()):
             if n > 0:
-                self.per_class.setdefault(int(c), WeightedSum()).add(update.tensors,
-                                                                     float(n) * d)
+                self.per_class.setdefault(int(c), WeightedSum()).add(update.tensors, float(n))
 
     def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
         if not self.per_class:

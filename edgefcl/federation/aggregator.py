@@ -19,6 +19,7 @@ from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import check_variances, label_room, prepare_round
+from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.versions import GlobalHistory
 
@@ -366,7 +367,7 @@ class Aggregator:
         seqs = {u.client: u.seq for u in decoded}
         self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
                                                  self.history.get, participants))
-        updates = prepare_round(self.folded(decoded), self.global_.tensors, self.fed,
+        updates = prepare_round(self.weighed(decoded), self.global_.tensors, self.fed,
                                 self.counters, self.encoding.form)
         note_round(updates, self.global_.version, self.counters)
         for u in updates:
@@ -386,12 +387,14 @@ class Aggregator:
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants, seqs)
 
-    def folded(self, decoded: list[Update]) -> list[Update]:
-        """The round's decoded updates as the fold rule (`fed.fold`) has them averaged."""
-        if self.encoding.form != "dense":
-            return decoded  # other forms carry their own base (folds.py)
-        return self.fold.apply(decoded, self.global_.tensors, self.global_.version,
-                               self.history.get, self.counters)
+    def weighed(self, decoded: list[Update]) -> list[Update]:
+        """The round's decoded updates as the fold rule (`fed.fold`) has them averaged, with
+        their staleness and task-lag weights (`round_weights.py`), before the robust rules.
+        Call after `strategy.configure_round`."""
+        if self.encoding.form == "dense":  # other forms carry their own base (folds.py)
+            decoded = self.fold.apply(decoded, self.global_.tensors, self.global_.version,
+                                      self.history.get, self.counters)
+        return weigh(decoded, self.global_.version, self.fed, self.strategy)
 
     # -- prototype library (head prototypes; federation/prototypes.py) ---------------------
     def _check_prototypes(self, msg: Update) -> str | None:

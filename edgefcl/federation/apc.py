@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from edgefcl.config import ConfigError
-from edgefcl.federation.aggregation import Spec, Strategy
+from edgefcl.federation.aggregation import Spec, Strategy, sample_weight
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.sparse import KB, EntrySums, decode_payload, entries, payload_reason
@@ -40,7 +40,7 @@ class APCFedAvg(Strategy):
 
     def add(self, update: Update) -> None:
         payload = decode_payload(update.tensors, self.spec, self.forms, kb=True)
-        w = float(max(update.num_samples, 1)) * self.discount(update)
+        w = sample_weight(update)
         for name, pos, vals in entries(payload, None):
             self.acc.add(name, int(np.prod(self.spec[name])), pos, vals, w)
         for name, t in payload.dense.items():

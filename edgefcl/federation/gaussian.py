@@ -29,6 +29,7 @@ from edgefcl.federation.aggregation import (
     check_dense,
     merge_weighted_sum,
     mix,
+    sample_weight,
 )
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors, Update
@@ -149,10 +150,8 @@ class GaussianStrategy(Strategy):
 
     def add(self, update: Update) -> None:
         bases, plain = split_wire(update.tensors)
-        d = self.discount(update)  # plain tensors' weight and the round's mix
         if plain:
-            self.plain.add({k: update.tensors[k] for k in plain},
-                           float(max(update.num_samples, 1)) * d)
+            self.plain.add({k: update.tensors[k] for k in plain}, sample_weight(update))
         self._add_gaussians(update, bases)
 
     def _add_gaussians(self, update: Update, bases: list[str]) -> None:
@@ -259,7 +258,7 @@ class MomentMatching(GaussianStrategy):
         variance of the means free of cancellation)."""
 
     def _add_gaussians(self, update: Update, bases: list[str]) -> None:
-        w = float(max(update.num_samples, 1))
+        w = sample_weight(update)
         mus = {b: update.tensors[b + MU].astype(np.float64) for b in bases}
         for b in bases:
             self.origin.setdefault(b, mus[b])
@@ -318,7 +317,7 @@ class FedBNNProduct(GaussianStrategy):
     def _add_gaussians(self, update: Update, bases: list[str]) -> None:
         if update.base_version < self.fed.bnn_init_rounds:
             self.snn.add({k: update.tensors[k] for b in bases for k in (b + MU, b + SIGMA)},
-                         float(max(update.num_samples, 1)))
+                         sample_weight(update))
             return
         for b in bases:
             s = update.tensors[b + SIGMA].astype(np.float64)

@@ -142,7 +142,7 @@ class ShardWorker(Aggregator):
         participants = tuple(u.client for u in decoded)
         self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
                                                  self.history.get, participants))
-        updates = prepare_round(self.folded(decoded), self.global_.tensors, self.fed, c,
+        updates = prepare_round(self.weighed(decoded), self.global_.tensors, self.fed, c,
                                 self.encoding.form)
         note_round(updates, self.global_.version, c, whole=False)
         for u in updates:

@@ -31,7 +31,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgefcl.federation.aggregation import MAX_VALUE, Spec, Strategy, check_tensor
+from edgefcl.federation.aggregation import (
+    MAX_VALUE,
+    Spec,
+    Strategy,
+    check_tensor,
+    sample_weight,
+)
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.folds import FOLDS
 from edgefcl.federation.indexing import INDEX_FORMATS, decode_positions, encode_cheapest
@@ -365,7 +371,7 @@ class SparseFedAvg(Strategy):
         base = self._base(update.base_version)
         spec = {k: v.shape for k, v in base.items()}
         payload = decode_payload(update.tensors, spec, self.forms)
-        w = float(max(update.num_samples, 1)) * self.discount(update)
+        w = sample_weight(update)
         for name, pos, vals in entries(payload, base):
             self.acc.add(name, base[name].size, pos, vals, w)
         for name, t in payload.dense.items():

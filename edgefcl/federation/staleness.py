@@ -1,8 +1,8 @@
 """Staleness rules (FedAsync, Xie et al. 2019): how much an update counts when the global it
 was trained from is `tau` versions older than the one the round replaces. One class per rule;
 `STALENESS` is the registry. A rule scales the update's weight within its round and the
-round's mix with the previous global (`Strategy.discount`), so a round of stale updates moves
-the global less, as FedAsync's alpha_t = alpha * s(t - tau) does for a round of one."""
+round's mix with the previous global (`round_weights.weigh`), so a round of stale updates
+moves the global less, as FedAsync's alpha_t = alpha * s(t - tau) does for a round of one."""
 
 from __future__ import annotations
 

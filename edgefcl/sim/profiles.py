@@ -100,6 +100,20 @@ class DeviceClock:
 
 
 PROFILES = ("homogeneous", "heterogeneous", "trace:PATH")
+HETEROGENEOUS_SPREAD = 10.0
+"""The heterogeneous profile's ratio of the slowest device's time per mini-batch to the
+fastest's."""
+
+
+def slowdowns(n: int, seed: int, spread: float) -> np.ndarray:
+    """Each of `n` devices' slowdown against the fastest, log-uniform in [1, spread], with
+    both ends taken by some device (n >= 2): the heterogeneous profile's speeds, which
+    `firmware_sim` fleets use too (`--speed-spread`)."""
+    rng = np.random.default_rng([seed, 0x5EED])
+    out = np.exp(rng.uniform(0.0, np.log(spread), n))
+    if n >= 2:
+        out[rng.permutation(n)[:2]] = [1.0, spread]
+    return out
 
 
 def timings(spec: str, n: int, seed: int) -> list[DeviceTiming]:
@@ -107,12 +121,9 @@ def timings(spec: str, n: int, seed: int) -> list[DeviceTiming]:
     if spec == "homogeneous":
         return [DeviceTiming()] * n
     if spec == "heterogeneous":
-        rng = np.random.default_rng([seed, 0x5EED])
-        speeds = np.exp(rng.uniform(np.log(0.03), np.log(0.3), n))
-        if n >= 2:  # the full 10x spread in every fleet
-            speeds[rng.permutation(n)[:2]] = [0.03, 0.3]
-        return [DeviceTiming(compute_s=float(s), compute_jitter=0.25, delay_s=0.03,
-                             delay_sigma=0.8, dropout=0.03, offline_s=2.0) for s in speeds]
+        return [DeviceTiming(compute_s=0.03 * float(f), compute_jitter=0.25, delay_s=0.03,
+                             delay_sigma=0.8, dropout=0.03, offline_s=2.0)
+                for f in slowdowns(n, seed, HETEROGENEOUS_SPREAD)]
     if spec.startswith("trace:"):
         return read_trace(Path(spec[len("trace:"):]), n)
     raise ProfileError(f"unknown timing profile '{spec}'; choose from {', '.join(PROFILES)}")

@@ -17,7 +17,6 @@ class CoordinateMedian(Strategy):
         self.tensors: list[Tensors] = []
 
     def add(self, update: Update) -> None:
-        self.discount(update)  # the round's mix only: the median weighs no update
         self.tensors.append(update.tensors)
 
     def combine(self, stack: np.ndarray) -> np.ndarray:

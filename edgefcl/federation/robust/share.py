@@ -18,6 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from edgefcl.config import FedConfig
+from edgefcl.federation.aggregation import sample_weight
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.share_cap import capped_groups, capped_weights, default_cap  # noqa: F401
 
@@ -60,7 +61,7 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
     cap = fed.max_share if fed.max_share > 0 else default_cap(len(updates))
     if _weights_by_class(fed, form):
         return _cap_class_shares(updates, cap, counters)
-    w = np.array([max(u.num_samples, 1) for u in updates], np.float64)
+    w = np.array([sample_weight(u) for u in updates], np.float64)
     new = capped_weights(w, cap)
     out = []
     for u, a, b in zip(updates, w, new, strict=True):
