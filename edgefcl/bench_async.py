@@ -30,23 +30,30 @@ from edgefcl.tomlfields import coerce_field
 PRESETS: dict[str, dict[str, object]] = {
     "lockstep": {"mode": "sync"},
     "fedavg": {"mode": "async", "fold": "model", "staleness": "constant",
-               "device_merge": "delta"},
-    "replace": {"mode": "async", "fold": "model", "device_merge": "replace"},
+               "device_merge": "delta", "task_decay": 1.0},
+    "replace": {"mode": "async", "fold": "model", "device_merge": "replace", "task_decay": 1.0},
     "fedasync-poly": {"mode": "async", "fold": "model", "staleness": "polynomial",
-                      "staleness_a": 0.5},
+                      "staleness_a": 0.5, "task_decay": 1.0},
     "fedasync-hinge": {"mode": "async", "fold": "model", "staleness": "hinge",
-                       "staleness_a": 10.0, "staleness_b": 1.0},
-    "fedbuff": {"mode": "async", "fold": "delta", "buffer": 3},
+                       "staleness_a": 10.0, "staleness_b": 1.0, "task_decay": 1.0},
+    "fedbuff": {"mode": "async", "fold": "delta", "buffer": 3, "task_decay": 1.0},
     "fedbuff-poly": {"mode": "async", "fold": "delta", "buffer": 3, "staleness": "polynomial",
-                     "staleness_a": 0.5},
+                     "staleness_a": 0.5, "task_decay": 1.0},
     "fedbuff-merge-staleness": {"mode": "async", "fold": "delta", "buffer": 3,
-                                "staleness": "polynomial", "device_merge": "staleness"},
-    "fedbuff-lr1": {"mode": "async", "fold": "delta", "buffer": 4, "mix": 1.0},
-    "task-aware": {"mode": "async", "fold": "model", "task_decay": 0.5},
+                                "staleness": "polynomial", "device_merge": "staleness",
+                                "task_decay": 1.0},
+    "fedbuff-lr1": {"mode": "async", "fold": "delta", "buffer": 4, "mix": 1.0,
+                    "task_decay": 1.0},
+    "task-aware": {"mode": "async", "fold": "model", "staleness": "constant",
+                   "device_merge": "delta", "task_decay": 0.5},
+    "task-aware-poly": {"mode": "async", "fold": "model", "task_decay": 0.5,
+                        "staleness": "polynomial", "staleness_a": 0.5},
     "fedbuff-task": {"mode": "async", "fold": "delta", "buffer": 4, "mix": 1.0,
                      "task_decay": 0.1},
 }
-"""Named rules of the study: [fed] fields set over the run's config."""
+"""Named rules of the study: [fed] fields set over the run's config (each sets every field
+the study varies, so a preset means the same whatever the defaults). `task-aware` is the
+default since the study of docs/async.md."""
 
 LOCKSTEP = "lock-step"
 """The profile column of lock-step runs (timing profiles do not apply to them)."""

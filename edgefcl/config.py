@@ -254,9 +254,10 @@ class FedConfig:
                          "((1+tau)^-a) | hinge (1 up to b, then 1/(a(tau-b)+1)) (FedAsync)")
     staleness_a: float = opt(0.5, "the staleness rule's a")
     staleness_b: float = opt(4.0, "the staleness rule's b (hinge)")
-    task_decay: float = opt(1.0, "async: an update whose sender is k tasks behind the round's "
+    task_decay: float = opt(0.5, "async: an update whose sender is k tasks behind the round's "
                             "newest weighs task_decay^k (devices at different speeds are on "
-                            "different tasks; 1: off)")
+                            "different tasks; 1: off; 0.5 from `edgefcl bench async`, "
+                            "docs/async.md)")
     device_merge: str = opt("delta", "async: how a device merges a global it took part in: "
                             "delta (theta_global + theta_now - theta_sent) | replace "
                             "(theta_global) | staleness (theta_global + s(tau) (theta_now - "

@@ -50,18 +50,21 @@ def test_staleness_weights_the_update_and_the_round_mix():
 def test_task_lag_weighs_updates_behind_the_newest_task():
     """task_decay 0.5: an update one task behind weighs half, two behind a quarter; the
     round's mix is not changed by it (it is relative)."""
-    fed = FedConfig(task_decay=0.5, **RULES_OFF)
+    fed = FedConfig(mode="async", task_decay=0.5, **RULES_OFF)
     s = FedAvg(fed, {"w": (2,)})
     ups = [replace(upd(c, 1.0), task=t) for c, t in (("a", 2), ("b", 1), ("c", 0))]
     assert [u.num_samples for u in weigh(ups, 0, fed, s)] == [10, 5, 2.5]
     assert s.mix_weight == 0.5
+    sync = FedConfig(mode="sync", task_decay=0.5, **RULES_OFF)  # lock-step: the paper's rule
+    assert weigh(ups, 0, sync, FedAvg(sync, {"w": (2,)})) is ups
 
 
 def test_a_fresh_device_among_stale_ones_keeps_to_the_share_cap():
     """Attack: one device on the current global while the honest ones are stale (or behind
     its claimed task) would hold most of the round's weight after the staleness and task
     weights; those weights come before the share cap, so it holds at most max_share."""
-    fed = FedConfig(staleness="hinge", staleness_a=10.0, staleness_b=0.0, task_decay=0.1,
+    fed = FedConfig(mode="async", staleness="hinge", staleness_a=10.0, staleness_b=0.0,
+                    task_decay=0.1,
                     max_share=0.0, clip_factor=0.0, sigma_floor=0.0)
     honest = [replace(upd(f"h{i}", 1.0, base=0), task=0) for i in range(3)]
     attacker = replace(upd("x", 9.0, base=3, n=50), task=99)

@@ -96,3 +96,16 @@ def test_slowdowns_span_the_spread_and_follow_the_seed():
     assert (s == slowdowns(20, 0, 10.0)).all() and (s != slowdowns(20, 1, 10.0)).any()
     assert (slowdowns(5, 0, 1.0) == 1.0).all()
     assert [t.compute_s for t in timings("heterogeneous", 20, 0)] == list(0.03 * s)
+
+
+def test_the_matched_trace_of_an_mqtt_run_by_hand():
+    """100 mini-batches in 10 s: 0.1 s each; a std of 0.01 s is a uniform jitter of
+    0.01 * sqrt(3) / 0.1 = 0.173; the second device started 2.5 s after the first."""
+    from edgefcl.sim.profiles import matched_trace
+
+    trace = matched_trace([
+        {"batches": 100, "stream_s": 10.0, "batch_s_std": 0.01, "first_batch_at": 1000.0},
+        {"batches": 50, "stream_s": 10.0, "batch_s_std": 1.0, "first_batch_at": 1002.5}])
+    a, b = trace["devices"]
+    assert (a["compute_s"], a["compute_jitter"], a["start_s"]) == (0.1, 0.1732, 0.0)
+    assert (b["compute_s"], b["compute_jitter"], b["start_s"]) == (0.2, 0.95, 2.5)

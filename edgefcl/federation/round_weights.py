@@ -1,10 +1,10 @@
 """Async round weights: an update's sample weight times its staleness weight s(tau) (the run's
 `staleness` rule, FedAsync) and its task-lag weight `task_decay`^k (k: tasks its sender is
-behind the round's newest task). Applied before the robust rules, so the share cap bounds the
-weights as they are averaged: no device holds more than `max_share` of a round whatever the
-others' staleness or tasks. The sample-weighted mean of s also scales the round's mix
-(`Strategy.mix_weight`): a round of stale updates moves the global less. With the constant
-rule and `task_decay` 1 the updates pass unchanged (lock-step, bit for bit)."""
+behind the round's newest task; async only). Applied before the robust rules, so the share
+cap bounds the weights as they are averaged: no device holds more than `max_share` of a round
+whatever the others' staleness or tasks. The sample-weighted mean of s also scales the
+round's mix (`Strategy.mix_weight`): a round of stale updates moves the global less. With the
+constant rule and no task lag the updates pass unchanged (lock-step, bit for bit)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ def weigh(updates: list[Update], version: int, fed: FedConfig,
     notes each update's staleness weight in `strategy` for the round's mix. `version`: the
     global the round replaces."""
     stale = staleness_rule(fed.staleness, fed.staleness_a, fed.staleness_b)
-    if isinstance(stale, Constant) and fed.task_decay == 1.0 or not updates:
+    decay = fed.task_decay if fed.mode == "async" else 1.0  # lock-step clients share a task
+    if isinstance(stale, Constant) and decay == 1.0 or not updates:
         return updates
     newest = max(u.task for u in updates)
     out = []
     for u in updates:
         s = stale(max(version - u.base_version, 0))
         strategy.note_freshness(float(u.num_samples), s)
-        w = s * fed.task_decay ** (newest - u.task)
+        w = s * decay ** (newest - u.task)
         counts = None if u.class_counts is None else {c: n * w
                                                       for c, n in u.class_counts.items()}
         out.append(replace(u, num_samples=u.num_samples * w, class_counts=counts))

@@ -101,8 +101,10 @@ class DeviceRunner:
         self.duplicates = 0
         # the matched timing profile of an MQTT run reads these (`edgefcl.sim.profiles`)
         self.first_batch: float | None = None  # monotonic time of the first mini-batch
+        self.last_batch = 0.0
         self.first_batch_at = 0.0  # and its wall time (devices start apart)
         self.stream_s = 0.0  # from the first mini-batch to the end of the stream
+        self.batch_s: list[float] = []  # each mini-batch's time, start to start
         # every global is checked against this device's own model before it is adopted
         self.global_spec = tensor_spec(global_tensors(client.model, cfg.fed.encoding))
         protos = client.protos  # head prototypes with a shared library: rows of its width
@@ -368,9 +370,12 @@ class DeviceRunner:
                  self.cfg.mqtt.fleet, self.cfg.fed.mode)
         try:
             for batch in self._stream():
+                now = time.monotonic()
                 if self.first_batch is None:
-                    self.first_batch = time.monotonic()
-                    self.first_batch_at = time.time()
+                    self.first_batch, self.first_batch_at = now, time.time()
+                else:
+                    self.batch_s.append(now - self.last_batch)
+                self.last_batch = now
                 self.before_batch(batch)
                 self._wait(lambda: True if not self.paused else None)
                 upd = self.client.step(batch)
@@ -518,7 +523,8 @@ class DeviceRunner:
                "rejected": self.rejected, "rejections": dict(self.rejections),
                "duplicate_batches": self.duplicates,
                "catch_ups": self.catch_ups, "held_backpressure": self.pacer.held,
-               "stream_s": round(self.stream_s, 3), "first_batch_at": self.first_batch_at}
+               "stream_s": round(self.stream_s, 3), "first_batch_at": self.first_batch_at,
+               "batch_s_std": float(np.std(self.batch_s)) if self.batch_s else 0.0}
         if len(self.acc):
             acc = np.nan_to_num(self.acc)
             out["accuracy"] = float(100 * acc[-1].mean())

@@ -163,15 +163,19 @@ def write_trace(path: Path, devices: list[DeviceTiming]) -> None:
 
 def matched_trace(device_results: list[dict], delay_s: float = 0.005) -> dict:
     """The trace that matches an MQTT run: each device's compute time per mini-batch from its
-    measured stream time (`stream_s` / batches), when it started its stream after the first
-    device did (`first_batch_at`), loopback delays (`delay_s`), no dropouts; `results.json`
-    carries it as `timing_trace` and `trace:results.json` reads it back."""
+    measured stream time (`stream_s` / batches) and its spread (`batch_s_std`: the uniform
+    jitter of that std, at most 0.95), when it started its stream after the first device did
+    (`first_batch_at`), loopback delays (`delay_s`), no dropouts; `results.json` carries it as
+    `timing_trace` and `trace:results.json` reads it back."""
     devices = []
     starts = [float(r.get("first_batch_at", 0.0)) for r in device_results]
     first = min(starts, default=0.0)
     for r, start in zip(device_results, starts, strict=True):
         batches = max(int(r.get("batches", 0)), 1)
         compute = float(r.get("stream_s", 0.0)) / batches
-        devices.append(asdict(DeviceTiming(compute_s=round(max(compute, 1e-4), 6),
-                                           delay_s=delay_s, start_s=round(start - first, 3))))
+        compute = max(compute, 1e-4)
+        jitter = min(float(r.get("batch_s_std", 0.0)) * math.sqrt(3) / compute, 0.95)
+        devices.append(asdict(DeviceTiming(compute_s=round(compute, 6),
+                                           compute_jitter=round(jitter, 4), delay_s=delay_s,
+                                           start_s=round(start - first, 3))))
     return {"devices": devices}
