@@ -100,12 +100,18 @@ def test_slowdowns_span_the_spread_and_follow_the_seed():
 
 def test_the_matched_trace_of_an_mqtt_run_by_hand():
     """100 mini-batches in 10 s: 0.1 s each; a std of 0.01 s is a uniform jitter of
-    0.01 * sqrt(3) / 0.1 = 0.173; the second device started 2.5 s after the first."""
+    0.01 * sqrt(3) / 0.1 = 0.173; the second device started 2.5 s after the first; globals
+    arrived 0.1-0.3 s after their rounds closed."""
     from edgefcl.sim.profiles import matched_trace
 
+    closed = {"1": 1001.0, "2": 1002.0, "3": 1003.0}  # rounds closed (aggregator's clock)
     trace = matched_trace([
-        {"batches": 100, "stream_s": 10.0, "batch_s_std": 0.01, "first_batch_at": 1000.0},
-        {"batches": 50, "stream_s": 10.0, "batch_s_std": 1.0, "first_batch_at": 1002.5}])
+        {"batches": 100, "stream_s": 10.0, "batch_s_std": 0.01, "first_batch_at": 1000.0,
+         "global_arrivals": {"1": 1001.1, "2": 1002.3, "3": 1003.2}},
+        {"batches": 50, "stream_s": 10.0, "batch_s_std": 1.0, "first_batch_at": 1002.5}],
+        closed)
     a, b = trace["devices"]
     assert (a["compute_s"], a["compute_jitter"], a["start_s"]) == (0.1, 0.1732, 0.0)
+    assert a["delay_s"] == 0.2  # the median of 0.1, 0.3 and 0.2 s from close to arrival
     assert (b["compute_s"], b["compute_jitter"], b["start_s"]) == (0.2, 0.95, 2.5)
+    assert b["delay_s"] == 0.005  # no arrivals: loopback

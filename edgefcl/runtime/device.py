@@ -40,6 +40,8 @@ from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encod
 log = logging.getLogger("edgefcl.client")
 
 END = object()
+MAX_ARRIVALS = 256
+"""Global versions whose arrival time a device keeps for its results (bounded)."""
 GLOBAL_FETCHES = 3
 """Times a lock-step device fetches the whole global for an answered version that has not come
 before it goes on without it (each after `answer_timeout` s)."""
@@ -105,6 +107,7 @@ class DeviceRunner:
         self.first_batch_at = 0.0  # and its wall time (devices start apart)
         self.stream_s = 0.0  # from the first mini-batch to the end of the stream
         self.batch_s: list[float] = []  # each mini-batch's time, start to start
+        self.arrivals: dict[int, float] = {}  # global version -> wall time it arrived
         # every global is checked against this device's own model before it is adopted
         self.global_spec = tensor_spec(global_tensors(client.model, cfg.fed.encoding))
         protos = client.protos  # head prototypes with a shared library: rows of its width
@@ -193,7 +196,7 @@ class DeviceRunner:
         previous version, applied to this device's copy of the global (under self.cond)."""
         if self.tracker is None:
             self._check(g)
-            self.latest = g  # the retained global: the newest the aggregator published
+            self._adopt(g)  # the retained global: the newest the aggregator published
         elif topic == self.topics.global_delta:
             frm = g.tensors.get(DELTA_FROM)
             if frm is not None and frm.shape == () and int(frm) == self.tracker.version:
@@ -204,14 +207,22 @@ class DeviceRunner:
                 g = GlobalModel(g.version, whole, g.participants, g.prototypes)
                 self._check(g)
                 self.tracker = DownlinkState(g.tensors, g.version)
-                self.latest = g
+                self._adopt(g)
             else:
                 self._fetch_whole()  # missed a change (reboot, resumed aggregator)
         else:
             self._check(g)
             self.tracker = DownlinkState(g.tensors, g.version)
-            self.latest = g
+            self._adopt(g)
             self.link.unsubscribe(self.topics.global_)  # back on deltas only
+
+    def _adopt(self, g: GlobalModel) -> None:
+        """Keep `g` as the newest global (checked); note when it arrived (the first
+        `MAX_ARRIVALS` versions: the matched timing profile reads the delays)."""
+        if (len(self.arrivals) < MAX_ARRIVALS and g.version not in self.arrivals
+                and (self.latest is None or g.version > self.latest.version)):
+            self.arrivals[g.version] = time.time()
+        self.latest = g
 
     def _check(self, g: GlobalModel) -> None:
         """Raise CodecError(reason) unless `g` fits this device's model (never adopted)."""
@@ -524,7 +535,8 @@ class DeviceRunner:
                "duplicate_batches": self.duplicates,
                "catch_ups": self.catch_ups, "held_backpressure": self.pacer.held,
                "stream_s": round(self.stream_s, 3), "first_batch_at": self.first_batch_at,
-               "batch_s_std": float(np.std(self.batch_s)) if self.batch_s else 0.0}
+               "batch_s_std": float(np.std(self.batch_s)) if self.batch_s else 0.0,
+               "global_arrivals": {str(v): t for v, t in self.arrivals.items()}}
         if len(self.acc):
             acc = np.nan_to_num(self.acc)
             out["accuracy"] = float(100 * acc[-1].mean())

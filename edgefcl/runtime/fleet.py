@@ -153,14 +153,16 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
     state = load_json(state_dir / "state.json")
     tensors, library = split_table(load_tensors(state_dir / "global.npz"))
     extra["aggregator"] = state.get("counters", {})
-    if cfg.fed.mode == "async":  # the counters the async simulator reports, and its profile
-        extra["asynchrony"] = async_stats(extra["aggregator"])
-        extra["timing_trace"] = matched_trace(per_device)
     rounds_log = state_dir / "rounds.jsonl"
+    closed_at: dict[str, float] = {}
     for line in rounds_log.read_text().splitlines() if rounds_log.exists() else []:
         entry = json.loads(line)
+        closed_at[str(entry["version"])] = float(entry.get("time", 0.0))
         comm.per_round_up.append(entry["bytes_in"])
         comm.per_round_down.append(entry["global_bytes"] * K)  # every client receives it
+    if cfg.fed.mode == "async":  # the counters the async simulator reports, and its profile
+        extra["asynchrony"] = async_stats(extra["aggregator"])
+        extra["timing_trace"] = matched_trace(per_device, closed_at)
     extra["model_spec"] = setup_spec
     extra["labels"] = (list(library.labels) if library is not None  # prototypes: library order
                        else setup.dataset.labels)

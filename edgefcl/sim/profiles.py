@@ -161,12 +161,16 @@ def write_trace(path: Path, devices: list[DeviceTiming]) -> None:
     path.write_text(json.dumps({"devices": [asdict(d) for d in devices]}, indent=1) + "\n")
 
 
-def matched_trace(device_results: list[dict], delay_s: float = 0.005) -> dict:
+def matched_trace(device_results: list[dict], closed_at: dict[str, float] | None = None,
+                  default_delay_s: float = 0.005) -> dict:
     """The trace that matches an MQTT run: each device's compute time per mini-batch from its
     measured stream time (`stream_s` / batches) and its spread (`batch_s_std`: the uniform
     jitter of that std, at most 0.95), when it started its stream after the first device did
-    (`first_batch_at`), loopback delays (`delay_s`), no dropouts; `results.json` carries it as
-    `timing_trace` and `trace:results.json` reads it back."""
+    (`first_batch_at`), its delay, no dropouts; `results.json` carries it as
+    `timing_trace` and `trace:results.json` reads it back. The delay of each device is the
+    median time from a round's close (`closed_at`, version -> the aggregator's wall time) to
+    the global's arrival at the device (`global_arrivals`), `default_delay_s` without them:
+    it holds the aggregator's saving and encoding and the broker's transit."""
     devices = []
     starts = [float(r.get("first_batch_at", 0.0)) for r in device_results]
     first = min(starts, default=0.0)
@@ -175,7 +179,10 @@ def matched_trace(device_results: list[dict], delay_s: float = 0.005) -> dict:
         compute = float(r.get("stream_s", 0.0)) / batches
         compute = max(compute, 1e-4)
         jitter = min(float(r.get("batch_s_std", 0.0)) * math.sqrt(3) / compute, 0.95)
+        waits = [t - closed_at[v] for v, t in r.get("global_arrivals", {}).items()
+                 if v in (closed_at or {}) and t >= closed_at[v]]
+        delay = round(float(np.median(waits)), 4) if waits else default_delay_s
         devices.append(asdict(DeviceTiming(compute_s=round(compute, 6),
-                                           compute_jitter=round(jitter, 4), delay_s=delay_s,
+                                           compute_jitter=round(jitter, 4), delay_s=delay,
                                            start_s=round(start - first, 3))))
     return {"devices": devices}
