@@ -353,8 +353,8 @@ class Aggregator:
         """Aggregate the round (None: an async round that, without the updates dropped while
         decoding, has fewer than `min_clients` and waits for more)."""
         rnd = self._round
-        decoded = decode_updates(self.encoding, [rnd.updates[c] for c in sorted(rnd.updates)],
-                                 self.counters)
+        decoded = self.folded(decode_updates(
+            self.encoding, [rnd.updates[c] for c in sorted(rnd.updates)], self.counters))
         if len(decoded) < max(self.fed.min_clients, 1):
             if tick is None and decoded:
                 kept = {u.client for u in decoded}
@@ -387,14 +387,18 @@ class Aggregator:
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants, seqs)
 
-    def weighed(self, decoded: list[Update]) -> list[Update]:
-        """The round's decoded updates as the fold rule (`fed.fold`) has them averaged, with
-        their staleness and task-lag weights (`round_weights.py`), before the robust rules.
-        Call after `strategy.configure_round`."""
-        if self.encoding.form == "dense":  # other forms carry their own base (folds.py)
-            decoded = self.fold.apply(decoded, self.global_.tensors, self.global_.version,
-                                      self.history.get, self.counters)
-        return weigh(decoded, self.global_.version, self.fed, self.strategy)
+    def folded(self, decoded: list[Update]) -> list[Update]:
+        """The round's decoded updates as the fold rule (`fed.fold`) has them averaged (an
+        update it drops takes no part in the round)."""
+        if self.encoding.form != "dense":
+            return decoded  # other forms carry their own base (folds.py)
+        return self.fold.apply(decoded, self.global_.tensors, self.global_.version,
+                               self.history.get, self.counters)
+
+    def weighed(self, updates: list[Update]) -> list[Update]:
+        """The round's folded updates with their staleness and task-lag weights
+        (`round_weights.py`), for the robust rules; after `strategy.configure_round`."""
+        return weigh(updates, self.global_.version, self.fed, self.strategy)
 
     # -- prototype library (head prototypes; federation/prototypes.py) ---------------------
     def _check_prototypes(self, msg: Update) -> str | None:

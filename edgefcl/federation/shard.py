@@ -134,7 +134,8 @@ class ShardWorker(Aggregator):
         if not rnd.updates:
             return None
         c: Counter[str] = Counter()
-        decoded = decode_updates(self.encoding, [rnd.updates[p] for p in sorted(rnd.updates)], c)
+        decoded = self.folded(decode_updates(
+            self.encoding, [rnd.updates[p] for p in sorted(rnd.updates)], c))
         if not decoded:
             self.counters.update(c)
             self._round = _Round()
