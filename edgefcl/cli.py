@@ -11,6 +11,7 @@ from edgefcl import __version__
 from edgefcl.config import ConfigError
 from edgefcl.logs import setup_logging
 from edgefcl.options import (
+    BROKER_VARIABLE,
     DAEMON_HELP,
     HelpFormatter,
     Parser,
@@ -19,6 +20,7 @@ from edgefcl.options import (
     check_runs,
     config_from_args,
     daemon_config,
+    env_broker,
     log_level,
     logging_options,
     run_command,
@@ -163,10 +165,18 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
     from edgefcl.runtime.threads import stop_on_signals
     from edgefcl.transport.broker import EmbeddedBroker
+    from edgefcl.transport.mqtt import parse_url
 
+    host, port = args.host, args.port
+    if env_broker() and (host is None or port is None):
+        try:
+            env_host, env_port, *_ = parse_url(env_broker())
+        except ValueError as e:
+            raise ConfigError(f"{BROKER_VARIABLE}: {e}") from None
+        host, port = host or env_host, port or env_port
     stop = threading.Event()
     stop_on_signals(stop)
-    with EmbeddedBroker(args.host, args.port) as broker:
+    with EmbeddedBroker(host or "127.0.0.1", 1883 if port is None else port) as broker:
         print(f"embedded MQTT broker (amqtt, MQTT 3.1.1) listening on {broker.url}; "
               "Ctrl-C stops it", flush=True)
         stop.wait()
@@ -209,8 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = add_command(sub, "broker", "start the embedded MQTT broker (amqtt)",
                  "A pure-Python MQTT 3.1.1 broker for a laptop fleet. For production use "
                  "Mosquitto with the configuration in broker/.", cmd_broker)
-    k.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    k.add_argument("--port", type=int, default=1883, help="port to listen on")
+    k.add_argument("--host", help="address to listen on (default: the host of "
+                   f"{BROKER_VARIABLE} if set, else 127.0.0.1)")
+    k.add_argument("--port", type=int, help=f"port to listen on (default: the port of "
+                   f"{BROKER_VARIABLE} if set, else 1883)")
 
     b = add_command(sub, "bench", "benchmarks that print numbers and write JSON",
                  " ".join(f"{name}: {text}." for name, text in BENCHES.items()), cmd_bench)

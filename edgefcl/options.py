@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from typing import Any
 
@@ -15,10 +16,12 @@ from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml
 from edgefcl.errors import UserError
 
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
+BROKER_VARIABLE = "EDGEFCL_BROKER"
 RUN_ONLY = ("seeds", "compare", "profile", "transport", "out", "quiet")
 """Run options that only `simulate` and `bench` use (several runs, a run directory)."""
-DAEMON_HELP = {"broker": "broker URL mqtt://HOST:PORT or mqtts://HOST:PORT (default: [mqtt] "
-               f"broker of --config, else {DEFAULT_BROKER})"}
+DAEMON_HELP = {"broker": "broker URL mqtt://HOST:PORT or mqtts://HOST:PORT (default: the "
+               f"{BROKER_VARIABLE} variable, else [mqtt] broker of --config, else "
+               f"{DEFAULT_BROKER})"}
 """Help texts of config fields whose meaning differs for the commands that join a fleet."""
 
 
@@ -117,9 +120,18 @@ def check_runs(cfg: RunConfig) -> None:
             raise ConfigError(f"--device {cfg.learn.device}: {e}") from None
 
 
+def env_broker() -> str:
+    """The broker URL of the `EDGEFCL_BROKER` variable, "" when unset."""
+    return os.environ.get(BROKER_VARIABLE, "").strip()
+
+
 def daemon_config(args: argparse.Namespace) -> RunConfig:
-    """Config for a command that connects to a broker (no embedded default)."""
+    """Config for a command that connects to a broker (no embedded default). The broker is
+    `--broker`, else the `EDGEFCL_BROKER` variable, else [mqtt] broker of the TOML, else
+    mqtt://127.0.0.1:1883."""
     cfg = config_from_args(args)
+    if getattr(args, "mqtt.broker", None) is None and env_broker():
+        cfg.mqtt.broker = env_broker()
     if not cfg.mqtt.broker:
         cfg.mqtt.broker = DEFAULT_BROKER
     return cfg

@@ -488,6 +488,19 @@ def test_the_run_ends_a_quiet_second_after_every_client_is_done(tmp_path) -> Non
     d.store.close()
 
 
+def test_a_fleet_that_never_forms_ends_the_run_unfinished(tmp_path) -> None:
+    # the quick start as a newcomer met it: every client died before joining, and the
+    # aggregator with --exit-when-done waited for ever
+    d = make_daemon(tmp_path, roster="a,b", client_timeout=30.0)
+    d.exit_when_done = True
+    assert not d._run_over(now=29.0, last_input=0.0)
+    assert d._run_over(now=31.0, last_input=0.0)  # nobody heard for client_timeout
+    d._on_status("a", {"state": "online"}, 31.0)
+    d._close_safely(lambda: d.agg.submit(Tick("a", 1, 0, 1), 31.0))
+    assert not d._run_over(now=90.0, last_input=31.0)  # a is active: the run goes on
+    d.store.close()
+
+
 def test_messages_off_the_roster_do_not_keep_an_ending_run_open(tmp_path) -> None:
     # the attack: with --exit-when-done, an id off the roster publishing junk every 0.5 s
     # reset the quiet second for ever: the daemon never exited after every device was done

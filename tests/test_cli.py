@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from edgefcl.cli import build_parser, main
 from edgefcl.config import RunConfig, dump_toml, load_toml
 
+REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--tasks", "2", "--classes-per-task", "2", "--clients", "2", "--memory-size", "30",
          "--local-epochs", "1", "--burn-in", "2", "--jump", "2", "--quiet"]
 
@@ -114,3 +118,31 @@ def test_aggregator_daemon_stops_gracefully_on_sigterm(embedded_broker, tmp_path
     assert p.wait(20) == 0
     state = json.loads((tmp_path / "st" / "state.json").read_text())
     assert state["version"] == 0
+
+
+def test_broker_port_taken_names_its_owner(capsys):
+    import socket
+
+    from edgefcl.transport.port_owner import port_owner
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_owner(port).endswith(f"(pid {os.getpid()})")
+        assert main(["broker", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"pid {os.getpid()}" in err and "--port" in err
+
+
+def test_the_broker_variable_is_the_default_broker(monkeypatch):
+    from edgefcl.options import daemon_config
+    from edgefcl.runtime.roles import add_role_commands
+
+    parser = argparse.ArgumentParser()
+    add_role_commands(parser.add_subparsers(dest="command"))
+    monkeypatch.setenv("EDGEFCL_BROKER", "mqtt://127.0.0.1:1999")
+    args = parser.parse_args(["client", "--config", str(REPO / "examples/fleet.toml")])
+    assert daemon_config(args).mqtt.broker == "mqtt://127.0.0.1:1999"  # over the TOML's
+    args = parser.parse_args(["client", "--broker", "mqtt://127.0.0.1:7"])
+    assert daemon_config(args).mqtt.broker == "mqtt://127.0.0.1:7"  # the flag wins

@@ -240,6 +240,36 @@ def test_unreachable_broker_says_how_to_start_one() -> None:
         link.connect(timeout=2)
 
 
+def test_connect_waits_for_a_broker_that_starts_late(tmp_path: Path) -> None:
+    """A refused connection is retried with backoff until connect_timeout: the quick start
+    launches its clients while the broker is still coming up."""
+    port = free_port()
+    started: dict = {}
+
+    def start_later() -> None:
+        import time
+        time.sleep(1.5)
+        try:
+            started["proc"] = start_mosquitto(port, config_dir=tmp_path / "m",
+                                              allow_anonymous=True)
+        except TransportError as e:
+            started["error"] = e
+
+    t = threading.Thread(target=start_later)
+    t.start()
+    link = MqttLink(f"mqtt://127.0.0.1:{port}", "late")
+    try:
+        link.connect(timeout=15)
+        assert link.is_connected
+    finally:
+        link.close()
+        t.join()
+        if "proc" in started:
+            started["proc"].stop()
+    if "error" in started:
+        pytest.skip(str(started["error"]))
+
+
 def test_reconnects_and_resubscribes_after_broker_restart(tmp_path: Path, make_link) -> None:
     try:
         proc = start_mosquitto(config_dir=tmp_path / "m", allow_anonymous=True)

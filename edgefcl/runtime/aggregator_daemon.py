@@ -336,11 +336,12 @@ class AggregatorDaemon:
         roster, or as many as a learned one admits), then a quiet second; or, once one did,
         none is active and nothing came for `client_timeout` seconds (the others were killed
         or never came). One device's `done` while the others have not joined yet, or are
-        reconnecting, does not end the run."""
-        if not self.exit_when_done or not self.done or self.agg.active:
+        reconnecting, does not end the run. A fleet that never forms (no roster client heard
+        for `client_timeout` seconds, none done) ends it too: `run` then exits with 1."""
+        if not self.exit_when_done or self.agg.active:
             return False
         quiet = now - last_input
-        if len(self.done) >= self.agg.admission.cap:
+        if self.done and len(self.done) >= self.agg.admission.cap:
             return quiet >= 1.0
         return self.cfg.fed.client_timeout > 0 and quiet >= self.cfg.fed.client_timeout
 
@@ -392,11 +393,18 @@ class AggregatorDaemon:
                 finished = True
                 break
         self._save_state(None)
-        if finished:
+        formed = bool(self.done)
+        if finished and formed:
             self.store.mark_finished()
         self.store.close()
         self._publish_status("stopped")
         self.link.close()
         log.info("aggregator stopped at version %d after %d rounds", self.agg.global_.version,
                  self.agg.rounds)
+        if finished and not formed:
+            log.error("no client finished its stream, and no roster client was heard for %g s: "
+                      "the fleet never formed; check that the clients run with this --fleet "
+                      "and --broker (their logs say why they stopped)",
+                      self.cfg.fed.client_timeout)
+            return 1
         return 0

@@ -29,6 +29,7 @@ from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
 
 from edgefcl.transport.mqtt import TransportError
+from edgefcl.transport.port_owner import port_owner
 from edgefcl.transport.topics import validate_id
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,10 @@ class EmbeddedBroker:
             thread.join(timeout)
             loop.close()
             why = str(e).rsplit(": ", 1)[-1] or type(e).__name__  # amqtt wraps the OSError
+            owner = port_owner(self.port) if self.port else None
+            if owner:
+                why += (f" by {owner}; use that broker (--broker mqtt://{self.host}:{self.port})"
+                        " or pick another port with --port")
             raise TransportError(
                 f"embedded MQTT broker could not listen on {self.host}:{self.port}: {why}"
             ) from None

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[str, bytes], None]
 DEFAULT_PORTS = {"mqtt": 1883, "tcp": 1883, "mqtts": 8883, "ssl": 8883}
+CONNECT_BACKOFF_S = 0.1  # first wait after a refused connection; doubles up to the maximum
+CONNECT_BACKOFF_MAX_S = 2.0
 HOW_TO_START = (
     "start one with `edgefcl broker` (embedded, for a laptop) or "
     "`mosquitto -c broker/mosquitto.conf` (see broker/README.md)"
@@ -186,17 +188,29 @@ class MqttLink:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = 0 if self.clean_start else self.session_expiry
             kwargs = {"clean_start": self.clean_start, "properties": props}
-        try:
-            self._client.connect(self.host, self.port, self.keepalive, **kwargs)
-        except ssl.SSLError as e:
-            raise BrokerUnavailable(
-                f"TLS handshake with the MQTT broker at {where} failed ({e}); check tls_ca, "
-                "tls_cert and tls_key (tls_insecure=True skips verification, for tests only)"
-            ) from None
-        except OSError as e:
-            raise BrokerUnavailable(
-                f"cannot reach the MQTT broker at {where} ({e}); {HOW_TO_START}"
-            ) from None
+        deadline = time.monotonic() + timeout
+        delay = CONNECT_BACKOFF_S
+        while True:
+            try:
+                self._client.connect(self.host, self.port, self.keepalive, **kwargs)
+                break
+            except ssl.SSLError as e:
+                raise BrokerUnavailable(
+                    f"TLS handshake with the MQTT broker at {where} failed ({e}); check tls_ca, "
+                    "tls_cert and tls_key (tls_insecure=True skips verification, for tests only)"
+                ) from None
+            except OSError as e:  # refused or unreachable: a broker still starting, retried
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BrokerUnavailable(
+                        f"cannot reach the MQTT broker at {where} within {timeout:g} s ({e}); "
+                        f"{HOW_TO_START}"
+                    ) from None
+                if delay == CONNECT_BACKOFF_S:
+                    log.info("waiting for the MQTT broker at %s (%s), up to %g s", where, e,
+                             timeout)
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, CONNECT_BACKOFF_MAX_S)
         self._client.loop_start()
         self._started = True
         if not self._answered.wait(timeout) or self._refused is not None:
