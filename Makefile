@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# The docs site (user guide, studies, API reference from the docstrings), strict: a broken link
+# or reference fails the build.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(VENV)/bin/edgefcl bench client --seeds 3 --out runs/bench

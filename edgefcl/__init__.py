@@ -1,3 +1,28 @@
-"""edgefcl: online federated continual learning on edge devices."""
+"""edgefcl: online federated continual learning on edge devices.
 
-__version__ = "0.1.0"
+The Python API (`edgefcl.api`): `Learner` (river's learn_many / predict_many interface),
+`simulate` (a whole fleet in process) and the configuration dataclasses. They load on first
+use, so that `import edgefcl` stays light (a predicting device needs no torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edgefcl.version import __version__
+
+API = {
+    "Learner": "edgefcl.api", "simulate": "edgefcl.api", "RunResult": "edgefcl.api",
+    "RunConfig": "edgefcl.config", "DataConfig": "edgefcl.config",
+    "LearnConfig": "edgefcl.config", "FedConfig": "edgefcl.config",
+    "MqttConfig": "edgefcl.config", "ConfigError": "edgefcl.config",
+}
+__all__ = ["__version__", *API]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in API:
+        raise AttributeError(f"module 'edgefcl' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(API[name]), name)

@@ -21,7 +21,7 @@ from edgefcl.learn.models import build_model
 from edgefcl.learn.perturb import IMAGE_VIEWS, make_perturber, tta_logits, tta_logits_looped
 from edgefcl.learn.scores import uncertainty
 from edgefcl.ondevice import OnnxModel
-from edgefcl.simulate import simulate
+from edgefcl.sim.runs import simulate
 
 
 def _time(fn, repeats: int) -> float:

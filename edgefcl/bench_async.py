@@ -94,7 +94,7 @@ def run_config(base: RunConfig, dataset: str, rule: str, profile: str, seed: int
 
 def run_cell(base: RunConfig, dataset: str, rule: str, profile: str, seed: int) -> dict:
     """One run's record."""
-    from edgefcl.simulate import simulate  # torch: imported in the worker, not by the CLI
+    from edgefcl.sim.runs import simulate  # torch: imported in the worker, not by the CLI
 
     logging.getLogger("edgefcl").setLevel(logging.ERROR)  # rejections are counted, not printed
     cfg = run_config(base, dataset, rule, profile, seed)
@@ -115,7 +115,7 @@ def _records(cells: list[tuple], jobs: int) -> Iterator[dict]:
             yield run_cell(*cell)
         return
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "edgefcl.simulate"])
+    ctx.set_forkserver_preload(["torch", "edgefcl.sim.runs"])
     with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
         futures = [pool.submit(run_cell, *cell) for cell in cells]
         for f in as_completed(futures):

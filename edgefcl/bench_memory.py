@@ -32,7 +32,7 @@ from edgefcl.config import CURRENT_SHARES, ConfigError, RunConfig
 from edgefcl.data.loaders import write_digits28
 from edgefcl.learn.methods import METHODS
 from edgefcl.learn.selection import get_selection
-from edgefcl.simulate import simulate
+from edgefcl.sim.runs import simulate
 
 DEFAULT_DATASETS = ("digits", "mnist1d", "digits28")
 DEFAULT_PER_CLASS = (5, 10, 20, 50)
@@ -279,7 +279,7 @@ def _records(cells: list[tuple], jobs: int) -> Iterator[dict]:
                 raise
         return
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "edgefcl.simulate"])
+    ctx.set_forkserver_preload(["torch", "edgefcl.sim.runs"])
     failure: tuple[tuple, BaseException] | None = None
     pool = ProcessPoolExecutor(jobs, mp_context=ctx)
     try:

@@ -40,7 +40,7 @@ def model_tensors(n_params: int = PARAMS, seed: int = 0) -> dict[str, np.ndarray
 def wall_ratio(cfg: RunConfig, workdir: Path) -> dict:
     """In-process vs lock-step MQTT (embedded broker) on the same config and seed."""
     from edgefcl.runtime.fleet import simulate_mqtt
-    from edgefcl.simulate import simulate
+    from edgefcl.sim.runs import simulate
 
     local = simulate(cfg)
     remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=workdir)

@@ -21,7 +21,7 @@ from edgefcl.learn.client import Client
 from edgefcl.learn.drift import make_monitor
 from edgefcl.learn.export import make_client_onnx
 from edgefcl.learn.global_format import global_tensors
-from edgefcl.learn.learner import Clock, Learner, resolve_device
+from edgefcl.learn.learner import Clock, StreamLearner, resolve_device
 from edgefcl.learn.memory import ClassBalanced, MemorySpec
 from edgefcl.learn.methods import get_method
 from edgefcl.learn.models import build_model
@@ -96,7 +96,7 @@ def make_optimizer(model: torch.nn.Module, learn: LearnConfig) -> torch.optim.Op
 def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedConfig,
                data_kind: str, seed: int = 0) -> Client:
     """A client `cid` training `model` (taken over, not copied): builds its collaborators
-    from the configuration and injects them into a Learner and its federated wrapper."""
+    from the configuration and injects them into a StreamLearner and its federated wrapper."""
     device = resolve_device(learn.device)
     if learn.score_chunk == 0:
         learn = dataclasses.replace(learn, score_chunk=4096 if device.type == "cuda" else 256)
@@ -116,7 +116,7 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
                             not learn.prototypes_local,
                             learn.bayes_sigma if fed.encoding == "gaussian" else None)
               if isinstance(model, ProtoNet) else None)
-    learner = Learner(cid, model, learn, data_kind, device, opt,
+    learner = StreamLearner(cid, model, learn, data_kind, device, opt,
                       torch.Generator().manual_seed(seed), memory, spec.score, perturber,
                       make_monitor(learn), make_client_onnx(learn), protos, Clock(device))
     return Client(learner, fed, encoder, hooks)

@@ -7,7 +7,6 @@ import logging
 import sys
 from pathlib import Path
 
-from edgefcl import __version__
 from edgefcl.config import ConfigError
 from edgefcl.logs import setup_logging
 from edgefcl.options import (
@@ -24,8 +23,10 @@ from edgefcl.options import (
     log_level,
     logging_options,
     run_command,
+    show_all_help,
 )
 from edgefcl.runtime.roles import add_role_commands
+from edgefcl.version import __version__
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -93,6 +94,44 @@ BENCHES = {
               "mean ± sample std, wall time per run; table, JSON and plot)",
 }
 """Benchmark kinds of `edgefcl bench KIND` (edgefcl/bench.py; fleet: edgefcl/bench_fleet.py)."""
+BENCH_DEFAULTS = {"datasets": None, "async_rules": None, "profiles": None,
+                  "per_class": "5,10,20,50", "jobs": 1, "repeats": 3, "count": 0,
+                  "rules": "er,cbr,bi,bi:bottom@on_change,bi:top,bi:step@on_change,bi:mix,"
+                           "bi:kcenter,bi:herding,bi:step+past"}
+"""Every bench-specific option's default: each `bench WHAT` takes only its own."""
+
+
+def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
+    """The options of `edgefcl bench WHAT` beyond the config flags."""
+    if what in ("memory", "async"):
+        p.add_argument("--datasets", help="comma-separated datasets (digits28: digits upscaled "
+                       "to 28x28 images; any --dataset spec such as npz:PATH) (default: "
+                       + ("digits,mnist1d,digits28)" if what == "memory" else "digits,mnist1d)"))
+        p.add_argument("--jobs", type=int, default=1, metavar="N",
+                       help="runs at once, each in its own process (same results; the wall "
+                       "times per run then include their contention)")
+    if what == "async":
+        p.add_argument("--async-rules", metavar="RULES",
+                       help="comma-separated rules NAME[/FIELD=VALUE...] (presets in "
+                       "edgefcl/bench_async.py; default: lockstep and the async presets)")
+        p.add_argument("--profiles", help="comma-separated timing profiles (default: "
+                       "homogeneous,heterogeneous)")
+    if what == "memory":
+        p.add_argument("--per-class", default=BENCH_DEFAULTS["per_class"], metavar="N,N",
+                       help="memory sizes in samples per class")
+        p.add_argument("--rules", default=BENCH_DEFAULTS["rules"], metavar="RULES",
+                       help="rules METHOD[:SELECTION][+past][@RESCORE]")
+    if what in ("client", "transport"):
+        p.add_argument("--repeats", type=int, default=3, metavar="N", help="timing repeats")
+    if what in ("crash", "fuzz", "flood"):
+        default = {"crash": "100 SIGKILLs", "fuzz": "100000 payloads",
+                   "flood": "1024 MiB per flood"}[what]
+        p.add_argument("--count", type=int, default=0, metavar="N",
+                       help=f"how many (default 0: {default})")
+    if what == "fleet":
+        from edgefcl.loadgen.options import add_fleet_arguments
+
+        add_fleet_arguments(p)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -183,7 +222,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
+    """The `edgefcl` parser; `show_all`: every option in each command's help (--help-all)."""
     p = Parser(prog="edgefcl", description="Online federated continual learning on edge "
                "devices.", parents=[logging_options()], formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"edgefcl {__version__}")
@@ -195,26 +235,29 @@ def build_parser() -> argparse.ArgumentParser:
                  "its one-pass stream, keeps a replay memory and takes part in rounds on the "
                  "burn-in/jump schedule. Prints a table and writes results.json, config.toml "
                  "and plots to --out (with --compare/--seeds: one folder per run, written as "
-                 "soon as the run finishes).", cmd_simulate)
+                 "soon as the run finishes).", cmd_simulate,
+                 usage="%(prog)s [options]")
     s.add_argument("--resume", action="store_true",
                    help="keep the runs already finished in --out (same configuration) and run "
                    "only the others")
-    add_config_flags(s)
-    add_role_commands(sub)
+    add_config_flags(s, command="simulate", show_all=show_all)
+    add_role_commands(sub, show_all)
 
     t = add_command(sub, "status", "show a running fleet: the aggregator and every device",
                  "A live table of the aggregator (version, rounds, active clients, updates "
                  "accepted and rejected by reason, bytes, last round, fleet accuracy) and "
                  "every device (online/offline, task, batches, version, last seen, "
                  "prequential accuracy, rejected messages), read from the retained status "
-                 "topics. Refreshes on a terminal until Ctrl-C.", cmd_status)
+                 "topics. Refreshes on a terminal until Ctrl-C.", cmd_status,
+                 usage="%(prog)s [options]")
     t.add_argument("--once", action="store_true", help="print one snapshot and exit")
     t.add_argument("--json", action="store_true",
                    help="print one snapshot as JSON and exit (implies --once)")
     t.add_argument("--wait", type=float, default=1.5,
                    help="seconds to collect the retained statuses before the first table")
     t.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    add_config_flags(t, helps=DAEMON_HELP, sections=("mqtt",))
+    add_config_flags(t, helps=DAEMON_HELP, sections=("mqtt",), command="status",
+                     show_all=show_all)
 
     k = add_command(sub, "broker", "start the embedded MQTT broker (amqtt)",
                  "A pure-Python MQTT 3.1.1 broker for a laptop fleet. For production use "
@@ -225,34 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{BROKER_VARIABLE} if set, else 1883)")
 
     b = add_command(sub, "bench", "benchmarks that print numbers and write JSON",
-                 " ".join(f"{name}: {text}." for name, text in BENCHES.items()), cmd_bench)
-    b.add_argument("what", choices=list(BENCHES), help="what to benchmark")
-    b.add_argument("--datasets",
-                   help="memory, async: comma-separated datasets (digits28: digits upscaled to "
-                   "28x28 images; any --dataset spec such as npz:PATH) (default: memory "
-                   "digits,mnist1d,digits28; async digits,mnist1d)")
-    b.add_argument("--async-rules",
-                   help="async: comma-separated rules NAME[/FIELD=VALUE...] (presets in "
-                   "edgefcl/bench_async.py; default: lockstep and the async presets)")
-    b.add_argument("--profiles", help="async: comma-separated timing profiles (default: "
-                   "homogeneous,heterogeneous)")
-    b.add_argument("--per-class", default="5,10,20,50",
-                   help="memory: memory sizes in samples per class (default: %(default)s)")
-    b.add_argument("--rules", default="er,cbr,bi,bi:bottom@on_change,bi:top,bi:step@on_change,"
-                   "bi:mix,bi:kcenter,bi:herding,bi:step+past",
-                   help="memory: rules METHOD[:SELECTION][+past][@RESCORE] (default: "
-                   "%(default)s)")
-    b.add_argument("--jobs", type=int, default=1,
-                   help="memory, async: runs at once, each in its own process (same results; the "
-                   "wall times per run then include their contention) (default: %(default)s)")
-    b.add_argument("--repeats", type=int, default=3, help="timing repeats (default: 3)")
-    b.add_argument("--count", type=int, default=0,
-                   help="crash: SIGKILLs (default 100); fuzz: payloads (default 100000); flood: "
-                   "MiB offered per flood (default 1024)")
-    from edgefcl.loadgen.options import add_fleet_arguments
-
-    add_fleet_arguments(b)
-    add_config_flags(b)
+                    "Benchmarks that print a table and write JSON (to --out, default "
+                    "runs/bench). `edgefcl bench WHAT --help` shows one's options.", cmd_bench,
+                    usage="%(prog)s WHAT [options]")
+    whats = b.add_subparsers(dest="what", required=True, metavar="WHAT")
+    for name, text in BENCHES.items():
+        w = add_command(whats, name, text, text[0].upper() + text[1:] + ".", cmd_bench,
+                        usage="%(prog)s [options]")
+        w.set_defaults(**BENCH_DEFAULTS)
+        add_bench_arguments(name, w)
+        add_config_flags(w, command="bench", show_all=show_all)
 
     e = add_command(sub, "export", "export a run's global model as ONNX",
                  "Rebuild the final global model of a run directory (`edgefcl simulate --out "
@@ -284,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run `edgefcl` with `argv` (default: the process's arguments); returns the exit code."""
+    show_all, argv = show_all_help(sys.argv[1:] if argv is None else list(argv))
+    args = build_parser(show_all).parse_args(argv)
     setup_logging(log_level(args), getattr(args, "log_json", False))
     return run_command(args, "edgefcl")
 

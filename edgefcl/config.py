@@ -76,6 +76,9 @@ class DataConfig:
     batch_size: int = opt(10, "mini-batch size of the one-pass streams")
     mnist1d_samples: int = opt(4000, "number of mnist1d samples to generate")
 
+    def __post_init__(self) -> None:
+        check_data(self)
+
 
 @dataclass
 class LearnConfig:
@@ -208,6 +211,9 @@ class LearnConfig:
     )
 
 
+    def __post_init__(self) -> None:
+        check_learn(self)
+
 @dataclass
 class FedConfig:
     """Federation: clients, round schedule, aggregation."""
@@ -296,6 +302,9 @@ class FedConfig:
                              "round's median sigma of that entry (0: off)")
 
 
+    def __post_init__(self) -> None:
+        check_fed(self)
+
 @dataclass
 class MqttConfig:
     """How to reach the broker and which fleet to join."""
@@ -317,6 +326,9 @@ class MqttConfig:
                            "prototype library and 1 MiB; 64 MiB where no model is known)")
     wire_dtype: str = opt("float32", "tensor dtype on the wire: float32 | float16")
     connect_timeout: float = opt(10.0, "seconds to wait for the broker at start-up")
+
+    def __post_init__(self) -> None:
+        check_mqtt(self)
 
 
 @dataclass
@@ -341,6 +353,9 @@ class RunConfig:
     )
     out: str = opt("", "run directory for results.json and plots (empty: no files)")
     quiet: bool = opt(False, "no progress output")
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 SCORE_BACKENDS = ("auto", "torch", "onnxruntime")
@@ -488,18 +503,28 @@ def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
                           f"--encoding {bayes} or method vfcl/fedbnn")
 
 
-def validate(cfg: RunConfig) -> None:
-    """Reject values that cannot work, with a message that says what to fix."""
-    d, le, f = cfg.data, cfg.learn, cfg.fed
-    for _, method, fed in run_entries(cfg):
-        _check_entry(method, fed, le)
-    checks = [
+def require(checks: list[tuple[bool, str]]) -> None:
+    """Raise ConfigError with the message of the first check that fails."""
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def check_data(d: DataConfig) -> None:
+    """The [data] values that cannot work."""
+    require([
         (d.tasks >= 1, "tasks must be >= 1"),
         (d.batch_size >= 1, "batch_size must be >= 1"),
         (0 < d.imbalance <= 1, "imbalance must be in (0, 1]"),
         (0 <= d.val_fraction < 1, "val_fraction must be in [0, 1)"),
         (0 < d.test_fraction < 1, "test_fraction must be in (0, 1)"),
         (d.split in ("overlap", "non-overlap"), "split must be overlap or non-overlap"),
+    ])
+
+
+def check_learn(le: LearnConfig) -> None:
+    """The [learn] values that cannot work."""
+    require([
         (le.memory_size >= 0, "memory_size must be >= 0"),
         (le.current_share in (*CURRENT_SHARES, "auto"),
          "current_share must be equal, stream or auto"),
@@ -527,6 +552,15 @@ def validate(cfg: RunConfig) -> None:
          "score_backend onnxruntime computes TTA logits only; use score_source tta"),
         (le.score_backend != "onnxruntime" or le.device == "cpu",
          "score_backend onnxruntime runs on the CPU; use it with device cpu"),
+        (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,
+         "apc_l1, apc_l2 and apc_prune must be >= 0"),
+        (0 < le.apc_send <= 1, "apc_send must be in (0, 1]"),
+    ])
+
+
+def check_fed(f: FedConfig) -> None:
+    """The [fed] values that cannot work."""
+    require([
         (f.bnn_init_rounds >= 0, "bnn_init_rounds must be >= 0"),
         (f.clients >= 1, "clients must be >= 1"),
         (f.burn_in >= 0, "burn_in must be >= 0"),
@@ -559,19 +593,33 @@ def validate(cfg: RunConfig) -> None:
         (f.staleness in STALENESS, f"staleness must be one of {', '.join(STALENESS)}"),
         (f.staleness_a >= 0 and f.staleness_b >= 0, "staleness_a and staleness_b must be >= 0"),
         (0 < f.task_decay <= 1, "task_decay must be in (0, 1] (1: off)"),
-        (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,
-         "apc_l1, apc_l2 and apc_prune must be >= 0"),
-        (0 < le.apc_send <= 1, "apc_send must be in (0, 1]"),
+    ])
+
+
+def check_mqtt(m: MqttConfig) -> None:
+    """The [mqtt] values that cannot work."""
+    require([
+        (m.wire_dtype in ("float32", "float16"), "wire_dtype must be float32 or float16"),
+        (m.broker == "" or m.broker.startswith(("mqtt://", "mqtts://")),
+         "broker must look like mqtt://HOST:PORT or mqtts://HOST:PORT"),
+        (m.chunk_size >= 1024, "chunk_size must be >= 1024 bytes"),
+    ])
+
+
+def validate(cfg: RunConfig) -> None:
+    """Reject values that cannot work, with a message that says what to fix: every section's
+    checks, the run's, and the names against the registries. A config runs it on
+    construction; `apply` runs it again after setting fields."""
+    check_data(cfg.data)
+    check_learn(cfg.learn)
+    check_fed(cfg.fed)
+    check_mqtt(cfg.mqtt)
+    require([
         (cfg.seeds >= 1, "seeds must be >= 1"),
         (cfg.transport in ("inprocess", "mqtt"), "transport must be inprocess or mqtt"),
-        (cfg.mqtt.wire_dtype in ("float32", "float16"), "wire_dtype must be float32 or float16"),
-        (cfg.mqtt.broker == "" or cfg.mqtt.broker.startswith(("mqtt://", "mqtts://")),
-         "broker must look like mqtt://HOST:PORT or mqtts://HOST:PORT"),
-        (cfg.mqtt.chunk_size >= 1024, "chunk_size must be >= 1024 bytes"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ConfigError(msg)
+    ])
+    for _, method, fed in run_entries(cfg):
+        _check_entry(method, fed, cfg.learn)
 
 
 def _toml_value(v: Any) -> str:

@@ -32,7 +32,7 @@ def environment() -> dict[str, Any]:
     import numpy
     import torch
 
-    from edgefcl import __version__
+    from edgefcl.version import __version__
 
     return {"edgefcl": __version__, "torch": torch.__version__,
             "python": platform.python_version(), "numpy": numpy.__version__,

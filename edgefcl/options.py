@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -16,6 +17,12 @@ from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml
 from edgefcl.errors import UserError
 
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
+EXTRAS = {module: extra for extra, modules in {
+    "train": ("torch", "sklearn", "river", "mnist1d", "onnx", "onnxscript", "tqdm",
+              "threadpoolctl"),
+    "onnx": ("onnxruntime",), "plots": ("matplotlib",), "broker": ("amqtt",),
+}.items() for module in modules}
+"""The installable part (pyproject's extras) that brings each optional module."""
 BROKER_VARIABLE = "EDGEFCL_BROKER"
 RUN_ONLY = ("seeds", "compare", "profile", "transport", "out", "quiet")
 """Run options that only `simulate` and `bench` use (several runs, a run directory)."""
@@ -33,7 +40,13 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default unless its help already states it or it has none."""
+    """Shows an option's default unless its help already states it or it has none; 100
+    columns when the output is not a terminal (a terminal: its width)."""
+
+    def __init__(self, prog: str, **kw: Any) -> None:
+        kw.setdefault("width", shutil.get_terminal_size((100, 24)).columns - 2)
+        kw.setdefault("max_help_position", 30)
+        super().__init__(prog, **kw)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -52,34 +65,80 @@ def logging_options() -> argparse.ArgumentParser:
     g.add_argument("-q", dest="log_quiet", action="store_true", default=argparse.SUPPRESS,
                    help="log errors only")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                   default=argparse.SUPPRESS,
-                   help="log level (default: info for the daemons, status and broker; "
-                   "warning for the others)")
+                   default=argparse.SUPPRESS, metavar="LEVEL",
+                   help="debug | info | warning | error (default: info for daemons)")
     g.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS,
                    help="log one JSON object per line (for log collectors)")
     return p
 
 
+COMMON: dict[str, frozenset[str]] = {name: frozenset(fields.split()) for name, fields in {
+    "simulate": "seed seeds compare profile transport out dataset tasks batch_size method "
+                "memory_size model device clients burn_in jump mode encoding aggregation",
+    "aggregator": "seed dataset method clients mode min_clients round_timeout encoding "
+                  "aggregation roster client_timeout broker fleet username tls_ca",
+    "client": "seed dataset method device broker fleet username tls_ca connect_timeout",
+    "replay": "seed dataset broker fleet username tls_ca connect_timeout",
+    "status": "broker fleet username tls_ca connect_timeout",
+    "bench": "seed seeds out dataset method memory_size device clients mode",
+}.items()}
+"""The config fields each command's `--help` shows; `--help-all` shows every one."""
+TRUST = frozenset(("roster", "roster_cap", "sample_cap", "client_timeout", "max_seq_gap",
+                   "clip_factor", "clip_norm", "max_share", "trim", "sigma_floor",
+                   "max_backpressure"))
+"""[fed] fields that bound what one device can do: their own help group."""
+GROUPS = {"run": "run", "data": "data", "learn": "learning", "fed": "federation",
+          "mqtt": "transport"}
+HELP_ALL = "--help-all"
+METAVARS = {int: "N", float: "X", str: "TEXT"}
+SHORT_HELP = {
+    "dataset": "digits | mnist1d | npz:PATH | embeddings:PATH | cifar10:DIR | ... (see "
+               "--help-all)",
+    "method": "bi | er | cbr | fedavg | fedprox | vfcl | fedbnn | apc | ... (see --help-all)",
+    "encoding": "update encoding: dense | sparse | q8 | gaussian | apc",
+    "aggregation": "fedavg | class-weighted | median | trimmed-mean (dense); conflation | "
+                   "fedbnn | moments (gaussian)",
+    "roster": "comma-separated client ids allowed (empty: learned from the first seen)",
+    "profile": "async timing on the virtual clock: homogeneous | heterogeneous | trace:PATH",
+    "transport": "inprocess | mqtt (every role a process, over a broker)",
+    "connect_timeout": "seconds to wait for the broker at start-up",
+}
+"""Shorter help of some common fields for `--help`; `--help-all` gives the full text."""
+
+
 def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
                      helps: dict[str, str] | None = None,
-                     sections: tuple[str, ...] | None = None) -> None:
-    """One flag per config field (`memory_size` -> `--memory-size`), grouped by section;
-    fields in `skip` get no flag, `helps` replaces the help text of some fields, `sections`
-    (default: all, "run" included) limits the flags to those sections."""
+                     sections: tuple[str, ...] | None = None, command: str = "",
+                     show_all: bool = True) -> None:
+    """One flag per config field (`memory_size` -> `--memory-size`), in groups (run, data,
+    learning, federation, trust, transport); fields in `skip` get no flag, `helps` replaces
+    the help text of some fields, `sections` (default: all, "run" included) limits the flags
+    to those sections. Unless `show_all`, the help lists only the `command`'s common fields
+    (COMMON) and says how many more `--help-all` shows; every flag parses either way."""
     parser.add_argument("--config", metavar="FILE",
                         help="TOML config file; flags given on the command line override it")
-    groups = [("run", RunConfig)] + list(SECTIONS.items())
+    sections_ = [("run", RunConfig)] + list(SECTIONS.items())
     helps = helps or {}
-    for section, cls in groups:
+    common = COMMON.get(command)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    hidden = 0
+    for section, cls in sections_:
         if sections is not None and section not in sections:
             continue
-        group = parser.add_argument_group(f"[{section}] options" if section != "run"
-                                          else "run options")
         for f in dataclasses.fields(cls):
             if f.name in SECTIONS or f.name in skip:
                 continue
+            title = "trust" if section == "fed" and f.name in TRUST else GROUPS[section]
+            group = groups.get(title) or groups.setdefault(
+                title, parser.add_argument_group(f"{title} options"))
+            shown = show_all or common is None or f.name in common
+            hidden += not shown
             flag = "--" + f.name.replace("_", "-")
-            help_text = helps.get(f.name) or f"{f.metadata.get('help', '')} (default: {f.default})"
+            text = helps.get(f.name) or (f.metadata.get("help", "") if show_all
+                                         else SHORT_HELP.get(f.name, f.metadata.get("help")))
+            if f.name not in helps and f.default != "" and not isinstance(f.default, bool):
+                text += f" (default: {f.default})"
+            help_text = text if shown else argparse.SUPPRESS
             dest = f"{section}.{f.name}"
             if isinstance(f.default, bool) and f.default:  # on by default: --no-X turns off
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
@@ -89,7 +148,22 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                                    default=None, help=help_text)
             else:
                 group.add_argument(flag, dest=dest, type=type(f.default), default=None,
-                                   metavar=f.name.upper(), help=help_text)
+                                   metavar=METAVARS[type(f.default)], help=help_text)
+    if hidden:
+        parser.add_argument(HELP_ALL, action="help",
+                            help=f"show all options ({hidden} more) and exit")
+
+
+def more(show_all: bool, text: str) -> str:
+    """`text` as the help of an option that only `--help-all` lists."""
+    return text if show_all else argparse.SUPPRESS
+
+
+def show_all_help(argv: list[str]) -> tuple[bool, list[str]]:
+    """(whether `argv` asks for --help-all, argv with it turned into --help)."""
+    if HELP_ALL not in argv:
+        return False, argv
+    return True, ["--help" if a == HELP_ALL else a for a in argv]
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -137,10 +211,12 @@ def daemon_config(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
-def add_command(sub, name: str, help: str, description: str, func) -> argparse.ArgumentParser:
-    """A subcommand `name` of `sub` that runs `func(args)`, with the logging options."""
+def add_command(sub, name: str, help: str, description: str, func,
+                usage: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand `name` of `sub` that runs `func(args)`, with the logging options;
+    `usage` replaces argparse's list of every flag (e.g. "%(prog)s [options]")."""
     p = sub.add_parser(name, help=help, description=description, parents=[logging_options()],
-                       formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter, usage=usage)
     p.set_defaults(func=func)
     return p
 
@@ -171,6 +247,13 @@ def run_command(args: argparse.Namespace, prog: str) -> int:
         return args.func(args)
     except (ConfigError, DataError, TransportError, UserError) as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # a part of edgefcl that this install left out
+        extra = EXTRAS.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"{prog}: error: {getattr(args, 'command', prog)} needs {e.name}, which this "
+              f"install left out: pip install 'edgefcl[{extra}]'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from edgefcl.config import RunConfig, run_entries
 from edgefcl.environment import environment
-from edgefcl.simulate import RunResult, simulate
+from edgefcl.results import RunResult
+from edgefcl.sim.runs import simulate
 
 Progress = Callable[[int, int, str], None]
 

@@ -200,7 +200,7 @@ def test_method_apc_implies_the_apc_encoding():
 
 
 def test_apc_run_end_to_end():
-    from edgefcl.simulate import simulate
+    from edgefcl.sim.runs import simulate
 
     cfg = apply(RunConfig(), {
         "quiet": True, "data": {"tasks": 2}, "fed": {"clients": 2},

@@ -11,7 +11,7 @@ import pytest
 from edgefcl.config import RunConfig, apply
 from edgefcl.sim.clock import VirtualClock
 from edgefcl.sim.profiles import DeviceClock, DeviceTiming, ProfileError, timings, write_trace
-from edgefcl.simulate import simulate
+from edgefcl.sim.runs import simulate
 
 
 def small(profile: str, seed: int = 0, **fed) -> RunConfig:

@@ -11,7 +11,7 @@ import torch
 from edgefcl.bench import bare_train_ms, log_scores, spearman, view_stability
 from edgefcl.build import prepare
 from edgefcl.config import RunConfig
-from edgefcl.simulate import simulate
+from edgefcl.sim.runs import simulate
 
 
 def test_spearman():

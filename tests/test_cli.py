@@ -68,14 +68,46 @@ def test_toml_config_and_flags_override(tmp_path):
     assert got.fed.clients == 2 and got.learn.memory_size == 77
 
 
-def test_help_explains_every_option(capsys):
+def test_help_shows_the_common_options_and_help_all_every_one(capsys, monkeypatch):
+    import dataclasses
+
+    from edgefcl.config import SECTIONS
+
+    monkeypatch.setenv("COLUMNS", "100")  # what a pipe gets
     with pytest.raises(SystemExit):
         main(["simulate", "--help"])
     text = capsys.readouterr().out
     for flag in ("--dataset", "--method", "--clients", "--tasks", "--batch-size",
                  "--memory-size", "--burn-in", "--jump", "--seed", "--seeds", "--compare",
-                 "--device", "--out", "--transport", "--broker", "--config"):
+                 "--device", "--out", "--transport", "--config", "--help-all"):
         assert flag in text
+    assert "--bn-momentum" not in text and "--selection" not in text
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help-all"])
+    text = capsys.readouterr().out
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            assert "-" + f.name.replace("_", "-") in text, f.name
+
+
+COMMANDS = [["simulate"], ["aggregator"], ["client"], ["replay"], ["status"], ["broker"],
+            ["report"], ["export"], ["predict"], ["bench"],
+            *[["bench", what] for what in ("client", "transport", "fleet", "shard", "crash",
+                                          "fuzz", "flood", "async", "memory")]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_commands_help_fits_60_lines(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 60, "\n".join(lines)
+
+
+def test_hidden_options_still_parse():
+    args = build_parser().parse_args(["simulate", "--bn-momentum", "0.2", "--selection", "top"])
+    assert vars(args)["learn.bn_momentum"] == 0.2 and vars(args)["learn.selection"] == "top"
 
 
 @pytest.mark.parametrize("argv,needle", [

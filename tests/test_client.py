@@ -170,7 +170,7 @@ def test_scoring_while_training_changes_nothing(selection):
 
 
 def test_the_learner_learns_alone_and_the_wrapper_only_adds_the_schedule():
-    """Client.step is Learner.learn_one plus the schedule and encoding: same model, same
+    """Client.step is StreamLearner.learn_one plus the schedule and encoding: same model, same
     memory, and the learner holds no federation state."""
     fed_client, alone = make_client(burn_in=0, jump=1), make_client(burn_in=0, jump=1)
     learner = alone.learner

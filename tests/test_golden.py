@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from edgefcl.config import RunConfig, apply
-from edgefcl.simulate import simulate
+from edgefcl.sim.runs import simulate
 
 GOLDEN = Path(__file__).parent / "data" / "golden_sha256.json"
 

@@ -29,7 +29,7 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0
-    from edgefcl import __version__
+    from edgefcl.version import __version__
 
     assert capsys.readouterr().out.strip() == f"edgefcl {__version__}"
 
@@ -64,7 +64,8 @@ def test_help_shows_each_commands_own_options_with_defaults(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         texts[command] = " ".join(capsys.readouterr().out.split())
-    assert "(default: 1883)" in texts["broker"] and "(default: 127.0.0.1)" in texts["broker"]
+    assert "EDGEFCL_BROKER if set, else 1883)" in texts["broker"]
+    assert "EDGEFCL_BROKER if set, else 127.0.0.1)" in texts["broker"]
     assert "(default: torchscript)" in texts["export"]
     assert "(default: 1)" in texts["predict"]
     assert "else mqtt://127.0.0.1:1883" in texts["aggregator"]
@@ -227,7 +228,7 @@ def test_report_renders_run_and_compare_directories(tmp_path, capsys):
 def test_printed_plus_minus_is_the_sample_std():
     from edgefcl.metrics import CommStats, sample_std
     from edgefcl.report import summarize
-    from edgefcl.simulate import RunResult
+    from edgefcl.results import RunResult
 
     assert sample_std([1.0, 3.0]) == pytest.approx(math.sqrt(2.0))
     assert sample_std([5.0]) == 0.0

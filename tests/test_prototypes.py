@@ -441,7 +441,7 @@ def test_a_client_needs_no_class_list_and_a_fixed_head_refuses_names():
 
 
 def test_an_npz_with_string_labels_runs_with_the_prototype_head(tmp_path):
-    from edgefcl.simulate import simulate
+    from edgefcl.sim.runs import simulate
 
     rng = np.random.default_rng(0)
     names = np.array(["cat", "dog", "emu", "fox"])
@@ -467,7 +467,7 @@ def small(**over) -> RunConfig:
 
 
 def test_simulate_with_prototypes_learns_and_is_deterministic():
-    from edgefcl.simulate import simulate
+    from edgefcl.sim.runs import simulate
 
     a, b = simulate(small()), simulate(small())
     assert a.rounds > 0 and a.global_sha256 == b.global_sha256
@@ -500,7 +500,7 @@ def test_fixed_head_is_untouched_by_the_option():
 @pytest.mark.parametrize("method", ["bi", "fedbnn", "apc"])  # fedbnn: Gaussian rows
 def test_lockstep_mqtt_reproduces_inprocess_with_prototypes(embedded_broker, tmp_path, method):
     from edgefcl.runtime.fleet import simulate_mqtt
-    from edgefcl.simulate import simulate
+    from edgefcl.sim.runs import simulate
 
     cfg = small(mqtt={"broker": embedded_broker}, learn={"method": method})
     local = simulate(cfg)
@@ -522,7 +522,7 @@ def test_export_carries_the_library_and_its_labels(tmp_path):
 
     from edgefcl.learn.export import export_run, load_run_model, max_logit_diff
     from edgefcl.report import write_run
-    from edgefcl.simulate import simulate
+    from edgefcl.sim.runs import simulate
 
     result = simulate(small())
     write_run(result, tmp_path)
@@ -657,7 +657,7 @@ def test_fedbnn_rows_sigmas_do_not_collapse_against_the_extractors(monkeypatch):
     variance is about 1/K of the previous, the 0.5 mixture gives 0.5 (1/K + 1) = 2/3 of it per
     round, sigma x (2/3)^(5/2) = 0.36 after 5 rounds, a 2.75x gap, which the 2x bound catches
     (measured before the change: rows 0.022 vs extractor 0.050; after: 0.049 vs 0.050)."""
-    import edgefcl.simulate as sim
+    import edgefcl.sim.lockstep as sim
 
     seen: dict = {}
 
@@ -669,7 +669,8 @@ def test_fedbnn_rows_sigmas_do_not_collapse_against_the_extractors(monkeypatch):
             return out
 
     monkeypatch.setattr(sim, "Aggregator", Recording)
-    sim.simulate(small(learn={"method": "fedbnn"}, fed={"clients": 3}))
+    cfg = small(learn={"method": "fedbnn"}, fed={"clients": 3})
+    sim.simulate_lockstep(cfg, cfg.learn.method, cfg.seed)
     g = seen["global"]
     rows = float(np.median(g.prototypes.sigmas))
     weights = float(np.median(np.concatenate([v.ravel() for k, v in g.tensors.items()

@@ -16,7 +16,7 @@ from edgefcl.learn.params import get_tensors
 from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
 from edgefcl.runtime.fleet import simulate_mqtt
 from edgefcl.runtime.links import open_link, topics
-from edgefcl.simulate import simulate
+from edgefcl.sim.runs import simulate
 from edgefcl.transport.codec import encode
 
 pytestmark = pytest.mark.mqtt

@@ -392,7 +392,8 @@ def tiny(**fed):
 def test_sparse_downlink_run_is_identical_to_dense_downlink_and_bytes_are_real():
     from edgefcl.learn.models import build_model
     from edgefcl.learn.params import get_tensors
-    from edgefcl.simulate import encoded_size, simulate
+    from edgefcl.sim.outcome import encoded_size
+    from edgefcl.sim.runs import simulate
 
     dense = simulate(tiny(encoding="sparse", topk=0.2, downlink="dense"))
     delta = simulate(tiny(encoding="sparse", topk=0.2, downlink="sparse"))

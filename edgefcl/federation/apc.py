@@ -1,5 +1,6 @@
-"""Server side of APC / FedWeIT (NOTES.md §2): entry-wise average of the base parameters B over
-the clients that sent them, and a bounded knowledge base of task-adaptive parameters.
+"""Server side of APC / FedWeIT (docs/algorithms.md §2): entry-wise average of the base
+parameters B over the clients that sent them, and a bounded knowledge base of task-adaptive
+parameters.
 
 Update payload (encoding `apc`), per global tensor `w`:
 - decomposed layers: `w::rows` / `w::val`, the rows (output units) of B the client sends, with

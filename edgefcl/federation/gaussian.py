@@ -1,5 +1,5 @@
 """Gaussian updates: mean and sigma of every Bayesian weight on the wire, and the three ways to
-aggregate them (NOTES.md §3-4).
+aggregate them (docs/algorithms.md §3-4).
 
 Wire names: the Gaussian of weight tensor `W` travels as `W::mu` and `W::sigma` (sigma > 0);
 every other federated tensor (BatchNorm affine parameters and statistics) travels as it is and

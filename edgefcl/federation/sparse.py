@@ -1,5 +1,5 @@
-"""Sparse parameter updates (NOTES.md §2): top-k / threshold selection of the delta to the base
-global with error feedback, compact indices and 16-bit values, validation, and per-entry
+"""Sparse parameter updates (docs/algorithms.md §2): top-k / threshold selection of the delta
+to the base global with error feedback, compact indices and 16-bit values, validation, and per-entry
 aggregation.
 
 Wire format of one sparse tensor `w` (any float tensor of the global spec): one index part and

@@ -1,4 +1,4 @@
-"""APC / FedWeIT on the client (NOTES.md §2): every Linear and Conv2d weight becomes
+"""APC / FedWeIT on the client (docs/algorithms.md §2): every Linear and Conv2d weight becomes
 
     theta(t) = B ⊙ sigmoid(m(t)) + A(t) + sum_s alpha_s * KB_s
 

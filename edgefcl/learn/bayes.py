@@ -1,5 +1,5 @@
 """Mean-field Gaussian (Bayesian) layers, conversion of standard models, closed-form KL and
-posterior predictions (NOTES.md §3-4).
+posterior predictions (docs/algorithms.md §3-4).
 
 Every weight w of a Bayesian layer has a mean mu and rho with sigma = softplus(rho); a training
 forward pass draws w = mu + sigma * eps (reparameterisation, one eps per tensor and pass), an

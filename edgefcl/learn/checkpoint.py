@@ -1,6 +1,6 @@
 """Checkpoint helpers for an online Client, so a device resumes exactly where it stopped.
 
-`Client.state_dict()` (learn/client.py) and `Learner.state_dict()` (learn/learner.py) list
+`Client.state_dict()` (learn/client.py) and `StreamLearner.state_dict()` (learn/learner.py) list
 their state explicitly; this module holds the format, the configuration fingerprint and the
 helpers for their parts. A checkpoint holds everything the next mini-batch depends on:
 - the model (state_dict, plus the plain-data attributes of every submodule that are not

@@ -1,5 +1,6 @@
-"""The federated client: an online `Learner` wrapped with the burn-in / jump schedule that
-decides when it sends an update and the encoding of that update (NOTES.md §1, Algorithm 1).
+"""The federated client: an online `StreamLearner` wrapped with the burn-in / jump schedule that
+decides when it sends an update and the encoding of that update (docs/algorithms.md §1,
+Algorithm 1).
 Built by `edgefcl.build.new_client`, which makes and injects the collaborators."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from edgefcl.learn.checkpoint import (
     fingerprint,
     load_data_attrs,
 )
-from edgefcl.learn.learner import Learner
+from edgefcl.learn.learner import StreamLearner
 from edgefcl.learn.merges import REPLACE, MergeRule
 from edgefcl.learn.objectives import MethodHooks
 from edgefcl.learn.params import get_tensors, set_tensors
@@ -51,7 +52,7 @@ class Client:
     through the properties below.
     """
 
-    def __init__(self, learner: Learner, fed: FedConfig, encoder: Any,
+    def __init__(self, learner: StreamLearner, fed: FedConfig, encoder: Any,
                  hooks: MethodHooks) -> None:
         self.learner = learner
         self.fed = fed

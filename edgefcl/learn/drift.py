@@ -35,7 +35,7 @@ from edgefcl.learn.perturb import eval_mode
 
 if TYPE_CHECKING:
     from edgefcl.learn.client import Client
-    from edgefcl.learn.learner import Learner
+    from edgefcl.learn.learner import StreamLearner
 
 SIGNALS = ("loss", "features")
 DEFAULT_DELTA = {"loss": 0.002, "features": 0.05}
@@ -180,7 +180,7 @@ class StreamMonitor:
         self.drift = DriftDetector(learn.drift_signal, learn.drift_delta) if learn.task_free \
             else None
 
-    def observe(self, client: Learner, batch: Batch, x: Tensor, y: Tensor) -> int:
+    def observe(self, client: StreamLearner, batch: Batch, x: Tensor, y: Tensor) -> int:
         """The task id the learner should use for the batch (the true one unless task-free)."""
         t0 = client.clock.now()
         need = self.prequential is not None or (self.drift is not None

@@ -54,7 +54,7 @@ class Clock:
         return time.perf_counter()
 
 
-class Learner:
+class StreamLearner:
     """An online continual learner over one stream (one pass, replay ranked by uncertainty).
 
     Counts what it has seen in the current task (`task`, `bn`, `samples_in_task`,

@@ -9,7 +9,7 @@ randomness comes from one `torch.Generator` seeded at construction, so a run is
 reproducible for a seed and survives a `state_dict()` / `load_state_dict()` round-trip
 (device reboots).
 
-Class-balanced update (NOTES.md section 1, step 2), when a batch does not fit any more:
+Class-balanced update (docs/algorithms.md §1, step 2), when a batch does not fit any more:
 candidates = memory + batch. The per-class allotment is water-filling: the largest integer q
 with sum_c min(n_c, q) <= capacity; classes with n_c <= q keep all their candidates, over-quota
 classes keep q each and the leftover slots go one each to over-quota classes in a fixed random

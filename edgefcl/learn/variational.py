@@ -1,4 +1,4 @@
-"""Client objectives of Bayesian models (NOTES.md §3-4), as method hooks.
+"""Client objectives of Bayesian models (docs/algorithms.md §3-4), as method hooks.
 
 - `BayesHooks`: Bayes by Backprop with the last global posterior as prior,
   loss = CE + lambda_p * KL(q || N(global)) / N. Used by `fedbnn` and by every other method that

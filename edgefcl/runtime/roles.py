@@ -6,6 +6,7 @@ role per process and calls `main`) start them the same way without importing the
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from edgefcl.options import (
     daemon_config,
     log_level,
     logging_options,
+    more,
     run_command,
+    show_all_help,
 )
 
 log = logging.getLogger("edgefcl")
@@ -180,40 +183,42 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_role_commands(sub) -> None:
-    """Add the `aggregator`, `client` and `replay` subcommands to `sub` (a subparsers object)."""
-    fleet_flags = {"skip": RUN_ONLY, "helps": DAEMON_HELP}
+def add_role_commands(sub, show_all: bool = False) -> None:
+    """Add the `aggregator`, `client` and `replay` subcommands to `sub` (a subparsers object);
+    `show_all`: every config flag in their help (--help-all), else their common ones."""
+    fleet_flags = {"skip": RUN_ONLY, "helps": DAEMON_HELP, "show_all": show_all}
 
     a = add_command(sub, "aggregator", "run the aggregator daemon",
                  "Serve a fleet: validate updates, run the burn-in/jump round schedule, publish "
-                 "the global model (retained). State (global, version, round log) is saved to "
-                 "--state-dir in one transaction per round and resumed from after a restart or "
-                 "crash; a state of another fleet or model, or of a finished run, is refused "
-                 "(see --fresh, --resume). SIGTERM/SIGINT stop it gracefully.", cmd_aggregator)
+                 "the global model (retained). State is saved to --state-dir, one transaction "
+                 "per round, and resumed after a restart or crash. SIGTERM/SIGINT stop it "
+                 "gracefully.", cmd_aggregator,
+                 usage="%(prog)s [options]")
+    h = functools.partial(more, show_all)  # sharding and seeding: --help-all only
     a.add_argument("--role", choices=("single", "root", "worker", "site"), default="single",
-                   help="single: one process folds every update; root: combines the workers' "
-                   "partial aggregates, owns state and schedule; worker: folds a share of the "
-                   "updates (MQTT 5 shared subscription) into partials for the root; site: "
-                   "folds a site broker's updates, partials go up its bridge (default: single)")
+                   help=h("single: one process folds every update; root: combines the "
+                          "workers' partial aggregates, owns state and schedule; worker: folds "
+                          "a share of the updates (MQTT 5 shared subscription) into partials "
+                          "for the root; site: folds a site broker's updates, partials go up "
+                          "its bridge (default: single)"))
     a.add_argument("--worker-ids", default="w0,w1",
-                   help="root: the worker ids it takes partials from (default: w0,w1)")
-    a.add_argument("--id", default="w0", help="worker/site: this worker's id (default: w0)")
+                   help=h("root: the worker ids it takes partials from (default: w0,w1)"))
+    a.add_argument("--id", default="w0", help=h("worker/site: this worker's id (default: w0)"))
     a.add_argument("--share-group", default="aggregators",
-                   help="worker: MQTT 5 shared subscription group (default: aggregators)")
+                   help=h("worker: MQTT 5 shared subscription group (default: aggregators)"))
     a.add_argument("--upstream", default="", metavar="URL",
-                   help="worker/site: broker of the root (its global; partials go there); "
-                   "default: the device broker")
+                   help=h("worker/site: broker of the root (its global; partials go there); "
+                          "default: the device broker"))
     a.add_argument("--flush-every", type=float, default=0.5, metavar="S",
-                   help="worker/site: send a partial this many seconds after the first update "
-                   "it holds (default: 0.5)")
+                   help=h("worker/site: send a partial this many seconds after the first "
+                          "update it holds (default: 0.5)"))
     a.add_argument("--state-dir", help="state directory (default: state/<fleet>)")
     a.add_argument("--initial", metavar="FILE.npz",
-                   help="initial global model tensors (default: built from the config's model "
-                   "and dataset with --seed)")
+                   help=h("initial global model tensors (default: built from the config's "
+                          "model and dataset with --seed)"))
     a.add_argument("--exit-when-done", action="store_true",
-                   help="exit once every roster client reported its stream done, or, after "
-                   "one did, when none is active and nothing came for --client-timeout s (the "
-                   "others died or never came); the run is then finished")
+                   help="exit once every roster client is done (or, after one is, when none "
+                   "was heard for --client-timeout s), or when none came in that time")
     a.add_argument("--eval-data", metavar="DATASET",
                    help="evaluate every new global on the test split of this dataset spec "
                    "(like --dataset; 'config': the config's dataset) and log its accuracy per "
@@ -223,13 +228,14 @@ def add_role_commands(sub) -> None:
     a.add_argument("--resume", action="store_true",
                    help="continue a finished run in --state-dir (default: off; an unfinished "
                    "run is always resumed)")
-    add_config_flags(a, **fleet_flags)
+    add_config_flags(a, command="aggregator", **fleet_flags)
 
     c = add_command(sub, "client", "run one device client",
                  "A device: checks that it matches the fleet (the aggregator's retained "
                  "config), consumes its stream (from the broker's stream/<id> topic or a local "
                  "source), trains online, publishes updates, merges globals, publishes its "
-                 "status with an 'offline' last will.", cmd_client)
+                 "status with an 'offline' last will.", cmd_client,
+                 usage="%(prog)s [options]")
     c.add_argument("--index", type=int, default=0,
                    help="which client's share of the dataset this device gets (0-based)")
     c.add_argument("--id", default="", help="client id (default: c<index>, e.g. c000)")
@@ -239,22 +245,25 @@ def add_role_commands(sub) -> None:
     c.add_argument("--results", metavar="DIR",
                    help="write DIR/<id>.json with this client's results (A, F, accuracy matrix)")
     c.add_argument("--no-eval", action="store_true", help="skip test-set evaluation")
-    add_config_flags(c, **fleet_flags)
+    add_config_flags(c, command="client", **fleet_flags)
 
     r = add_command(sub, "replay", "replay a dataset as live per-client streams",
                  "Publish each client's one-pass stream on stream/<id>, starting when the "
-                 "client is online.", cmd_replay)
+                 "client is online.", cmd_replay,
+                 usage="%(prog)s [options]")
     r.add_argument("--rate", type=float, default=0.0,
                    help="mini-batches per second per client (0: as fast as clients consume)")
     r.add_argument("--window", type=int, default=20,
                    help="rate 0: mini-batches in flight per client at most")
-    add_config_flags(r, **fleet_flags)
+    add_config_flags(r, command="replay", **fleet_flags)
 
 
 def main(argv: list[str]) -> int:
     """Run one role from its command line (`client --index 0 ...`), as `edgefcl` would."""
+    show_all, argv = show_all_help(argv)
     parser = Parser(prog="edgefcl", parents=[logging_options()])
-    add_role_commands(parser.add_subparsers(dest="command", required=True, metavar="ROLE"))
+    add_role_commands(parser.add_subparsers(dest="command", required=True, metavar="ROLE"),
+                      show_all)
     args = parser.parse_args(argv)
     setup_logging(log_level(args), getattr(args, "log_json", False))
     return run_command(args, "edgefcl")

@@ -1,5 +1,5 @@
 """What an in-process run (lock-step or async) ends with: per-task accuracy, message sizes
-and the `RunResult`, shared by `edgefcl.simulate` and the async simulator."""
+and the `RunResult`, shared by the lock-step and the async simulators."""
 
 from __future__ import annotations
 

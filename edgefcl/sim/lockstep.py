@@ -1,6 +1,6 @@
-"""In-process simulation: K clients and the aggregator in one process, deterministic for a
-seed: lock-step here, async on a virtual clock (`edgefcl.sim.asynchronous`). The networked
-runtime (`edgefcl.runtime`) drives the same objects over MQTT."""
+"""The lock-step in-process simulation (the paper's Algorithm 1): K clients and the aggregator
+in one process, deterministic for a seed. `edgefcl.sim.runs.simulate` picks it or the async
+one; the networked runtime (`edgefcl.runtime`) drives the same objects over MQTT."""
 
 from __future__ import annotations
 
@@ -25,21 +25,14 @@ from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_message
 from edgefcl.learn.client import Client
 from edgefcl.metrics import CommStats
-from edgefcl.results import RunResult, cfg_dict  # noqa: F401  (re-exported)
-from edgefcl.sim.asynchronous import simulate_async
-from edgefcl.sim.outcome import encoded_size, evaluate_all, run_result  # noqa: F401  (re-exported)
+from edgefcl.results import RunResult
+from edgefcl.sim.outcome import encoded_size, evaluate_all, run_result
 
 
-def simulate(cfg: RunConfig, method: str | None = None, seed: int | None = None,
-             progress: Callable[[int, int, str], None] | None = None,
-             observe: Callable[[Client], None] | None = None) -> RunResult:
-    """Run one in-process simulation (lock-step, or async on a virtual clock with the run's
-    timing profile) and return its result. `observe` is called with every client once it is
-    built (benchmarks attach their probes)."""
-    method = method or cfg.learn.method
-    seed = cfg.seed if seed is None else seed
-    if cfg.fed.mode == "async":
-        return simulate_async(cfg, method, seed, progress, observe)
+def simulate_lockstep(cfg: RunConfig, method: str, seed: int,
+                      progress: Callable[[int, int, str], None] | None = None,
+                      observe: Callable[[Client], None] | None = None) -> RunResult:
+    """Run one lock-step simulation of `method` with `seed` and return its result."""
     cfg = for_method(cfg, method)
     use_cpu_threads(cfg.learn.threads)
     start = time.perf_counter()
