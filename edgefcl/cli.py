@@ -36,6 +36,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         run_dir,
         run_table,
         summarize,
+        with_held_runs,
         write_run,
         write_summary,
     )
@@ -46,7 +47,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     out = Path(cfg.out) if cfg.out else None
     if args.resume and out is None:
         raise ConfigError("--resume needs --out DIR (the run directory to resume)")
-    several = total_runs(cfg) > 1
+    several = total_runs(cfg) > 1 or bool(cfg.compare)  # --compare: the comparison layout
     if out is not None:
         from edgefcl.statefiles import make_dir
 
@@ -62,6 +63,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"resuming {out}: {len(done)} finished run(s) kept", flush=True)
     results = run_many(cfg, on_done=finished, done=done)
     if several:
+        if args.resume:
+            results = with_held_runs(results, out)
         summary = write_summary(results, out) if out else summarize(results)
         print()
         print(compare_table(summary))

@@ -143,6 +143,13 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
     run of another configuration is an error, never silently mixed in."""
     from edgefcl.config import run_entries
 
+    held = _held_runs(out)
+    if held is not None and not several:
+        raise ConfigError(f"--resume: {out} holds a comparison of {len(held)} runs, not one run; "
+                          "resume it with its --compare/--seeds (or a subset), or use another "
+                          "--out")
+    if several and (out / RESULTS).is_file() and held is None:
+        raise ConfigError(f"--resume: {out} holds one run, not a comparison; use another --out")
     done = {}
     for label, _, _ in run_entries(cfg):
         for seed in range(cfg.seed, cfg.seed + cfg.seeds):
@@ -160,6 +167,24 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
             r.method = label
             done[(label, seed)] = r
     return done
+
+
+def _held_runs(out: Path) -> list[dict[str, Any]] | None:
+    """The runs of the comparison summary in `out` (None: no summary there)."""
+    path = out / RESULTS
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    return d["runs"] if isinstance(d, dict) and isinstance(d.get("runs"), list) else None
+
+
+def with_held_runs(results: list[RunResult], out: Path) -> list[RunResult]:
+    """`results` and the other runs the summary in `out` already holds: resuming a subset of a
+    comparison keeps the rest of its summary (their folders were checked when written)."""
+    mine = {(r.method, r.seed): r for r in results}
+    held = [result_from_dict(d) for d in _held_runs(out) or []]
+    merged = [mine.pop((r.method, r.seed), r) for r in held]  # the summary's order
+    return merged + list(mine.values())
 
 
 def _expected(cfg: RunConfig, label: str, seed: int) -> dict[str, Any]:

@@ -208,6 +208,17 @@ def test_compare_writes_each_run_as_it_finishes_and_resumes(tmp_path, capsys, mo
     # resuming with another configuration is refused, never mixed in
     assert main([*argv, "--resume", "--memory-size", "31"]) == 2
     assert "another configuration" in one_line_error(capsys)
+    # a subset of the same runs is accepted, runs nothing and keeps the whole summary
+    calls.clear()
+    subset = ["simulate", *SMALL, "--compare", "er", "--seeds", "1", "--out", str(out)]
+    assert main([*subset, "--resume"]) == 0 and calls == []
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["method"], r["seed"]) for r in runs] == [("fedavg", 0), ("fedavg", 1), ("er", 0),
+                                                        ("er", 1)]
+    # one run resumed into the comparison's folder is refused: it would replace the summary
+    capsys.readouterr()
+    assert main(["simulate", *SMALL, "--out", str(out), "--resume"]) == 2
+    assert "holds a comparison of 4 runs" in one_line_error(capsys)
 
 
 def test_report_renders_run_and_compare_directories(tmp_path, capsys):
