@@ -511,3 +511,28 @@ def test_messages_off_the_roster_do_not_keep_an_ending_run_open(tmp_path) -> Non
     assert d._keeps_open(tp.status("a")) and d._keeps_open(tp.update("b"))
     assert d._keeps_open(tp.control)  # the operator's
     d.store.close()
+
+
+def test_a_resumed_run_keeps_what_its_devices_measured(tmp_path) -> None:
+    # the operator's trap: `aggregator --resume` on a finished run rewrote results.json
+    # without the accuracy, forgetting and matrix (the devices' reports came before it)
+    import json
+
+    from edgefcl.runtime.fleet_results import FleetResults
+
+    d = make_daemon(tmp_path, roster="a,b,c")
+    d.results = FleetResults(d.cfg, d.state_dir, {}, started=0.0)
+    matrix = (np.eye(5) * 0.9).tolist()
+    claims = {"a": 1000, "b": -5, "c": 10 ** 30}  # untrusted: a negative and a huge claim
+    for c in "abc":
+        d.results.on_device_done(c, {"accuracy_matrix": matrix, "bytes_down": claims[c]})
+    assert d.results.check_done({"a", "b", "c"}, set(), d)
+    first = json.loads((d.state_dir / "results.json").read_text())
+    assert first["accuracy"] > 0 and first["bytes_down_per_client"] == {"a": 1000}
+    assert first["wall_s"] > 0
+    again = FleetResults(d.cfg, d.state_dir, {})  # the resumed process: no reports
+    assert again.check_done({"a", "b", "c"}, set(), d)
+    kept = json.loads((d.state_dir / "results.json").read_text())
+    for key in ("accuracy", "forgetting", "accuracy_matrix", "bytes_down"):
+        assert kept[key] == first[key], key
+    d.store.close()

@@ -353,8 +353,9 @@ class AggregatorDaemon:
                        sender=SENDER), 1, True)
         self.link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-aggregator", will=will,
                               on_reject=self.inbox.put)
+        created = self.store.meta().get("created")
         self.results = FleetResults(self.cfg, self.state_dir, self.profile, self.evaluator,
-                                    self.labels)
+                                    self.labels, float(created) if created else None)
         for pattern in self.subscriptions():
             self.link.subscribe(pattern, self.inbox.put)
         self._publish_config()

@@ -23,6 +23,8 @@ from edgefcl.transport.codec import CodecError
 log = logging.getLogger("edgefcl.aggregator")
 
 RESULTS_FILE, MODEL_FILE = "results.json", "model.npz"
+MAX_CLAIMED_BYTES = 1 << 50
+"""The largest downlink byte count a device's report may claim (a bound, not a check)."""
 EXPORTABLE = ("dense", "sparse")
 """Encodings whose global tensors are the model's own state (exportable as they are)."""
 
@@ -48,7 +50,7 @@ class FleetResults:
 
     def __init__(self, cfg: RunConfig, state_dir: Path, profile: dict[str, Any],
                  evaluator: Callable[[GlobalModel], float] | None = None,
-                 labels: list[str] | None = None) -> None:
+                 labels: list[str] | None = None, started: float | None = None) -> None:
         self.cfg = cfg
         self.state_dir = state_dir
         self.profile = profile
@@ -59,6 +61,7 @@ class FleetResults:
         self.reports: dict[str, dict[str, Any]] = {}
         self.summarized = False
         self.last_summary: dict[str, Any] | None = None
+        self.started = started if started is not None else time.time()
 
     def on_round(self, g: GlobalModel) -> dict[str, Any]:
         """Extra fields of the round's log line: the held-out accuracy of the new global."""
@@ -82,9 +85,12 @@ class FleetResults:
         """A device said its stream is done; keep what it measured (checked, untrusted)."""
         T = self.cfg.data.tasks
         m = _matrix(body.get("accuracy_matrix"), T)
+        down = body.get("bytes_down")
         self.reports[client] = {"accuracy_matrix": m,
                                 "batches": body.get("consumed") if
-                                isinstance(body.get("consumed"), int) else None}
+                                isinstance(body.get("consumed"), int) else None,
+                                "bytes_down": down if isinstance(down, int) and
+                                0 <= down <= MAX_CLAIMED_BYTES else None}
         self.summarized = False
 
     def check_done(self, done: set[str], active: set[str], daemon) -> bool:
@@ -135,17 +141,22 @@ class FleetResults:
         bytes, config, labels and (dense/sparse) the model to export."""
         agg = daemon.agg
         bytes_in = dict(daemon.bytes_in)
+        down = {c: r["bytes_down"] for c, r in sorted(self.reports.items())
+                if c in summary.get("clients", ()) and r.get("bytes_down") is not None}
         res: dict[str, Any] = {
             "method": self.cfg.learn.method, "seed": self.cfg.seed, "rounds": agg.rounds,
             "fleet": {k: v for k, v in summary.items() if k != "accuracy_matrix"},
-            "bytes_up": sum(bytes_in.values()), "bytes_down": daemon.bytes_out,
-            "bytes_up_per_client": bytes_in, "bytes_down_per_client": {},
+            "bytes_up": sum(bytes_in.values()), "bytes_down": sum(down.values()),
+            "bytes_up_per_client": bytes_in, "bytes_down_per_client": down,
+            "bytes_published": daemon.bytes_out,
             "aggregator": dict(agg.counters), "config": _redacted(to_dict(self.cfg)),
-            "global_sha256": _sha(agg.global_), "wall_s": 0.0,
+            "global_sha256": _sha(agg.global_), "wall_s": round(time.time() - self.started, 3),
         }
         if "accuracy_matrix" in summary:
             res.update(accuracy=summary["accuracy"], forgetting=summary["forgetting"],
                        accuracy_matrix=summary["accuracy_matrix"])
+        else:
+            res = self._keep_measured(res)
         library = agg.global_.prototypes
         if library is not None:  # head prototypes: class c of the exported model is label c
             res["labels"] = list(library.labels)
@@ -162,6 +173,25 @@ class FleetResults:
             save_tensors(self.state_dir / MODEL_FILE, tensors)
             res["global_file"] = MODEL_FILE
         save_json(self.state_dir / RESULTS_FILE, res)
+
+
+    def _keep_measured(self, res: dict[str, Any]) -> dict[str, Any]:
+        """`res` with the accuracy, forgetting, matrix and downlink of the results.json already
+        in the state directory when this process has none of them (a resumed finished run: its
+        devices' reports are gone), so that a resume never erases what a run measured."""
+        try:
+            old = json.loads((self.state_dir / RESULTS_FILE).read_text())
+        except (OSError, ValueError):
+            return res
+        if not isinstance(old, dict) or "accuracy_matrix" not in old:
+            return res
+        kept = ("accuracy", "forgetting", "accuracy_matrix", "bytes_down",
+                "bytes_down_per_client")
+        log.info("kept the accuracy and downlink of the earlier results.json (the devices' "
+                 "reports of this run came before this process)")
+        fleet = {**old.get("fleet", {}), **res["fleet"]} if isinstance(old.get("fleet"),
+                                                                       dict) else res["fleet"]
+        return res | {k: old[k] for k in kept if k in old} | {"fleet": fleet}
 
 
 def announce_refusal(cfg: RunConfig, reason: str) -> None:
