@@ -20,7 +20,7 @@ DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
 EXTRAS = {module: extra for extra, modules in {
     "train": ("torch", "sklearn", "river", "mnist1d", "onnx", "onnxscript", "tqdm",
               "threadpoolctl"),
-    "onnx": ("onnxruntime",), "plots": ("matplotlib",), "broker": ("amqtt",),
+    "onnx": ("onnxruntime",), "plots": ("matplotlib",), "broker": ("amqtt",), "ops": ("rich",),
 }.items() for module in modules}
 """The installable part (pyproject's extras) that brings each optional module."""
 BROKER_VARIABLE = "EDGEFCL_BROKER"

@@ -69,3 +69,23 @@ def test_device_strings_cannot_forge_log_lines() -> None:
     line = PlainFormatter("%(levelname)s %(message)s").format(record)
     assert "\n" not in line and ESC not in line and "\r" not in line
     assert "claims client dev2\\n2026-01-01 INFO all clients done\\x1b[2K\\r on t" in line
+
+
+def test_a_silent_aggregator_is_shown_stale_and_a_lost_broker_is_said() -> None:
+    import time as clock
+
+    view = view_with()
+    tp = topics(view.cfg.mqtt)
+
+    def aggregator(sent: float) -> None:
+        body = {"state": "online", "version": 3, "rounds": 3, "time": sent}
+        view.on_message(tp.aggregator_status,
+                        encode(Message("status", body, sender="aggregator"), fleet=FLEET))
+
+    aggregator(clock.time())
+    fresh = view.snapshot()
+    assert not fresh["aggregator"]["stale"] and "aggregator: online" in render(fresh)
+    aggregator(clock.time() - 60)  # its last word was a minute ago: it (or its link) died
+    text = render(view.snapshot())
+    assert "aggregator: stale (said online, silent for 60 s)" in text
+    assert "lost the broker" in render(view.snapshot(connected=False))

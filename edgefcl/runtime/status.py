@@ -7,6 +7,7 @@ operator's terminal (escapes, carriage returns, newlines that forge rows)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 import sys
@@ -51,8 +52,9 @@ class FleetView:
                 except ValueError:
                     return
 
-    def snapshot(self) -> dict[str, Any]:
-        """Everything known now, as plain JSON-able data."""
+    def snapshot(self, connected: bool = True) -> dict[str, Any]:
+        """Everything known now, as plain JSON-able data; `connected`: whether this view's
+        own link to the broker is up (when it is not, nothing it shows is fresh)."""
         now = time.time()
         with self.lock:
             agg = _aggregator_row(self.aggregator, now) if self.aggregator else None
@@ -62,7 +64,8 @@ class FleetView:
         if config:
             config.pop("received", None)
         return {"fleet": self.cfg.mqtt.fleet, "broker": self.cfg.mqtt.broker,
-                "time": round(now, 3), "config": config, "aggregator": agg, "devices": devices}
+                "time": round(now, 3), "connected": connected, "config": config,
+                "aggregator": agg, "devices": devices}
 
 
 def _num(v: Any) -> float | None:
@@ -105,6 +108,11 @@ def _age(body: dict[str, Any], now: float) -> float:
     return round(max(0.0, now - (sent if sent is not None else body["received"])), 1)
 
 
+STALE_AFTER_S = 10.0
+"""An aggregator that says it is online but published nothing for this long (it publishes
+every 2 s) is shown as stale: it, or its link to the broker, is gone."""
+
+
 def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
     counters = b.get("counters") if isinstance(b.get("counters"), dict) else {}
     rejected = {_text(k[len("rejected_"):], 40): _int(v) or 0 for k, v in counters.items()
@@ -115,14 +123,17 @@ def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
     bytes_in = b.get("bytes_in")
     ids = [_text(c, 40) for c in b.get("active", []) if isinstance(b.get("active"), list)]
     done = [_text(c, 40) for c in b.get("done", []) if isinstance(b.get("done"), list)]
-    return {"state": _text(b.get("state", "?"), 12), "version": _int(b.get("version")),
+    state = _text(b.get("state", "?"), 12)
+    seen = _age(b, now)
+    return {"state": state, "stale": state == "online" and seen > STALE_AFTER_S,
+            "version": _int(b.get("version")),
             "rounds": _int(b.get("rounds")), "active": ids, "done": done,
             "accepted": _int(counters.get("accepted")) or 0, "rejected": rejected,
             "bytes_in": sum(_int(n) or 0 for n in bytes_in.values())
             if isinstance(bytes_in, dict) else _int(bytes_in) or 0,
             "bytes_out": _int(b.get("bytes_out")) or 0,
             "last_round_age_s": round(now - last_time, 1) if last_time is not None else None,
-            "accuracy": _num(b.get("accuracy")), "last_seen_s": _age(b, now)}
+            "accuracy": _num(b.get("accuracy")), "last_seen_s": seen}
 
 
 def _device_row(b: dict[str, Any], now: float) -> dict[str, Any]:
@@ -145,15 +156,19 @@ def _mb(n: float) -> str:
 def render(snap: dict[str, Any]) -> str:
     """The snapshot as a table for a terminal."""
     lines = [f"fleet {snap['fleet']} on {snap['broker']}   "
-             f"{time.strftime('%H:%M:%S', time.localtime(snap['time']))}"]
+             f"{time.strftime('%H:%M:%S', time.localtime(snap['time']))}"
+             + ("" if snap.get("connected", True)
+                else "   (lost the broker: reconnecting; what follows is old)")]
     a = snap["aggregator"]
     if a is None:
         lines.append("aggregator: not seen (no retained status)")
     else:
         rej = sum(a["rejected"].values())
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(a["rejected"].items()))
+        state = (f"stale (said online, silent for {a['last_seen_s']:.0f} s)" if a.get("stale")
+                 else a["state"])
         lines += [
-            f"aggregator: {a['state']}   version {a['version']}   rounds {a['rounds']}   "
+            f"aggregator: {state}   version {a['version']}   rounds {a['rounds']}   "
             f"active {len(a['active'])}   done {len(a['done'])}   last seen "
             f"{a['last_seen_s']:.0f} s ago",
             f"  updates accepted {a['accepted']}, rejected {rej}"
@@ -181,6 +196,30 @@ def render(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def live(view: FleetView, link, out, interval: float) -> None:  # noqa: ANN001
+    """Redraw the table in place until Ctrl-C (rich's Live: no flicker), with this process's
+    own log lines (a lost connection, say) printed above the table, never inside it."""
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    def frame() -> Text:
+        return Text(render(view.snapshot(link.is_connected)) + "\n(Ctrl-C to quit)")
+
+    console = Console(file=out)
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler)]
+    with Live(frame(), console=console, auto_refresh=False, redirect_stderr=True,
+              transient=False) as ui:
+        streams = [h.setStream(sys.stderr) for h in handlers]  # rich's proxy: above the table
+        try:
+            while True:
+                time.sleep(interval)
+                ui.update(frame(), refresh=True)
+        finally:
+            for h, stream in zip(handlers, streams, strict=True):
+                h.setStream(stream)
+
+
 def watch(cfg: RunConfig, once: bool = False, as_json: bool = False, wait: float = 1.5,
           interval: float = 2.0, out=None) -> int:
     """Print the fleet's status: one snapshot (`once`, `as_json`, or output not a terminal
@@ -204,14 +243,11 @@ def watch(cfg: RunConfig, once: bool = False, as_json: bool = False, wait: float
                       f"{cfg.mqtt.broker}", file=sys.stderr)
                 return 1
             return 0
-        live = out.isatty()
         try:
-            while True:
-                text = render(view.snapshot())
-                if live:  # home + clear screen, then the table
-                    out.write("\x1b[H\x1b[2J" + text + "\n(Ctrl-C to quit)\n")
-                else:
-                    out.write(text + "\n\n")
+            if out.isatty():
+                live(view, link, out, interval)
+            while True:  # not a terminal: one table after another
+                out.write(render(view.snapshot(link.is_connected)) + "\n\n")
                 out.flush()
                 time.sleep(interval)
         except KeyboardInterrupt:
