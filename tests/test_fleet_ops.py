@@ -80,6 +80,16 @@ def test_fleet_operations_end_to_end(fleet):
     assert err[-1].startswith("edgefcl: error: c000 does not match fleet 'ops'")
     assert "model mlp here, cnn at the aggregator" in err[-1]
     assert "Traceback" not in bad.stderr
+    # so does one in the other round mode, on another seed: refused before it loads anything,
+    # and the operator's status shows it refused, with the reason
+    wrong = edgefcl("client", *common, "--index", "1", "--mode", "sync", "--seed", "5",
+                    "--source", "local")
+    assert wrong.returncode == 2, wrong.stderr
+    line = wrong.stderr.strip().splitlines()[-1]
+    assert "mode sync here, async at the aggregator" in line and "seed 5 here, 0" in line
+    status = json.loads(edgefcl("status", *common, "--json").stdout)
+    assert status["devices"]["c001"]["state"] == "refused"
+    assert "mode sync here" in status["devices"]["c001"]["reason"]
 
     # two matching devices federate and write their results
     clients = [subprocess.Popen([sys.executable, "-m", "edgefcl", "client", *common, "--index",

@@ -37,7 +37,7 @@ _FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
                "model": _is_str, "encoding": _is_str, "aggregation": _is_str,
                "wire_dtype": _is_str, "mode": _is_str, "burn_in": is_int, "jump": is_int,
                "min_clients": is_int, "clients": is_int, "n_classes": is_int,
-               "sample_shape": _is_ints},
+               "sample_shape": _is_ints, "seed": is_int, "tasks": is_int, "batch_size": is_int},
     "status": {"state": _is_str, "reason": _is_str, "time": is_number,
                "incarnation": _is_str},
     "answer": {"tick": is_int, "version": is_int, "participants": _is_names},

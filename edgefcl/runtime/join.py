@@ -3,6 +3,7 @@ fleet's retained `config` before it trains, and refuses to train alone on a mism
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from edgefcl.config import RunConfig
@@ -11,8 +12,11 @@ from edgefcl.errors import UserError
 from edgefcl.federation.messages import Tensors
 from edgefcl.transport.codec import spec_hash, tensor_spec
 
-KEYS = ("model", "sample_shape", "n_classes", "method", "encoding", "aggregation", "wire_dtype")
-"""What must agree between a device and its aggregator, in the order differences are named."""
+KEYS = ("mode", "model", "sample_shape", "n_classes", "method", "encoding", "aggregation",
+        "wire_dtype", "seed", "tasks", "batch_size", "burn_in", "jump")
+"""What must agree between a device and its aggregator, in the order differences are named:
+the round mode, the model, the protocol, and the stream's shape and schedule (a device on
+another seed, task count, batch size or burn-in would send updates the aggregator refuses)."""
 
 
 class JoinRefused(UserError):
@@ -24,9 +28,11 @@ def fleet_profile(cfg: RunConfig, initial: Tensors | None = None,
     """What defines a fleet's model and protocol: published in the aggregator's `config` and
     computed by each device the same way. Without the initial tensors the spec hash, without
     the dataset the shape keys are left out (a device checks those before it loads anything)."""
-    out: dict[str, Any] = {"method": cfg.learn.method, "encoding": cfg.fed.encoding,
-                           "aggregation": cfg.fed.aggregation,
-                           "wire_dtype": cfg.mqtt.wire_dtype}
+    out: dict[str, Any] = {"mode": cfg.fed.mode, "method": cfg.learn.method,
+                           "encoding": cfg.fed.encoding, "aggregation": cfg.fed.aggregation,
+                           "wire_dtype": cfg.mqtt.wire_dtype, "seed": cfg.seed,
+                           "tasks": cfg.data.tasks, "batch_size": cfg.data.batch_size,
+                           "burn_in": cfg.fed.burn_in, "jump": cfg.fed.jump}
     if initial is not None:
         out["spec_hash"] = spec_hash(tensor_spec(initial))
     if dataset is not None:
@@ -83,7 +89,7 @@ def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5
 
     from edgefcl.runtime.bodies import body_fault
     from edgefcl.runtime.links import open_link, topics
-    from edgefcl.transport.codec import CodecError, Message, decode
+    from edgefcl.transport.codec import CodecError, Message, decode, encode
 
     got: dict[str, Any] = {}
     ready = threading.Event()
@@ -98,13 +104,20 @@ def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5
             got.update(msg.body)
             ready.set()
 
+    t = topics(cfg.mqtt)
     link = open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-{cid}-join-{secrets.token_hex(3)}",
                      clean_start=True)
     try:
-        link.subscribe(topics(cfg.mqtt).config, on_config)
+        link.subscribe(t.config, on_config)
         if not ready.wait(timeout):
             return None
+        try:
+            check_join(cid, cfg.mqtt.fleet, mine, got)
+        except JoinRefused as e:  # the operator's status view says why this device stopped
+            body = {"state": "refused", "reason": str(e), "time": round(time.time(), 3)}
+            link.publish(t.status(cid), encode(Message("status", body), fleet=cfg.mqtt.fleet,
+                                               sender=cid), qos=1, retain=True, wait=True)
+            raise
     finally:
         link.close()
-    check_join(cid, cfg.mqtt.fleet, mine, got)
     return got
