@@ -16,6 +16,7 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/edgefcl simulate --transport mqtt --out runs/demo
+	@echo "the edgefcl command is in $(VENV)/bin: source $(VENV)/bin/activate"
 
 # Everything, including the slow fault-injection and fleet tests over real brokers (what CI runs).
 test: $(STAMP)
