@@ -137,3 +137,15 @@ def test_import_edgefcl_is_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_example_runs() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "learner.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("after task 5:") and last.count("T") == 5
