@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from edgefcl.federation.staleness import STALENESS
 from edgefcl.tomlfields import apply_table, coerce_field
@@ -319,7 +320,10 @@ class MqttConfig:
     tls_ca: str = opt("", "CA certificate file: enables TLS")
     tls_cert: str = opt("", "client certificate file (mutual TLS)")
     tls_key: str = opt("", "client private key file (mutual TLS)")
-    tls_insecure: bool = opt(False, "skip the broker hostname check (testing only)")
+    tls_no_verify: bool = opt(False, "do not verify the broker's certificate at all: anyone "
+                              "on the path can pose as the broker (tests only)")
+    tls_no_hostname_check: bool = opt(False, "accept a valid broker certificate issued for "
+                                      "another host name")
     chunk_size: int = opt(1 << 20, "payloads above this many bytes travel as verified chunks")
     max_payload: int = opt(0, "largest payload accepted, reassembled (bytes; 0: sized from the "
                            "model: 4 x its float32 tensors, the apc knowledge base, the largest "
@@ -328,6 +332,7 @@ class MqttConfig:
     connect_timeout: float = opt(10.0, "seconds to wait for the broker at start-up")
 
     def __post_init__(self) -> None:
+        settle_mqtt(self)
         check_mqtt(self)
 
 
@@ -606,10 +611,37 @@ def check_mqtt(m: MqttConfig) -> None:
     ])
 
 
+def split_credentials(url: str) -> tuple[str, str, str]:
+    """`mqtt://user:pw@host:port` -> ("mqtt://host:port", "user", "pw"); a URL without
+    credentials comes back as it is, with two empty strings."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, "", ""
+    bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return bare, unquote(parts.username or ""), unquote(parts.password or "")
+
+
+def settle_mqtt(m: MqttConfig) -> None:
+    """Move credentials written into the broker URL to `username` / `password` (fields given
+    on their own win): the URL is logged, shown and saved, a secret must never be."""
+    bare, user, password = split_credentials(m.broker)
+    if bare != m.broker:
+        m.broker, m.username, m.password = bare, m.username or user, m.password or password
+
+
+def public_dict(cfg: RunConfig) -> dict[str, Any]:
+    """`to_dict(cfg)` without the MQTT password: what results, state and logs may hold."""
+    d = to_dict(cfg)
+    d["mqtt"]["password"] = ""
+    return d
+
+
 def validate(cfg: RunConfig) -> None:
     """Reject values that cannot work, with a message that says what to fix: every section's
     checks, the run's, and the names against the registries. A config runs it on
-    construction; `apply` runs it again after setting fields."""
+    construction; `apply` runs it again after setting fields (credentials in the broker URL
+    move to their own fields first)."""
+    settle_mqtt(cfg.mqtt)
     check_data(cfg.data)
     check_learn(cfg.learn)
     check_fed(cfg.fed)

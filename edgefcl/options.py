@@ -13,7 +13,7 @@ import shutil
 import sys
 from typing import Any
 
-from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml
+from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml, validate
 from edgefcl.errors import UserError
 
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
@@ -208,6 +208,7 @@ def daemon_config(args: argparse.Namespace) -> RunConfig:
         cfg.mqtt.broker = env_broker()
     if not cfg.mqtt.broker:
         cfg.mqtt.broker = DEFAULT_BROKER
+    validate(cfg)  # the variable's URL too: checked, its credentials moved out of it
     return cfg
 
 

@@ -67,8 +67,7 @@ def run_one(cfg: RunConfig, method: str, seed: int, label: str | None = None) ->
     result.extra["environment"] = env
     if cfg.transport == "mqtt":  # the fleet's own broker and fleet name are not the user's
         result.config["mqtt"] = dataclasses.asdict(cfg.mqtt)
-    if result.config.get("mqtt", {}).get("password"):  # never written to results or config.toml
-        result.config["mqtt"]["password"] = ""
+    result.config["mqtt"]["password"] = ""  # never written to results or config.toml
     return result
 
 

@@ -64,11 +64,13 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
         if workdir.exists():
             shutil.rmtree(workdir)  # a fresh run: never resume an old aggregator state
         workdir.mkdir(parents=True)
-        conf = workdir / "fleet.toml"
-        conf.write_text(dump_toml(run_cfg))
+        conf = workdir / "fleet.toml"  # without the password: the roles get it in memory
+        conf.write_text(dump_toml(dataclasses.replace(
+            run_cfg, mqtt=dataclasses.replace(mqtt, password=""))))
         state_dir, results_dir, logs = workdir / "aggregator", workdir / "clients", workdir / "logs"
         logs.mkdir(exist_ok=True)
-        base = ["--config", str(conf)]
+        # forked from the forkserver, not exec'd: these arguments appear in no process list
+        base = ["--config", str(conf), *(["--password", mqtt.password] if mqtt.password else [])]
         initial = workdir / "initial.npz"
         setup = prepare(run_cfg, seed)
         save_tensors(initial, initial_global(run_cfg, setup))

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefcl.config import RunConfig, to_dict
+from edgefcl.config import RunConfig, public_dict
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.prototypes import ROWS_KEY
 from edgefcl.metrics import forgetting, last_accuracy, sample_std
@@ -149,7 +149,7 @@ class FleetResults:
             "bytes_up": sum(bytes_in.values()), "bytes_down": sum(down.values()),
             "bytes_up_per_client": bytes_in, "bytes_down_per_client": down,
             "bytes_published": daemon.bytes_out,
-            "aggregator": dict(agg.counters), "config": _redacted(to_dict(self.cfg)),
+            "aggregator": dict(agg.counters), "config": public_dict(self.cfg),
             "global_sha256": _sha(agg.global_), "wall_s": round(time.time() - self.started, 3),
         }
         if "accuracy_matrix" in summary:
@@ -212,13 +212,6 @@ def announce_refusal(cfg: RunConfig, reason: str) -> None:
                      qos=1, retain=True, wait=True)
     finally:
         link.close()
-
-
-def _redacted(config: dict[str, Any]) -> dict[str, Any]:
-    """The config without the MQTT password."""
-    if config.get("mqtt", {}).get("password"):
-        config["mqtt"]["password"] = ""
-    return config
 
 
 def _sha(g: GlobalModel) -> str:

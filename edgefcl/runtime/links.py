@@ -56,15 +56,16 @@ def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, boo
               protocol: str = "3.1.1") -> MqttLink:
     """An MqttLink configured from `m` (credentials, TLS, chunking), connected unless asked not.
 
-    With a username the client id IS the username (the broker enforces it with
-    `use_username_as_clientid`, so one device cannot take over another's session).
-    `protocol="5"` is needed for shared subscriptions (aggregator workers)."""
+    The production broker binds a session to its login (`use_username_as_clientid` in
+    broker/mosquitto.conf), so one device cannot take over another's session; the client id
+    asked for here only names the connection where the broker does not. `protocol="5"` is
+    needed for shared subscriptions (aggregator workers)."""
     password = m.password or os.environ.get("EDGEFCL_MQTT_PASSWORD", "")
-    client_id = m.username or client_id
     link = MqttLink(
         m.broker, client_id, username=m.username or None, password=password or None,
         tls_ca=m.tls_ca or None, tls_cert=m.tls_cert or None, tls_key=m.tls_key or None,
-        tls_insecure=m.tls_insecure, clean_start=clean_start, will=will,
+        tls_verify=not m.tls_no_verify, tls_check_hostname=not m.tls_no_hostname_check,
+        clean_start=clean_start, will=will,
         chunk_size=m.chunk_size, max_bytes=m.max_payload or DEFAULT_MAX_BYTES, on_reject=on_reject,
         protocol=protocol,
     )

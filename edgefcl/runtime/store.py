@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import secrets
 import sqlite3
 import time
@@ -104,6 +105,7 @@ class StateStore:
                 (directory / name).unlink(missing_ok=True)
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            os.chmod(directory, 0o700)  # the fleet's state: its owner's alone
         except OSError as e:
             raise StateError(f"cannot create the state directory {directory}: "
                              f"{e.strerror}") from None
@@ -111,7 +113,9 @@ class StateStore:
         if legacy:
             raise StateError(f"{directory} holds a state without {DB_NAME} (an older edgefcl "
                              f"or another tool); {FRESH_HINT}")
-        try:
+        try:  # 0600 like the other state files (SQLite gives its -wal and -shm the same)
+            os.close(os.open(directory / DB_NAME, os.O_CREAT | os.O_RDWR, 0o600))
+            os.chmod(directory / DB_NAME, 0o600)
             conn = sqlite3.connect(directory / DB_NAME, isolation_level=None, timeout=10,
                                    check_same_thread=False)  # used by one thread at a time
             conn.execute("PRAGMA journal_mode=WAL")
@@ -120,6 +124,8 @@ class StateStore:
         except sqlite3.DatabaseError as e:
             raise StateError(f"{directory / DB_NAME} is not a readable state ({e}); "
                              f"{FRESH_HINT}") from None
+        except OSError as e:
+            raise StateError(f"cannot open {directory / DB_NAME}: {e.strerror}") from None
         store = cls(directory, conn, keep)
         meta = store.meta()
         want = {"fleet": fleet, "spec_hash": spec_hash(spec)}

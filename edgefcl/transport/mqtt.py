@@ -91,7 +91,8 @@ class MqttLink:
         tls_ca: str | None = None,
         tls_cert: str | None = None,
         tls_key: str | None = None,
-        tls_insecure: bool = False,
+        tls_verify: bool = True,
+        tls_check_hostname: bool = True,
         clean_start: bool = False,
         will: tuple[str, bytes, int, bool] | None = None,
         keepalive: int = 30,
@@ -107,7 +108,7 @@ class MqttLink:
         if not client_id:
             raise ValueError("client_id must be a non-empty string")
         self.host, self.port, tls, url_user, url_pw = parse_url(broker_url)
-        self.url = broker_url
+        self.url = f"{'mqtts' if tls else 'mqtt'}://{self.host}:{self.port}"  # no credentials
         self.client_id = client_id
         self.chunk_size = chunk_size
         self.protocol = protocol
@@ -129,9 +130,9 @@ class MqttLink:
         if tls or tls_ca or tls_cert:
             self._client.tls_set(
                 ca_certs=tls_ca, certfile=tls_cert, keyfile=tls_key,
-                cert_reqs=ssl.CERT_NONE if tls_insecure else ssl.CERT_REQUIRED,
+                cert_reqs=ssl.CERT_REQUIRED if tls_verify else ssl.CERT_NONE,
             )
-            self._client.tls_insecure_set(tls_insecure)
+            self._client.tls_insecure_set(not (tls_verify and tls_check_hostname))
         if will is not None:
             topic, payload, qos, retain = will
             self._client.will_set(topic, payload, qos, retain)
@@ -197,7 +198,7 @@ class MqttLink:
             except ssl.SSLError as e:
                 raise BrokerUnavailable(
                     f"TLS handshake with the MQTT broker at {where} failed ({e}); check tls_ca, "
-                    "tls_cert and tls_key (tls_insecure=True skips verification, for tests only)"
+                    "tls_cert and tls_key (tls_no_verify=True skips verification, for tests only)"
                 ) from None
             except OSError as e:  # refused or unreachable: a broker still starting, retried
                 left = deadline - time.monotonic()

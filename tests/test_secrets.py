@@ -1,0 +1,63 @@
+"""Attacks on the secrets: a credential, in whatever form it was given (in the broker URL, as
+--password, in EDGEFCL_BROKER), must not reach a log, a status, a results or state file, and
+the state must be readable by its owner alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgefcl.config import MqttConfig, RunConfig, apply, public_dict
+from edgefcl.transport.mqtt import MqttLink
+
+SMALL = ["--tasks", "2", "--classes-per-task", "2", "--clients", "2", "--memory-size", "30",
+         "--local-epochs", "1", "--burn-in", "2", "--jump", "2"]
+
+
+def everything_under(folder: Path) -> str:
+    return "\n".join(p.read_bytes().decode("latin-1") for p in folder.rglob("*") if p.is_file())
+
+
+def test_url_credentials_move_to_their_own_fields() -> None:
+    m = MqttConfig(broker="mqtt://dev%40x:p%3Aw@127.0.0.1:1883")
+    assert (m.broker, m.username, m.password) == ("mqtt://127.0.0.1:1883", "dev@x", "p:w")
+    kept = MqttConfig(broker="mqtt://a:b@h:1", username="me", password="mine")
+    assert (kept.broker, kept.username, kept.password) == ("mqtt://h:1", "me", "mine")
+    cfg = apply(RunConfig(), {"mqtt": {"broker": "mqtts://u:SECRET@h:8883"}})
+    assert "SECRET" not in json.dumps(public_dict(cfg)) and cfg.mqtt.password == "SECRET"
+    assert "SECRET" not in MqttLink("mqtt://u:SECRET@h:1", "c").url
+
+
+@pytest.mark.slow
+@pytest.mark.mqtt
+@pytest.mark.parametrize("form", ["url", "flag", "variable"])
+def test_no_credential_reaches_a_log_status_results_or_state(form, mosquitto, tmp_path) -> None:
+    secret = f"S3CRET-{form}"
+    bare = mosquitto  # anonymous Mosquitto: the credentials are sent, and must stay hidden
+    broker = bare.replace("mqtt://", f"mqtt://fleetuser:{secret}@")
+    env = dict(os.environ)
+    given = {"url": ["--broker", broker], "flag": ["--broker", bare, "--username", "fleetuser",
+                                                    "--password", secret],
+             "variable": []}[form]
+    if form == "variable":
+        env["EDGEFCL_BROKER"] = broker
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "edgefcl", "-v", "simulate", *SMALL,
+                          "--transport", "mqtt", *(given or ["--broker", broker]), "--out",
+                          str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert secret not in run.stdout + run.stderr
+    assert secret not in everything_under(out)  # results, config.toml, fleet.toml, logs, state
+    for db in out.rglob("state.db"):
+        assert stat.S_IMODE(db.stat().st_mode) == 0o600
+        assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
+    status = subprocess.run([sys.executable, "-m", "edgefcl", "status", "--once", "--json",
+                             "--wait", "0.5", *(given or [])], capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert secret not in status.stdout + status.stderr
