@@ -536,3 +536,21 @@ def test_a_resumed_run_keeps_what_its_devices_measured(tmp_path) -> None:
     for key in ("accuracy", "forgetting", "accuracy_matrix", "bytes_down"):
         assert kept[key] == first[key], key
     d.store.close()
+
+
+def test_ticks_off_the_roster_are_not_answered_and_retransmits_once_per_tick(tmp_path) -> None:
+    # the attack: an id off the roster sent 1,000 ticks of 97 B with seq -1, and the daemon
+    # re-published its last answer to every device 1,000 times, before admission ran
+    d = make_daemon(tmp_path, roster="a,b", clients=2, mode="sync", min_clients=1)
+    tp = topics(d.cfg.mqtt)
+    for c in "ab":
+        d.handle(tp.update(c), encode(Tick(c, 1, 0, 1), fleet=FLEET))
+    answers = [p for t, p in d.link.sent if t == tp.tick]
+    assert len(answers) == 1 and d.last_answer is not None
+    for _ in range(1000):
+        d.handle(tp.update("mallory"), encode(Tick("mallory", -1, 0, 1), fleet=FLEET))
+        d.handle(tp.update("a"), encode(Tick("a", -1, 0, 1), fleet=FLEET))  # a forged seq
+    for _ in range(50):  # a real retransmission: answered again once for this tick
+        d.handle(tp.update("a"), encode(Tick("a", 1, 0, 1), fleet=FLEET))
+    assert len([p for t, p in d.link.sent if t == tp.tick]) == 2
+    d.store.close()

@@ -196,15 +196,19 @@ def test_moment_matching_weights_by_samples() -> None:
     assert out["w::sigma"][0] == pytest.approx(np.sqrt(1.75), rel=1e-6)
 
 
-def test_aggregator_round_with_gaussian_updates() -> None:
-    fed = FedConfig(clients=2, encoding="gaussian", aggregation="conflation", mix=1.0)
+@pytest.mark.parametrize("max_share,mu", [(1.0, 1.4), (0.0, 2.0)])
+def test_aggregator_round_with_gaussian_updates(max_share, mu) -> None:
+    # precisions 1 and 1/4: conflation gives (1 + 3/4) / (5/4) = 1.4; with the default share
+    # cap two updates hold an equal share of the precision (a's sigma raised to 2): mean 2
+    fed = FedConfig(clients=2, encoding="gaussian", aggregation="conflation", mix=1.0,
+                    max_share=max_share)
     agg = Aggregator(wire([0.0], [1.0]), fed)
     agg.join("a")
     agg.join("b")
     agg.submit(upd(wire([1.0], [1.0])))
     closed = agg.submit(upd(wire([3.0], [2.0]), client="b"))
     assert closed is not None and closed.global_.version == 1
-    assert closed.global_.tensors["w::mu"][0] == pytest.approx(1.4, rel=1e-6)
+    assert closed.global_.tensors["w::mu"][0] == pytest.approx(mu, rel=1e-6)
 
 
 # -- configuration -----------------------------------------------------------------------------

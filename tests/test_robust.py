@@ -168,11 +168,36 @@ def test_sigma_floor_limits_a_client_claiming_tiny_sigma(rule) -> None:
                       encoding="gaussian")
 
     ups = [g("a", 0.0, 0.5), g("b", 0.0, 0.5), g("c", 0.0, 0.5), g("x", 10.0, 1e-6)]
-    out, counters = run_round(ups, initial=base, encoding="gaussian", aggregation=rule)
+    out, counters = run_round(ups, initial=base, encoding="gaussian", aggregation=rule,
+                              max_share=1.0)  # the floor alone
     assert counters["sigma_floored"] == 2
     # x counts at most like one client with sigma 0.25: its share of the precision is
     # 16 / (16 + 3 * 4) (conflation), so the mean stays well below the attacker's 10
     assert out["w::mu"][0] < 6.0
     unprotected, _ = run_round(ups, initial=base, encoding="gaussian", aggregation=rule,
-                               sigma_floor=0.0)
+                               sigma_floor=0.0, max_share=1.0)
     assert unprotected["w::mu"][0] > 9.99
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("rule", ["conflation", "fedbnn", "moments"])
+def test_a_tiny_sigma_never_holds_more_than_max_share(rule, n) -> None:
+    # the attack: one device with sigma 1e-6 held 1.0 of a conflation global with 2 updates
+    # (the floor skipped rounds under 3 updates) and 0.57 with 4
+    base = {"w::mu": np.zeros(2, np.float32), "w::sigma": np.ones(2, np.float32)}
+
+    def g(client, mu, sigma):
+        return Update(client, 0, 1, 0, 1, 8, {"w::mu": np.full(2, mu, np.float32),
+                                              "w::sigma": np.full(2, sigma, np.float32)},
+                      encoding="gaussian")
+
+    ups = [g(f"h{i}", 0.0, 0.5) for i in range(n - 1)] + [g("x", 10.0, 1e-6)]
+    out, counters = run_round(ups, initial=base, encoding="gaussian", aggregation=rule)
+    share = float(out["w::mu"][0]) / 10.0
+    assert share <= 0.5 + 1e-6  # max_share 0: 2/n, at most 1/2
+    if rule == "conflation" and n == 2:  # by hand: floored to 0.125, then capped to an equal
+        assert share == pytest.approx(0.5, rel=1e-6)  # precision: the mean of 0 and 10
+    for cap in (0.4, 0.34):
+        out, _ = run_round(ups, initial=base, encoding="gaussian", aggregation=rule,
+                           max_share=cap)
+        assert float(out["w::mu"][0]) / 10.0 <= max(cap, 1 / n) + 1e-6

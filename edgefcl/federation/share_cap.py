@@ -46,3 +46,33 @@ def capped_groups(weights: np.ndarray, groups: np.ndarray, max_share: float) -> 
             cap = max_share if max_share > 0 else default_cap(len(members))
             out[members] = capped_weights(w[members], cap)
     return out
+
+
+def capped_columns(weights: np.ndarray, cap: float) -> np.ndarray:
+    """`capped_weights` on every column of `weights` (members x entries) at once: each
+    member's share of a column is at most `cap` (at least 1/members). A column that needs
+    every member at the cap (cap = 1/members) gets every member at its smallest positive
+    weight (members of weight 0 stay 0)."""
+    w = np.asarray(weights, np.float64)
+    n = w.shape[0]
+    if n < 2:
+        return w
+    cap = max(cap, 1.0 / n)
+    total = w.sum(0)
+    over = (w > cap * total).any(0)
+    if not over.any():
+        return w
+    col = w[:, over]
+    desc = -np.sort(-col, axis=0)
+    rest = np.cumsum(desc[::-1], axis=0)[::-1]  # rest[k]: sum of all but the k largest
+    k = np.arange(1, n)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        level = np.where(k * cap < 1, cap * rest[1:] / (1 - k * cap), np.inf)
+    fits = desc[1:] <= level  # capping the k largest at `level` leaves the rest under it
+    first = np.where(fits.any(0), fits.argmax(0), n - 1)
+    chosen = level[np.minimum(first, n - 2), np.arange(col.shape[1])]
+    smallest = np.where(desc > 0, desc, np.inf).min(0)
+    chosen = np.where(np.isfinite(chosen) & fits.any(0), chosen, smallest)
+    out = w.copy()
+    out[:, over] = np.minimum(col, chosen)
+    return out

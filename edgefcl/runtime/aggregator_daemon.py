@@ -84,6 +84,7 @@ class AggregatorDaemon:
         self.round_bytes_in = 0
         self.rounds_log: list[dict] = []  # the last rounds, for the status
         self.last_answer: bytes | None = None
+        self.reanswered: dict[str, int] = {}  # client -> tick it was last answered again
         self.spec = tensor_spec(self.agg.global_.tensors)
         self.store = StateStore.open(self.state_dir, fleet=cfg.mqtt.fleet, spec=self.spec,
                                      fresh=fresh, resume=resume)
@@ -220,9 +221,13 @@ class AggregatorDaemon:
                             topic)
                 return
             self.round_bytes_in += len(payload)
-            if (self.cfg.fed.mode == "sync" and msg.seq <= self.agg.last_seq.get(msg.client, -1)
-                    and self.last_answer is not None):
-                self._publish(self.topics.tick, self.last_answer)  # a client retransmitted
+            if (self.cfg.fed.mode == "sync" and self.last_answer is not None
+                    and 1 <= msg.seq <= self.agg.last_seq.get(msg.client, 0)
+                    and self.reanswered.get(msg.client) != self.agg.tick):
+                # an admitted client retransmitted a report it sent (its answer was lost):
+                # answered again, once per client and tick, so a flood is not amplified
+                self.reanswered[msg.client] = self.agg.tick
+                self._publish(self.topics.tick, self.last_answer)
             self._close_safely(lambda: self.agg.submit(msg, now))
             if msg.client in self.agg.admission.roster:  # bounded: never a map of every id
                 self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + len(payload)

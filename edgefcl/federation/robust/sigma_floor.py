@@ -1,9 +1,14 @@
-"""Sigma floor for Gaussian updates: every `::sigma` entry is raised to at least
-`fed.sigma_floor` times the round's median sigma of that entry, so one client claiming a tiny
-sigma (an enormous precision) cannot take all the weight of a precision-weighted rule
-(conflation, fedbnn). Needs at least three updates (the median of two is their mean).
+"""Sigma floor and precision cap for Gaussian updates, for any number of updates and every
+precision-weighted rule (conflation, fedbnn):
+1. every `::sigma` entry is raised to at least `fed.sigma_floor` times the round's median
+   sigma of that entry (the median of two is their mean), so a tiny sigma gets no enormous
+   precision;
+2. then no update's precision may exceed `max_share` of the round's total precision of an
+   entry (`max_share` 0: the share cap's default, 2/n and at most 1/2; with two updates an
+   equal share): an update over it gets its sigma raised until it holds exactly that share.
 FedBNN likelihood entries a client marks as carrying no information (sigma = LIK_SIGMA_MAX)
-are left out of the median, so they do not raise the floor of informative entries
+are left out of both: of the median (they would raise the floor of informative entries) and
+of the cap (an entry only one update informs is that update's alone)
 (`federation/sigma_bounds.py`)."""
 
 from __future__ import annotations
@@ -15,25 +20,53 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
-from edgefcl.federation.sigma_bounds import median_floor
+from edgefcl.federation.share_cap import capped_columns, default_cap
+from edgefcl.federation.sigma_bounds import LIK_SIGMA_MAX, median_floor
 
 SIGMA = "::sigma"
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
           counters: Counter, form: str = "gaussian") -> list[Update]:
-    if form != "gaussian" or fed.sigma_floor <= 0 or len(updates) < 3:
+    if form != "gaussian" or len(updates) < 2:
         return updates
     names = [k for k in updates[0].tensors if k.endswith(SIGMA)]
-    floors = {k: median_floor(np.stack([u.tensors[k] for u in updates]).astype(np.float64),
-                              fed.sigma_floor, informative_only=True) for k in names}
+    cap = fed.max_share if fed.max_share > 0 else default_cap(len(updates))
+    new = {}
+    for k in names:
+        sigmas = np.stack([u.tensors[k] for u in updates]).astype(np.float64)
+        raised = sigmas
+        if fed.sigma_floor > 0:
+            raised = np.maximum(sigmas, median_floor(sigmas, fed.sigma_floor,
+                                                     informative_only=True))
+            counters["sigma_floored"] += int((raised > sigmas).sum())
+        if fed.max_share < 1:
+            capped = precision_capped(raised, cap)
+            counters["sigma_share_capped"] += int((capped > raised).sum())
+            raised = capped
+        new[k] = raised
     out = []
-    for u in updates:
-        low = {k: u.tensors[k] < floors[k] for k in names}
-        n = sum(int(m.sum()) for m in low.values())
-        if n:
-            counters["sigma_floored"] += n
-            u = replace(u, tensors={k: (np.maximum(t, floors[k]).astype(t.dtype) if k in floors
-                                        else t) for k, t in u.tensors.items()})
-        out.append(u)
+    for i, u in enumerate(updates):
+        changed = {k: new[k][i].astype(u.tensors[k].dtype) for k in names
+                   if (new[k][i] > u.tensors[k]).any()}
+        out.append(replace(u, tensors=u.tensors | changed) if changed else u)
     return out
+
+
+def precision_capped(sigmas: np.ndarray, cap: float) -> np.ndarray:
+    """`sigmas` (updates x ...) raised so that no update's precision 1/sigma^2 is over `cap`
+    of an entry's total over the updates that inform it (uninformative likelihood entries,
+    sigma >= LIK_SIGMA_MAX, count 0); an entry informed by fewer than two is left alone."""
+    n = sigmas.shape[0]
+    flat = sigmas.reshape(n, -1)
+    informed = flat < LIK_SIGMA_MAX
+    precision = np.where(informed, 1.0 / np.maximum(flat, 1e-30) ** 2, 0.0)
+    count = informed.sum(0)
+    out = precision.copy()
+    for k in np.unique(count[count >= 2]).tolist():  # at most n groups of entries
+        cols = count == k
+        out[:, cols] = capped_columns(precision[:, cols], max(cap, 1.0 / k))
+    lowered = out < precision
+    result = flat.copy()
+    result[lowered] = 1.0 / np.sqrt(out[lowered])
+    return result.reshape(sigmas.shape)
