@@ -64,14 +64,29 @@ def _config(overrides: dict) -> RunConfig:
 def platform() -> str:
     """Bit-exact results hold per platform: torch's CPU kernels differ by instruction set,
     and on AVX-512 also with AMX (oneDNN and MKL dispatch on it: the same tree gives other
-    hashes on an AVX-512 machine with AMX than on one without), and with AVX-512 FP16 where
-    AMX is not visible (an Intel machine whose AMX a VM hides gives other hashes than an AMD
-    AVX-512 one)."""
+    hashes on an AVX-512 machine with AMX than on one without), with AVX-512 FP16 where AMX
+    is not visible (an Intel machine whose AMX a VM hides gives other hashes than an AMD
+    AVX-512 one), and by vendor where neither shows (MKL picks its kernels by vendor too: an
+    Intel AVX-512 machine without FP16, an Ice Lake, gives other hashes than the AMD one)."""
     import torch
 
+    flags = _cpu_flags()
     amx = " AMX" if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() else ""
-    fp16 = " FP16" if not amx and "avx512_fp16" in _cpu_flags() else ""
-    return f"torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}{amx}{fp16}"
+    fp16 = " FP16" if not amx and "avx512_fp16" in flags else ""
+    cap = torch.backends.cpu.get_cpu_capability()
+    intel = " Intel" if cap == "AVX512" and not (amx or fp16) and _vendor() == "GenuineIntel" \
+        else ""
+    return f"torch {torch.__version__} {cap}{amx}{fp16}{intel}"
+
+
+def _vendor() -> str:
+    """The CPU's vendor id as Linux lists it (empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("vendor_id")), "")
+    return line.partition(":")[2].strip()
 
 
 def _cpu_flags() -> set[str]:
