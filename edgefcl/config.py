@@ -293,8 +293,9 @@ class FedConfig:
                                 "set (0: never)")
     max_seq_gap: int = opt(100_000, "largest step of a client's sequence number (also from 0)")
     sample_cap: int = opt(0, "largest num_samples one update may claim (0: batch x batch_size)")
-    clip_factor: float = opt(3.0, "dense: clip each update's delta to the global at this times "
-                             "the round's median delta norm (of two: the smaller) (0: off)")
+    clip_factor: float = opt(3.0, "dense and prototype rows: clip each update's delta to the "
+                             "global (each row's change) at this times the round's median "
+                             "delta norm (of two: the smaller) (0: off)")
     clip_norm: float = opt(0.0, "dense: clip deltas at this fixed L2 norm instead (0: adaptive)")
     max_share: float = opt(0.0, "largest share of a round's sample weight one client may have "
                            "(0: 2 / participants, at most 0.5; 1: off)")

@@ -678,3 +678,42 @@ def test_fedbnn_rows_sigmas_do_not_collapse_against_the_extractors(monkeypatch):
     print(f"\nafter 5 rounds: rows' median sigma {rows:.4g}, extractor's {weights:.4g}")
     assert seen["counters"]["prototype_fedbnn_entries"] > 0  # the rows went by Eq. 9
     assert weights / 2 <= rows <= weights * 2
+
+
+@pytest.mark.parametrize("honest", [1, 2, 3])
+def test_one_devices_rows_move_at_most_their_share_of_predictions(honest) -> None:
+    # the attack: the honest labels' rows with a bias of +1e6 for '3' and -1e6 for the others,
+    # and huge counts; the global's bias for '3' became 499,999.9 and 100 % of random feature
+    # vectors went to '3' (0.13-0.16 with honest rows only)
+    from collections import Counter
+
+    from edgefcl.federation.prototypes import MAX_COUNT, average_tables
+
+    rng = np.random.default_rng(0)
+    names = tuple(str(c) for c in range(10))
+    d = 8
+    previous = PrototypeTable(names, rng.normal(0, 1, (10, d + 1)).astype(np.float32),
+                              np.full(10, 100, np.int64))
+
+    def honest_table() -> PrototypeTable:
+        rows = previous.rows + rng.normal(0, 0.1, previous.rows.shape).astype(np.float32)
+        return PrototypeTable(names, rows, np.full(10, 20, np.int64))
+
+    evil = previous.rows.copy()
+    evil[:, -1] = -1e6
+    evil[3, -1] = 1e6
+    attacker = PrototypeTable(names, evil, np.full(10, MAX_COUNT, np.int64))
+    feats = np.c_[rng.normal(0, 1, (20_000, d)), np.ones(20_000)]
+
+    def to_3(tables) -> float:
+        lib = average_tables(tables, previous, 0.5, counters=Counter(), clip_factor=3.0)
+        return float((np.argmax(feats @ lib.rows.T, 1) == 3).mean())
+
+    honest_tables = [honest_table() for _ in range(honest)]
+    base = to_3(honest_tables)
+    moved = to_3([*honest_tables, attacker]) - base
+    n = honest + 1  # the senders of label '3'
+    print(f"\n{honest} honest: '3' predicted {base:.2f} -> {base + moved:.2f}")
+    assert moved <= 1 / n  # of two senders the smaller change bounds both
+    unclipped = average_tables([*honest_tables, attacker], previous, 0.5, counters=Counter())
+    assert (np.argmax(feats @ unclipped.rows.T, 1) == 3).mean() > 0.99  # the attack, unbounded

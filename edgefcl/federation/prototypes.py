@@ -33,6 +33,7 @@ import numpy as np
 
 from edgefcl.config import RunConfig, resolve_head
 from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS, valid_name  # noqa: F401
+from edgefcl.federation.row_clip import clip_rows
 from edgefcl.federation.share_cap import capped_groups
 from edgefcl.federation.sigma_bounds import LIK_FLOOR, LIK_SIGMA_MAX, median_floor  # noqa: F401
 
@@ -147,7 +148,8 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
                    counters: Counter | None = None,
                    sigma_floor: float = 0.0,
                    likelihood: Sequence[bool] | None = None,
-                   prior_sigma: float | None = None) -> PrototypeTable:
+                   prior_sigma: float | None = None,
+                   clip_factor: float = 0.0) -> PrototypeTable:
     """The next global library: per label, the sample-weighted mean of the rows sent (labels
     with zero samples in this round weigh equally), mixed `mix_weight : 1 - mix_weight` with the
     previous global's row where the label already had one; labels nobody sent keep their row.
@@ -156,6 +158,8 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     the capped weights; `counters["prototype_share_capped"]` counts capped rows).
     A Gaussian library (`previous.sigmas` set; every table sent must be Gaussian) combines the
     rows with `combine_gaussian` (sigma floor `sigma_floor`) and mixes on both moments.
+    Rows (not likelihoods) are first norm-clipped against the previous global's rows by
+    `row_clip.clip_rows` (`clip_factor` x the median sender's change; 0: off).
     `likelihood` (fedbnn rule; Gaussian libraries only), one flag per table: True for a table
     of row likelihoods (posterior / prior). A round with likelihoods combines only those, by
     `product_gaussian` against the previous global's row, or N(0, `prior_sigma`) for a new
@@ -191,6 +195,13 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     names = sorted(set(labels))  # the names as sent: never through a numpy string array
     at_name = {n: i for i, n in enumerate(names)}
     inverse = np.array([at_name[s] for s in labels], dtype=np.int64)
+    old = previous.row_of()
+    if rule != "product":  # likelihood rows are not rows of the label: the sigma rules bound them
+        base = np.zeros_like(rows)
+        prev_at = np.array([old.get(s, -1) for s in labels], dtype=np.int64)
+        base[prev_at >= 0] = previous.rows[prev_at[prev_at >= 0]]
+        sender = np.repeat(np.arange(len(sent)), [len(t.labels) for t in sent])
+        rows = clip_rows(rows, base, sender, clip_factor, counters, previous.rows)
     capped = capped_groups(counts, inverse, max_share)
     if counters is not None:
         counters["prototype_share_capped"] += int((capped < counts).sum())
@@ -198,7 +209,6 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     weight = np.bincount(inverse, weights=counts, minlength=len(names))
     equal = weight[inverse] <= 0  # a label nobody counted: plain mean of its rows
     w = np.where(equal, 1.0, counts)
-    old = previous.row_of()
     if rule == "product":
         sigmas = np.concatenate([t.sigmas for t in sent]).astype(np.float64)  # type: ignore
         prior_mu = np.zeros((len(names), rows.shape[1]))

@@ -1,0 +1,46 @@
+"""Norm clipping of prototype rows, as `robust/clipping.py` clips dense deltas: a row's change
+from the previous global's row of its label (the zero row for a new label) is scaled down to
+at most `factor` times the round's median sender norm, where a sender's norm is the median
+change of the rows it sent. One device's rows (a bias of 1e6 for one label, say) then cannot
+outgrow the honest rows of the round. As with dense clipping the median is robust while the
+honest senders are the majority; of two senders the smaller counts (their median would be
+their mean). The change is also bounded by `factor` times the previous global's median row
+norm, which no sender of the round holds. Senders whose rows did not change are left out of
+the median. Depends on numpy only (the prototype library imports it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+
+def clip_rows(rows: np.ndarray, base: np.ndarray, sender: np.ndarray, factor: float,
+              counters: Counter | None = None, reference: np.ndarray | None = None
+              ) -> np.ndarray:
+    """`rows` (n, width) with each row's change from `base` (its label's previous row, same
+    shape) clipped to `factor` x the median over senders of their median change, and to
+    `factor` x the median norm of the `reference` rows (the previous global library: no
+    sender of this round holds it) where there are some; `sender` (n,) names each row's
+    sender. Unchanged with `factor` 0, or with fewer than two senders and no reference."""
+    senders = np.unique(sender)
+    have_reference = reference is not None and len(reference) > 0
+    if factor <= 0 or len(rows) == 0 or (len(senders) < 2 and not have_reference):
+        return rows
+    delta = rows - base
+    norms = np.linalg.norm(delta, axis=1)
+    tau = np.inf
+    if len(senders) >= 2:
+        per_sender = np.array([np.median(norms[sender == s]) for s in senders])  # few senders
+        moved = per_sender[per_sender > 0]  # one that did not move cannot pull tau to nothing
+        if len(moved) >= 2:  # of two the smaller, as dense clipping: their median is the mean
+            tau = factor * float(moved.min() if len(moved) == 2 else np.median(moved))
+    if have_reference:
+        tau = min(tau, factor * float(np.median(np.linalg.norm(reference, axis=1))))
+    over = norms > tau
+    if not over.any():
+        return rows
+    if counters is not None:
+        counters["prototype_rows_clipped"] += int(over.sum())
+    scale = np.where(over, tau / np.maximum(norms, 1e-30), 1.0)
+    return base + delta * scale[:, None]
