@@ -529,7 +529,7 @@ def test_a_resumed_run_keeps_what_its_devices_measured(tmp_path) -> None:
     assert d.results.check_done({"a", "b", "c"}, set(), d)
     first = json.loads((d.state_dir / "results.json").read_text())
     assert first["accuracy"] > 0 and first["bytes_down_per_client"] == {"a": 1000}
-    assert first["wall_s"] > 0
+    assert first["wall_s"] > 0 and first["accuracy_source"] == "devices (self-reported)"
     again = FleetResults(d.cfg, d.state_dir, {})  # the resumed process: no reports
     assert again.check_done({"a", "b", "c"}, set(), d)
     kept = json.loads((d.state_dir / "results.json").read_text())

@@ -23,6 +23,9 @@ from edgefcl.transport.codec import CodecError
 log = logging.getLogger("edgefcl.aggregator")
 
 RESULTS_FILE, MODEL_FILE = "results.json", "model.npz"
+SELF_REPORTED = "devices (self-reported)"
+"""`accuracy_source` of a fleet's A, F and matrix: the devices' own reports, which no one
+checked; the aggregator's own measure is `fleet.held_out_accuracy` (with --eval-data)."""
 MAX_CLAIMED_BYTES = 1 << 50
 """The largest downlink byte count a device's report may claim (a bound, not a check)."""
 EXPORTABLE = ("dense", "sparse")
@@ -129,7 +132,7 @@ class FleetResults:
                        matrix_clients=sorted(mats))
             parts.append(f"A = {np.mean(per_a):.1f} ± {sample_std(per_a):.1f} %, "
                          f"F = {np.mean(per_f):.1f} ± {sample_std(per_f):.1f} % "
-                         f"(mean ± sample std over {len(mats)} clients)")
+                         f"(mean ± sample std over {len(mats)} clients, self-reported)")
         parts.append(f"updates accepted {out['accepted']}, rejected {sum(rejected.values())}")
         if self.accuracy is not None:
             parts.append(f"global accuracy on held-out data {self.accuracy:.1f} %")
@@ -152,9 +155,10 @@ class FleetResults:
             "aggregator": dict(agg.counters), "config": public_dict(self.cfg),
             "global_sha256": _sha(agg.global_), "wall_s": round(time.time() - self.started, 3),
         }
-        if "accuracy_matrix" in summary:
+        if "accuracy_matrix" in summary:  # what devices said they measured: untrusted
             res.update(accuracy=summary["accuracy"], forgetting=summary["forgetting"],
-                       accuracy_matrix=summary["accuracy_matrix"])
+                       accuracy_matrix=summary["accuracy_matrix"],
+                       accuracy_source=SELF_REPORTED)
         else:
             res = self._keep_measured(res)
         library = agg.global_.prototypes
@@ -185,7 +189,7 @@ class FleetResults:
             return res
         if not isinstance(old, dict) or "accuracy_matrix" not in old:
             return res
-        kept = ("accuracy", "forgetting", "accuracy_matrix", "bytes_down",
+        kept = ("accuracy", "forgetting", "accuracy_matrix", "accuracy_source", "bytes_down",
                 "bytes_down_per_client")
         log.info("kept the accuracy and downlink of the earlier results.json (the devices' "
                  "reports of this run came before this process)")
@@ -225,9 +229,13 @@ def fleet_table(state_dir: Path, rounds: list[dict[str, Any]]) -> str:
     lines = [f"aggregator state {state_dir}"]
     res = state_dir / RESULTS_FILE
     if res.is_file():
-        fleet = json.loads(res.read_text()).get("fleet", {})
+        saved = json.loads(res.read_text())
+        fleet = saved.get("fleet", {})
         if fleet.get("line"):
             lines.append(f"  all clients done: {fleet['line']}")
+        if saved.get("accuracy_source"):
+            lines.append(f"  A, F and the accuracy per task above: {saved['accuracy_source']}; "
+                         "the aggregator's own measure is the held-out accuracy below")
     if rounds:
         accs = [r["accuracy"] for r in rounds if r.get("accuracy") is not None]
         total = sum(r.get("bytes_in", 0) for r in rounds)
