@@ -62,9 +62,9 @@ def test_factor_is_bounded_and_off_at_one():
 
 def test_inbox_reports_its_load_per_interval():
     box = Inbox(max_bytes=100)
-    assert box.put("t", b"x" * 60) and box.put("t", b"y" * 30)
-    assert not box.put("t", b"z" * 20)  # 110 > 100: shed
-    assert box.get(0.1) == ("t", b"x" * 60)
+    assert box.put("a", b"x" * 60) and box.put("b", b"y" * 30)
+    assert not box.put("c", b"z" * 20)  # 110 > 100: shed
+    assert box.get(0.1) == ("a", b"x" * 60)
     time.sleep(0.05)
     load = box.load()
     assert (load.offered, load.shed, load.taken) == (3, 1, 1)
@@ -168,8 +168,8 @@ def test_an_overloaded_daemon_republishes_its_config_with_the_factor(tmp_path):
     d = _daemon(tmp_path, "async")
     tp = topics(d.cfg.mqtt)
     d.inbox.load()
-    for _ in range(10):  # 10 x 400 B offered to a 1,000 B inbox: 2 queued, 8 shed, 1 taken
-        d.inbox.put(tp.update("a"), b"x" * 400)
+    for k in range(10):  # 10 x 400 B offered to a 1,000 B inbox: 2 queued, 8 shed, 1 taken
+        d.inbox.put(tp.update(f"d{k}"), b"x" * 400)
     d.inbox.get(0.1)
     d._pressure()
     (config,) = [b for t, b in d.link.sent if t == tp.config]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import Tick, Update
 from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
-from edgefcl.runtime.inbox import Inbox
+from edgefcl.runtime.inbox import PER_SENDER, Inbox
 from edgefcl.runtime.links import NullLink, topics
 from edgefcl.transport.codec import Message, encode
 
@@ -103,10 +103,10 @@ def test_an_internal_error_is_counted_and_the_daemon_goes_on(tmp_path, monkeypat
 
 def test_inbox_sheds_by_bytes_and_counts() -> None:
     box = Inbox(max_bytes=100)
-    assert box.put("t", b"x" * 60) and not box.put("t", b"y" * 60)
+    assert box.put("a", b"x" * 60) and not box.put("b", b"y" * 60)
     assert box.shed == 1 and box.shed_bytes == 60 and len(box) == 1
-    assert box.get(0.01) == ("t", b"x" * 60) and box.get(0.01) is None
-    assert box.put("t", b"y" * 60) and box.bytes == 60
+    assert box.get(0.01) == ("a", b"x" * 60) and box.get(0.01) is None
+    assert box.put("b", b"y" * 60) and box.bytes == 60
 
 
 # ---------------------------------------------------------------- whole message path
@@ -553,4 +553,31 @@ def test_ticks_off_the_roster_are_not_answered_and_retransmits_once_per_tick(tmp
     for _ in range(50):  # a real retransmission: answered again once for this tick
         d.handle(tp.update("a"), encode(Tick("a", 1, 0, 1), fleet=FLEET))
     assert len([p for t, p in d.link.sent if t == tp.tick]) == 2
+    d.store.close()
+
+
+def test_a_flooding_sender_gets_its_turn_and_no_more() -> None:
+    # the attack: one roster device sent 300 msg/s of 16 KB statuses into the shared FIFO
+    # inbox; 28 of 80 honest updates were counted, latency reached 18 s, and the shed pushed
+    # the backpressure factor to its maximum for the whole fleet; no counter named the sender
+    box = Inbox(max_bytes=1 << 20)
+    for i in range(1000):
+        box.put("mallory", b"m" * 16_000)
+        if i % 100 == 0:
+            box.put(f"honest{i // 100}", b"h" * 1_000)
+    served = [box.get(0.01)[0] for _ in range(len(box))]
+    assert served.count("mallory") == PER_SENDER  # its queue, and nothing more
+    honest = [k for k, s in enumerate(served) if s.startswith("honest")]
+    assert len(honest) == 10 and max(honest) < 2 * 10 + 1  # round-robin: never behind a flood
+    load = box.load()
+    assert load.shed == 0 and load.offered == len(served)  # its own flood is not fleet load
+    assert box.worst() == {"mallory": 1000 - PER_SENDER}
+
+
+def test_a_status_that_costs_too_much_to_scan_is_refused_before_decoding(tmp_path) -> None:
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+    body = {"state": "online", "pad": list(range(16_000))}
+    d.handle(tp.status("a"), encode(Message("status", body, sender="a"), fleet=FLEET))
+    assert d.agg.counters["rejected_limits"] == 1
     d.store.close()

@@ -198,8 +198,8 @@ def test_worker_status_carries_its_inbox_backpressure(tmp_path):
     w = WorkerDaemon(cfg, "w0", inbox_bytes=100)
     w.agg = ShardWorker(INITIAL, cfg.fed, worker="w0")
     assert w.status()["backpressure"] == 1.0
-    for _ in range(3):
-        w.inbox.put("t", b"x" * 60)  # one queued, two shed: max(3 / 1, 3 / 1) -> 3
+    for k in range(3):
+        w.inbox.put(f"t{k}", b"x" * 60)  # one queued, two shed: max(3 / 1, 3 / 1) -> 3
     w.inbox.get(0.1)
     w._pressure()
     assert (w.status()["backpressure"], w.status()["backpressure_reason"]) == (3.0, "shed")

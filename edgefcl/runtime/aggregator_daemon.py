@@ -18,10 +18,11 @@ from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.fleet_results import FleetResults
 from edgefcl.runtime.heap import freeze_startup_heap
-from edgefcl.runtime.inbox import Inbox
+from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.runtime.store import StateStore
 from edgefcl.runtime.threads import stop_on_signals
+from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import (
     DEFAULT_MAX_BYTES,
     CodecError,
@@ -31,7 +32,9 @@ from edgefcl.transport.codec import (
     spec_hash,
     tensor_spec,
 )
+from edgefcl.transport.topics import TOPIC_KINDS
 
+STATUS_KINDS = TOPIC_KINDS["status"]
 log = logging.getLogger("edgefcl.aggregator")
 
 SENDER = "aggregator"
@@ -69,7 +72,8 @@ class AggregatorDaemon:
         if self.payload_from_model:
             size_payload_limit(cfg, initial)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
-        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt))
+        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
+                           sender_of=sender_of(self.topics))
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.stop_event = threading.Event()
         # before the first state is saved: a SIGTERM from then on (while the CLI still loads
@@ -174,13 +178,11 @@ class AggregatorDaemon:
                 "version": self.agg.global_.version,
                 "rounds": self.agg.rounds, "tick": self.agg.tick,
                 "active": sorted(self.agg.active), "done": sorted(self.done),
-                "counters": dict(self.agg.counters) | self._shed(), "bytes_in": self.bytes_in,
+                "counters": dict(self.agg.counters) | shed_counters(self.inbox),
+                "flooding": self.inbox.worst(), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]} | (
                     self.results.status() if self.results is not None else {}) | (
                     self.backpressure.fields())
-
-    def _shed(self) -> dict[str, int]:
-        return {"rejected_inbox_full": self.inbox.shed} if self.inbox.shed else {}
 
     def _publish_status(self, state: str = "online") -> None:
         body = self.status() | {"state": state}
@@ -208,7 +210,8 @@ class AggregatorDaemon:
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
-                     require_digest=True)  # a damaged update must never be aggregated
+                     require_digest=True,  # a damaged update must never be aggregated
+                     limits=STATUS_LIMITS if allowed == STATUS_KINDS else DEFAULT_LIMITS)
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")

@@ -1,32 +1,56 @@
-"""A bounded inbox between the MQTT network thread and a daemon's main loop.
+"""A bounded, fair inbox between the MQTT network thread and a daemon's main loop.
 
 The network thread must never block and the daemon must never hold more than it can handle:
 the inbox is bounded by the bytes it holds (and a message count), and a message that does not
-fit is shed and counted (`shed`, `shed_bytes`) instead of queued. `load()` reports what the
-inbox saw since its last call (offered, shed, taken, mean fill), for backpressure.
+fit is shed and counted instead of queued.
+
+It is fair per sender (the device a topic belongs to, `sender_of`): each sender has its own
+queue of at most `per_sender` messages (and a quarter of the byte budget, one message always
+fits), and `get` serves the senders round-robin. A device that floods gets one turn in each
+round like any other, its backlog stays bounded, and what it sends beyond its queue is shed as
+`over_share`, counted per sender (`offenders`): one device cannot take the inbox, the main
+loop's time or the honest devices' place in line. `load()` reports what the inbox saw since its
+last call (offered, shed, taken, mean fill) for backpressure, leaving out the messages shed
+over a sender's share: one sender's flood is not the fleet's load.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from edgefcl.runtime.backpressure import Load
 
+PER_SENDER = 8
+"""Messages one sender may have waiting (an honest device has one or two: an update, a status)."""
+MAX_OFFENDERS = 1024
+"""Senders whose over-share sheds are counted (the largest counts are kept)."""
+
 
 class Inbox:
-    """FIFO of (topic, item) with a byte budget; `put` never blocks, `get` waits."""
+    """Per-sender FIFOs served round-robin, with a byte budget; `put` never blocks, `get`
+    waits."""
 
-    def __init__(self, max_bytes: int, max_items: int = 10_000) -> None:
+    def __init__(self, max_bytes: int, max_items: int = 10_000,
+                 sender_of: Callable[[str], str] | None = None,
+                 per_sender: int = PER_SENDER) -> None:
         self.max_bytes = max_bytes
         self.max_items = max_items
-        self._items: deque[tuple[str, Any, int]] = deque()
+        self.sender_of = sender_of or (lambda topic: topic)
+        self.per_sender = per_sender
+        self._queues: dict[str, deque[tuple[str, Any, int]]] = {}
+        self._held: Counter[str] = Counter()  # bytes each sender has waiting
+        self._turns: deque[str] = deque()  # senders with something waiting, in service order
+        self._count = 0
         self._cond = threading.Condition()
         self.bytes = 0
         self.shed = 0
         self.shed_bytes = 0
+        self.over_share = 0
+        self.offenders: Counter[str] = Counter()
         self.queued = 0
         self.taken = 0
         self._since = time.monotonic()  # the interval load() reports on
@@ -41,34 +65,63 @@ class Inbox:
         self._t = now
 
     def put(self, topic: str, item: Any) -> bool:
-        """Queue `item` unless the inbox is full; returns whether it was queued."""
+        """Queue `item` unless its sender's queue or the inbox is full; returns whether it
+        was queued."""
         size = len(item) if isinstance(item, (bytes, bytearray, memoryview)) else 0
+        sender = self.sender_of(topic)
         with self._cond:
-            if self.bytes + size > self.max_bytes or len(self._items) >= self.max_items:
+            mine = self._queues.get(sender)
+            if mine and (len(mine) >= self.per_sender
+                         or self._held[sender] + size > self.max_bytes // 4):
+                self.over_share += 1
+                self._offend(sender)
+                return False
+            if self.bytes + size > self.max_bytes or self._count >= self.max_items:
                 self.shed += 1
                 self.shed_bytes += size
                 return False
             self._account()
-            self._items.append((topic, item, size))
+            if mine is None:
+                mine = self._queues[sender] = deque()
+                self._turns.append(sender)
+            mine.append((topic, item, size))
+            self._held[sender] += size
+            self._count += 1
             self.queued += 1
             self.bytes += size
             self._cond.notify()
             return True
 
+    def _offend(self, sender: str) -> None:
+        self.offenders[sender] += 1
+        if len(self.offenders) > MAX_OFFENDERS:  # bounded: keep the worst half
+            self.offenders = Counter(dict(self.offenders.most_common(MAX_OFFENDERS // 2)))
+
     def get(self, timeout: float) -> tuple[str, Any] | None:
-        """The oldest item, or None after `timeout` seconds without one."""
+        """The oldest item of the sender whose turn it is, or None after `timeout` seconds
+        without one."""
         with self._cond:
-            if not self._items and not self._cond.wait_for(lambda: self._items, timeout):
+            if not self._count and not self._cond.wait_for(lambda: self._count, timeout):
                 return None
-            topic, item, size = self._items.popleft()
+            sender = self._turns.popleft()
+            mine = self._queues[sender]
+            topic, item, size = mine.popleft()
+            if mine:
+                self._turns.append(sender)
+            else:
+                del self._queues[sender], self._held[sender]
+            if sender in self._held:
+                self._held[sender] -= size
             self._account()
+            self._count -= 1
             self.taken += 1
             self.bytes -= size
             return topic, item
 
     def load(self) -> Load:
         """Messages offered, shed and taken and the mean fill of the byte budget since the
-        last call (the first call: since the inbox was made)."""
+        last call (the first call: since the inbox was made); sheds over a sender's share are
+        left out."""
         with self._cond:
             self._account()
             span = self._t - self._since
@@ -80,6 +133,34 @@ class Inbox:
             self._mark = (self.queued, self.shed, self.taken)
             return load
 
+    def worst(self, n: int = 5) -> dict[str, int]:
+        """The `n` senders with the most messages shed over their share."""
+        with self._cond:
+            return dict(self.offenders.most_common(n))
+
     def __len__(self) -> int:
         with self._cond:
-            return len(self._items)
+            return self._count
+
+
+def sender_of(topics) -> Callable[[str], str]:  # noqa: ANN001 (transport.topics.Topics)
+    """The inbox's sender key of a fleet's topic: the client id of a device's topic, else the
+    topic itself (control, partials: one queue each)."""
+    def key(topic: str) -> str:
+        try:
+            return topics.client_from(topic)
+        except ValueError:
+            return topic
+
+    return key
+
+
+def shed_counters(inbox: Inbox) -> dict[str, Any]:
+    """What a daemon's status says of its inbox's sheds: counters, and the senders with the
+    most messages shed over their share (who is flooding)."""
+    out: dict[str, Any] = {}
+    if inbox.shed:
+        out["rejected_inbox_full"] = inbox.shed
+    if inbox.over_share:
+        out["rejected_over_share"] = inbox.over_share
+    return out

@@ -28,7 +28,7 @@ from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.shard import ShardWorker
 from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.heap import freeze_startup_heap
-from edgefcl.runtime.inbox import Inbox
+from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics
 from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
@@ -53,7 +53,8 @@ class WorkerDaemon:
         self.flush_every = flush_every
         self.status_every = status_every
         self.inbox_bytes = inbox_bytes
-        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt))
+        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
+                           sender_of=sender_of(self.topics))
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
         self.stop_event = threading.Event()
@@ -164,8 +165,8 @@ class WorkerDaemon:
         a = self.agg
         return {"state": "online", "role": "worker", "version": a.global_.version if a else -1,
                 "partials": self.partials_sent, "pending": a.pending() if a else 0,
-                "counters": (dict(a.counters) if a else {}) | (
-                    {"rejected_inbox_full": self.inbox.shed} if self.inbox.shed else {}),
+                "counters": (dict(a.counters) if a else {}) | shed_counters(self.inbox),
+                "flooding": self.inbox.worst(),
                 "bytes_out": self.bytes_out} | self.backpressure.fields()
 
     def _pressure(self) -> None:

@@ -125,7 +125,9 @@ def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
     done = [_text(c, 40) for c in b.get("done", []) if isinstance(b.get("done"), list)]
     state = _text(b.get("state", "?"), 12)
     seen = _age(b, now)
+    flooding = b.get("flooding") if isinstance(b.get("flooding"), dict) else {}
     return {"state": state, "stale": state == "online" and seen > STALE_AFTER_S,
+            "flooding": {_text(k, 40): _int(v) or 0 for k, v in list(flooding.items())[:5]},
             "version": _int(b.get("version")),
             "rounds": _int(b.get("rounds")), "active": ids, "done": done,
             "accepted": _int(counters.get("accepted")) or 0, "rejected": rejected,
@@ -177,6 +179,9 @@ def render(snap: dict[str, Any]) -> str:
             f"  last round {_fmt(a['last_round_age_s'], '.0f')} s ago   fleet accuracy "
             f"{_fmt(a['accuracy'], '.1f')}{' %' if a['accuracy'] is not None else ''}",
         ]
+        if a.get("flooding"):
+            lines.append("  flooding (messages shed over their share): " + ", ".join(
+                f"{k} {v}" for k, v in a["flooding"].items()))
     devices = snap["devices"]
     lines.append("")
     if not devices:
