@@ -9,11 +9,15 @@ attacking devices with valid credentials. Phases:
 - chunk flood: the attackers open transfers that declare the largest payload (`max_payload`)
   and send every chunk but the last, round-robin, until `flood_mib` MiB are offered;
 - tensor-count flood: the attackers send updates of 1.5 million zero-size tensors (49 MiB,
-  chunked and complete) until `flood_mib` MiB are offered.
+  chunked and complete) until `flood_mib` MiB are offered;
+- status flood: one attacker sends 300 statuses a second for 10 s, each 16 KB holding a list
+  of 16,000 numbers (expensive to scan), as a roster device could.
 
 The aggregator's resident memory (`/proc/<pid>/status` VmRSS, sampled every 50 ms) is reported
 per phase with its peak (VmHWM), as are the rounds closed, the slowest honest round (from the
-second honest update to the new global) and the aggregator's rejection counters.
+second honest update to the new global) and the aggregator's rejection counters; for the
+status flood also the honest rounds per second against the idle phase, the highest
+backpressure factor the aggregator advertised, and whom its status names as flooding.
 """
 
 from __future__ import annotations
@@ -157,6 +161,19 @@ def _tensor_flood(links: dict, tp: Topics, mib: int) -> int:
     return sent
 
 
+def _status_flood(links: dict, tp: Topics, seconds: float = 10.0, rate: float = 300.0) -> int:
+    """One attacker's statuses at `rate` a second for `seconds`; bytes offered."""
+    cid = ATTACKERS[0]
+    payload = encode(Message("status", {"state": "online", "pad": [7] * 16_000}, sender=cid),
+                     fleet=FLEET)
+    sent, start = 0, time.monotonic()
+    while (now := time.monotonic()) - start < seconds:
+        links[cid].publish(tp.status(cid), payload, qos=0)
+        sent += len(payload)
+        time.sleep(max(0.0, start + sent / len(payload) / rate - now))
+    return sent
+
+
 def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
     """`edgefcl bench flood`: `count` MiB offered per flood (default 1024)."""
     from edgefcl.runtime.links import payload_limit
@@ -219,18 +236,25 @@ def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
                   ("chunk flood", lambda: _chunk_flood(links, tp, mib, limit)),
                   ("settle", lambda: time.sleep(5) or 0),
                   ("tensor-count flood", lambda: _tensor_flood(links, tp, mib)),
-                  ("settle after", lambda: time.sleep(5) or 0))
+                  ("settle after", lambda: time.sleep(5) or 0),
+                  ("status flood", lambda: _status_flood(links, tp)),
+                  ("settle at last", lambda: time.sleep(5) or 0))
         sampler.reset()
         for name, run in phases:
             t0 = time.monotonic()
-            before = len(honest.rounds)
+            before, seen = len(honest.rounds), len(status)
             offered = run()
             wall = time.monotonic() - t0
             rounds = [s for _, s in honest.rounds[before:]]
+            during = status[seen:]
             phase = {"offered_mib": round(offered / 2**20, 1), "wall_s": round(wall, 1),
                      "rss_peak_mib": sampler.reset(), "rss_end_mib": round(_rss(agg.pid), 1),
                      "honest_rounds": len(rounds),
+                     "honest_rounds_per_s": round(len(rounds) / wall, 2),
                      "slowest_honest_round_s": round(max(rounds), 2) if rounds else None,
+                     "max_backpressure": max((b.get("backpressure", 1.0) for b in during),
+                                             default=1.0),
+                     "flooding": during[-1].get("flooding", {}) if during else {},
                      "aggregator_alive": agg.poll() is None}
             report["phases"][name] = phase
             print(f"{name:>18}: offered {phase['offered_mib']:7.1f} MiB in {wall:5.1f} s; "
@@ -258,4 +282,12 @@ def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
           f"{'met' if report['rss_hwm_mib'] < BAR_MIB else 'MISSED'})")
     print("rejections: " + json.dumps({k: v for k, v in report["counters"].items()
                                        if k.startswith("rejected")}))
+    idle, flood = report["phases"]["idle"], report["phases"]["status flood"]
+    kept = flood["honest_rounds_per_s"] / max(idle["honest_rounds_per_s"], 1e-9)
+    report["status_flood"] = {"honest_rounds_kept": round(kept, 3),
+                              "max_backpressure": flood["max_backpressure"],
+                              "named": flood["flooding"]}
+    print(f"status flood: honest rounds {flood['honest_rounds_per_s']}/s against "
+          f"{idle['honest_rounds_per_s']}/s idle ({100 * kept:.0f} %), backpressure up to "
+          f"{flood['max_backpressure']}, status names {flood['flooding'] or 'nobody'}")
     return report

@@ -73,7 +73,7 @@ class AggregatorDaemon:
             size_payload_limit(cfg, initial)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
         self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
-                           sender_of=sender_of(self.topics))
+                           sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate)
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.stop_event = threading.Event()
         # before the first state is saved: a SIGTERM from then on (while the CLI still loads

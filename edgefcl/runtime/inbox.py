@@ -6,7 +6,8 @@ fit is shed and counted instead of queued.
 
 It is fair per sender (the device a topic belongs to, `sender_of`): each sender has its own
 queue of at most `per_sender` messages (and a quarter of the byte budget, one message always
-fits), and `get` serves the senders round-robin. A device that floods gets one turn in each
+fits) and, with `rate`, a token bucket of messages a second, and `get` serves the senders
+round-robin. A device that floods gets one turn in each
 round like any other, its backlog stays bounded, and what it sends beyond its queue is shed as
 `over_share`, counted per sender (`offenders`): one device cannot take the inbox, the main
 loop's time or the honest devices' place in line. `load()` reports what the inbox saw since its
@@ -36,11 +37,13 @@ class Inbox:
 
     def __init__(self, max_bytes: int, max_items: int = 10_000,
                  sender_of: Callable[[str], str] | None = None,
-                 per_sender: int = PER_SENDER) -> None:
+                 per_sender: int = PER_SENDER, rate: float = 0.0) -> None:
         self.max_bytes = max_bytes
         self.max_items = max_items
         self.sender_of = sender_of or (lambda topic: topic)
         self.per_sender = per_sender
+        self.rate = rate  # messages a second per sender, a burst of 2 s (0: no limit)
+        self._buckets: dict[str, tuple[float, float]] = {}  # sender -> (tokens, at)
         self._queues: dict[str, deque[tuple[str, Any, int]]] = {}
         self._held: Counter[str] = Counter()  # bytes each sender has waiting
         self._turns: deque[str] = deque()  # senders with something waiting, in service order
@@ -71,8 +74,9 @@ class Inbox:
         sender = self.sender_of(topic)
         with self._cond:
             mine = self._queues.get(sender)
-            if mine and (len(mine) >= self.per_sender
-                         or self._held[sender] + size > self.max_bytes // 4):
+            if (not self._within_rate(sender) or mine and (
+                    len(mine) >= self.per_sender
+                    or self._held[sender] + size > self.max_bytes // 4)):
                 self.over_share += 1
                 self._offend(sender)
                 return False
@@ -91,6 +95,25 @@ class Inbox:
             self.bytes += size
             self._cond.notify()
             return True
+
+    def _within_rate(self, sender: str) -> bool:
+        """Take a token of `sender`'s bucket (refilled at `rate` a second, holding 2 s of
+        them); False when it has none. The buckets of idle senders are dropped past
+        MAX_OFFENDERS senders, so the table stays bounded."""
+        if self.rate <= 0:
+            return True
+        now = time.monotonic()
+        burst = 2 * self.rate
+        tokens, at = self._buckets.get(sender, (burst, now))
+        tokens = min(burst, tokens + (now - at) * self.rate)
+        if len(self._buckets) > MAX_OFFENDERS:
+            self._buckets = {k: v for k, v in self._buckets.items()
+                             if v[0] + (now - v[1]) * self.rate < burst}
+        if tokens < 1:
+            self._buckets[sender] = (tokens, now)
+            return False
+        self._buckets[sender] = (tokens - 1, now)
+        return True
 
     def _offend(self, sender: str) -> None:
         self.offenders[sender] += 1

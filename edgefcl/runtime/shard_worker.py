@@ -54,7 +54,7 @@ class WorkerDaemon:
         self.status_every = status_every
         self.inbox_bytes = inbox_bytes
         self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
-                           sender_of=sender_of(self.topics))
+                           sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate)
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
         self.stop_event = threading.Event()
