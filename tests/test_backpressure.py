@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from edgefcl.build import make_client, prepare
@@ -86,12 +87,27 @@ def test_advertised_factor_is_clamped_and_malformed_means_one():
 
 def test_pacer_sends_one_in_factor():
     p = Pacer()
+    p.credit = 0.0  # by hand: from an empty credit
     assert [p.take() for _ in range(4)] == [True] * 4
     p.factor = 2.0
     assert [p.take() for _ in range(6)] == [False, True] * 3
     p.factor = 1.5  # fractional: 2 of every 3
     assert sum(p.take() for _ in range(30)) == 20
     assert p.held == 3 + 10
+
+
+def test_devices_that_pace_alike_send_in_different_slots():
+    # the trap: every Pacer's credit started at 0, so a fleet told to send one update in 4
+    # sent on the same due update, in bursts the inbox shed, and the factor locked at its cap
+    pacers = [Pacer(f"d{i:05d}", seed=0) for i in range(1000)]
+    for p in pacers:
+        p.factor = 4.0
+    slots = np.array([[p.take() for _ in range(4)] for p in pacers])
+    assert (slots.sum(1) == 1).all()  # each device: one send in 4
+    per_slot = slots.sum(0)
+    assert per_slot.min() > 200 and per_slot.max() < 300  # spread: 250 each, not 1000 in one
+    again = Pacer("d00007", seed=0)
+    assert again.credit == Pacer("d00007", seed=0).credit != Pacer("d00007", seed=1).credit
 
 
 @pytest.fixture(scope="module")

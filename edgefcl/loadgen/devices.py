@@ -9,10 +9,11 @@ One more connection per process follows the retained global to learn the current
 which the devices put in their updates as their base (so they are not stale), and the retained
 config for the aggregator's backpressure factor: like a real device (runtime/backpressure.py)
 each device then sends one of every `factor` updates due every `1 / rate` s and holds the rest
-(counted `held`). Each device's credit starts at a random level, so the fleet's sends stay
-spread over time as the factor changes (stretching every device's period instead would keep
-the phases of the old period, and the fleet would send in bursts). The rate is a shared value
-the bench may change between phases (`rate`, updates/s per device).
+(counted `held`), with the devices' own `Pacer`, whose credit starts at a level drawn from
+the device's id, so the fleet's sends stay spread over time as the factor changes
+(stretching every device's period instead would keep the phases of the old period, and the
+fleet would send in bursts). The rate is a shared value the bench may change between phases
+(`rate`, updates/s per device).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from edgefcl.loadgen.template import UpdateTemplate
-from edgefcl.runtime.backpressure import advertised
+from edgefcl.runtime.backpressure import Pacer, advertised
 
 log = logging.getLogger("edgefcl.loadgen")
 
@@ -74,11 +75,12 @@ def device_id(i: int) -> str:
 
 
 class _Device:
-    __slots__ = ("cid", "client", "topic", "seq", "due", "credit", "events", "connected")
+    __slots__ = ("cid", "client", "topic", "seq", "due", "pacer", "events", "connected")
 
-    def __init__(self, cid: str, client: mqtt.Client, topic: str) -> None:
+    def __init__(self, cid: str, client: mqtt.Client, topic: str, seed: int = 0) -> None:
         self.cid, self.client, self.topic = cid, client, topic
-        self.seq, self.due, self.credit, self.events, self.connected = 0, 0.0, 0.0, 0, False
+        self.seq, self.due, self.events, self.connected = 0, 0.0, 0, False
+        self.pacer = Pacer(cid, seed)  # the device's own pacing code, as DeviceRunner's
 
 
 def _new_client(cid: str, host: str, port: int) -> mqtt.Client:
@@ -135,7 +137,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
     for i in range(spec.first, spec.first + spec.count):
         cid = device_id(i)
         c = _new_client(cid, spec.host, spec.port)
-        d = _Device(cid, c, f"{base}/update/{cid}")
+        d = _Device(cid, c, f"{base}/update/{cid}", spec.seed)
         c.user_data_set(d)
         c.on_connect, c.on_publish = on_connect, on_publish
         devices.append(d)
@@ -151,14 +153,13 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
         now = time.monotonic()
         going = go.is_set()
         period = 1.0 / (rate.value if rate is not None else spec.rate)
-        if going and not was_going:  # spread the devices over one period and one pacing cycle
+        if going and not was_going:  # spread the devices over one period
             for d in devices:
-                d.due, d.credit = now + rng.random() * period, rng.random()
+                d.due = now + rng.random() * period
         was_going = going
         timeout = 0.05
         if going:
             published = lagged = skipped = held = 0
-            share = 1.0 / factor[0]
             for d in devices:
                 if not d.connected:
                     continue
@@ -166,11 +167,10 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
                     timeout = min(timeout, d.due - now)
                     continue
                 d.seq += 1  # a held update consumes its seq, as on a real device
-                d.credit += share
-                if d.credit < 1.0:
+                d.pacer.factor = factor[0]
+                if not d.pacer.take():
                     held += 1
                 else:
-                    d.credit -= 1.0
                     info = d.client.publish(d.topic, template.payload(d.cid, version[0], d.seq),
                                             qos=1)
                     if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:

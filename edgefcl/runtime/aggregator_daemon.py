@@ -22,6 +22,7 @@ from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.runtime.store import StateStore
 from edgefcl.runtime.threads import stop_on_signals
+from edgefcl.runtime.update_quota import UpdateQuota
 from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import (
     DEFAULT_MAX_BYTES,
@@ -32,9 +33,8 @@ from edgefcl.transport.codec import (
     spec_hash,
     tensor_spec,
 )
-from edgefcl.transport.topics import TOPIC_KINDS
+from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS
 
-STATUS_KINDS = TOPIC_KINDS["status"]
 log = logging.getLogger("edgefcl.aggregator")
 
 SENDER = "aggregator"
@@ -89,6 +89,7 @@ class AggregatorDaemon:
         self.rounds_log: list[dict] = []  # the last rounds, for the status
         self.last_answer: bytes | None = None
         self.reanswered: dict[str, int] = {}  # client -> tick it was last answered again
+        self.quota = UpdateQuota()  # fair service while backpressure is on
         self.spec = tensor_spec(self.agg.global_.tensors)
         self.store = StateStore.open(self.state_dir, fleet=cfg.mqtt.fleet, spec=self.spec,
                                      fresh=fresh, resume=resume)
@@ -179,7 +180,8 @@ class AggregatorDaemon:
                 "rounds": self.agg.rounds, "tick": self.agg.tick,
                 "active": sorted(self.agg.active), "done": sorted(self.done),
                 "counters": dict(self.agg.counters) | shed_counters(self.inbox),
-                "flooding": self.inbox.worst(), "bytes_in": self.bytes_in,
+                "flooding": dict((self.inbox.offenders + self.quota.shed).most_common(5)),
+                "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]} | (
                     self.results.status() if self.results is not None else {}) | (
                     self.backpressure.fields())
@@ -216,6 +218,9 @@ class AggregatorDaemon:
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")
         sender = None if topic == self.topics.control else self.topics.client_from(topic)
+        if allowed == UPDATE_KINDS and not self.quota.admit(sender):
+            self.agg.counters["rejected_rate"] += 1  # over its fair share under backpressure
+            return
         now = time.monotonic()
         if isinstance(msg, (Update, Tick)):
             if sender is not None and msg.client != sender:
@@ -321,6 +326,7 @@ class AggregatorDaemon:
         """Update the backpressure factor from the inbox's last interval; a changed factor is
         re-published on the retained config (devices follow it there)."""
         line = self.backpressure.observe(self.inbox.load(), self.status_every)
+        self.quota.end_interval(self.status_every, set(self.agg.active), self.backpressure.factor)
         if line:
             log.info(line)
             self._publish_config()

@@ -23,15 +23,17 @@ updates reach the workers) and puts the factor on its status; the root advertise
 factor of its live workers (`relay`) as soon as a worker status changes it.
 
 Device side (`Pacer`): with factor f a device sends one of every f updates its burn-in / jump
-schedule makes due (a credit of 1 / f per due update; fractional factors average out), i.e.
-its jump becomes jump x f. A held update consumes its sequence number (the aggregator's
-admission bounds the mini-batch by the sequence number) and is never encoded, so error feedback
-and the async delta rule see only what was sent; the next update carries the progress.
+schedule makes due (a credit of 1 / f per due update, starting at a level drawn from the
+device's id; fractional factors average out), i.e. its jump becomes jump x f. A held update
+consumes its sequence number (the aggregator's admission bounds the mini-batch by the sequence
+number) and is never encoded, so error feedback and the async delta rule see only what was
+sent; the next update carries the progress.
 Lock-step mode never uses it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -135,11 +137,19 @@ def advertised(body: dict | None, max_factor: float) -> float:
 
 
 class Pacer:
-    """Which due updates a device sends under backpressure: one in `factor`."""
+    """Which due updates a device sends under backpressure: one in `factor`.
 
-    def __init__(self) -> None:
+    The credit starts at a level drawn from the device's id and seed (uniform in [0, 1)):
+    devices that pace alike still send in different slots of every `factor` due updates, so a
+    fleet told to slow down spreads its sends instead of sending in the same bursts (with a
+    credit from 0 every device sent on the same due update, the inbox shed each burst and the
+    factor locked at its cap). DeviceRunner, firmware_sim and the load generator all pace
+    with it."""
+
+    def __init__(self, device: str = "", seed: int = 0) -> None:
         self.factor = 1.0
-        self.credit = 0.0
+        digest = hashlib.sha256(f"{seed}:{device}".encode()).digest()
+        self.credit = int.from_bytes(digest[:8], "big") / 2**64
         self.held = 0
 
     def take(self) -> bool:

@@ -130,7 +130,7 @@ class DeviceRunner:
         self.started = time.time()  # an aggregator refusal older than this is from a past run
         # async: the aggregator's backpressure (retained config, and its status while this
         # device follows it) stretches the jump: one due update in `factor` is sent
-        self.pacer = Pacer()
+        self.pacer = Pacer(self.cid, cfg.seed)
         if cfg.fed.mode == "async":
             client.pace = self.pacer.take
 

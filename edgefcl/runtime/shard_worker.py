@@ -31,9 +31,12 @@ from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics
 from edgefcl.runtime.threads import stop_on_signals
+from edgefcl.runtime.update_quota import UpdateQuota
+from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
 from edgefcl.transport.mqtt import TransportError
 from edgefcl.transport.partials import encode_partial
+from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS
 
 log = logging.getLogger("edgefcl.worker")
 
@@ -55,6 +58,7 @@ class WorkerDaemon:
         self.inbox_bytes = inbox_bytes
         self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
                            sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate)
+        self.quota = UpdateQuota()  # fair service while backpressure is on
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
         self.stop_event = threading.Event()
@@ -122,8 +126,12 @@ class WorkerDaemon:
         allowed = t.kinds_on(topic)
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
+        if allowed == UPDATE_KINDS and not self.quota.admit(t.client_from(topic)):
+            agg.counters["rejected_rate"] += 1  # over its fair share under backpressure
+            return
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
-                     require_digest=True)
+                     require_digest=True,
+                     limits=STATUS_LIMITS if allowed == STATUS_KINDS else DEFAULT_LIMITS)
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")
@@ -166,13 +174,15 @@ class WorkerDaemon:
         return {"state": "online", "role": "worker", "version": a.global_.version if a else -1,
                 "partials": self.partials_sent, "pending": a.pending() if a else 0,
                 "counters": (dict(a.counters) if a else {}) | shed_counters(self.inbox),
-                "flooding": self.inbox.worst(),
+                "flooding": dict((self.inbox.offenders + self.quota.shed).most_common(5)),
                 "bytes_out": self.bytes_out} | self.backpressure.fields()
 
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval (the root relays the
         highest of its workers' factors to the devices)."""
         line = self.backpressure.observe(self.inbox.load(), self.status_every)
+        self.quota.end_interval(self.status_every, self.quota.recent(),
+                                self.backpressure.factor)
         if line:
             log.info(line)
 

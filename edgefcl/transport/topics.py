@@ -20,6 +20,7 @@ _FORBIDDEN = ("/", "+", "#", "\x00")
 TOPIC_KINDS = {"update": frozenset(["update", "tick"]), "status": frozenset(["status"]),
                "stream": frozenset(["stream"])}
 """Message kinds accepted on each per-client topic."""
+UPDATE_KINDS, STATUS_KINDS = TOPIC_KINDS["update"], TOPIC_KINDS["status"]
 CONTROL_KINDS = frozenset(["control"])
 MAX_ID_LEN = 128
 

@@ -1,0 +1,39 @@
+"""Fair service under backpressure (runtime/update_quota.py): a device that ignores the factor
+gets no more of its updates handled than a compliant one (at most 1.5x)."""
+
+from __future__ import annotations
+
+from edgefcl.runtime.update_quota import UpdateQuota
+
+
+def run(quota: UpdateQuota, factor: float, seconds: int = 60) -> dict[str, int]:
+    """20 devices: 19 send 1 update/s / factor (compliant), 'x' sends 1/s (ignores it)."""
+    admitted = dict.fromkeys([*(f"d{i}" for i in range(19)), "x"], 0)
+    credit = {d: i / 19 for i, d in enumerate(admitted)}  # desynchronised, as Pacer does
+    for t in range(seconds * 2):  # 0.5 s steps; a status interval every 2 s
+        if t % 2 == 0:  # a due update every second
+            for d in admitted:
+                credit[d] += 1.0 if d == "x" else 1.0 / factor
+                if credit[d] >= 1.0:
+                    credit[d] -= 1.0
+                    admitted[d] += quota.admit(d)
+        if t % 4 == 3:
+            quota.end_interval(2.0, set(admitted), factor)
+    return admitted
+
+
+def test_an_ignoring_device_gets_at_most_1_5x_a_compliant_ones_share() -> None:
+    # the attack: with 20 % of devices ignoring the factor, they got 106 updates folded in
+    # 60 s against 10 for compliant ones
+    quota = UpdateQuota()
+    got = run(quota, factor=4.0)
+    compliant = sorted(v for d, v in got.items() if d != "x")
+    median = compliant[len(compliant) // 2]
+    assert got["x"] <= 1.5 * median
+    assert quota.shed["x"] > 0 and not any(quota.shed[d] for d in got if d != "x")
+
+
+def test_no_limit_without_backpressure() -> None:
+    quota = UpdateQuota()
+    got = run(quota, factor=1.0)
+    assert got["x"] == 60 and not quota.shed and quota.limit is None
