@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from edgefcl.federation import registry as _encodings  # noqa: F401  (registers the names
+from edgefcl.learn import methods as _methods  # noqa: F401  configs are checked against)
 from edgefcl.version import __version__
 
 API = {

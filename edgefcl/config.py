@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -416,13 +417,16 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _registries():  # noqa: ANN202
-    """(methods, encodings): the registries the names of a config are checked against.
-    Imported on use: they are built from this module's dataclasses (numpy, no torch)."""
-    from edgefcl.federation.registry import ENCODINGS
-    from edgefcl.learn.methods import METHODS
+NAMES: dict[str, Mapping[str, Any]] = {}
+"""The registries a config's names are checked against, put here by their own modules when
+they are imported: `learn.methods` ("methods"), `federation.registry` ("encodings"). The
+package imports both (`edgefcl/__init__.py`), so they are here before any config is checked,
+and this module imports nothing above it."""
 
-    return METHODS, ENCODINGS
+
+def _registries() -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """(methods, encodings), as their modules registered them."""
+    return NAMES["methods"], NAMES["encodings"]
 
 
 def parse_entry(entry: str) -> tuple[str, str | None, str | None]:

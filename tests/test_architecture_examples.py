@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgefcl.config import FedConfig, RunConfig, apply
+from edgefcl.config import NAMES, FedConfig, RunConfig, apply
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Update
 from edgefcl.federation.rules import DENSE_RULES
@@ -42,8 +42,9 @@ def test_score_example(monkeypatch: pytest.MonkeyPatch) -> None:
     score = eval(registry_line('Score("pv"').rstrip(","), {"Score": methods.Score})  # noqa: S307
     monkeypatch.setitem(methods.SCORES, "pv", score)
     # METHODS is built from SCORES when the module loads; here, after the fact:
-    monkeypatch.setattr(methods, "METHODS", {**methods.scored_methods(methods.SCORES),
-                                             **methods.METHODS})
+    both = {**methods.scored_methods(methods.SCORES), **methods.METHODS}
+    monkeypatch.setattr(methods, "METHODS", both)
+    monkeypatch.setitem(NAMES, "methods", both)  # what configs check names against
     cfg = apply(RunConfig(), {"learn": {"method": "pv"}})
     assert cfg.learn.method == "pv"
     z = torch.randn(4, 6, 3)

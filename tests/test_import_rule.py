@@ -3,7 +3,7 @@ down. learn/ never imports transport, runtime, cli or the simulators; federation
 learn, transport or runtime; runtime/ and firmware_sim/ never import cli or the simulators
 (sim/ but its clock and profiles); statefiles (state
 file I/O) is ground floor; only `edgefcl.__main__` imports the CLI; no import cycles among
-edgefcl modules (module-level imports only; imports inside functions are deferred)."""
+edgefcl modules, deferred and type-only imports included."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_no_import_cycles() -> None:
     graph: dict[str, set[str]] = {}
     for module, path in SOURCES.items():
         deps = set()
-        for imported in _imports(path, module, top_level_only=True):
+        for imported in _imports(path, module, top_level_only=False):  # deferred, type-only too
             # `from pkg import mod` names a module when mod is one; keep only edgefcl modules
             if imported in SOURCES and imported != module:
                 deps.add(imported)

@@ -5,7 +5,7 @@ global, downlink) asks here."""
 
 from __future__ import annotations
 
-from edgefcl.config import ConfigError
+from edgefcl.config import NAMES, ConfigError
 from edgefcl.federation.apc import APC
 from edgefcl.federation.encodings import DENSE, Encoding
 from edgefcl.federation.gaussian import GAUSSIAN
@@ -19,6 +19,8 @@ ENCODINGS: dict[str, Encoding] = {e.name: e for e in (
     APC,
     Q8,
 )}
+
+NAMES["encodings"] = ENCODINGS  # what configs check encoding and rule names against
 
 
 def get_encoding(name: str) -> Encoding:

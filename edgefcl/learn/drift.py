@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,10 +32,7 @@ from torch import Tensor
 from edgefcl.config import ConfigError, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.learn.perturb import eval_mode
-
-if TYPE_CHECKING:
-    from edgefcl.learn.client import Client
-    from edgefcl.learn.learner import StreamLearner
+from edgefcl.learn.views import ClientView, LearnerView
 
 SIGNALS = ("loss", "features")
 DEFAULT_DELTA = {"loss": 0.002, "features": 0.05}
@@ -180,7 +177,7 @@ class StreamMonitor:
         self.drift = DriftDetector(learn.drift_signal, learn.drift_delta) if learn.task_free \
             else None
 
-    def observe(self, client: StreamLearner, batch: Batch, x: Tensor, y: Tensor) -> int:
+    def observe(self, client: LearnerView, batch: Batch, x: Tensor, y: Tensor) -> int:
         """The task id the learner should use for the batch (the true one unless task-free)."""
         t0 = client.clock.now()
         need = self.prequential is not None or (self.drift is not None
@@ -261,7 +258,7 @@ def summarize_drift(per_client: dict[str, Any], signal: str | None,
             **_scores(n_true, n_det, delays), "per_client": per_client}
 
 
-def stream_report(clients: Sequence[Client]) -> dict[str, Any]:
+def stream_report(clients: Sequence[ClientView]) -> dict[str, Any]:
     """results.json entries of the clients' monitors: prequential accuracy (%, mean and per
     client) and the drift report (task-free runs)."""
     monitors = {c.cid: c.monitor for c in clients if getattr(c, "monitor", None) is not None}

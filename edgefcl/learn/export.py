@@ -39,6 +39,7 @@ from edgefcl.learn.prototypes import ProtoNet, proto_model
 from edgefcl.learn.score_worker import PerturberSpec, WorkerError, shared_worker
 from edgefcl.learn.scores import uncertainty
 from edgefcl.learn.variational import client_hooks
+from edgefcl.learn.views import ClientView, LearnerView
 from edgefcl.ondevice import OnnxModel
 from edgefcl.statefiles import atomic_write, load_json, load_tensors
 
@@ -46,8 +47,6 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel, Tensors
-    from edgefcl.learn.client import Client
-    from edgefcl.learn.learner import StreamLearner
 
 EXPORTERS = ("torchscript", "dynamo")
 INPUT_NAME = "x"
@@ -368,7 +367,7 @@ class ClientOnnx:
         self.exports = 0
         self.scoring_exports = 0  # exports this client made for scoring
 
-    def on_global(self, client: StreamLearner) -> None:
+    def on_global(self, client: LearnerView) -> None:
         """Write the live model to the export path (if one is set)."""
         if self.export_path and client.sample_shape is not None:
             path = self.export_path.replace("{cid}", client.cid)
@@ -406,7 +405,7 @@ class ClientOnnx:
             return export_onnx(model, sample_shape)
         return template.with_weights(state)
 
-    def _ready(self, client: StreamLearner, x: Tensor) -> bool:
+    def _ready(self, client: LearnerView, x: Tensor) -> bool:
         """Whether onnxruntime scores x, with the graph of the current snapshot at hand."""
         if (not self.ort_scoring or client.score_model is None or client.perturber is None
                 or client.learn.score_source != "tta"):
@@ -428,14 +427,14 @@ class ClientOnnx:
             snap.version = client.score_version
         return True
 
-    def tta_logits(self, client: StreamLearner, x: Tensor) -> Tensor | None:
+    def tta_logits(self, client: LearnerView, x: Tensor) -> Tensor | None:
         """(P, N, C) logits of the TTA views of x from the onnxruntime snapshot, computed in
         this process, or None when scoring should stay on torch."""
         if not self._ready(client, x):
             return None
         return self._logits_here(client, x, client.perturber.next_seed())
 
-    def _logits_here(self, client: StreamLearner, x: Tensor, seed: int) -> Tensor:
+    def _logits_here(self, client: LearnerView, x: Tensor, seed: int) -> Tensor:
         snap = self._snapshot
         if snap.scorer is None:
             snap.scorer = OnnxModel(snap.graph, self.threads)
@@ -444,7 +443,7 @@ class ClientOnnx:
         z = snap.scorer.logits(flat, batch_size=client.learn.score_chunk)
         return torch.from_numpy(z).reshape(views.shape[0], views.shape[1], -1).to(x.device)
 
-    def start_scores(self, client: StreamLearner, x: Tensor, method: str) -> WorkerScores | None:
+    def start_scores(self, client: LearnerView, x: Tensor, method: str) -> WorkerScores | None:
         """Send x to the scoring worker for its `method` scores, to be taken later with
         `result()`; None when no worker scores it (no worker, torch scoring, a perturber the
         worker cannot rebuild)."""
@@ -461,7 +460,7 @@ class ClientOnnx:
             self.lost_worker(client, e)
         return pending
 
-    def lost_worker(self, client: StreamLearner, error: WorkerError) -> None:
+    def lost_worker(self, client: LearnerView, error: WorkerError) -> None:
         """Score in this process from now on."""
         log.warning("%s: %s; scoring goes on in this process", client.cid, error)
         self.worker = None
@@ -471,7 +470,7 @@ class WorkerScores:
     """Scores asked of the scoring worker: `result()` waits for them; when the worker fails,
     it computes them in this process from the same view seed (the same scores)."""
 
-    def __init__(self, onnx: ClientOnnx, client: StreamLearner, x: Tensor, method: str,
+    def __init__(self, onnx: ClientOnnx, client: LearnerView, x: Tensor, method: str,
                  seed: int) -> None:
         self.onnx, self.client, self.x, self.method, self.seed = onnx, client, x, method, seed
         self.rid: int | None = None  # None: the request did not reach the worker
@@ -536,7 +535,7 @@ def make_client_onnx(learn: LearnConfig) -> ClientOnnx | None:
     return ClientOnnx(learn)
 
 
-def global_state(client: Client, g: GlobalModel) -> Tensors:
+def global_state(client: ClientView, g: GlobalModel) -> Tensors:
     """The model state a client would load from global `g` (decoded by its encoder), without
     touching the client: what `edgefcl simulate --out` saves as global.npz."""
     model = copy.deepcopy(client.model)

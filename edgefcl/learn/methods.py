@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from edgefcl.config import ConfigError
+from edgefcl.config import NAMES, ConfigError
 
 MEMORIES = ("balanced-score", "reservoir", "balanced-random")
 """Memory policies of `edgefcl.learn.memory.ReplayMemory`."""
@@ -92,6 +92,8 @@ METHODS: dict[str, Method] = {
                help="FedWeIT decomposition, class-balanced random memory"),
     )},
 }
+
+NAMES["methods"] = METHODS  # what configs check method names against
 
 
 def get_method(name: str) -> Method:

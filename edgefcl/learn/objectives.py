@@ -12,10 +12,10 @@ import torch
 
 from edgefcl.config import LearnConfig
 from edgefcl.learn.methods import get_method, load
+from edgefcl.learn.views import ClientView
 
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel
-    from edgefcl.learn.client import Client
 
 
 class MethodHooks:
@@ -25,17 +25,17 @@ class MethodHooks:
         """Transform the freshly built model (e.g. into a Bayesian one)."""
         return model
 
-    def attach(self, client: Client) -> None:
+    def attach(self, client: ClientView) -> None:
         """Called once the client is built."""
 
-    def penalty(self, client: Client) -> torch.Tensor | None:
+    def penalty(self, client: ClientView) -> torch.Tensor | None:
         """Extra loss term for a training step (None: nothing)."""
         return None
 
-    def on_task_start(self, client: Client, task: int) -> None:
+    def on_task_start(self, client: ClientView, task: int) -> None:
         """Called when the first mini-batch of a new task arrives."""
 
-    def on_global(self, client: Client, g: GlobalModel) -> None:
+    def on_global(self, client: ClientView, g: GlobalModel) -> None:
         """Called after the client merged a global model."""
 
 
@@ -46,17 +46,17 @@ class FedProx(MethodHooks):
         self.mu = learn.fedprox_mu
         self.anchor: dict[str, torch.Tensor] = {}
 
-    def _snapshot(self, client: Client) -> None:
+    def _snapshot(self, client: ClientView) -> None:
         self.anchor = {n: p.detach().clone() for n, p in client.model.named_parameters()}
 
-    def attach(self, client: Client) -> None:
+    def attach(self, client: ClientView) -> None:
         self._snapshot(client)
 
-    def penalty(self, client: Client) -> torch.Tensor:
+    def penalty(self, client: ClientView) -> torch.Tensor:
         terms = [((p - self.anchor[n]) ** 2).sum() for n, p in client.model.named_parameters()]
         return 0.5 * self.mu * torch.stack(terms).sum()
 
-    def on_global(self, client: Client, g: GlobalModel) -> None:
+    def on_global(self, client: ClientView, g: GlobalModel) -> None:
         self._snapshot(client)
 
 

@@ -39,10 +39,10 @@ from edgefcl.learn.bayes import (
 )
 from edgefcl.learn.methods import get_method
 from edgefcl.learn.objectives import MethodHooks, make_hooks
+from edgefcl.learn.views import ClientView
 
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel, Tensors
-    from edgefcl.learn.client import Client
 
 Prior = dict[str, tuple[Tensor, Tensor]]
 """Weight tensor name -> (mu, sigma), detached."""
@@ -84,7 +84,7 @@ class BayesHooks(MethodHooks):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return to_bayesian(model, self.learn.bayes_sigma)
 
-    def attach(self, client: Client) -> None:
+    def attach(self, client: ClientView) -> None:
         self.fed = client.fed
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=client.gen))
         set_generator(client.model, torch.Generator(client.device).manual_seed(seed))
@@ -95,7 +95,7 @@ class BayesHooks(MethodHooks):
                              gaussians(client.model))
         self._on_version(client)
 
-    def _on_version(self, client: Client) -> None:
+    def _on_version(self, client: ClientView) -> None:
         fed = self.fed
         assert fed is not None
         self.global_prior = prior_from_state(client.base, self.names, client.device)
@@ -104,21 +104,21 @@ class BayesHooks(MethodHooks):
         if isinstance(client.encoder, GaussianEncoder):
             client.encoder.likelihood = fed.aggregation == "fedbnn" and not self.snn
 
-    def on_global(self, client: Client, g: GlobalModel) -> None:
+    def on_global(self, client: ClientView, g: GlobalModel) -> None:
         self._on_version(client)
 
-    def scale(self, client: Client) -> float:
+    def scale(self, client: ClientView) -> float:
         """The normaliser N of the prior term."""
         if self.learn.kl_scale == "params":
             return float(self.n_weights)
         step = max((layer.last_batch for _, layer, _ in gaussians(client.model)), default=0)
         return float(max(client.samples_in_task + step, 1))
 
-    def prior_term(self, client: Client) -> Tensor:
+    def prior_term(self, client: ClientView) -> Tensor:
         """KL( q || N(global) ), closed form."""
         return kl_to(client.model, self.global_prior)
 
-    def penalty(self, client: Client) -> Tensor | None:
+    def penalty(self, client: ClientView) -> Tensor | None:
         """lambda_p * (prior term + the Gaussian prototype rows' KL to their prior) / N."""
         if self.snn or self.learn.lambda_p == 0:
             return None
@@ -136,11 +136,11 @@ class VFCLHooks(BayesHooks):
         super().__init__(learn)
         self.history: Prior | None = None
 
-    def on_task_start(self, client: Client, task: int) -> None:
+    def on_task_start(self, client: ClientView, task: int) -> None:
         if client.batches > 0:  # the posterior at the end of the previous task
             self.history = posterior_of(client.model)
 
-    def prior_term(self, client: Client) -> Tensor:
+    def prior_term(self, client: ClientView) -> Tensor:
         if self.history is None or self.learn.lambda_k >= 1.0:
             return super().prior_term(client)
         n = self.learn.vfcl_samples
