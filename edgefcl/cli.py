@@ -96,7 +96,7 @@ BENCHES = {
     "memory": "the memory study: selection rules x datasets x memory sizes x seeds (A, F as "
               "mean ± sample std, wall time per run; table, JSON and plot)",
 }
-"""Benchmark kinds of `edgefcl bench KIND` (edgefcl/bench.py; fleet: edgefcl/bench_fleet.py)."""
+"""Benchmark kinds of `edgefcl bench KIND`, one module each in edgefcl/bench/."""
 BENCH_DEFAULTS = {"datasets": None, "async_rules": None, "profiles": None,
                   "per_class": "5,10,20,50", "jobs": 1, "repeats": 3, "count": 0,
                   "rules": "er,cbr,bi,bi:bottom@on_change,bi:top,bi:step@on_change,bi:mix,"
@@ -116,7 +116,7 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
     if what == "async":
         p.add_argument("--async-rules", metavar="RULES",
                        help="comma-separated rules NAME[/FIELD=VALUE...] (presets in "
-                       "edgefcl/bench_async.py; default: lockstep and the async presets)")
+                       "edgefcl/bench/async_study.py; default: lockstep and the async presets)")
         p.add_argument("--profiles", help="comma-separated timing profiles (default: "
                        "homogeneous,heterogeneous)")
     if what == "memory":
@@ -132,25 +132,25 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--count", type=int, default=0, metavar="N",
                        help=f"how many (default 0: {default})")
     if what == "fleet":
-        from edgefcl.loadgen.options import add_fleet_arguments
+        from edgefcl.bench.loadgen.options import add_fleet_arguments
 
         add_fleet_arguments(p)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from edgefcl.bench import run_bench
+    from edgefcl.bench.client import run_bench
 
     cfg = config_from_args(args)
     if args.what == "fleet":
-        from edgefcl.bench_fleet import run_from_args
+        from edgefcl.bench.fleet import run_from_args
 
         return run_from_args(args, cfg, Path(cfg.out or "runs/bench"))
     if args.what == "async":
-        from edgefcl.bench_async import run_from_args as run_async_study
+        from edgefcl.bench.async_study import run_from_args as run_async_study
 
         return run_async_study(args, cfg, Path(cfg.out or "runs/bench"))
     if args.what == "shard":
-        from edgefcl.bench_shard import bench_shard
+        from edgefcl.bench.shard import bench_shard
 
         bench_shard(cfg, Path(cfg.out or "runs/bench"))
         return 0

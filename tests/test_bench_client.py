@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from edgefcl.bench import bare_train_ms, log_scores, spearman, view_stability
+from edgefcl.bench.client import bare_train_ms, log_scores, spearman, view_stability
 from edgefcl.build import prepare
 from edgefcl.config import RunConfig
 from edgefcl.sim.runs import simulate
@@ -61,7 +61,7 @@ def test_the_bare_training_step_trains_a_copy_of_the_initial_model():
 
 @pytest.mark.slow
 def test_cost_vs_cbr_reports_ratios_and_view_stability(tmp_path):
-    from edgefcl.bench import cost_vs_cbr
+    from edgefcl.bench.client import cost_vs_cbr
 
     cfg = dataclasses.replace(RunConfig(), seeds=1)
     report = cost_vs_cbr(cfg, tmp_path)

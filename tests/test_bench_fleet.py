@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgefcl.bench.loadgen.options import FleetOptions
+from edgefcl.bench.loadgen.template import UpdateTemplate
 from edgefcl.config import ConfigError, FedConfig, RunConfig
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Update
 from edgefcl.federation.sparse import SparseEncoder
-from edgefcl.loadgen.options import FleetOptions
-from edgefcl.loadgen.template import UpdateTemplate
 from edgefcl.transport import codec
 
 HAVE_MOSQUITTO = bool(shutil.which("mosquitto") or Path("/usr/sbin/mosquitto").exists())
@@ -75,7 +75,7 @@ def test_workers_below_one_exit_2_with_one_line():
 @pytest.mark.skipif(not HAVE_MOSQUITTO, reason="mosquitto is not installed")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_small_fleet_run_over_mosquitto(tmp_path, workers):
-    from edgefcl.bench_fleet import bench_fleet
+    from edgefcl.bench.fleet import bench_fleet
 
     cfg = RunConfig()
     opts = FleetOptions([6], workers=workers, payload="sparse", rate=2.0, duration=3.0,
@@ -103,7 +103,7 @@ def test_a_small_fleet_run_over_mosquitto(tmp_path, workers):
 @pytest.mark.mqtt
 @pytest.mark.skipif(not HAVE_MOSQUITTO, reason="mosquitto is not installed")
 def test_hundreds_of_devices_connect_and_are_served(tmp_path):
-    from edgefcl.bench_fleet import bench_fleet
+    from edgefcl.bench.fleet import bench_fleet
 
     report = bench_fleet(FleetOptions([300], payload="sparse", rate=0.5, duration=5.0),
                          RunConfig(), tmp_path)
@@ -115,7 +115,7 @@ def test_hundreds_of_devices_connect_and_are_served(tmp_path):
 @pytest.mark.mqtt
 @pytest.mark.skipif(not HAVE_MOSQUITTO, reason="mosquitto is not installed")
 def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
-    from edgefcl.bench_fleet import bench_fleet
+    from edgefcl.bench.fleet import bench_fleet
 
     opts = FleetOptions([6], payload="sparse", rate=3.0, duration=3.0, overload=2.0,
                         capacity_duration=3.0, warmup=1.5)

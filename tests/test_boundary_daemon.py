@@ -151,7 +151,7 @@ def test_any_sequence_of_mutated_messages_never_escapes(tmp_path_factory, msgs) 
 def test_ten_thousand_mutated_payloads_through_both_handlers(tmp_path) -> None:
     import logging
 
-    from edgefcl.bench_fuzz import fuzz_aggregator, fuzz_device
+    from edgefcl.bench.fuzz import fuzz_aggregator, fuzz_device
 
     logging.getLogger("edgefcl").setLevel(logging.CRITICAL)
     try:
@@ -214,7 +214,7 @@ def test_any_sequence_of_mutated_prototype_libraries_never_escapes(tmp_path_fact
     """Updates whose library has mutated label names, counts or rows (sealed again, as an
     attacker's encoder would) never escape, and the global library stays one that every
     device accepts (check_table with the run's width)."""
-    from edgefcl.bench_fuzz import _field_mutation, _table_mutation
+    from edgefcl.bench.fuzz import _field_mutation, _table_mutation
 
     d = make_proto_daemon(tmp_path_factory.mktemp("d"))
     tp = topics(d.cfg.mqtt)

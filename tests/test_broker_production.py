@@ -271,7 +271,7 @@ def test_bench_flood_reports_memory_and_keeps_the_aggregator_alive(tmp_path) -> 
     at their first chunk) and stays far below 256 MiB."""
     if not (shutil.which("mosquitto") or Path("/usr/sbin/mosquitto").exists()):
         pytest.skip("mosquitto is not installed")
-    from edgefcl.bench_flood import bench_flood
+    from edgefcl.bench.flood import bench_flood
     from edgefcl.config import RunConfig
 
     r = bench_flood(RunConfig(), tmp_path, 50)

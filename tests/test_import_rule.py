@@ -144,3 +144,10 @@ def test_no_import_cycles() -> None:
         if node not in state:
             visit(node)
     assert not cycles, "\n".join(cycles)
+
+
+def test_the_library_never_imports_the_benchmarks() -> None:
+    bad = sorted(module for module, path in SOURCES.items()
+                 if not _under(module, "edgefcl.bench") and module != "edgefcl.cli"
+                 and any(_under(i, "edgefcl.bench") for i in _imports(path, module, False)))
+    assert not bad, bad

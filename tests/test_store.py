@@ -9,7 +9,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from edgefcl import bench_crash
+from edgefcl.bench import crash as bench_crash
 from edgefcl.federation.prototypes import PrototypeTable
 from edgefcl.runtime.store import (
     StateError,

@@ -112,7 +112,7 @@ def bench_shard(cfg: RunConfig, out: Path, clients: int = 100, rounds: int = 3,
                 workers: int = 2, repeats: int = 3) -> dict:
     """`repeats` measurements per payload; each cost is reported as the lowest of them (the
     one least disturbed by other processes) with every value in `<key>_all`."""
-    from edgefcl.bench_fleet import demo_tensors, update_tensors
+    from edgefcl.bench.fleet import demo_tensors, update_tensors
     from edgefcl.runtime.threads import one_blas_thread
 
     one_blas_thread()  # as the aggregator daemons run

@@ -169,12 +169,12 @@ def run(kills: int, work: Path, seed: int = 0, max_delay: float = 1.2,
     rng = random.Random(seed)
     state_dir = work / "state"
     env = os.environ | {"PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     failures: list[str] = []
     last: dict = {}
     t0 = time.perf_counter()
     for k in range(kills):
-        p = subprocess.Popen([sys.executable, "-m", "edgefcl.bench_crash", str(state_dir)],
+        p = subprocess.Popen([sys.executable, "-m", "edgefcl.bench.crash", str(state_dir)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         if rng.random() < 0.25:  # while it opens, validates and loads the state
             p.stdout.readline()

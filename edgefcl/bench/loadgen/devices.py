@@ -30,10 +30,10 @@ import msgpack
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from edgefcl.loadgen.template import UpdateTemplate
+from edgefcl.bench.loadgen.template import UpdateTemplate
 from edgefcl.runtime.backpressure import Pacer, advertised
 
-log = logging.getLogger("edgefcl.loadgen")
+log = logging.getLogger("edgefcl.bench.loadgen")
 
 COUNTERS = ("connected", "published", "acked", "skipped", "lagged", "held", "dropped",
             "factor_pct")

@@ -1,9 +1,9 @@
 """`edgefcl bench fleet`: how many devices one aggregator serves.
 
 For each device count N, against a Mosquitto started from `broker/` on a free loopback port:
-1. raw broker: N lightweight devices (`edgefcl.loadgen.devices`, one MQTT connection each, many
-   per process) publish pre-made valid updates at `--rate` per device to a plain subscriber that
-   only counts them (`edgefcl.loadgen.counter`);
+1. raw broker: N lightweight devices (`edgefcl.bench.loadgen.devices`, one MQTT connection
+   each, many per process) publish pre-made valid updates at `--rate` per device to a plain
+   subscriber that only counts them (`edgefcl.bench.loadgen.counter`);
 2. aggregator: the same devices and payloads to the real `edgefcl aggregator` daemon (its own
    process, async mode), which validates and folds them.
 Each phase is measured over `--duration` seconds after a warm-up. Writes DIR/bench_fleet.json,
@@ -32,10 +32,10 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
+from edgefcl.bench.loadgen.counter import run_counter
+from edgefcl.bench.loadgen.devices import COUNTERS, DeviceSpec, raise_fd_limit, run_devices
+from edgefcl.bench.loadgen.options import FleetOptions
 from edgefcl.config import ConfigError, RunConfig
-from edgefcl.loadgen.counter import run_counter
-from edgefcl.loadgen.devices import COUNTERS, DeviceSpec, raise_fd_limit, run_devices
-from edgefcl.loadgen.options import FleetOptions
 
 DRAIN_S = 2.0
 
@@ -459,7 +459,7 @@ def read_rounds(path: Path, t0: float, t1: float) -> list[tuple[float, int]]:
 
 
 def len_payload(tensors: dict, encoding: str, fleet: str) -> int:
-    from edgefcl.loadgen.template import UpdateTemplate
+    from edgefcl.bench.loadgen.template import UpdateTemplate
 
     return len(UpdateTemplate(tensors, encoding, fleet))
 

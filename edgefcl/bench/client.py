@@ -204,7 +204,7 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
     one-time costs (torch's optimizer stack imported by the first run, the scoring graph's
     export, the scoring worker's start) would otherwise land in whichever run is first, as
     the bare step's own warm-up keeps them out of it."""
-    from edgefcl.bench_memory import dataset_spec
+    from edgefcl.bench.memory import dataset_spec
 
     configs = [("demo", cfg.data.dataset), ("28x28", dataset_spec("digits28", out))]
     report: dict = {}
@@ -339,7 +339,7 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
     out/bench_<what>.json."""
     out.mkdir(parents=True, exist_ok=True)
     if what == "memory":
-        from edgefcl.bench_memory import (
+        from edgefcl.bench.memory import (
             DEFAULT_DATASETS,
             DEFAULT_PER_CLASS,
             DEFAULT_RULES,
@@ -358,7 +358,7 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
         bench_memory(cfg, out, datasets, sizes, rules, int(study.get("jobs", 1)))
         print(f"\nwritten {out / 'bench_memory.json'}")
         return 0
-    from edgefcl.bench_transport import bench_transport
+    from edgefcl.bench.transport import bench_transport
 
     if what in BOUNDARY_BENCHES:
         report = BOUNDARY_BENCHES[what](cfg, out, count)
@@ -382,19 +382,19 @@ def _csv(value: str | None) -> list[str]:
 
 
 def _bench_crash(cfg: RunConfig, out: Path, count: int) -> dict:
-    from edgefcl.bench_crash import bench_crash
+    from edgefcl.bench.crash import bench_crash
 
     return bench_crash(cfg, out, count)
 
 
 def _bench_fuzz(cfg: RunConfig, out: Path, count: int) -> dict:
-    from edgefcl.bench_fuzz import bench_fuzz
+    from edgefcl.bench.fuzz import bench_fuzz
 
     return bench_fuzz(cfg, out, count)
 
 
 def _bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
-    from edgefcl.bench_flood import bench_flood
+    from edgefcl.bench.flood import bench_flood
 
     return bench_flood(cfg, out, count)
 

@@ -197,7 +197,7 @@ def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
         url, kind, stop_broker = emb.url, "embedded", lambda: emb.__exit__(None, None, None)
     tp = Topics(FLEET)
     env = os.environ | {"PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", url, "--fleet", FLEET,
            "--initial", str(work / "init.npz"), "--state-dir", str(work / "state"),
            "--mode", "async", "--clients", "2", "--min-clients", "2", "--round-timeout",
