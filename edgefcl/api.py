@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from edgefcl.build import new_client
 from edgefcl.config import ConfigError, FedConfig, LearnConfig, resolve_head
 from edgefcl.data.types import Batch
 from edgefcl.learn.bayes import predict_logits
+from edgefcl.learn.client import Client
 from edgefcl.learn.models import build_model
 from edgefcl.learn.prototypes import ProtoNet, proto_model
 from edgefcl.learn.variational import client_hooks
@@ -54,11 +56,11 @@ class Learner:
         self.seed = seed
         self.fed = fed if fed is not None else FedConfig()
         self.task = 0
-        self._client = None
+        self._client: Client | None = None
         self._labels: dict[str, object] = {}  # prototype head: label name -> label as given
 
     @property
-    def client(self):  # noqa: ANN201 (edgefcl.learn.client.Client, built on the first batch)
+    def client(self) -> Client | None:
         """The federated client wrapping this learner (None before the first batch): what
         `edgefcl client` runs, for code that exchanges updates itself."""
         return self._client
@@ -79,7 +81,8 @@ class Learner:
         self._client = new_client("local", model, le, self.fed, kind, self.seed)
 
     @staticmethod
-    def _arrays(X, y=None) -> tuple[np.ndarray, np.ndarray | None]:  # noqa: ANN001
+    def _arrays(X: ArrayLike, y: ArrayLike | None = None
+                ) -> tuple[np.ndarray, np.ndarray | None]:
         x = np.ascontiguousarray(X, dtype=np.float32)
         if x.ndim < 2:
             raise ValueError(f"X must hold a batch of samples (N, ...), got shape {x.shape}")
@@ -91,7 +94,7 @@ class Learner:
                              f"{labels.shape}")
         return x, labels
 
-    def learn_many(self, X, y, task: int | None = None) -> None:  # noqa: ANN001
+    def learn_many(self, X: ArrayLike, y: ArrayLike, task: int | None = None) -> None:
         """Learn from one mini-batch `X` (N samples) with labels `y`, once. `task`: the task
         it belongs to (default: the task of the last call, 0 at first)."""
         x, labels = self._arrays(X, y)
@@ -111,12 +114,12 @@ class Learner:
         index = learner.bn + 1 if learner.task == self.task else 1
         learner.learn_one(Batch(x, labels, self.task, index, False))
 
-    def learn_one(self, x, y, task: int | None = None) -> None:  # noqa: ANN001
+    def learn_one(self, x: ArrayLike, y: object, task: int | None = None) -> None:
         """Learn from one sample (a mini-batch of one)."""
         self.learn_many(np.asarray(x)[None], np.asarray([y]), task)
 
     @torch.no_grad()
-    def predict_proba_many(self, X) -> np.ndarray:  # noqa: ANN001
+    def predict_proba_many(self, X: ArrayLike) -> np.ndarray:
         """Class probabilities, shape (N, classes); with the prototype head the columns
         follow `labels`."""
         if self._client is None:
@@ -143,13 +146,13 @@ class Learner:
         assert isinstance(model, ProtoNet)
         return [self._labels[name] for name in model.library.labels]
 
-    def predict_many(self, X) -> np.ndarray:  # noqa: ANN001
+    def predict_many(self, X: ArrayLike) -> np.ndarray:
         """The most likely label of each sample."""
         proba = self.predict_proba_many(X)
         labels = np.asarray(self.labels)
         return labels[proba.argmax(1)]
 
-    def predict_one(self, x):  # noqa: ANN001, ANN201
+    def predict_one(self, x: ArrayLike) -> object:
         """The most likely label of one sample."""
         return self.predict_many(np.asarray(x)[None])[0]
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from edgefcl.runtime.backpressure import Load
+from edgefcl.transport.topics import Topics
 
 PER_SENDER = 8
 """Messages one sender may have waiting (an honest device has one or two: an update, a status)."""
@@ -166,7 +167,7 @@ class Inbox:
             return self._count
 
 
-def sender_of(topics) -> Callable[[str], str]:  # noqa: ANN001 (transport.topics.Topics)
+def sender_of(topics: Topics) -> Callable[[str], str]:
     """The inbox's sender key of a fleet's topic: the client id of a device's topic, else the
     topic itself (control, partials: one queue each)."""
     def key(topic: str) -> str:

@@ -13,13 +13,14 @@ import secrets
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from edgefcl.config import RunConfig
 from edgefcl.logs import one_line
 from edgefcl.runtime.bodies import is_int, is_number
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.transport.codec import CodecError, Message, decode
+from edgefcl.transport.mqtt import MqttLink
 
 
 class FleetView:
@@ -201,7 +202,7 @@ def render(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def live(view: FleetView, link, out, interval: float) -> None:  # noqa: ANN001
+def live(view: FleetView, link: MqttLink, out: TextIO, interval: float) -> None:
     """Redraw the table in place until Ctrl-C (rich's Live: no flicker), with this process's
     own log lines (a lost connection, say) printed above the table, never inside it."""
     from rich.console import Console
