@@ -203,3 +203,20 @@ def test_worker_status_carries_its_inbox_backpressure(tmp_path):
     w.inbox.get(0.1)
     w._pressure()
     assert (w.status()["backpressure"], w.status()["backpressure_reason"]) == (3.0, "shed")
+
+
+def test_a_worker_holds_an_update_based_on_a_global_it_has_not_seen_yet(tmp_path):
+    # the trap: with 2 workers, honest updates were rejected as `base` when a device saw the
+    # root's newer global before its worker did
+    cfg = cfg_for()
+    w = WorkerDaemon(cfg, "w0")
+    w.agg = ShardWorker(INITIAL, cfg.fed, worker="w0")
+    t = topics(cfg.mqtt)
+    ahead = Update("a", 1, 1, 0, 1, 4, dict(INITIAL), class_counts={0: 4})
+    w.handle(t.update("a"), encode(ahead, fleet=FLEET))
+    far = Update("b", 9, 1, 0, 1, 4, dict(INITIAL), class_counts={0: 4})
+    w.handle(t.update("b"), encode(far, fleet=FLEET))  # far ahead: a claim, refused
+    c = w.agg.counters
+    assert c["held_ahead"] == 1 and c["rejected_base"] == 1 and w.agg.pending() == 0
+    w.handle(t.global_, encode(GlobalModel(1, INITIAL), fleet=FLEET))
+    assert w.agg.pending() == 1 and c["accepted"] == 1 and not w.ahead

@@ -39,6 +39,11 @@ from edgefcl.transport.partials import encode_partial
 from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS
 
 log = logging.getLogger("edgefcl.worker")
+MAX_AHEAD = 64
+"""Clients whose update a worker may hold for a global it has not received yet."""
+AHEAD_VERSIONS = 2
+"""How far ahead of the worker's global a held update's base may be (the root publishes one
+global at a time: a device is at most a version or two ahead of a worker that lags)."""
 
 
 class WorkerDaemon:
@@ -59,6 +64,7 @@ class WorkerDaemon:
         self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
                            sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate)
         self.quota = UpdateQuota()  # fair service while backpressure is on
+        self.ahead: dict[str, Update] = {}  # updates based on a global not here yet
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
         self.stop_event = threading.Event()
@@ -87,6 +93,25 @@ class WorkerDaemon:
             if isinstance(g, GlobalModel):
                 self.initial = g
                 self.first_global.set()
+
+    def _hold_ahead(self, u: Update) -> None:
+        """A device saw a newer global of the root before this worker did: its update waits
+        for that global here (the newest per client, at most MAX_AHEAD clients) instead of
+        being rejected as `base`; the next global that reaches its base releases it."""
+        agg = self.agg
+        if u.client not in self.ahead and len(self.ahead) >= MAX_AHEAD:
+            agg.counters["rejected_base"] += 1
+            return
+        old = self.ahead.get(u.client)
+        if old is None or u.seq > old.seq:
+            self.ahead[u.client] = u
+        agg.counters["held_ahead"] += 1
+
+    def _release_ahead(self, now: float) -> None:
+        """Submit the held updates whose base the worker now has."""
+        version = self.agg.global_.version
+        for client in [c for c, u in self.ahead.items() if u.base_version <= version]:
+            self.agg.submit(self.ahead.pop(client), now)
 
     def _size_payloads(self, tensors: Tensors) -> None:
         """Size the payload limit, inbox and pending chunks from the model (`max_payload` 0)."""
@@ -121,7 +146,8 @@ class WorkerDaemon:
             if not isinstance(g, GlobalModel) or \
                     {k: v.shape for k, v in g.tensors.items()} != agg.spec:
                 raise CodecError("global", "a global that does not match the model")
-            agg.set_global(g)
+            if agg.set_global(g):
+                self._release_ahead(time.monotonic())
             return
         allowed = t.kinds_on(topic)
         if not allowed:
@@ -139,6 +165,11 @@ class WorkerDaemon:
         if isinstance(msg, (Update, Tick)):
             if msg.client != t.client_from(topic):
                 agg.counters["rejected_sender"] += 1
+                return
+            if (isinstance(msg, Update)
+                    and 0 < msg.base_version - agg.global_.version <= AHEAD_VERSIONS
+                    and agg.admission.may_join(msg.client)):
+                self._hold_ahead(msg)
                 return
             agg.submit(msg, now)
         elif isinstance(msg, Message) and msg.kind == "status" and topic != t.control:
