@@ -493,11 +493,11 @@ def test_a_fleet_that_never_forms_ends_the_run_unfinished(tmp_path) -> None:
     # aggregator with --exit-when-done waited for ever
     d = make_daemon(tmp_path, roster="a,b", client_timeout=30.0)
     d.exit_when_done = True
-    assert not d._run_over(now=29.0, last_input=0.0)
-    assert d._run_over(now=31.0, last_input=0.0)  # nobody heard for client_timeout
-    d._on_status("a", {"state": "online"}, 31.0)
-    d._close_safely(lambda: d.agg.submit(Tick("a", 1, 0, 1), 31.0))
-    assert not d._run_over(now=90.0, last_input=31.0)  # a is active: the run goes on
+    assert not d._run_over(now=31.0, last_input=0.0)  # devices may still be loading
+    assert d._run_over(now=121.0, last_input=0.0)  # nobody heard for FORMING_S (120 s)
+    d._on_status("a", {"state": "online"}, 121.0)
+    d._close_safely(lambda: d.agg.submit(Tick("a", 1, 0, 1), 121.0))
+    assert not d._run_over(now=300.0, last_input=121.0)  # a is active: the run goes on
     d.store.close()
 
 

@@ -36,6 +36,9 @@ from edgefcl.transport.codec import (
 from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS
 
 log = logging.getLogger("edgefcl.aggregator")
+FORMING_S = 120.0
+"""How long an --exit-when-done aggregator waits for a fleet to form (a device that loads its
+data and model, or waits for the broker, is not heard from at once)."""
 
 SENDER = "aggregator"
 
@@ -351,13 +354,17 @@ class AggregatorDaemon:
         none is active and nothing came for `client_timeout` seconds (the others were killed
         or never came). One device's `done` while the others have not joined yet, or are
         reconnecting, does not end the run. A fleet that never forms (no roster client heard
-        for `client_timeout` seconds, none done) ends it too: `run` then exits with 1."""
+        for `client_timeout` seconds, at least FORMING_S, none done) ends it too: `run` then
+        exits with 1."""
         if not self.exit_when_done or self.agg.active:
             return False
         quiet = now - last_input
         if self.done and len(self.done) >= self.agg.admission.cap:
             return quiet >= 1.0
-        return self.cfg.fed.client_timeout > 0 and quiet >= self.cfg.fed.client_timeout
+        timeout = self.cfg.fed.client_timeout
+        if not self.done:  # not formed yet: devices may still be loading or reconnecting
+            timeout = max(timeout, FORMING_S)
+        return timeout > 0 and quiet >= timeout
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> int:
@@ -420,6 +427,6 @@ class AggregatorDaemon:
             log.error("no client finished its stream, and no roster client was heard for %g s: "
                       "the fleet never formed; check that the clients run with this --fleet "
                       "and --broker (their logs say why they stopped)",
-                      self.cfg.fed.client_timeout)
+                      max(self.cfg.fed.client_timeout, FORMING_S))
             return 1
         return 0
