@@ -531,7 +531,8 @@ def check_data(d: DataConfig) -> None:
         (0 < d.imbalance <= 1, "imbalance must be in (0, 1]"),
         (0 <= d.val_fraction < 1, "val_fraction must be in [0, 1)"),
         (0 < d.test_fraction < 1, "test_fraction must be in (0, 1)"),
-        (d.split in ("overlap", "non-overlap"), "split must be overlap or non-overlap"),
+        (d.split in ("overlap", "non-overlap"),
+         f"split must be overlap or non-overlap, got {d.split!r}"),
     ])
 
 
@@ -546,8 +547,10 @@ def check_learn(le: LearnConfig) -> None:
         (le.local_epochs >= 1, "local_epochs must be >= 1"),
         (0 < le.bn_momentum <= 1, "bn_momentum must be in (0, 1]"),
         (le.score_chunk >= 0, "score_chunk must be >= 0 (0: auto)"),
-        (le.optimizer in ("adam", "sgd"), "optimizer must be adam or sgd"),
-        (le.model in ("auto", "mlp", "cnn", "resnet18"), "model must be auto|mlp|cnn|resnet18"),
+        (le.optimizer in ("adam", "sgd"),
+         f"optimizer must be adam or sgd, got {le.optimizer!r}"),
+        (le.model in ("auto", "mlp", "cnn", "resnet18"),
+         f"model must be auto|mlp|cnn|resnet18, got {le.model!r}"),
         (le.score_source in ("tta", "posterior", "both"),
          "score_source must be tta, posterior or both"),
         (le.score_samples >= 1, "score_samples must be >= 1"),
@@ -582,7 +585,7 @@ def check_fed(f: FedConfig) -> None:
         (f.min_clients >= 1, "min_clients must be >= 1"),
         (0 <= f.quorum <= 1, "quorum must be in [0, 1] (a share of the active clients)"),
         (f.round_max_mib >= 0, "round_max_mib must be >= 0 (0: no bound)"),
-        (f.mode in ("sync", "async"), "mode must be sync or async"),
+        (f.mode in ("sync", "async"), f"mode must be sync or async, got {f.mode!r}"),
         (0 <= f.topk <= 1, "topk must be in [0, 1] (fraction of entries sent)"),
         (f.threshold >= 0, "threshold must be >= 0"),
         (f.topk > 0 or f.threshold > 0, "topk 0 needs a threshold > 0"),
