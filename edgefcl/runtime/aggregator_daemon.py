@@ -196,11 +196,11 @@ class AggregatorDaemon:
                       retain=True)
 
     # -- message handling -----------------------------------------------------------------
-    def handle(self, topic: str, payload: bytes | CodecError) -> None:
+    def handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         """Validate and apply one incoming message (or a transfer the link already rejected);
         never raises: every failure is logged and counted as `rejected_<reason>`."""
         try:
-            self._handle(topic, payload)
+            self._handle(topic, payload, admitted)
         except CodecError as e:
             self.agg.counters[f"rejected_{e.reason}"] += 1
             log.warning("rejected payload on %s: %s", topic, e)
@@ -208,7 +208,7 @@ class AggregatorDaemon:
             self.agg.counters["rejected_internal"] += 1
             log.exception("internal error while handling a message on %s", topic)
 
-    def _handle(self, topic: str, payload: bytes | CodecError) -> None:
+    def _handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         if isinstance(payload, CodecError):
             raise payload
         allowed = self.topics.kinds_on(topic)
@@ -221,9 +221,9 @@ class AggregatorDaemon:
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")
         sender = None if topic == self.topics.control else self.topics.client_from(topic)
-        if allowed == UPDATE_KINDS and not self.quota.admit(sender):
-            self.agg.counters["rejected_rate"] += 1  # over its fair share under backpressure
-            return
+        if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(sender,
+                                                                             (topic, payload)):
+            return  # over its fair share under backpressure: waits for its next token
         now = time.monotonic()
         if isinstance(msg, (Update, Tick)):
             if sender is not None and msg.client != sender:
@@ -330,9 +330,19 @@ class AggregatorDaemon:
         re-published on the retained config (devices follow it there)."""
         line = self.backpressure.observe(self.inbox.load(), self.status_every)
         self.quota.end_interval(self.status_every, set(self.agg.active), self.backpressure.factor)
+        for topic, payload in self.quota.release():  # what waited for its device's token
+            self.handle(topic, payload, admitted=True)
         if line:
             log.info(line)
             self._publish_config()
+
+    def _release_waiting(self) -> bool:
+        """Handle every update still waiting for its device's token (the run is ending: none
+        is left behind); True when there were some."""
+        held = self.quota.release(everything=True)
+        for topic, payload in held:
+            self.handle(topic, payload, admitted=True)
+        return bool(held)
 
     def subscriptions(self) -> list[str]:
         """What the daemon listens to: device updates and statuses, operator control."""
@@ -411,7 +421,7 @@ class AggregatorDaemon:
                 self._save_state(None)
                 self.store.mark_finished()  # every expected client is done: the run ended
                 self._publish_status()  # operators see the final rounds at once
-            if self._run_over(now, last_input):
+            if self._run_over(now, last_input) and not self._release_waiting():
                 finished = True
                 break
         self._save_state(None)

@@ -7,12 +7,13 @@ fit is shed and counted instead of queued.
 It is fair per sender (the device a topic belongs to, `sender_of`): each sender has its own
 queue of at most `per_sender` messages (and a quarter of the byte budget, one message always
 fits) and, with `rate`, a token bucket of messages a second, and `get` serves the senders
-round-robin. A device that floods gets one turn in each
-round like any other, its backlog stays bounded, and what it sends beyond its queue is shed as
-`over_share`, counted per sender (`offenders`): one device cannot take the inbox, the main
-loop's time or the honest devices' place in line. `load()` reports what the inbox saw since its
-last call (offered, shed, taken, mean fill) for backpressure, leaving out the messages shed
-over a sender's share: one sender's flood is not the fleet's load.
+round-robin. A device that floods gets one turn in each round like any other and its backlog
+stays bounded: a message beyond its queue sheds the sender's oldest waiting one (its newest
+matter: an update supersedes the one before, and a device's backlog after an outage ends with
+what it sent last), counted as `over_share` per sender (`offenders`): one device cannot take
+the inbox, the main loop's time or the honest devices' place in line. `load()` reports what
+the inbox saw since its last call (offered, shed, taken, mean fill) for backpressure, leaving
+out the messages shed over a sender's share: one sender's flood is not the fleet's load.
 """
 
 from __future__ import annotations
@@ -74,13 +75,15 @@ class Inbox:
         size = len(item) if isinstance(item, (bytes, bytearray, memoryview)) else 0
         sender = self.sender_of(topic)
         with self._cond:
-            mine = self._queues.get(sender)
-            if (not self._within_rate(sender) or mine and (
-                    len(mine) >= self.per_sender
-                    or self._held[sender] + size > self.max_bytes // 4)):
+            if not self._within_rate(sender):
                 self.over_share += 1
                 self._offend(sender)
                 return False
+            mine = self._queues.get(sender)
+            while mine and (len(mine) >= self.per_sender
+                            or self._held[sender] + size > self.max_bytes // 4):
+                self._drop_oldest(sender, mine)  # its newest messages matter: keep them
+            mine = self._queues.get(sender)
             if self.bytes + size > self.max_bytes or self._count >= self.max_items:
                 self.shed += 1
                 self.shed_bytes += size
@@ -96,6 +99,20 @@ class Inbox:
             self.bytes += size
             self._cond.notify()
             return True
+
+    def _drop_oldest(self, sender: str, mine: deque[tuple[str, Any, int]]) -> None:
+        """Shed `sender`'s oldest waiting message (over its share; under the lock)."""
+        _, _, size = mine.popleft()
+        self._account()
+        self._held[sender] -= size
+        self._count -= 1
+        self.bytes -= size
+        self.queued -= 1  # never offered to the main loop: not load
+        self.over_share += 1
+        self._offend(sender)
+        if not mine:  # `put` appends the new message at once
+            del self._queues[sender], self._held[sender]
+            self._turns.remove(sender)
 
     def _within_rate(self, sender: str) -> bool:
         """Take a token of `sender`'s bucket (refilled at `rate` a second, holding 2 s of

@@ -124,10 +124,10 @@ class WorkerDaemon:
         if payload is not None:
             self.handle(self.topics.global_, payload)
 
-    def handle(self, topic: str, payload: bytes | CodecError) -> None:
+    def handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         """Apply one message; never raises (failures are counted as `rejected_<reason>`)."""
         try:
-            self._handle(topic, payload)
+            self._handle(topic, payload, admitted)
         except CodecError as e:
             self.agg.counters[f"rejected_{e.reason}"] += 1
             log.warning("rejected payload on %s: %s", topic, e)
@@ -135,7 +135,7 @@ class WorkerDaemon:
             self.agg.counters["rejected_internal"] += 1
             log.exception("internal error while handling a message on %s", topic)
 
-    def _handle(self, topic: str, payload: bytes | CodecError) -> None:
+    def _handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         if isinstance(payload, CodecError):
             raise payload
         agg = self.agg
@@ -152,9 +152,9 @@ class WorkerDaemon:
         allowed = t.kinds_on(topic)
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
-        if allowed == UPDATE_KINDS and not self.quota.admit(t.client_from(topic)):
-            agg.counters["rejected_rate"] += 1  # over its fair share under backpressure
-            return
+        if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(
+                t.client_from(topic), (topic, payload)):
+            return  # over its fair share under backpressure: waits for its next token
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True,
                      limits=STATUS_LIMITS if allowed == STATUS_KINDS else DEFAULT_LIMITS)
@@ -214,6 +214,8 @@ class WorkerDaemon:
         line = self.backpressure.observe(self.inbox.load(), self.status_every)
         self.quota.end_interval(self.status_every, self.quota.recent(),
                                 self.backpressure.factor)
+        for topic, payload in self.quota.release():  # what waited for its device's token
+            self.handle(topic, payload, admitted=True)
         if line:
             log.info(line)
 

@@ -2,23 +2,31 @@
 its updates folded than a compliant one.
 
 While the aggregator advertises a factor above 1, each active device may have its updates
-handled at most at `ratio` (1.25) times the fleet's median device rate (a token bucket per device,
-refilled at that rate, holding two updates); the rates are smoothed over the status intervals.
+handled at most at `ratio` (1.2) times the fleet's median device rate: a token bucket per
+device, refilled at that rate and holding one interval's refill and one more, so that with its
+allowances a device stays within 1.5x. The rates are smoothed over the status intervals.
 A device sending faster (one that ignores the factor, or a very fast one while the fleet is
-overloaded) has the excess shed before it is decoded, counted per device (status: flooding).
+overloaded) has its newest update over the limit wait, undecoded, for its next token, and the
+older ones shed (an update supersedes the one before), counted per device (status: flooding).
+A backlog a device's session delivers after an outage thus ends with its last update counted.
 With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import numpy as np
 
 SMOOTHING = 0.3
 """Weight of the last interval in a device's smoothed rate."""
-BURST = 2.0
-"""Updates a device's bucket holds."""
+WARMUP = 3
+"""Intervals measured before any limit (the first spans the daemon's start and the backlog
+its devices' sessions deliver after it)."""
+MAX_WAITING = 4096
+"""Devices whose newest update may wait for a token (beyond, an update over the limit is
+shed)."""
 MIN_RATE = 1e-3
 """A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
 
@@ -26,25 +34,45 @@ MIN_RATE = 1e-3
 class UpdateQuota:
     """Per-device update budgets, set once per status interval."""
 
-    def __init__(self, ratio: float = 1.25) -> None:
+    def __init__(self, ratio: float = 1.2) -> None:
         self.ratio = ratio
         self.counts: Counter[str] = Counter()  # this interval's updates, per device
         self.rates: dict[str, float] = {}  # smoothed updates a second, per active device
         self.tokens: dict[str, float] = {}
         self.limit: float | None = None  # updates a second per device; None: no limit
+        self.burst = 1.0  # what a device's bucket holds: one interval's refill and one more
+        self.intervals = 0
         self.shed: Counter[str] = Counter()
+        self.waiting: dict[str, Any] = {}  # device -> its newest update over the limit
 
-    def admit(self, device: str) -> bool:
-        """Whether an update of `device` may be handled now (counts it either way)."""
+    def admit(self, device: str, item: Any = None) -> bool:
+        """Whether an update of `device` may be handled now (counted either way). When not,
+        `item` waits as the device's newest (one per device: it replaces the one waiting,
+        which is shed) until `release` finds a token for it."""
         self.counts[device] += 1
         if self.limit is None:
             return True
-        tokens = self.tokens.setdefault(device, BURST)
+        tokens = self.tokens.setdefault(device, self.burst)
         if tokens < 1.0:
-            self.shed[device] += 1
+            if device in self.waiting or len(self.waiting) >= MAX_WAITING:
+                self.shed[device] += 1
+            if device in self.waiting or len(self.waiting) < MAX_WAITING:
+                self.waiting[device] = item
             return False
         self.tokens[device] = tokens - 1.0
         return True
+
+    def release(self, everything: bool = False) -> list[Any]:
+        """The waiting items whose device has a token again (taking it), oldest device
+        first; all of them once the limit is off, or with `everything`."""
+        out = []
+        for device in list(self.waiting):
+            tokens = self.tokens.get(device, self.burst)
+            if everything or self.limit is None or tokens >= 1.0:
+                if self.limit is not None:
+                    self.tokens[device] = tokens - 1.0
+                out.append(self.waiting.pop(device))
+        return out
 
     def recent(self) -> set[str]:
         """Devices that sent this interval, or recently enough (a smoothed rate of at least
@@ -60,11 +88,14 @@ class UpdateQuota:
                  for d, r in now.items()}
         self.rates = rates
         self.counts.clear()
+        self.intervals += 1
         if len(self.shed) > 1024:  # bounded: the worst offenders
             self.shed = Counter(dict(self.shed.most_common(512)))
-        if factor <= 1.0 or not self.rates:
+        if factor <= 1.0 or not self.rates or self.intervals < WARMUP:
             self.limit, self.tokens = None, {}
             return
         self.limit = self.ratio * float(np.median(list(self.rates.values())))
         refill = self.limit * seconds
-        self.tokens = {d: min(BURST, self.tokens.get(d, BURST) + refill) for d in active}
+        self.burst = refill + 1.0  # an interval's worth, and one more
+        self.tokens = {d: min(self.burst, self.tokens.get(d, self.burst) + refill)
+                       for d in active}
