@@ -214,16 +214,16 @@ class AggregatorDaemon:
         allowed = self.topics.kinds_on(topic)
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
+        sender = None if topic == self.topics.control else self.topics.client_from(topic)
+        if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(sender,
+                                                                             (topic, payload)):
+            return  # over its fair share under backpressure: waits, undecoded, for a token
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True,  # a damaged update must never be aggregated
                      limits=STATUS_LIMITS if allowed == STATUS_KINDS else DEFAULT_LIMITS)
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")
-        sender = None if topic == self.topics.control else self.topics.client_from(topic)
-        if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(sender,
-                                                                             (topic, payload)):
-            return  # over its fair share under backpressure: waits for its next token
         now = time.monotonic()
         if isinstance(msg, (Update, Tick)):
             if sender is not None and msg.client != sender:
