@@ -70,11 +70,11 @@ class RootDaemon(AggregatorDaemon):
         except ValueError:
             return super()._keeps_open(topic)
 
-    def _handle(self, topic: str, payload: bytes | CodecError) -> None:
+    def _handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         try:
             kind, worker = self.topics.worker_from(topic)
         except ValueError:
-            return super()._handle(topic, payload)
+            return super()._handle(topic, payload, admitted)
         if isinstance(payload, CodecError):
             raise payload
         if worker not in self.workers:
