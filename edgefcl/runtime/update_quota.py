@@ -5,8 +5,9 @@ While the aggregator advertises a factor above 1, each active device may have it
 handled at most at `ratio` (1.2) times the fleet's median device rate: a token bucket per
 device, refilled at that rate and holding one interval's refill and one more, so that with its
 allowances a device stays within 1.5x. The rates are smoothed over the status intervals.
-A device sending faster (one that ignores the factor, or a very fast one while the fleet is
-overloaded) has its newest update over the limit wait, undecoded, for its next token, and the
+A device whose smoothed rate is within the limit is never held. One sending faster (one that
+ignores the factor, or a very fast one while the fleet is overloaded) has its newest update
+over the limit wait, undecoded, for its next token, and the
 older ones shed (an update supersedes the one before), counted per device (status: flooding).
 A backlog a device's session delivers after an outage thus ends with its last update counted.
 With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
@@ -50,8 +51,9 @@ class UpdateQuota:
         `item` waits as the device's newest (one per device: it replaces the one waiting,
         which is shed) until `release` finds a token for it."""
         self.counts[device] += 1
-        if self.limit is None:
-            return True
+        if self.limit is None or self.rates.get(device, 0.0) <= self.limit:
+            return True  # within the limit: never held (devices that wait for a global and
+            # for each other would otherwise wait on each other's tokens for ever)
         tokens = self.tokens.setdefault(device, self.burst)
         if tokens < 1.0:
             if device in self.waiting or len(self.waiting) >= MAX_WAITING:
@@ -95,7 +97,8 @@ class UpdateQuota:
             self.limit, self.tokens = None, {}
             return
         self.limit = self.ratio * float(np.median(list(self.rates.values())))
-        refill = self.limit * seconds
+        refill = max(self.limit * seconds, 1.0)  # at least one a device and interval: never
+        # starved (devices that send after each global would wait for each other for ever)
         self.burst = refill + 1.0  # an interval's worth, and one more
         self.tokens = {d: min(self.burst, self.tokens.get(d, self.burst) + refill)
                        for d in active}
