@@ -16,12 +16,11 @@ def run(quota: UpdateQuota, factor: float, seconds: int = 60, warm: int = 10
     for t in range((warm + seconds) * 2):  # 0.5 s steps; a status interval every 2 s
         if t == warm * 2:
             admitted = dict.fromkeys(admitted, 0)
-        if True:  # a due update every 0.5 s
-            for d in admitted:
-                credit[d] += 1.0 if d == "x" else 1.0 / factor
-                if credit[d] >= 1.0:
-                    credit[d] -= 1.0
-                    admitted[d] += quota.admit(d, d)
+        for d in admitted:  # a due update every 0.5 s
+            credit[d] += 1.0 if d == "x" else 1.0 / factor
+            if credit[d] >= 1.0:
+                credit[d] -= 1.0
+                admitted[d] += quota.admit(d, d)
         if t % 4 == 3:
             quota.end_interval(2.0, set(admitted), factor)
             for d in quota.release():  # a waiting update, handled once its token came
