@@ -262,15 +262,19 @@ class FedConfig:
                          "((1+tau)^-a) | hinge (1 up to b, then 1/(a(tau-b)+1)) (FedAsync)")
     staleness_a: float = opt(0.5, "the staleness rule's a")
     staleness_b: float = opt(4.0, "the staleness rule's b (hinge)")
-    task_decay: float = opt(0.5, "async: an update whose sender is k tasks behind the round's "
+    task_decay: float = opt(1.0, "async: an update whose sender is k tasks behind the round's "
                             "newest weighs task_decay^k (devices at different speeds are on "
-                            "different tasks; 1: off; 0.5 from `edgefcl bench async`, "
-                            "docs/async.md)")
-    device_merge: str = opt("delta", "async: how a device merges a global it took part in: "
-                            "delta (theta_global + theta_now - theta_sent) | replace "
-                            "(theta_global) | staleness (theta_global + s(tau) (theta_now - "
-                            "theta_sent), tau: versions the global moved on since the update's "
-                            "base); the registry is edgefcl.learn.merges")
+                            "different tasks when the task gate is off or times out; 1: off, "
+                            "the default since the task gate: docs/async.md)")
+    task_gate: float = opt(60.0, "async: at the end of a task a device waits up to this many "
+                           "seconds for every active device to finish that task too, so that "
+                           "devices of different speeds stay on one task (0: off; "
+                           "docs/async.md)")
+    device_merge: str = opt("replace", "async: how a device merges a global it took part in: "
+                            "replace (theta_global; the default from docs/async.md) | delta "
+                            "(theta_global + theta_now - theta_sent) | staleness (theta_global "
+                            "+ s(tau) (theta_now - theta_sent), tau: versions the global moved "
+                            "on since the update's base); the registry is edgefcl.learn.merges")
     max_backpressure: float = opt(8.0, "async: the most an overloaded aggregator stretches its "
                                   "devices' jump (backpressure factor on the retained config "
                                   "and status; 1: off)")
@@ -610,6 +614,7 @@ def check_fed(f: FedConfig) -> None:
         (f.staleness in STALENESS, f"staleness must be one of {', '.join(STALENESS)}"),
         (f.staleness_a >= 0 and f.staleness_b >= 0, "staleness_a and staleness_b must be >= 0"),
         (0 < f.task_decay <= 1, "task_decay must be in (0, 1] (1: off)"),
+        (f.task_gate >= 0, "task_gate must be >= 0 seconds (0: off)"),
     ])
 
 

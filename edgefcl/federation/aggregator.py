@@ -21,6 +21,7 @@ from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import check_variances, label_room, prepare_round
 from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.schedule import eligible
+from edgefcl.federation.task_gate import TaskGate
 from edgefcl.federation.versions import GlobalHistory
 
 log = logging.getLogger("edgefcl.aggregator")
@@ -172,6 +173,8 @@ class Aggregator:
         self.label_owners: dict[str, str] = {}
         """Library labels one device alone introduced, and that device (`label_room`);
         replaced, never changed in place, so that `mark` holds it by reference."""
+        self.gate = TaskGate()
+        """Async: the last task each client finished (`task_gate.py`)."""
         self._round = _Round()
         self.encoding = get_encoding(fed.encoding)
         self.fold = get_fold(fed.fold)
@@ -219,10 +222,35 @@ class Aggregator:
                         self.fed.client_timeout)
         return self._maybe_close(now) if silent else None
 
+    def finish_task(self, client: str, task: int, now: float | None = None
+                    ) -> RoundClosed | None:
+        """An active client's claim that it finished `task` (the task gate, async). When the
+        claim opens the gate (every active client finished the task), the open round closes
+        if it holds `min_clients` updates: the end-of-task updates not folded yet, which every
+        device merges before it evaluates the task, as lock-step does."""
+        if client not in self.active:
+            return None
+        before = self.tasks_passed
+        self.gate.finish(client, task)
+        return self._gate_round(before, now)
+
+    def _gate_round(self, before: int, now: float | None) -> RoundClosed | None:
+        if (self.fed.mode != "async" or self.tasks_passed <= before
+                or len(self._round.updates) < self.fed.min_clients):
+            return None
+        self.counters["closed_gate"] += 1
+        return self._close_round(None)
+
+    @property
+    def tasks_passed(self) -> int:
+        """The highest task every active client has finished (the task gate)."""
+        return self.gate.passed(self.active)
+
     def leave(self, client: str, now: float | None = None) -> RoundClosed | None:
         """Remove a client (stream finished or went offline); may close the pending tick."""
+        before = self.tasks_passed
         self.active.discard(client)
-        return self._maybe_close(now)
+        return self._maybe_close(now) or self._gate_round(before, now)
 
     # -- input ----------------------------------------------------------------------------
     def validate(self, msg: Update | Tick) -> str | None:
@@ -443,7 +471,7 @@ class Aggregator:
                 "participants": list(self.global_.participants), "tick": self.tick,
                 "rounds": self.rounds, "last_seq": dict(self.last_seq),
                 "admission": self.admission.state(), "counters": dict(self.counters),
-                "label_owners": dict(self.label_owners)}
+                "label_owners": dict(self.label_owners), "tasks_finished": self.gate.state()}
 
     def load_state(self, state: dict) -> None:
         """Resume from `state()` output, with the global's prototype library under
@@ -458,3 +486,4 @@ class Aggregator:
         self.admission.load_state(state.get("admission", {"last_seq": state.get("last_seq", {})}))
         self.counters = Counter(state.get("counters", {}))
         self.label_owners = {str(k): str(v) for k, v in state.get("label_owners", {}).items()}
+        self.gate.load_state(state.get("tasks_finished", {}))

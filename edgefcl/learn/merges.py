@@ -95,3 +95,16 @@ def merge_global(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
         client.apply_global(g, MERGES["delta"])
         return CAUGHT_UP
     return None
+
+
+def merge_at_gate(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
+    """Async, when the task gate opens (every device finished the task): the device takes
+    the newest global by the run's `device_merge` rule whether or not it lists the device. It
+    holds the fleet's end-of-task models, and the device's own last update was folded into it
+    or into a global before it (the device has not trained since it sent it, so the delta and
+    replace rules agree)."""
+    if g.version <= client.version:
+        return None
+    client.apply_global(g, get_merge(fed.device_merge))
+    return MERGED
+

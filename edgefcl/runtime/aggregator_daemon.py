@@ -92,6 +92,8 @@ class AggregatorDaemon:
         self.rounds_log: list[dict] = []  # the last rounds, for the status
         self.last_answer: bytes | None = None
         self.reanswered: dict[str, int] = {}  # client -> tick it was last answered again
+        self.gate = (-1, 0)
+        """The task gate last announced: (tasks passed, the global version then)."""
         self.quota = UpdateQuota()  # fair service while backpressure is on
         self.spec = tensor_spec(self.agg.global_.tensors)
         self.store = StateStore.open(self.state_dir, fleet=cfg.mqtt.fleet, spec=self.spec,
@@ -158,7 +160,7 @@ class AggregatorDaemon:
                 "aggregation": f.aggregation, "min_clients": f.min_clients,
                 "spec_hash": self.spec_hash, "clients": f.clients,
                 "incarnation": self.incarnation} | self.profile | (
-                    self.backpressure.fields())
+                    self.backpressure.fields()) | self._gate_fields()
         self._publish(self.topics.config, encode(Message("config", body), fleet=self.cfg.mqtt.fleet,
                                                  sender=SENDER), retain=True)
 
@@ -262,6 +264,9 @@ class AggregatorDaemon:
             if not self.agg.join(client, now):
                 return  # counted as rejected_roster
             self.done.discard(client)
+            task = body.get("finished_task")
+            if isinstance(task, int) and not isinstance(task, bool):
+                self._close_safely(lambda: self.agg.finish_task(client, task, now))
             inc = body.get("incarnation")
             if isinstance(inc, str) and 0 < len(inc) <= 64 and inc.isprintable() and \
                     self.agg.admission.session(client, inc):
@@ -277,6 +282,23 @@ class AggregatorDaemon:
                     self.results.on_device_done(client, body)
             if client in self.agg.active:
                 self._close_safely(lambda: self.agg.leave(client, now))
+        self._announce_gate()
+
+    def _gate_fields(self) -> dict:
+        """The task gate on the retained config (async with `task_gate`; devices wait at a
+        task's end only for an aggregator that advertises it)."""
+        if self.cfg.fed.mode != "async" or self.cfg.fed.task_gate <= 0:
+            return {}
+        return {"tasks_passed": self.gate[0], "gate_version": self.gate[1]}
+
+    def _announce_gate(self) -> None:
+        """Async: when the task gate moved (`federation/task_gate.py`), re-publish the
+        retained config with it and the global version it opened at (after that global)."""
+        if self.cfg.fed.mode != "async" or self.cfg.fed.task_gate <= 0:
+            return
+        if self.agg.tasks_passed != self.gate[0]:
+            self.gate = (self.agg.tasks_passed, self.agg.global_.version)
+            self._publish_config()
 
     def _closed(self, closed: RoundClosed | None, before: tuple) -> None:
         """Save and announce what closed; a new global that cannot be written or saved is
@@ -309,6 +331,7 @@ class AggregatorDaemon:
         if self.cfg.fed.mode == "async":
             self._close_safely(lambda: self.agg.poll(now))
         self._close_safely(lambda: self.agg.expire(now))
+        self._announce_gate()
 
     def _close_safely(self, step: Callable[[], RoundClosed | None]) -> None:
         """Run one aggregator step that may close a round, then save and announce what

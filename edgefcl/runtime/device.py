@@ -19,6 +19,7 @@ from edgefcl.data.types import Batch, TaskData
 from edgefcl.federation.global_check import MAX_VERSION_STEP, check_global
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.sparse import SparseError
+from edgefcl.federation.task_gate import gate_open
 from edgefcl.federation.versions import (
     DELTA_FROM,
     DownlinkState,
@@ -28,7 +29,7 @@ from edgefcl.federation.versions import (
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.global_format import global_tensors
-from edgefcl.learn.merges import CAUGHT_UP, MERGED, merge_global
+from edgefcl.learn.merges import CAUGHT_UP, MERGED, merge_at_gate, merge_global
 from edgefcl.metrics import forgetting
 from edgefcl.runtime.backpressure import Pacer, advertised
 from edgefcl.runtime.bodies import body_fault
@@ -133,6 +134,11 @@ class DeviceRunner:
         self.pacer = Pacer(self.cid, cfg.seed)
         if cfg.fed.mode == "async":
             client.pace = self.pacer.take
+        self.finished_task = -1
+        """async: the last task this device finished (its status claims it: the task gate)."""
+        self.last_task: int | None = None
+        self.gate_waits = 0.0  # seconds waited at the task gate
+        self.gate_timeouts = 0
 
     # -- inbound --------------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -299,6 +305,7 @@ class DeviceRunner:
                 "version": c.version, "consumed": self.consumed, "rounds": self.rounds,
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
                 "rejected": self.rejected, "time": round(time.time(), 3),
+                "finished_task": self.finished_task,
                 "prequential": self._prequential(), **extra, **self.status_fields()}
         self.link.publish(self.topics.status(self.cid),
                           encode(Message("status", body), fleet=self.cfg.mqtt.fleet,
@@ -398,12 +405,11 @@ class DeviceRunner:
                 if not sync:
                     self._merge_async()
                     self._resend_if_restarted()
-                if batch.end_of_task and self.eval_tasks:
-                    self.acc[batch.task] = [self.client.evaluate(t.x_test, t.y_test)
-                                            for t in self.eval_tasks]
-                    if self.client.protos is not None:
-                        self.coverage[:, batch.task] = self.client.protos.coverage(
-                            [t.y_test for t in self.eval_tasks])
+                if batch.end_of_task and not sync and self._gated():
+                    self._task_gate(batch.task)
+                if batch.end_of_task:
+                    self.last_task = batch.task
+                    self._evaluate(batch.task)
                 if self.consumed % self.status_every == 0:
                     self._status("online")
                 self.after_batch(batch)
@@ -414,6 +420,8 @@ class DeviceRunner:
                 if final is not None:
                     self._send(final, last=True)
                 self._last_round()
+                if self.last_task is not None:  # again, on the model the device ends with
+                    self._evaluate(self.last_task)
             self.after_stream()
             state = "done"
         except Stopped:
@@ -427,6 +435,56 @@ class DeviceRunner:
             save_json(self.out / f"{self.cid}.json", results)
         self.after_run(state)
         return results
+
+    def _evaluate(self, task: int) -> None:
+        """Accuracy on every task's test set after `task` (its row of the matrix)."""
+        if not self.eval_tasks:
+            return
+        self.acc[task] = [self.client.evaluate(t.x_test, t.y_test) for t in self.eval_tasks]
+        if self.client.protos is not None:
+            self.coverage[:, task] = self.client.protos.coverage(
+                [t.y_test for t in self.eval_tasks])
+
+    def _gated(self) -> bool:
+        """Whether this device waits at a task's end: `task_gate` on, and the aggregator
+        advertises the gate on its retained config."""
+        with self.cond:
+            return self.cfg.fed.task_gate > 0 and "tasks_passed" in (self.fleet_config or {})
+
+    def _task_gate(self, task: int) -> None:
+        """Async, at the end of `task`: send the held update (the task's last mini-batches),
+        claim the task finished on the status, and wait until every active device has
+        finished it (the aggregator's retained config says so, `federation/task_gate.py`)
+        and the global it had then has arrived; merge that global. Gives up after
+        `task_gate` seconds and goes on."""
+        held = self.client.held_update()
+        if held is not None:
+            self._send(held)
+        self.finished_task = task
+        self._status("online")
+        start = time.monotonic()
+        deadline = start + self.cfg.fed.task_gate
+
+        def opened() -> bool | None:
+            cfg = self.fleet_config or {}
+            passed, version = cfg.get("tasks_passed", -1), cfg.get("gate_version", 0)
+            held = self.latest.version if self.latest is not None else 0
+            if gate_open(passed, task) and held >= version:
+                return True
+            return False if time.monotonic() >= deadline else None
+
+        if self._wait(opened):
+            with self.cond:
+                g = self.latest
+            if g is not None and merge_at_gate(self.client, g, self.cfg.fed) == MERGED:
+                self.rounds += 1
+                self.unanswered = 0
+        else:
+            self.gate_timeouts += 1
+            log.warning("%s: the task gate did not open within %.0f s after task %d; going on",
+                        self.cid, self.cfg.fed.task_gate, task)
+            self._merge_async()
+        self.gate_waits += time.monotonic() - start
 
     def _sync_round(self, upd: Update | None) -> None:
         msg = upd if upd is not None else self.client.tick()
@@ -533,7 +591,8 @@ class DeviceRunner:
                "timings": dict(c.timings), "link": self.link.counters() if self.link else {},
                "rejected": self.rejected, "rejections": dict(self.rejections),
                "duplicate_batches": self.duplicates,
-               "catch_ups": self.catch_ups, "held_backpressure": self.pacer.held,
+               "catch_ups": self.catch_ups, "gate_wait_s": round(self.gate_waits, 3),
+               "gate_timeouts": self.gate_timeouts, "held_backpressure": self.pacer.held,
                "stream_s": round(self.stream_s, 3), "first_batch_at": self.first_batch_at,
                "batch_s_std": float(np.std(self.batch_s)) if self.batch_s else 0.0,
                "global_arrivals": {str(v): t for v, t in self.arrivals.items()}}

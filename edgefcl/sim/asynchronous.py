@@ -34,8 +34,9 @@ from edgefcl.data.types import Batch
 from edgefcl.data.workload import client_stream
 from edgefcl.federation.aggregator import Aggregator, RoundClosed, async_stats
 from edgefcl.federation.messages import GlobalModel, Update
+from edgefcl.federation.task_gate import gate_open
 from edgefcl.learn.client import Client
-from edgefcl.learn.merges import MERGED, merge_global
+from edgefcl.learn.merges import MERGED, merge_at_gate, merge_global
 from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult
 from edgefcl.sim.clock import VirtualClock
@@ -61,6 +62,13 @@ class SimDevice:
         self.done = False
         self.drops = 0
         self.offline_s = 0.0
+        self.gate: int | None = None
+        """The task whose end the device waits at (the task gate), or None."""
+        self.passed = -1
+        """The newest task gate value that reached the device, and the global version the
+        aggregator had when it opened."""
+        self.gate_version = 0
+        self.last_task: int | None = None
 
 
 class AsyncFleet:
@@ -78,6 +86,7 @@ class AsyncFleet:
         self.on_task_end = on_task_end
         self.progress = progress
         self.round_up = 0
+        self.gate_passed = -1
 
     def run(self) -> None:
         for d in self.devices:
@@ -97,9 +106,13 @@ class AsyncFleet:
         if upd is not None:
             self.send(d, upd)
         self.merge(d)
-        if b.end_of_task:
-            self.on_task_end(d, b.task)
         self.progress()
+        if b.end_of_task:
+            d.last_task = b.task
+            if self.fed.task_gate > 0:
+                self.wait_at_gate(d, b.task)
+                return
+            self.on_task_end(d, b.task)
         off = d.clock.drops()
         if off is not None:  # off the network; back with the retained global
             d.drops += 1
@@ -107,6 +120,46 @@ class AsyncFleet:
             self.clock.after(off, self.reconnect, d)
             return
         self.clock.after(d.clock.compute(), self.batch, d)
+
+    def wait_at_gate(self, d: SimDevice, task: int) -> None:
+        """The task gate: send the held update (the task's last mini-batches), claim the task
+        finished (a status message) and wait until every active device has finished it, or
+        `task_gate` seconds; then merge the newest global and evaluate the task."""
+        held = d.client.held_update()
+        if held is not None:
+            self.send(d, held)
+        d.gate = task
+        self.clock.at(d.clock.arrival(self.clock.now, "up"), self.claim, d.client.cid, task)
+        self.clock.after(self.fed.task_gate, self.gate_timeout, d, task)
+        self.check_gate(d)
+
+    def gate_timeout(self, d: SimDevice, task: int) -> None:
+        if d.gate == task:
+            self.release(d, opened=False)
+
+    def check_gate(self, d: SimDevice) -> None:
+        """Release a device waiting at the gate once the gate is open and the global the
+        aggregator had when it opened has reached the device."""
+        version = d.latest.version if d.latest is not None else 0
+        if d.gate is not None and gate_open(d.passed, d.gate) and version >= d.gate_version:
+            self.release(d)
+
+    def release(self, d: SimDevice, opened: bool = True) -> None:
+        """Go on after the gate: merge the newest global (`merge_at_gate` when the gate
+        opened, the usual rule when it timed out), evaluate the task, train the next one."""
+        task, d.gate = d.gate, None
+        if not opened:
+            self.merge(d)
+        elif d.latest is not None and merge_at_gate(d.client, d.latest, self.fed) == MERGED:
+            d.unanswered = False
+        self.on_task_end(d, task)
+        self.clock.after(d.clock.compute(), self.batch, d)
+
+    def gate_news(self, d: SimDevice, passed: int, version: int) -> None:
+        """The fleet's task gate reached the device (the daemon's retained config)."""
+        if passed > d.passed:
+            d.passed, d.gate_version = passed, version
+        self.check_gate(d)
 
     def reconnect(self, d: SimDevice) -> None:
         g = self.agg.global_
@@ -131,6 +184,7 @@ class AsyncFleet:
         if d.done or (d.latest is not None and d.latest.version >= g.version):
             return
         d.latest = g
+        self.check_gate(d)
         if d.waiting_until is not None:
             self.merge(d)
             if not d.unanswered or g.version - d.last_base > self.fed.max_staleness:
@@ -151,6 +205,10 @@ class AsyncFleet:
             self.finish(d)
 
     def finish(self, d: SimDevice) -> None:
+        """The device ends its run: its last task is evaluated again on the model it ends
+        with (after the end-of-stream merge), as lock-step evaluates after the task's round."""
+        if d.last_task is not None:
+            self.on_task_end(d, d.last_task)
         d.done = True
         d.waiting_until = None
         self.clock.at(d.clock.arrival(self.clock.now, "up"), self.leave, d.client.cid)
@@ -159,15 +217,31 @@ class AsyncFleet:
     def arrive(self, upd: Update) -> None:
         self.closed(self.agg.submit(upd, self.clock.now))
 
+    def claim(self, cid: str, task: int) -> None:
+        self.closed(self.agg.finish_task(cid, task, self.clock.now))
+        self.announce_gate()
+
     def leave(self, cid: str) -> None:
         self.closed(self.agg.leave(cid, self.clock.now))
+        self.announce_gate()
 
     def poll(self) -> None:
         now = self.clock.now
         self.closed(self.agg.poll(now))
         self.closed(self.agg.expire(now))
+        self.announce_gate()
         if not all(d.done for d in self.devices) or self.agg.active:
             self.clock.after(POLL_S, self.poll)
+
+    def announce_gate(self) -> None:
+        """A moved task gate reaches every device after its downlink delay (the daemon
+        re-publishes its retained config)."""
+        if self.fed.task_gate <= 0 or self.agg.tasks_passed == self.gate_passed:
+            return
+        self.gate_passed = self.agg.tasks_passed
+        for d in self.devices:
+            self.clock.at(d.clock.arrival(self.clock.now, "down"), self.gate_news, d,
+                          self.gate_passed, self.agg.global_.version)
 
     def closed(self, c: RoundClosed | None) -> None:
         """Publish a new global: every device receives it after its downlink delay."""

@@ -1,0 +1,147 @@
+"""The async task gate: devices wait at a task's end until every active device finished it.
+The gate's arithmetic by hand, the round it closes, what one device's claims can and cannot
+do, and the simulator's fleet, where no device starts a task before every device finished the
+one before (or the gate timed out)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from edgefcl.config import FedConfig, RunConfig, apply
+from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.messages import Update
+from edgefcl.federation.task_gate import MAX_TASK, OPEN, TaskGate, gate_open
+from edgefcl.sim import asynchronous
+from edgefcl.sim.runs import simulate
+
+
+def upd(client: str, seq: int, value: float = 1.0) -> Update:
+    return Update(client, 0, seq, 0, seq, 10, {"w": np.full(2, value, np.float32)})
+
+
+def test_the_gate_is_the_lowest_claim_of_the_active_clients():
+    g = TaskGate()
+    assert g.passed({"a", "b"}) == -1 and g.passed(set()) == OPEN
+    g.finish("a", 2)
+    assert g.passed({"a", "b"}) == -1  # b finished nothing yet
+    g.finish("b", 1)
+    assert g.passed({"a", "b"}) == 1 and g.passed({"a"}) == 2
+    g.finish("a", 0)  # claims only move forward
+    assert g.finished["a"] == 2
+    assert gate_open(1, 1) and not gate_open(1, 2)
+
+
+def test_inflated_claims_open_nothing_for_anyone_else():
+    g = TaskGate()
+    g.finish("liar", MAX_TASK + 1)  # ignored
+    g.finish("liar2", -5)  # ignored
+    assert "liar" not in g.finished and "liar2" not in g.finished
+    g.finish("liar", MAX_TASK)
+    assert g.passed({"liar", "honest"}) == -1  # the honest device still holds the gate
+
+
+def test_the_gate_survives_a_restart():
+    g = TaskGate()
+    g.finish("a", 3)
+    h = TaskGate()
+    h.load_state(g.state())
+    assert h.finished == {"a": 3}
+
+
+def agg(mode: str = "async", min_clients: int = 2) -> Aggregator:
+    fed = FedConfig(mode=mode, clients=3, min_clients=min_clients, burn_in=0, jump=1,
+                    round_timeout=1e9, task_decay=1.0)
+    a = Aggregator({"w": np.zeros(2, np.float32)}, fed, batch_size=10)
+    for c in ("a", "b", "c"):
+        a.join(c, 0.0)
+    return a
+
+
+def test_opening_the_gate_closes_the_round_of_end_of_task_updates():
+    a = agg()
+    a.submit(upd("a", 1), 0.0)
+    a.submit(upd("b", 1), 0.0)  # c has not reported: the round stays open
+    assert a.rounds == 0
+    for c in ("a", "b"):
+        assert a.finish_task(c, 0, 0.0) is None
+    closed = a.finish_task("c", 0, 0.0)  # the last device finished task 0
+    assert closed is not None and closed.global_ is not None
+    assert a.tasks_passed == 0 and a.counters["closed_gate"] == 1
+    assert set(closed.participants) == {"a", "b"}
+
+
+def test_a_gate_round_needs_min_clients_updates():
+    a = agg()
+    a.submit(upd("a", 1), 0.0)
+    for c in ("a", "b", "c"):
+        a.finish_task(c, 0, 0.0)
+    assert a.tasks_passed == 0 and a.rounds == 0  # one update never makes a round alone
+
+
+def test_claims_of_clients_off_the_active_set_are_ignored():
+    a = agg()
+    a.finish_task("stranger", 4, 0.0)
+    assert "stranger" not in a.gate.finished
+    a.finish_task("a", 0, 0.0)
+    a.finish_task("b", 0, 0.0)
+    assert a.tasks_passed == -1
+    a.leave("c", 0.0)  # the laggard leaves: nobody waits for it
+    assert a.tasks_passed == 0
+
+
+def test_lock_step_never_closes_a_gate_round():
+    a = agg(mode="sync")
+    a.submit(upd("a", 1), 0.0)
+    a.submit(upd("b", 1), 0.0)
+    for c in ("a", "b", "c"):
+        assert a.finish_task(c, 0, 0.0) is None
+
+
+def small(gate: float, profile: str = "heterogeneous", seed: int = 0) -> RunConfig:
+    cfg = apply(RunConfig(), {"data": {"tasks": 3}, "fed": {"mode": "async", "task_gate": gate},
+                              "learn": {"local_epochs": 1}, "quiet": True})
+    return dataclasses.replace(cfg, profile=profile, seed=seed)
+
+
+def task_starts(monkeypatch, cfg: RunConfig) -> dict[int, list[tuple[float, float]]]:
+    """Per task, each device's (first mini-batch trained, last one trained) virtual times."""
+    seen: dict[tuple[int, int], list[float]] = {}
+    batch = asynchronous.AsyncFleet.batch
+
+    def spy(self, d):
+        before = d.client.learner.task
+        batch(self, d)
+        task = d.client.learner.task
+        if task is not None and (before != task or d.client.learner.bn >= 1):
+            seen.setdefault((d.k, task), []).append(self.clock.now)
+
+    monkeypatch.setattr(asynchronous.AsyncFleet, "batch", spy)
+    simulate(cfg)
+    out: dict[int, list[tuple[float, float]]] = {}
+    for (_, task), times in sorted(seen.items()):
+        out.setdefault(task, []).append((min(times), max(times)))
+    return out
+
+
+def test_with_the_gate_no_device_starts_a_task_before_all_finished_the_last(monkeypatch):
+    spans = task_starts(monkeypatch, small(gate=60.0))
+    for t in range(1, 3):
+        assert min(s for s, _ in spans[t]) >= max(e for _, e in spans[t - 1])
+
+
+def test_without_the_gate_fast_devices_run_tasks_ahead(monkeypatch):
+    spans = task_starts(monkeypatch, small(gate=0.0))
+    assert any(min(s for s, _ in spans[t]) < max(e for _, e in spans[t - 1])
+               for t in range(1, 3))
+
+
+def test_a_gate_that_never_opens_holds_a_device_task_gate_seconds_at_most(monkeypatch):
+    """A device that never claims (here: the aggregator ignores every claim) holds the others
+    `task_gate` virtual seconds per task, then they go on."""
+    monkeypatch.setattr(Aggregator, "finish_task", lambda self, c, t, now=None: None)
+    spans = task_starts(monkeypatch, small(gate=2.0))
+    for t in range(1, 3):
+        wait = min(s for s, _ in spans[t]) - min(e for _, e in spans[t - 1])
+        assert 2.0 <= wait < 2.0 + 1.0  # the timeout plus one mini-batch
