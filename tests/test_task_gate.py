@@ -6,15 +6,23 @@ one before (or the gate timed out)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import numpy as np
+import pytest
 
+from edgefcl.build import make_client, prepare
 from edgefcl.config import FedConfig, RunConfig, apply
 from edgefcl.federation.aggregator import Aggregator
-from edgefcl.federation.messages import Update
+from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.task_gate import MAX_TASK, OPEN, TaskGate, gate_open
+from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+from edgefcl.runtime.device import DeviceRunner
+from edgefcl.runtime.links import NullLink, topics
 from edgefcl.sim import asynchronous
 from edgefcl.sim.runs import simulate
+from edgefcl.transport.codec import Message, decode, encode
 
 
 def upd(client: str, seq: int, value: float = 1.0) -> Update:
@@ -145,3 +153,116 @@ def test_a_gate_that_never_opens_holds_a_device_task_gate_seconds_at_most(monkey
     for t in range(1, 3):
         wait = min(s for s, _ in spans[t]) - min(e for _, e in spans[t - 1])
         assert 2.0 <= wait < 2.0 + 1.0  # the timeout plus one mini-batch
+
+
+# -- the device and the daemon over their links (no broker: the links record) ------------------
+
+@pytest.fixture(scope="module")
+def device_setup():
+    cfg = apply(RunConfig(), {"data": {"tasks": 2, "classes_per_task": 2}, "quiet": True,
+                              "mqtt": {"fleet": "g"}, "fed": {"mode": "async"}})
+    return cfg, prepare(cfg, 0)
+
+
+def device(device_setup, gate: float) -> DeviceRunner:
+    cfg, setup = device_setup
+    cfg = apply(cfg, {"fed": {"task_gate": gate}})
+    r = DeviceRunner(cfg, make_client(cfg, setup, 0, "fedavg", 0))
+    r.link = NullLink()
+    return r
+
+
+def config(r: DeviceRunner, **body) -> None:
+    r._on_message(topics(r.cfg.mqtt).config,
+                  encode(Message("config", {"incarnation": "a", **body}), fleet="g",
+                         sender="aggregator"))
+
+
+def test_a_device_waits_only_for_an_aggregator_that_advertises_the_gate(device_setup):
+    r = device(device_setup, 5.0)
+    assert not r._gated()
+    config(r)
+    assert not r._gated()  # a lock-step, sharded-off or older aggregator: no gate
+    config(r, tasks_passed=-1, gate_version=0)
+    assert r._gated()
+    off = device(device_setup, 0.0)  # 0: the device never waits
+    config(off, tasks_passed=-1, gate_version=0)
+    assert not off._gated()
+
+
+def test_a_device_goes_on_once_the_gate_opens_and_takes_its_global(device_setup):
+    """The gate opens with version 1, which does not list the device (its last update was
+    folded earlier): it still takes it, and claims the task on its status."""
+    r = device(device_setup, 5.0)
+    config(r, tasks_passed=-1, gate_version=0)
+    g = GlobalModel(r.client.version + 1, {k: v + 1.0 for k, v in r.client.base.items()}, ())
+    statuses: list[dict] = []
+    r.link.publish = lambda topic, payload, **kw: statuses.append(
+        decode(payload, "g").body) or len(payload)
+
+    def fleet() -> None:
+        time.sleep(0.2)
+        with r.cond:
+            r.latest = g
+        config(r, tasks_passed=0, gate_version=1)
+
+    threading.Thread(target=fleet).start()
+    t0 = time.monotonic()
+    r._task_gate(0)
+    assert time.monotonic() - t0 < 2.0 and r.gate_timeouts == 0
+    assert r.client.version == 1 and r.unanswered == 0
+    assert [s["finished_task"] for s in statuses] == [0]
+
+
+def test_a_gate_that_never_opens_lets_the_device_go_on_after_task_gate_seconds(device_setup):
+    r = device(device_setup, 0.3)
+    config(r, tasks_passed=-1, gate_version=0)
+    t0 = time.monotonic()
+    r._task_gate(0)
+    assert 0.3 <= time.monotonic() - t0 < 2.0 and r.gate_timeouts == 1
+
+
+class Sink(NullLink):
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict]] = []
+
+    def publish(self, topic, payload, qos=1, retain=False, wait=False) -> int:
+        self.sent.append((topic, decode(payload, "g").body))
+        return len(payload)
+
+
+def daemon(tmp_path, mode: str) -> AggregatorDaemon:
+    cfg = apply(RunConfig(), {"fed": {"clients": 3, "mode": mode, "min_clients": 2},
+                              "quiet": True, "mqtt": {"fleet": "g", "max_payload": 1 << 20}})
+    d = AggregatorDaemon(cfg, {"w": np.zeros(4, np.float32)}, tmp_path / "state")
+    d.link = Sink()
+    return d
+
+
+def configs(d: AggregatorDaemon) -> list[dict]:
+    return [body for t, body in d.link.sent if t == topics(d.cfg.mqtt).config]
+
+
+def test_the_daemon_announces_the_gate_when_the_last_device_claims(tmp_path):
+    d = daemon(tmp_path, "async")
+    d._publish_config()
+    assert configs(d)[-1]["tasks_passed"] == -1
+    for c in ("a", "b", "c"):
+        d._on_status(c, {"state": "online", "finished_task": -1}, 0.0)
+    d.link.sent.clear()
+    d._on_status("a", {"state": "online", "finished_task": 0}, 0.0)
+    d._on_status("b", {"state": "online", "finished_task": 3}, 0.0)  # b is ahead: no matter
+    assert not configs(d)
+    d._on_status("c", {"state": "online", "finished_task": 0}, 0.0)
+    (body,) = configs(d)
+    assert body["tasks_passed"] == 0 and body["gate_version"] == d.agg.global_.version
+    d._on_status("c", {"state": "done"}, 0.0)  # c leaves: the gate moves to a's claim
+    assert configs(d)[-1]["tasks_passed"] == 0
+    d._on_status("a", {"state": "online", "finished_task": 2}, 0.0)
+    assert configs(d)[-1]["tasks_passed"] == 2
+
+
+def test_a_lock_step_daemon_advertises_no_gate(tmp_path):
+    d = daemon(tmp_path, "sync")
+    d._publish_config()
+    assert "tasks_passed" not in configs(d)[-1]

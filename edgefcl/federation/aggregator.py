@@ -102,7 +102,8 @@ def note_round(updates: list[Update], version: int, counters: Counter,
 
 def async_stats(counters: dict) -> dict:
     """Rounds, updates per round and staleness of the folded updates (mean and histogram),
-    and what was dropped, from an aggregator's counters."""
+    what was dropped, and rounds closed by the buffer and by the task gate, from an
+    aggregator's counters."""
     def hist(prefix: str) -> dict[int, int]:
         return {int(k[len(prefix):]): int(v) for k, v in sorted(counters.items())
                 if k.startswith(prefix) and k[len(prefix):].isdigit()}
@@ -117,7 +118,8 @@ def async_stats(counters: dict) -> dict:
             "round_sizes": sizes, "staleness_mean": mean(stale, folded),
             "staleness": stale, "dropped_stale": int(counters.get("rejected_stale", 0)),
             "replaced": int(counters.get("replaced", 0)),
-            "closed_buffer": int(counters.get("closed_buffer", 0))}
+            "closed_buffer": int(counters.get("closed_buffer", 0)),
+            "closed_gate": int(counters.get("closed_gate", 0))}
 
 
 class Aggregator:
