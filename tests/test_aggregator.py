@@ -4,10 +4,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgefcl.config import FedConfig
-from edgefcl.federation.aggregation import ClassWeightedFedAvg, FedAvg, WeightedSum, mix
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Tick, Update
 from edgefcl.federation.schedule import eligible, nth_eligible
+from edgefcl.federation.strategy import ClassWeightedFedAvg, FedAvg, WeightedSum, mix
 
 
 def upd(client, value, n=10, seq=1, batch=4, base=0, classes=None, shape=(2,)):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from edgefcl.config import FedConfig
-from edgefcl.federation.aggregation import FedAvg
 from edgefcl.federation.aggregator import Aggregator, async_stats
 from edgefcl.federation.folds import FOLDS
 from edgefcl.federation.messages import Update
@@ -18,6 +17,7 @@ from edgefcl.federation.robust import prepare_round
 from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.shard import ShardRoot, ShardWorker
 from edgefcl.federation.staleness import staleness_rule
+from edgefcl.federation.strategy import FedAvg
 from edgefcl.learn.merges import MERGES
 
 RULES_OFF = dict(clip_factor=0.0, max_share=1.0, sigma_floor=0.0)

@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgefcl.config import ConfigError, FedConfig, RunConfig, apply
-from edgefcl.federation.aggregation import FedAvg, RoundInput
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.sparse import (
@@ -27,6 +26,7 @@ from edgefcl.federation.sparse import (
     pad_gaps,
     select,
 )
+from edgefcl.federation.strategy import FedAvg, RoundInput
 from edgefcl.federation.versions import (
     DELTA_FROM,
     DownlinkState,

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from edgefcl.config import FedConfig
-from edgefcl.federation.aggregation import FedAvg, RoundInput, Strategy
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.registry import ENCODINGS
 from edgefcl.federation.rules import DENSE_RULES
+from edgefcl.federation.strategy import FedAvg, RoundInput, Strategy
 
 FED = FedConfig(clients=2, burn_in=0, jump=1, min_clients=2, clip_factor=0, max_share=1)
 

@@ -11,7 +11,6 @@ import numpy as np
 
 from edgefcl.config import ConfigError, FedConfig
 from edgefcl.federation.admission import Admission
-from edgefcl.federation.aggregation import RoundInput, Strategy
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.folds import FOLDS, Fold
 from edgefcl.federation.global_check import published_fault
@@ -21,6 +20,7 @@ from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import check_variances, label_room, prepare_round
 from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.schedule import eligible
+from edgefcl.federation.strategy import RoundInput, Strategy
 from edgefcl.federation.task_gate import TaskGate
 from edgefcl.federation.versions import GlobalHistory
 

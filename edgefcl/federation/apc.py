@@ -20,10 +20,10 @@ from typing import Protocol
 import numpy as np
 
 from edgefcl.config import ConfigError
-from edgefcl.federation.aggregation import Spec, Strategy, sample_weight
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.sparse import KB, EntrySums, decode_payload, entries, payload_reason
+from edgefcl.federation.strategy import Spec, Strategy, sample_weight
 
 KB_NEXT = "apc::kb_next"
 

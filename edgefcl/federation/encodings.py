@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from edgefcl.config import ConfigError, FedConfig
-from edgefcl.federation.aggregation import Spec, Strategy, check_dense
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.rules import DENSE_RULES
+from edgefcl.federation.strategy import Spec, Strategy, check_dense
 
 
 class Encoder(Protocol):

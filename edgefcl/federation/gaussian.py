@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.federation.aggregation import (
+from edgefcl.federation.encodings import Encoding
+from edgefcl.federation.messages import Tensors, Update
+from edgefcl.federation.sigma_bounds import LIK_FLOOR, LIK_SIGMA_MAX
+from edgefcl.federation.strategy import (
     Spec,
     Strategy,
     WeightedSum,
@@ -31,9 +34,6 @@ from edgefcl.federation.aggregation import (
     mix,
     sample_weight,
 )
-from edgefcl.federation.encodings import Encoding
-from edgefcl.federation.messages import Tensors, Update
-from edgefcl.federation.sigma_bounds import LIK_FLOOR, LIK_SIGMA_MAX
 
 MU, SIGMA = "::mu", "::sigma"
 STATE_MU, STATE_RHO = "_mu", "_rho"

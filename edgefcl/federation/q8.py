@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.federation.aggregation import MAX_VALUE, Spec, check_tensor
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.rules import DENSE_RULES
+from edgefcl.federation.strategy import MAX_VALUE, Spec, check_tensor
 
 CODES, RANGE = "::q8", "::q8range"
 LEVELS = 255

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from edgefcl.config import FedConfig
-from edgefcl.federation.aggregation import Strategy
 from edgefcl.federation.messages import Update
 from edgefcl.federation.staleness import Constant, staleness_rule
+from edgefcl.federation.strategy import Strategy
 
 
 def weigh(updates: list[Update], version: int, fed: FedConfig,

@@ -5,9 +5,9 @@ sparse, apc)."""
 
 from __future__ import annotations
 
-from edgefcl.federation.aggregation import ClassWeightedFedAvg, FedAvg, Strategy
 from edgefcl.federation.robust.median import CoordinateMedian
 from edgefcl.federation.robust.trimmed_mean import TrimmedMean
+from edgefcl.federation.strategy import ClassWeightedFedAvg, FedAvg, Strategy
 
 DENSE_RULES: dict[str, type[Strategy]] = {
     "fedavg": FedAvg,

@@ -34,7 +34,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from edgefcl.config import FedConfig
-from edgefcl.federation.aggregation import RoundInput
 from edgefcl.federation.aggregator import (
     Aggregator,
     RoundClosed,
@@ -46,6 +45,7 @@ from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.prototypes import PrototypeTable
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import prepare_round
+from edgefcl.federation.strategy import RoundInput
 
 log = logging.getLogger("edgefcl.shard")
 

@@ -31,13 +31,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgefcl.federation.aggregation import (
-    MAX_VALUE,
-    Spec,
-    Strategy,
-    check_tensor,
-    sample_weight,
-)
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.folds import FOLDS
 from edgefcl.federation.indexing import INDEX_FORMATS, decode_positions, encode_cheapest
@@ -50,6 +43,13 @@ from edgefcl.federation.indexing.gaps import (  # noqa: F401  (re-exported)
     pad_gaps,
 )
 from edgefcl.federation.messages import Tensors, Update
+from edgefcl.federation.strategy import (
+    MAX_VALUE,
+    Spec,
+    Strategy,
+    check_tensor,
+    sample_weight,
+)
 
 IDX, ROWS, VAL, BF16 = "::idx", "::rows", "::val", "::bf16"
 VALUE_SUFFIXES = ("val", "bf16")

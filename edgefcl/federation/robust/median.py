@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.federation.aggregation import Strategy
 from edgefcl.federation.messages import Tensors, Update
+from edgefcl.federation.strategy import Strategy
 
 
 class CoordinateMedian(Strategy):

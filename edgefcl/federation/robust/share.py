@@ -18,9 +18,9 @@ from dataclasses import replace
 import numpy as np
 
 from edgefcl.config import FedConfig
-from edgefcl.federation.aggregation import sample_weight
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.share_cap import capped_groups, capped_weights, default_cap  # noqa: F401
+from edgefcl.federation.strategy import sample_weight
 
 
 def _weights_by_class(fed: FedConfig, form: str) -> bool:
