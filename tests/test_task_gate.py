@@ -266,3 +266,24 @@ def test_a_lock_step_daemon_advertises_no_gate(tmp_path):
     d = daemon(tmp_path, "sync")
     d._publish_config()
     assert "tasks_passed" not in configs(d)[-1]
+
+
+def test_a_gate_round_needs_the_quorum_too():
+    """Five active devices, quorum 0.5: a moved gate closes a round of 3 updates, not one of 2
+    (a device leaving and coming back moves the gate; it must not close rounds a few own)."""
+    fed = FedConfig(mode="async", clients=5, min_clients=2, quorum=0.5, burn_in=0, jump=1,
+                    round_timeout=1e9, task_decay=1.0)
+    a = Aggregator({"w": np.zeros(2, np.float32)}, fed, batch_size=10)
+    for c in "abcde":
+        a.join(c, 0.0)
+    for c in "abcd":
+        a.finish_task(c, 0, 0.0)
+    a.submit(upd("a", 1), 0.0)
+    a.submit(upd("b", 1), 0.0)
+    assert a.finish_task("e", 0, 0.0) is None and a.tasks_passed == 0  # 2 of 5: stays open
+    a.submit(upd("c", 1), 0.0)
+    a.finish_task("a", 1, 0.0)
+    for c in "bcd":
+        a.finish_task(c, 1, 0.0)
+    closed = a.finish_task("e", 1, 0.0)  # 3 of 5 updates: the gate's round closes
+    assert closed is not None and len(closed.participants) == 3

@@ -237,8 +237,13 @@ class Aggregator:
         return self._gate_round(before, now)
 
     def _gate_round(self, before: int, now: float | None) -> RoundClosed | None:
+        """The round a moved gate closes: `min_clients` updates and the `quorum` share of the
+        active clients, as a timed-out round needs (a device that leaves and comes back to
+        move the gate cannot close rounds that a few clients own)."""
+        n = len(self._round.updates)
         if (self.fed.mode != "async" or self.tasks_passed <= before
-                or len(self._round.updates) < self.fed.min_clients):
+                or n < self.fed.min_clients
+                or n < math.ceil(self.fed.quorum * len(self.active))):
             return None
         self.counters["closed_gate"] += 1
         return self._close_round(None)
