@@ -287,3 +287,16 @@ def test_a_gate_round_needs_the_quorum_too():
         a.finish_task(c, 1, 0.0)
     closed = a.finish_task("e", 1, 0.0)  # 3 of 5 updates: the gate's round closes
     assert closed is not None and len(closed.participants) == 3
+
+
+def test_a_task_free_device_never_waits_and_never_holds_the_gate(device_setup):
+    cfg, setup = device_setup
+    cfg = apply(cfg, {"learn": {"task_free": True}})
+    r = DeviceRunner(cfg, make_client(cfg, setup, 0, "fedavg", 0))
+    r.link = NullLink()
+    config(r, tasks_passed=-1, gate_version=0)
+    assert not r._gated() and r.finished_task == MAX_TASK
+    g = TaskGate()
+    g.finish("free", r.finished_task)
+    g.finish("gated", 2)
+    assert g.passed({"free", "gated"}) == 2

@@ -19,7 +19,7 @@ from edgefcl.data.types import Batch, TaskData
 from edgefcl.federation.global_check import MAX_VERSION_STEP, check_global
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.sparse import SparseError
-from edgefcl.federation.task_gate import gate_open
+from edgefcl.federation.task_gate import MAX_TASK, gate_open
 from edgefcl.federation.versions import (
     DELTA_FROM,
     DownlinkState,
@@ -134,8 +134,10 @@ class DeviceRunner:
         self.pacer = Pacer(self.cid, cfg.seed)
         if cfg.fed.mode == "async":
             client.pace = self.pacer.take
-        self.finished_task = -1
-        """async: the last task this device finished (its status claims it: the task gate)."""
+        self.finished_task = MAX_TASK if cfg.learn.task_free else -1
+        """async: the last task this device finished (its status claims it: the task gate). A
+        task-free device does not know where a task ends: it never waits at the gate, and
+        claims every task so that it never holds the others there."""
         self.last_task: int | None = None
         self.gate_waits = 0.0  # seconds waited at the task gate
         self.gate_timeouts = 0
@@ -449,7 +451,8 @@ class DeviceRunner:
         """Whether this device waits at a task's end: `task_gate` on, and the aggregator
         advertises the gate on its retained config."""
         with self.cond:
-            return self.cfg.fed.task_gate > 0 and "tasks_passed" in (self.fleet_config or {})
+            return (self.cfg.fed.task_gate > 0 and not self.cfg.learn.task_free
+                    and "tasks_passed" in (self.fleet_config or {}))
 
     def _task_gate(self, task: int) -> None:
         """Async, at the end of `task`: send the held update (the task's last mini-batches),

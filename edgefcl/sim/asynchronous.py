@@ -109,7 +109,7 @@ class AsyncFleet:
         self.progress()
         if b.end_of_task:
             d.last_task = b.task
-            if self.fed.task_gate > 0:
+            if self.fed.task_gate > 0 and not self.cfg.learn.task_free:
                 self.wait_at_gate(d, b.task)
                 return
             self.on_task_end(d, b.task)
