@@ -300,3 +300,36 @@ def test_a_task_free_device_never_waits_and_never_holds_the_gate(device_setup):
     g.finish("free", r.finished_task)
     g.finish("gated", 2)
     assert g.passed({"free", "gated"}) == 2
+
+
+def test_the_sharded_root_closes_its_round_of_partials_when_the_gate_moves():
+    from edgefcl.federation.shard import ShardRoot, ShardWorker
+
+    fed = FedConfig(mode="async", clients=3, min_clients=2, burn_in=0, jump=1,
+                    round_timeout=1e9, task_decay=1.0)
+    initial = {"w": np.zeros(2, np.float32)}
+    root, w = ShardRoot(initial, fed, batch_size=10), ShardWorker(initial, fed, batch_size=10)
+    root.worker_online(w.worker)
+    root.worker_online("w-silent")  # a second worker that never reports: no round closes
+    for c in "abc":
+        root.join(c, 0.0)
+        w.join(c, 0.0)
+    w.submit(upd("a", 1), 0.0)
+    w.submit(upd("b", 1), 0.0)
+    assert root.merge(w.flush(), 0.0) is None and root.rounds == 0
+    for c in "ab":
+        root.finish_task(c, 0, 0.0)
+    closed = root.finish_task("c", 0, 0.0)
+    assert closed is not None and closed.global_ is not None and root.rounds == 1
+    assert set(closed.participants) == {"a", "b"}
+
+
+def test_a_worker_never_closes_a_round_when_its_last_device_leaves():
+    from edgefcl.federation.shard import ShardWorker
+
+    fed = FedConfig(mode="async", clients=2, min_clients=1, burn_in=0, jump=1,
+                    round_timeout=1e9, quorum=0.0)
+    w = ShardWorker({"w": np.zeros(2, np.float32)}, fed, batch_size=10)
+    w.join("a", 0.0)
+    w.submit(upd("a", 1), 0.0)
+    assert w.leave("a", 0.0) is None and w.pending() == 1  # the gate opened; the root decides

@@ -240,12 +240,20 @@ class Aggregator:
         """The round a moved gate closes: `min_clients` updates and the `quorum` share of the
         active clients, as a timed-out round needs (a device that leaves and comes back to
         move the gate cannot close rounds that a few clients own)."""
-        n = len(self._round.updates)
+        n = self._round_clients()
         if (self.fed.mode != "async" or self.tasks_passed <= before
                 or n < self.fed.min_clients
                 or n < math.ceil(self.fed.quorum * len(self.active))):
             return None
         self.counters["closed_gate"] += 1
+        return self._close_now(now)
+
+    def _round_clients(self) -> int:
+        """Clients in the open round."""
+        return len(self._round.updates)
+
+    def _close_now(self, now: float | None) -> RoundClosed | None:
+        """Close the open round whatever the timeout (the task gate's round)."""
         return self._close_round(None)
 
     @property

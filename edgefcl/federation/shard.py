@@ -105,6 +105,9 @@ class ShardWorker(Aggregator):
     def _maybe_close(self, now: float | None) -> RoundClosed | None:
         return None  # the root closes rounds
 
+    def _close_now(self, now: float | None) -> RoundClosed | None:
+        return None  # the task gate's round too
+
     def set_global(self, g: GlobalModel) -> bool:
         """Take a newer global from the root (staleness and sparse bases are checked against
         it); False for one not newer than the current."""
@@ -255,6 +258,12 @@ class ShardRoot(Aggregator):
         if self.live_workers <= self.reported or timed_out:
             return self._close_merged(now)
         return None
+
+    def _round_clients(self) -> int:
+        return len(self.in_round)
+
+    def _close_now(self, now: float | None) -> RoundClosed | None:
+        return self._close_merged(now)
 
     def _close_merged(self, now: float | None) -> RoundClosed:
         participants = tuple(sorted(self.in_round))
