@@ -4,7 +4,9 @@ broker replaced by delays drawn from a timing profile (`profiles.py`).
 
 Per device, as `runtime/device.py` does over MQTT: train a mini-batch (its compute time), send
 the update when the schedule says so (it reaches the aggregator after the uplink delay), merge
-the newest global it has received, evaluate at the end of a task. At the end of its stream a
+the newest global it has received, evaluate at the end of a task (with the task gate, after
+waiting there for the fleet and taking the gate's global; `federation/task_gate.py`; and the
+last task once more on the model the device ends with). At the end of its stream a
 device sends its held update and waits, up to `round_timeout` + 1 s, for a global that counts
 its last update, then reports done (the aggregator stops waiting for it). Globals reach every
 device after its downlink delay; a device keeps only the newest (the retained global at QoS 0).
