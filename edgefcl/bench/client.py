@@ -358,12 +358,10 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
         bench_memory(cfg, out, datasets, sizes, rules, int(study.get("jobs", 1)))
         print(f"\nwritten {out / 'bench_memory.json'}")
         return 0
-    from edgefcl.bench.transport import bench_transport
-
     if what in BOUNDARY_BENCHES:
         report = BOUNDARY_BENCHES[what](cfg, out, count)
     else:
-        report = {"client": bench_client, "transport": bench_transport}[what](cfg, out, repeats)
+        report = {"client": bench_client, "transport": _bench_transport}[what](cfg, out, repeats)
     report["torch"] = torch.__version__
     report["threads"] = torch.get_num_threads()
     path = out / f"bench_{what}.json"
@@ -379,6 +377,12 @@ def _sd(values: list[float]) -> float:
 
 def _csv(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _bench_transport(cfg: RunConfig, out: Path, repeats: int) -> dict:
+    from edgefcl.bench.transport import bench_transport  # the broker packages: only here
+
+    return bench_transport(cfg, out, repeats)
 
 
 def _bench_crash(cfg: RunConfig, out: Path, count: int) -> dict:
