@@ -207,11 +207,19 @@ def test_a_device_goes_on_once_the_gate_opens_and_takes_its_global(device_setup)
         config(r, tasks_passed=0, gate_version=1)
 
     threading.Thread(target=fleet).start()
+    r.unanswered = 1  # an update in flight
     t0 = time.monotonic()
     r._task_gate(0)
     assert time.monotonic() - t0 < 2.0 and r.gate_timeouts == 0
-    assert r.client.version == 1 and r.unanswered == 0
+    assert r.client.version == 1
+    assert r.unanswered == 1  # this global does not list the device: its update still waits
     assert [s["finished_task"] for s in statuses] == [0]
+    listed = GlobalModel(2, g.tensors, (r.cid,))
+    with r.cond:
+        r.latest = listed
+    config(r, tasks_passed=1, gate_version=2)
+    r._task_gate(1)
+    assert r.client.version == 2 and r.unanswered == 0  # a global that counts it
 
 
 def test_a_gate_that_never_opens_lets_the_device_go_on_after_task_gate_seconds(device_setup):

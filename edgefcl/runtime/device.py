@@ -481,7 +481,8 @@ class DeviceRunner:
                 g = self.latest
             if g is not None and merge_at_gate(self.client, g, self.cfg.fed) == MERGED:
                 self.rounds += 1
-                self.unanswered = 0
+                if self.cid in g.participants:  # else its last update waits for a round
+                    self.unanswered = 0
         else:
             self.gate_timeouts += 1
             log.warning("%s: the task gate did not open within %.0f s after task %d; going on",

@@ -152,8 +152,9 @@ class AsyncFleet:
         task, d.gate = d.gate, None
         if not opened:
             self.merge(d)
-        elif d.latest is not None and merge_at_gate(d.client, d.latest, self.fed) == MERGED:
-            d.unanswered = False
+        elif (d.latest is not None and merge_at_gate(d.client, d.latest, self.fed) == MERGED
+              and d.client.cid in d.latest.participants):
+            d.unanswered = False  # else its last update waits for a round (end of stream)
         self.on_task_end(d, task)
         self.clock.after(d.clock.compute(), self.batch, d)
 
