@@ -177,6 +177,9 @@ class Aggregator:
         replaced, never changed in place, so that `mark` holds it by reference."""
         self.gate = TaskGate()
         """Async: the last task each client finished (`task_gate.py`)."""
+        self._passed: int | None = None
+        """`tasks_passed`, kept until a claim or the active set changes (the daemon asks after
+        every message)."""
         self._round = _Round()
         self.encoding = get_encoding(fed.encoding)
         self.fold = get_fold(fed.fold)
@@ -203,6 +206,7 @@ class Aggregator:
         if client in self.active or client in self.silent:
             return True
         self.active.add(client)
+        self._passed = None
         if now is not None:
             self.last_seen[client] = now
         if len(self.active) >= min(self.fed.clients, self.admission.cap):
@@ -218,6 +222,7 @@ class Aggregator:
                   if now - self.last_seen.setdefault(c, now) > self.fed.client_timeout]
         for c in silent:
             self.active.discard(c)
+            self._passed = None
             self.silent.add(c)
             self.counters["silent_left"] += 1
             log.warning("client %s silent for %.0f s: no longer waited for", c,
@@ -234,6 +239,7 @@ class Aggregator:
             return None
         before = self.tasks_passed
         self.gate.finish(client, task)
+        self._passed = None
         return self._gate_round(before, now)
 
     def _gate_round(self, before: int, now: float | None) -> RoundClosed | None:
@@ -259,12 +265,15 @@ class Aggregator:
     @property
     def tasks_passed(self) -> int:
         """The highest task every active client has finished (the task gate)."""
-        return self.gate.passed(self.active)
+        if self._passed is None:
+            self._passed = self.gate.passed(self.active)
+        return self._passed
 
     def leave(self, client: str, now: float | None = None) -> RoundClosed | None:
         """Remove a client (stream finished or went offline); may close the pending tick."""
         before = self.tasks_passed
         self.active.discard(client)
+        self._passed = None
         return self._maybe_close(now) or self._gate_round(before, now)
 
     # -- input ----------------------------------------------------------------------------
@@ -502,3 +511,4 @@ class Aggregator:
         self.counters = Counter(state.get("counters", {}))
         self.label_owners = {str(k): str(v) for k, v in state.get("label_owners", {}).items()}
         self.gate.load_state(state.get("tasks_finished", {}))
+        self._passed = None

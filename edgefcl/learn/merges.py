@@ -107,4 +107,3 @@ def merge_at_gate(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
         return None
     client.apply_global(g, get_merge(fed.device_merge))
     return MERGED
-

@@ -284,19 +284,20 @@ class AggregatorDaemon:
                 self._close_safely(lambda: self.agg.leave(client, now))
         self._announce_gate()
 
+    @property
+    def _gated(self) -> bool:
+        """Async with `task_gate`: the daemon runs the task gate (`federation/task_gate.py`)."""
+        return self.cfg.fed.mode == "async" and self.cfg.fed.task_gate > 0
+
     def _gate_fields(self) -> dict:
-        """The task gate on the retained config (async with `task_gate`; devices wait at a
-        task's end only for an aggregator that advertises it)."""
-        if self.cfg.fed.mode != "async" or self.cfg.fed.task_gate <= 0:
-            return {}
-        return {"tasks_passed": self.gate[0], "gate_version": self.gate[1]}
+        """The task gate on the retained config (devices wait at a task's end only for an
+        aggregator that advertises it)."""
+        return {"tasks_passed": self.gate[0], "gate_version": self.gate[1]} if self._gated else {}
 
     def _announce_gate(self) -> None:
-        """Async: when the task gate moved (`federation/task_gate.py`), re-publish the
-        retained config with it and the global version it opened at (after that global)."""
-        if self.cfg.fed.mode != "async" or self.cfg.fed.task_gate <= 0:
-            return
-        if self.agg.tasks_passed != self.gate[0]:
+        """When the task gate moved, re-publish the retained config with it and the global
+        version it opened at (after that global)."""
+        if self._gated and self.agg.tasks_passed != self.gate[0]:
             self.gate = (self.agg.tasks_passed, self.agg.global_.version)
             self._publish_config()
 
