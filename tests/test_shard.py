@@ -4,6 +4,8 @@ root keeps one update per client and round and does not wait for a dead worker."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -199,6 +201,60 @@ def test_a_client_in_two_partials_waits_for_the_next_round():
     assert closed.participants == ("c00", "c01")
     assert set(root.in_round) == {"c00"}  # the held partial opened the next round
     assert root.in_round["c00"] == 2
+
+
+def test_a_client_claimed_by_two_workers_is_held_back_alone():
+    """Both workers hold an update of c00: the root grants it to the first claim only, the
+    second worker's partial carries its other clients now and c00 in a later round."""
+    rng = np.random.default_rng(1)
+    fed, initial, ups = _root_and_partials(rng)
+    root = ShardRoot(initial, fed)
+    root.worker_online("w0")
+    root.worker_online("w1")
+    wa = ShardWorker(initial, fed, worker="w0")
+    wb = ShardWorker(initial, fed, worker="w1")
+    wa.submit(ups[0], 0.0)
+    wa.submit(ups[1], 0.0)
+    wb.submit(Update(**{**ups[0].__dict__, "seq": 2, "batch": 2}), 0.0)
+    wb.submit(ups[2], 0.0)
+    assert wa.claimable() == ("c00", "c01") and wb.claimable() == ("c00", "c02")
+    assert root.claim("w0", wa.claimable()) == ("c00", "c01")
+    assert root.claim("w1", wb.claimable()) == ("c02",)
+    assert root.counters["claims_held"] == 1
+    assert root.poll(0.1) is None  # both reported, but the grants have not come back
+    assert root.merge(wb.flush(["c02"]), 0.0) is None
+    assert wb.claimable() == ("c00",) and wb.pending() == 1
+    assert root.poll(0.1) is None
+    assert root.merge(wa.flush(["c00", "c01"]), 0.0) is None
+    closed = root.poll(0.1)
+    assert closed.participants == ("c00", "c01", "c02")
+    assert root.counters["partials_deferred"] == 0
+    wb.set_global(closed.global_)
+    assert root.claim("w1", wb.claimable()) == ("c00",)  # the next round takes it
+    assert root.merge(wb.flush(["c00"]), 0.2) is None
+    assert root.in_round == {"c00": 2}
+
+
+def test_a_partial_holding_a_client_granted_to_another_worker_waits():
+    rng = np.random.default_rng(1)
+    fed, initial, ups = _root_and_partials(rng)
+    root = ShardRoot(initial, fed)
+    root.worker_online("w0")
+    assert root.claim("w0", ("c00",)) == ("c00",)
+    wb = ShardWorker(initial, fed, worker="w1")
+    wb.submit(ups[0], 0.0)
+    assert root.merge(wb.flush(), 0.0) is None  # it did not claim: held whole, as before
+    assert root.counters["partials_deferred"] == 1
+    root.worker_offline("w0", 0.0)  # a dead worker's grants go with it
+    assert root.granted == {}
+
+
+def test_a_claim_grants_roster_clients_once_each_up_to_the_cap():
+    rng = np.random.default_rng(1)
+    fed, initial, _ = _root_and_partials(rng)
+    root = ShardRoot(initial, replace(fed, clients=2, roster_cap=2))
+    assert root.claim("w0", ("a", "a", "b", "c")) == ("a", "b")
+    assert root.claim("w0", ("a",)) == ("a",)  # again to the same worker: still its own
 
 
 def test_a_round_does_not_wait_for_a_dead_worker():

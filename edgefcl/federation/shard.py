@@ -7,12 +7,21 @@ per client (the newest), and at each flush applies the robust round rules to its
 folds it in client-id order and returns a `Partial`: the strategy's `partial()` plus the
 participants and their sequence numbers.
 
+Before a flush the worker claims its clients (`ShardWorker.claimable`, `ShardRoot.claim`): the
+root grants those not yet in the open round nor granted to another worker, and the worker folds
+only the granted ones (`flush(granted)`); the others stay at the worker, newest per client, for
+a later round. So a client whose updates reach two workers in one round (a device that sends
+faster than rounds close, as a flooding one does) is held back alone, not with the honest
+updates of a whole partial.
+
 The root (`ShardRoot`) merges partials in arrival order into one strategy (each partial is a
 sum, so the order changes only float64 rounding), never lets a client count twice in a round
-(a partial naming a client already in the round waits for the next round), and closes a round
-when its distinct participants reach `min_clients` and every live worker has sent a partial
-since the round opened, or `round_timeout` seconds after its first partial: a dead worker
-delays a round by at most the timeout.
+(a partial naming a client already in the round, or granted to another worker, waits whole for
+the next round: with claims this happens only when a grant outlived its round), and closes a
+round when its distinct participants reach `min_clients`, every live worker has claimed or sent
+a partial since the round opened and every grant has come back as a partial, or
+`round_timeout` seconds after its first partial: a dead worker delays a round by at most the
+timeout.
 
 Each process keeps one long-lived strategy (the Aggregator's), as the single aggregator does:
 a worker opens a round on it (`configure_round`) at every flush, adds its share's decoded
@@ -31,12 +40,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregator import (
     Aggregator,
     RoundClosed,
+    _nbytes,
     _Round,
     decode_updates,
     note_round,
@@ -131,17 +142,27 @@ class ShardWorker(Aggregator):
             return True
         return rnd.opened_at is not None and now - rnd.opened_at >= interval
 
-    def flush(self) -> Partial | None:
-        """The partial of every update accepted since the last flush (None if none)."""
+    def claimable(self) -> tuple[str, ...]:
+        """The clients whose updates wait for the next flush, to claim from the root."""
+        return tuple(sorted(self._round.updates))
+
+    def flush(self, granted: Collection[str] | None = None) -> Partial | None:
+        """The partial of the updates accepted since the last flush (None if none): of the
+        `granted` clients only when given, the others' updates stay for a later flush."""
         rnd = self._round
-        if not rnd.updates:
+        take = sorted(rnd.updates if granted is None else set(rnd.updates) & set(granted))
+        self._round = _Round()
+        if len(take) < len(rnd.updates):  # the rest wait, as they were
+            kept = {c: u for c, u in rnd.updates.items() if c not in take}
+            self._round = _Round(kept, opened_at=rnd.opened_at, arrived=len(kept),
+                                 nbytes=sum(map(_nbytes, kept.values())))
+            self.counters["held_for_later_round"] += len(self._round.updates)
+        if not take:
             return None
         c: Counter[str] = Counter()
-        decoded = self.folded(decode_updates(
-            self.encoding, [rnd.updates[p] for p in sorted(rnd.updates)], c))
+        decoded = self.folded(decode_updates(self.encoding, [rnd.updates[p] for p in take], c))
         if not decoded:
             self.counters.update(c)
-            self._round = _Round()
             return None
         participants = tuple(u.client for u in decoded)
         self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
@@ -156,7 +177,6 @@ class ShardWorker(Aggregator):
         part = Partial(self.worker, self.global_.version, participants,
                        {p: rnd.updates[p].seq for p in participants}, self.strategy.partial(),
                        dict(c))
-        self._round = _Round()
         self.rounds += 1
         return part
 
@@ -178,6 +198,8 @@ class ShardRoot(Aggregator):
         self.reported: set[str] = set()
         self.in_round: dict[str, int] = {}
         """client -> seq of its update merged into the open round."""
+        self.granted: dict[str, str] = {}
+        """client -> the worker whose partial of the open round may hold it (`claim`)."""
         self.deferred: list[Partial] = []
         self._merged: list[Partial] = []
 
@@ -200,15 +222,33 @@ class ShardRoot(Aggregator):
             return "roster"
         return None
 
+    def claim(self, worker: str, clients: Sequence[str]) -> tuple[str, ...]:
+        """Grant `worker` the `clients` (distinct, at most the admission cap) that are on the
+        roster or fit on it, and are not in the open round nor granted to another worker: its
+        next partial may hold them. The rest are counted as `claims_held` and wait at the
+        worker for a later round. A claim counts as the worker's report for the round."""
+        self.reported.add(worker)
+        out = []
+        for c in list(dict.fromkeys(clients))[:self.admission.cap]:
+            if c in self.in_round or self.granted.get(c, worker) != worker \
+                    or not self.admission.admit(c):  # the roster learns it here
+                continue
+            self.granted[c] = worker
+            out.append(c)
+        self.counters["claims_held"] += len(clients) - len(out)
+        return tuple(out)
+
     def merge(self, p: Partial, now: float | None = None) -> str | None:
         """Merge a partial into the open round (or hold it for the next one when one of its
-        clients is already in this round); returns a rejection reason or None."""
+        clients is already in this round or granted to another worker); returns a rejection
+        reason or None."""
         reason = self.check_partial(p)
         if reason is not None:
             self.counters[f"rejected_partial_{reason}"] += 1
             return reason
         self.reported.add(p.worker)
-        if set(p.participants) & set(self.in_round):
+        if set(p.participants) & set(self.in_round) or any(
+                self.granted.get(c, p.worker) != p.worker for c in p.participants):
             if len(self.deferred) >= MAX_DEFERRED:
                 self.counters["rejected_partial_deferred_full"] += 1
                 return "deferred_full"
@@ -233,6 +273,7 @@ class ShardRoot(Aggregator):
         if self._round.opened_at is None:
             self._round.opened_at = now
         for c in p.participants:
+            self.granted.pop(c, None)
             self.in_round[c] = p.seqs.get(c, 0)
             self.admission.admit(c)
             self.admission.last_seq[c] = max(self.admission.last_seq.get(c, 0),
@@ -255,7 +296,7 @@ class ShardRoot(Aggregator):
         rnd = self._round
         timed_out = (now is not None and rnd.opened_at is not None
                      and now - rnd.opened_at >= self.fed.round_timeout)
-        if self.live_workers <= self.reported or timed_out:
+        if (self.live_workers <= self.reported and not self.granted) or timed_out:
             return self._close_merged(now)
         return None
 
@@ -298,12 +339,15 @@ class ShardRoot(Aggregator):
         self._open_round()
         self._merged = []
         self.in_round = {}
+        self.granted = {}
         self.reported = set()
 
     def worker_online(self, worker: str) -> None:
         self.live_workers.add(worker)
 
     def worker_offline(self, worker: str, now: float | None = None) -> RoundClosed | None:
-        """A worker left (its last will): the open round no longer waits for it."""
+        """A worker left (its last will): the open round no longer waits for it or its
+        grants."""
         self.live_workers.discard(worker)
+        self.granted = {c: w for c, w in self.granted.items() if w != worker}
         return self._maybe_close(now)

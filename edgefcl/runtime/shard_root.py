@@ -6,8 +6,10 @@ It does not subscribe to device updates (the workers share them); it listens to 
 statuses (who is active, who is done), operator control, `partial/<worker>` and the workers'
 retained `workers/<worker>` statuses (last will: offline). Partials are taken only from the
 worker ids it is given (`--worker-ids`); everything else on those topics is counted and
-dropped like any rejected message. Backpressure (async): the root advertises the highest factor
-its live workers put on their statuses (runtime/backpressure.py).
+dropped like any rejected message. A worker's claim on `partial/<worker>` is answered at once
+on `grant/<worker>` with the clients its next partial may hold (`ShardRoot.claim`).
+Backpressure (async): the root advertises the highest factor its live workers put on their
+statuses (runtime/backpressure.py).
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from pathlib import Path
 from edgefcl.config import RunConfig
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.shard import ShardRoot
-from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+from edgefcl.runtime.aggregator_daemon import SENDER, AggregatorDaemon
 from edgefcl.runtime.backpressure import REASONS, advertised
 from edgefcl.transport.codec import CodecError, Message, decode
-from edgefcl.transport.partials import decode_partial
+from edgefcl.transport.partials import decode_worker_message, encode_grant
 
 log = logging.getLogger("edgefcl.aggregator")
 
@@ -95,8 +97,15 @@ class RootDaemon(AggregatorDaemon):
                 self._close_safely(lambda: self.agg.worker_offline(worker, now))
             self._relay_pressure()
             return
-        p = decode_partial(payload, self.cfg.mqtt.fleet, self.spec_shapes, worker=worker,
-                           max_bytes=self.max_payload)
+        p = decode_worker_message(payload, self.cfg.mqtt.fleet, self.spec_shapes, worker=worker,
+                                  cap=self.agg.admission.cap, max_bytes=self.max_payload)
+        if isinstance(p, tuple):  # a claim: answered at once, before the round may close
+            claim, clients = p
+            self._publish(self.topics.grant(worker), encode_grant(
+                claim, self.agg.claim(worker, clients), fleet=self.cfg.mqtt.fleet,
+                sender=SENDER))
+            self._close_safely(lambda: self.agg.poll(now))
+            return
         self.round_bytes_in += len(payload)
         self.bytes_in[f"worker:{worker}"] = self.bytes_in.get(f"worker:{worker}", 0) + len(
             payload)

@@ -1,6 +1,8 @@
 """An aggregator worker (role `worker`) or site aggregator (role `site`): takes a share of the
 device updates, runs the aggregator's boundary checks on them, and sends the root one
-partial aggregate every `flush_every` seconds in which it accepted updates.
+partial aggregate every `flush_every` seconds in which it accepted updates: it first claims
+the clients it holds, and folds only those the root grants (the others wait for a later
+round, so one device in two workers' shares never holds back the others' updates).
 
 - worker: device updates come through the MQTT 5 shared subscription
   `$share/<group>/<root>/<fleet>/update/+`, so each update reaches one worker of the group and
@@ -35,13 +37,15 @@ from edgefcl.runtime.update_quota import UpdateQuota
 from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
 from edgefcl.transport.mqtt import TransportError
-from edgefcl.transport.partials import encode_partial
+from edgefcl.transport.partials import decode_grant, encode_claim, encode_partial
 from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS
 
 log = logging.getLogger("edgefcl.worker")
 MAX_AHEAD = 64
 """Clients whose update a worker may hold for a global it has not received yet."""
 AHEAD_VERSIONS = 2
+CLAIM_TIMEOUT = 2.0
+"""Seconds after which an unanswered claim is sent again (with a new number)."""
 """How far ahead of the worker's global a held update's base may be (the root publishes one
 global at a time: a device is at most a version or two ahead of a worker that lags)."""
 
@@ -74,6 +78,10 @@ class WorkerDaemon:
         self.bytes_out = 0
         self.link = self.up = None
         self._latest_global: bytes | None = None
+        self._latest_grant: bytes | None = None
+        self.claims = 0
+        self.claimed_at: float | None = None
+        """When the claim numbered `claims` went out, while it waits for its grant."""
 
     # -- messages -------------------------------------------------------------------------
     def _seal(self, body: dict) -> bytes:
@@ -123,6 +131,36 @@ class WorkerDaemon:
         payload, self._latest_global = self._latest_global, None
         if payload is not None:
             self.handle(self.topics.global_, payload)
+
+    def _on_grant(self, topic: str, payload: bytes) -> None:
+        self._latest_grant = payload  # network thread: the main loop takes it
+
+    def claim(self, now: float) -> None:
+        """Ask the root for the clients whose updates wait here (answered by a grant)."""
+        clients = self.agg.claimable()
+        if not clients:
+            return
+        self.claims += 1
+        self.claimed_at = now
+        self.bytes_out += self.up.publish(self.topics.partial(self.id), encode_claim(
+            self.id, self.claims, clients, fleet=self.cfg.mqtt.fleet), qos=1)
+
+    def _take_grant(self) -> None:
+        """Flush the granted clients if the root answered the outstanding claim."""
+        payload, self._latest_grant = self._latest_grant, None
+        if payload is None:
+            return
+        try:
+            claim, granted = decode_grant(payload, self.cfg.mqtt.fleet,
+                                          cap=self.agg.admission.cap)
+        except CodecError as e:
+            self.agg.counters[f"rejected_{e.reason}"] += 1
+            log.warning("rejected grant: %s", e)
+            return
+        if claim != self.claims or self.claimed_at is None:
+            return  # the answer to an earlier claim
+        self.claimed_at = None
+        self.flush(granted)
 
     def handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         """Apply one message; never raises (failures are counted as `rejected_<reason>`)."""
@@ -182,11 +220,12 @@ class WorkerDaemon:
                 msg.body.get("command") == "stop":
             self.stop_event.set()
 
-    def flush(self) -> None:
-        """Send the partial of the updates held, if any. A flush that fails (a bug reached by
-        input) drops them, counted and logged: the worker goes on."""
+    def flush(self, granted: list[str] | None = None) -> None:
+        """Send the partial of the updates held (of the `granted` clients only, when given),
+        if any. A flush that fails (a bug reached by input) drops them, counted and logged:
+        the worker goes on."""
         try:
-            p = self.agg.flush()
+            p = self.agg.flush(granted)
         except Exception:
             self.agg.counters["rejected_internal"] += 1
             log.exception("internal error while aggregating a partial: its updates are dropped")
@@ -232,6 +271,7 @@ class WorkerDaemon:
             up_cfg = type(m)(**{**m.__dict__, "broker": self.upstream})
             self.up = open_link(up_cfg, cid + "-up", clean_start=True, will=will)
         self.up.subscribe(t.global_, self._on_global)
+        self.up.subscribe(t.grant(self.id), self._on_grant)
         if not self.first_global.wait(m.connect_timeout):
             raise TransportError(f"no global model on {t.global_} within {m.connect_timeout:g} s: "
                                  "start the root aggregator first (--role root)")
@@ -256,12 +296,14 @@ class WorkerDaemon:
             next_status = 0.0
             while not self.stop_event.is_set():
                 self._take_global()
+                self._take_grant()
                 item = self.inbox.get(timeout=0.05)
                 if item is not None:
                     self.handle(*item)
                 now = time.monotonic()
-                if self.agg.flush_due(now, self.flush_every):
-                    self.flush()
+                if self.agg.flush_due(now, self.flush_every) and (
+                        self.claimed_at is None or now - self.claimed_at >= CLAIM_TIMEOUT):
+                    self.claim(now)
                 self.link.expire_pending()
                 if now >= next_status:
                     self._pressure()

@@ -46,9 +46,11 @@ FLOAT_DTYPES = frozenset(["<f2", "<f4", "<f8"])
 WIRE_DTYPES = frozenset(["<f4", "<f2"])
 MAX_NDIM = 32
 
-DICT_KINDS = frozenset(["config", "status", "control", "stream", "answer", "partial"])
-"""Kinds carried as plain dicts (`Message`): `answer` is the aggregator's lock-step reply,
-`partial` a worker's partial aggregate (checked further by `transport.partials`)."""
+DICT_KINDS = frozenset(["config", "status", "control", "stream", "answer", "partial", "claim",
+                        "grant"])
+"""Kinds carried as plain dicts (`Message`): `answer` is the aggregator's lock-step reply;
+`partial` a worker's partial aggregate, `claim` and `grant` its request for the clients of its
+next partial and the root's answer (checked further by `transport.partials`)."""
 CONTROL_COMMANDS = frozenset(["pause", "resume", "stop"])
 RESERVED_KEYS = frozenset(["schema", "kind", "fleet", "sender", integrity.DIGEST_KEY])
 _TENSOR_KEYS = frozenset(["dtype", "shape", "data"])

@@ -1,5 +1,6 @@
 """Wire form of a worker's partial aggregate (kind "partial", worker -> root on
-`<root>/<fleet>/partial/<worker>`).
+`<root>/<fleet>/partial/<worker>`), of its claim before a flush (kind "claim", same topic) and
+of the root's grant in reply (kind "grant", root -> worker on `<root>/<fleet>/grant/<worker>`).
 
 The strategy's nested `partial()` dict is flattened into `tensors` (path -> float64 array,
 path levels joined by "/") and `scalars` (path -> number); the envelope, size limits, the
@@ -9,13 +10,14 @@ names, every tensor is float64, finite, named after a global tensor (its last pa
 with that tensor's shape (or flat with its size), weights, precisions and counts are not
 negative, and the participants are distinct valid client ids with integer sequence numbers.
 A partial is trusted only from worker identities: the broker's ACL lets only workers publish
-on `partial/<id>` (broker/aclfile.example), and the root takes partials only from the worker
+on `partial/<id>` (broker/README.md), and the root takes partials only from the worker
 ids it is configured with.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -91,10 +93,26 @@ def _check_tensor(path: str, t: object, spec: dict[str, tuple[int, ...]]) -> np.
     return t
 
 
+def decode_worker_message(payload: bytes, fleet: str, spec: dict[str, tuple[int, ...]], *,
+                          worker: str, cap: int,
+                          max_bytes: int = DEFAULT_MAX_BYTES) -> Partial | tuple[int, list[str]]:
+    """A partial (`decode_partial`) or a claim (`decode_claim`) sent on `partial/<worker>`."""
+    msg = decode(payload, fleet, max_bytes=max_bytes, require_digest=True)
+    if isinstance(msg, Message) and msg.kind == "claim":
+        return decode_claim(msg, worker=worker, cap=cap)
+    return check_partial_message(msg, spec, worker=worker)
+
+
 def decode_partial(payload: bytes, fleet: str, spec: dict[str, tuple[int, ...]], *,
                    worker: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Partial:
     """Decode and check a partial sent on `partial/<worker>`; raises CodecError(reason)."""
-    msg = decode(payload, fleet, max_bytes=max_bytes, require_digest=True)
+    return check_partial_message(decode(payload, fleet, max_bytes=max_bytes,
+                                        require_digest=True), spec, worker=worker)
+
+
+def check_partial_message(msg: object, spec: dict[str, tuple[int, ...]], *,
+                          worker: str) -> Partial:
+    """The Partial of a decoded message from `partial/<worker>`; raises CodecError(reason)."""
     if not isinstance(msg, Message) or msg.kind != "partial":
         raise CodecError("kind", "expected a partial")
     b = msg.body
@@ -126,3 +144,51 @@ def decode_partial(payload: bytes, fleet: str, spec: dict[str, tuple[int, ...]],
                       if type(v) is int and 0 <= v < 1 << 53}
     return Partial(worker, version, tuple(parts), {c: int(s) for c, s in seqs.items()},
                    unflatten(checked, scalars), clean_counters)
+
+
+def _client_ids(value: object, what: str, cap: int) -> list[str]:
+    if not isinstance(value, list) or len(value) > cap:
+        raise CodecError("malformed", f"{what} must be a list of at most {cap} client ids")
+    try:
+        ids = [validate_id(c) for c in value]
+    except ValueError as e:
+        raise CodecError("malformed", str(e)) from None
+    if len(set(ids)) != len(ids):
+        raise CodecError("malformed", f"{what} names a client twice")
+    return ids
+
+
+def encode_claim(worker: str, claim: int, clients: Sequence[str], *, fleet: str) -> bytes:
+    """Worker `worker`'s claim number `claim` for the clients of its next partial."""
+    return encode(Message("claim", {"claim": int(claim), "clients": list(clients)}),
+                  fleet=fleet, sender=worker)
+
+
+def encode_grant(claim: int, clients: Sequence[str], *, fleet: str, sender: str) -> bytes:
+    """The root's answer to claim number `claim`: the clients the partial may hold."""
+    return encode(Message("grant", {"claim": int(claim), "clients": list(clients)}),
+                  fleet=fleet, sender=sender)
+
+
+def _counted(msg: Message, cap: int) -> tuple[int, list[str]]:
+    claim = msg.body.get("claim")
+    if type(claim) is not int or claim < 0:
+        raise CodecError("malformed", f"a {msg.kind}'s claim number must be an int >= 0")
+    return claim, _client_ids(msg.body.get("clients"), f"a {msg.kind}'s clients", cap)
+
+
+def decode_claim(msg: Message, *, worker: str, cap: int) -> tuple[int, list[str]]:
+    """(claim number, clients) of a claim decoded from `partial/<worker>`; at most `cap`
+    distinct valid client ids; raises CodecError(reason)."""
+    if msg.sender != worker:
+        raise CodecError("sender", f"a claim on worker {worker}'s topic names another sender")
+    return _counted(msg, cap)
+
+
+def decode_grant(payload: bytes, fleet: str, *, cap: int,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[int, list[str]]:
+    """(claim number, granted clients) of a grant; raises CodecError(reason)."""
+    msg = decode(payload, fleet, max_bytes=max_bytes, require_digest=True)
+    if not isinstance(msg, Message) or msg.kind != "grant":
+        raise CodecError("kind", "expected a grant")
+    return _counted(msg, cap)

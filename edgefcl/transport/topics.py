@@ -12,6 +12,7 @@ All topics live under `<root>/<fleet>/`:
     aggregator/status   aggregator -> all       QoS 1, retained (last will: offline)
     partial/<worker>    worker -> root          QoS 1 (sharded aggregation)
     workers/<worker>    worker -> root          QoS 1, retained (last will: offline)
+    grant/<worker>      root -> worker          QoS 1 (the clients its next partial may hold)
 """
 
 from __future__ import annotations
@@ -111,6 +112,10 @@ class Topics:
     def worker_status(self, worker: str) -> str:
         """Retained status of aggregator worker `worker` (its last will says offline)."""
         return f"{self.base}/workers/{validate_id(worker, 'worker id')}"
+
+    def grant(self, worker: str) -> str:
+        """Where the root answers aggregator worker `worker`'s claims."""
+        return f"{self.base}/grant/{validate_id(worker, 'worker id')}"
 
     @property
     def partials(self) -> str:
