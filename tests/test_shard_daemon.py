@@ -15,7 +15,7 @@ from edgefcl.runtime.links import NullLink, topics
 from edgefcl.runtime.shard_root import RootDaemon
 from edgefcl.runtime.shard_worker import WorkerDaemon
 from edgefcl.transport.codec import Message, encode
-from edgefcl.transport.partials import encode_partial
+from edgefcl.transport.partials import decode_grant, encode_claim, encode_grant, encode_partial
 
 FLEET = "t"
 INITIAL = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(2, np.float32)}
@@ -220,3 +220,64 @@ def test_a_worker_holds_an_update_based_on_a_global_it_has_not_seen_yet(tmp_path
     assert c["held_ahead"] == 1 and c["rejected_base"] == 1 and w.agg.pending() == 0
     w.handle(t.global_, encode(GlobalModel(1, INITIAL), fleet=FLEET))
     assert w.agg.pending() == 1 and c["accepted"] == 1 and not w.ahead
+
+
+class _Recorder(NullLink):
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    def publish(self, topic, payload, qos=1, retain=False, wait=False) -> int:
+        self.sent.append((topic, payload))
+        return len(payload)
+
+
+def test_the_root_answers_a_claim_on_the_workers_grant_topic(tmp_path):
+    d = make_root(tmp_path)
+    d.link = _Recorder()
+    d.agg.worker_online("w0")
+    d.handle(topic("w0"), encode_claim("w0", 7, ["a", "b"], fleet=FLEET))
+    (where, payload), = [s for s in d.link.sent if "/grant/" in s[0]]
+    assert where == topics(cfg_for().mqtt).grant("w0")
+    assert decode_grant(payload, FLEET, cap=4) == (7, ["a", "b"])
+    d.link.sent.clear()
+    d.handle(topic("w1"), encode_claim("w1", 1, ["a", "c"], fleet=FLEET))
+    assert decode_grant(d.link.sent[-1][1], FLEET, cap=4) == (1, ["c"])  # a: w0's
+
+
+@pytest.mark.parametrize("body,reason", [
+    ({"claim": 1, "clients": ["a", "a"]}, "malformed"),
+    ({"claim": 1, "clients": ["a/b"]}, "malformed"),
+    ({"claim": 1, "clients": [f"c{i}" for i in range(5)]}, "malformed"),  # over the roster cap
+    ({"claim": -1, "clients": ["a"]}, "malformed"),
+    ({"claim": 1.5, "clients": ["a"]}, "malformed"),
+    ({"claim": 1, "clients": "a"}, "malformed"),
+])
+def test_the_root_rejects_malformed_claims(tmp_path, body, reason):
+    d = make_root(tmp_path)
+    d.link = _Recorder()
+    d.handle(topic("w0"), encode(Message("claim", body), fleet=FLEET, sender="w0"))
+    assert d.agg.counters[f"rejected_{reason}"] == 1
+    assert d.link.sent == [] and d.agg.granted == {}
+
+
+def test_a_claim_in_another_workers_name_is_rejected(tmp_path):
+    d = make_root(tmp_path)
+    d.link = _Recorder()
+    d.handle(topic("w0"), encode_claim("w1", 1, ["a"], fleet=FLEET))
+    assert d.agg.counters["rejected_sender"] == 1 and d.agg.granted == {}
+
+
+def test_a_worker_folds_only_the_granted_clients_of_its_claim(tmp_path):
+    w = WorkerDaemon(cfg_for(), "w0")
+    w.agg = ShardWorker(INITIAL, cfg_for().fed, worker="w0")
+    w.link = w.up = _Recorder()
+    t = topics(cfg_for().mqtt)
+    for c in ("a", "b"):
+        w.handle(t.update(c), encode(update(c, 1.0), fleet=FLEET))
+    w.claim(1.0)
+    w._latest_grant = encode_grant(w.claims - 1, ["a"], fleet=FLEET, sender="aggregator")
+    w._take_grant()  # an answer to an earlier claim: ignored
+    assert w.partials_sent == 0
+    w._latest_grant = encode_grant(w.claims, ["a"], fleet=FLEET, sender="aggregator")
+    w._take_grant()
+    assert w.partials_sent == 1 and w.agg.claimable() == ("b",)
