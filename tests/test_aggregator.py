@@ -205,6 +205,48 @@ def test_a_full_async_round_closes_before_the_timeout():
     assert agg._round.nbytes == 0
 
 
+@pytest.mark.parametrize("robust_off", [True, False])
+def test_a_full_round_below_min_clients_folds_what_it_holds(robust_off):
+    """`min_clients` 5 with room for 2 updates of 8 bytes: the round folds every second
+    update into the strategy and holds at most 16 bytes; with the robust rules off its global
+    is the one-shot round's (float rounding), with them on every client still takes part."""
+    rules = {"clip_factor": 0.0, "max_share": 1.0} if robust_off else {}
+    kw = dict(round_timeout=100.0, min_clients=5, clients=5, **rules)
+    agg = make("async", round_max_mib=16 / 2**20, **kw)
+    whole = make("async", round_max_mib=0.0, **kw)
+    closed = None
+    for i, cid in enumerate("abcde"):
+        u = upd(cid, float(i), n=10 + i)
+        assert agg._round.nbytes <= 16
+        closed = agg.submit(u, now=0.1)
+        whole_closed = whole.submit(u, now=0.1)
+    assert closed is not None and closed.participants == tuple("abcde")
+    assert agg.counters["spilled"] == 4 and agg.counters["round_size_5"] == 1
+    if robust_off:
+        np.testing.assert_allclose(closed.global_.tensors["w"],
+                                   whole_closed.global_.tensors["w"], rtol=1e-6)
+
+
+def test_a_newer_update_of_a_folded_client_waits_for_the_next_round():
+    agg = make("async", round_timeout=100.0, min_clients=3, clients=4, round_max_mib=16 / 2**20,
+               clip_factor=0.0, max_share=1.0)
+    agg.submit(upd("a", 1.0), now=0.0)
+    agg.submit(upd("b", 1.0), now=0.0)  # full: a and b folded
+    assert agg._round.spilled == {"a": 1, "b": 1} and agg._round.nbytes == 0
+    agg.submit(upd("a", 2.0, seq=2, batch=6), now=0.1)  # held for the next round
+    closed = agg.submit(upd("c", 1.0), now=0.2)
+    assert closed.seqs == {"a": 1, "b": 1, "c": 1}
+    assert agg._round.updates["a"].seq == 2 and agg._round.nbytes == 8
+    agg.submit(upd("b", 3.0, seq=2, batch=6), now=0.3)  # full again: a and b folded
+    agg.submit(upd("a", 4.0, seq=3, batch=8), now=0.3)  # held
+    agg.submit(upd("b", 5.0, seq=3, batch=8), now=0.3)  # held: full of what waits
+    agg.submit(upd("a", 6.0, seq=4, batch=10), now=0.3)  # full: dropped, its seq 3 waits
+    assert agg.counters["dropped_round_full"] == 1 and agg._round.nbytes == 16
+    closed = agg.submit(upd("d", 1.0), now=0.4)
+    assert closed.seqs == {"a": 2, "b": 2, "d": 1}
+    assert {c: u.seq for c, u in agg._round.updates.items()} == {"a": 3, "b": 3}
+
+
 def test_no_buffer_bound_waits_for_the_quorum():
     agg = make("async", round_timeout=100.0, min_clients=2, quorum=0.5, clients=6,
                round_max_mib=0.0)

@@ -178,3 +178,20 @@ def test_the_broker_variable_is_the_default_broker(monkeypatch):
     assert daemon_config(args).mqtt.broker == "mqtt://127.0.0.1:1999"  # over the TOML's
     args = parser.parse_args(["client", "--broker", "mqtt://127.0.0.1:7"])
     assert daemon_config(args).mqtt.broker == "mqtt://127.0.0.1:7"  # the flag wins
+
+
+def test_a_round_that_cannot_fit_its_memory_bound_is_refused(tmp_path, capsys):
+    """A rule that holds every update of a round (median) with `min_clients` updates over
+    `round_max_mib`: one line naming both options, before any broker is reached."""
+    import numpy as np
+
+    from edgefcl.statefiles import save_tensors
+
+    save_tensors(tmp_path / "init.npz", {"w": np.zeros(10_000, np.float32)})
+    argv = ["aggregator", "--broker", "mqtt://127.0.0.1:9", "--initial",
+            str(tmp_path / "init.npz"), "--state-dir", str(tmp_path / "st"), "--mode", "async",
+            "--aggregation", "median", "--min-clients", "500", "--round-max-mib", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--min-clients 500 x 39 KiB = 19.1 MiB is over --round-max-mib 1" in err
+    assert "Traceback" not in err

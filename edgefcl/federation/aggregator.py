@@ -52,10 +52,26 @@ class _Round:
     """Bytes of the tensors of `updates` (async rounds close at `round_max_mib`)."""
     arrived: int = 0
     """Updates accepted into the round, replaced ones included (`buffer` counts them)."""
+    spilled: dict[str, int] = field(default_factory=dict)
+    """client -> seq of its update already folded into the strategy (`Aggregator._spill`);
+    a newer update of such a client in `updates` waits for the next round."""
+
+    def clients(self) -> int:
+        """Distinct clients in the round, folded or held."""
+        return len(self.spilled) + sum(c not in self.spilled for c in self.updates)
 
 
 def _nbytes(update: Update) -> int:
     return sum(np.asarray(t).nbytes for t in update.tensors.values())
+
+
+def round_spills(fed: FedConfig, library: bool) -> bool:
+    """Whether a full async round of `fed` below `min_clients` can fold what it holds early
+    (as a shard worker's flush): a decomposable rule, no prototype `library`, no class share
+    cap. Rounds of other rules hold every update until they close."""
+    rule = get_encoding(fed.encoding).rules.get(fed.aggregation)
+    return (fed.mode == "async" and rule is not None and rule.decomposable and not library
+            and not (rule.weights_by_class and fed.max_share < 1))
 
 
 def decode_updates(encoding: Encoding, updates: list[Update], counters: Counter) -> list[Update]:
@@ -184,6 +200,12 @@ class Aggregator:
         self.encoding = get_encoding(fed.encoding)
         self.fold = get_fold(fed.fold)
         self.strategy = self._new_strategy()
+
+    @property
+    def spills(self) -> bool:
+        """Whether a full round below `min_clients` folds what it holds into the strategy
+        (`_spill`) instead of growing past `round_max_mib` (`round_spills`)."""
+        return round_spills(self.fed, self.global_.prototypes is not None)
 
     def _new_strategy(self) -> Strategy:
         """The run's one strategy (it lives as long as the aggregator)."""
@@ -322,15 +344,43 @@ class Aggregator:
         rnd.reported.add(msg.client)
         if isinstance(msg, Update):
             self.counters["accepted"] += 1
+            if msg.client in rnd.spilled and self._round_full():
+                self.counters["dropped_round_full"] += 1  # its older update is in the round
+                return self._maybe_close(now)
             if msg.client in rnd.updates:
                 self.counters["replaced"] += 1  # one update per client and round: the newest
                 rnd.nbytes -= _nbytes(rnd.updates[msg.client])
             rnd.updates[msg.client] = msg
             rnd.nbytes += _nbytes(msg)
             rnd.arrived += 1
+            if self._round_full() and rnd.clients() < self.fed.min_clients and self.spills:
+                self._spill()
         else:
             self.counters["ticks"] += 1
         return self._maybe_close(now)
+
+    def _spill(self) -> None:
+        """Fold the held updates of clients not folded yet into the strategy now (the robust
+        rules over this share, as a shard worker's flush) and free them: a round that
+        `min_clients` keeps open holds at most `round_max_mib` of updates."""
+        rnd = self._round
+        take = sorted(c for c in rnd.updates if c not in rnd.spilled)
+        decoded = self.folded(decode_updates(self.encoding, [rnd.updates[c] for c in take],
+                                             self.counters))
+        for c in take:
+            rnd.nbytes -= _nbytes(rnd.updates.pop(c))
+        if not decoded:
+            return
+        if not rnd.spilled:
+            self.strategy.configure_round(RoundInput(self.global_.version,
+                                                     self.global_.tensors, self.history.get))
+        updates = prepare_round(self.weighed(decoded), self.global_.tensors, self.fed,
+                                self.counters, self.encoding.form)
+        note_round(updates, self.global_.version, self.counters, whole=False)
+        for u in updates:
+            self.strategy.add(u)
+        rnd.spilled.update({u.client: u.seq for u in decoded})
+        self.counters["spilled"] += len(decoded)
 
     def poll(self, now: float) -> RoundClosed | None:
         """Async: close the round on quorum once `round_timeout` has passed."""
@@ -343,7 +393,7 @@ class Aggregator:
             if not self.roster_complete or not rnd.reported or not self.active <= rnd.reported:
                 return None
             return self._close_tick()
-        if len(rnd.updates) < self.fed.min_clients:
+        if rnd.clients() < self.fed.min_clients:
             return None
         if self.active <= rnd.reported:
             return self._close_round(None)
@@ -355,7 +405,7 @@ class Aggregator:
             return self._close_round(None)
         timed_out = (now is not None and rnd.opened_at is not None
                      and now - rnd.opened_at >= self.fed.round_timeout)
-        if timed_out and len(rnd.updates) >= math.ceil(self.fed.quorum * len(self.active)):
+        if timed_out and rnd.clients() >= math.ceil(self.fed.quorum * len(self.active)):
             return self._close_round(None)
         return None
 
@@ -375,7 +425,7 @@ class Aggregator:
         """Discard the open round and its updates (counted as `dropped_round`): what the
         daemon does when closing it failed, so that one bad round cannot fail every poll."""
         self.counters["dropped_round"] += 1
-        self.counters["dropped_updates"] += len(self._round.updates)
+        self.counters["dropped_updates"] += len(self._round.updates) + len(self._round.spilled)
         self._round = _Round()
 
     def _rejects_global(self, g: GlobalModel) -> bool:
@@ -405,23 +455,29 @@ class Aggregator:
         """Aggregate the round (None: an async round that, without the updates dropped while
         decoding, has fewer than `min_clients` and waits for more)."""
         rnd = self._round
+        later = {c: u for c, u in rnd.updates.items() if c in rnd.spilled}
         decoded = self.folded(decode_updates(
-            self.encoding, [rnd.updates[c] for c in sorted(rnd.updates)], self.counters))
-        if len(decoded) < max(self.fed.min_clients, 1):
-            if tick is None and decoded:
-                kept = {u.client for u in decoded}
+            self.encoding, [rnd.updates[c] for c in sorted(rnd.updates) if c not in later],
+            self.counters))
+        if len(decoded) + len(rnd.spilled) < max(self.fed.min_clients, 1):
+            if tick is None and (decoded or rnd.spilled):
+                kept = {u.client for u in decoded} | set(later)
                 for c in [c for c in rnd.updates if c not in kept]:
                     rnd.nbytes -= _nbytes(rnd.updates.pop(c))
                 return None
             self._round = _Round()
             return RoundClosed(tick, None)
-        participants = tuple(u.client for u in decoded)
-        seqs = {u.client: u.seq for u in decoded}
-        self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
-                                                 self.history.get, participants))
+        seqs = dict(sorted((rnd.spilled | {u.client: u.seq for u in decoded}).items()))
+        participants = tuple(seqs)
+        if not rnd.spilled:
+            self.strategy.configure_round(RoundInput(self.global_.version,
+                                                     self.global_.tensors, self.history.get,
+                                                     participants))
         updates = prepare_round(self.weighed(decoded), self.global_.tensors, self.fed,
                                 self.counters, self.encoding.form)
-        note_round(updates, self.global_.version, self.counters)
+        note_round(updates, self.global_.version, self.counters, whole=not rnd.spilled)
+        if rnd.spilled:
+            self.counters[f"round_size_{len(participants)}"] += 1
         for u in updates:
             self.strategy.add(u)
         tensors = self.strategy.result(self.global_.tensors)
@@ -434,7 +490,7 @@ class Aggregator:
         self.global_, self.label_owners = candidate, owners
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
-        self._round = _Round()
+        self._round = _Round(later, arrived=len(later), nbytes=sum(map(_nbytes, later.values())))
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants, seqs)

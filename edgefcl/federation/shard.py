@@ -113,6 +113,8 @@ class ShardWorker(Aggregator):
         super().__init__(initial, fed, version, batch_size)
         self.worker = worker
 
+    spills = False  # a full worker flushes instead
+
     def _maybe_close(self, now: float | None) -> RoundClosed | None:
         return None  # the root closes rounds
 

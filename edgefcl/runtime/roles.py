@@ -71,6 +71,8 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     from edgefcl.runtime.store import StateError
 
     kind, extra = AggregatorDaemon, {}
+    if args.role == "single":
+        check_round_memory(cfg, initial)
     if args.role == "root":
         from edgefcl.federation.admission import parse_roster
         from edgefcl.runtime.shard_root import RootDaemon
@@ -86,6 +88,30 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     daemon.evaluator = evaluator
     daemon.labels = setup.dataset.labels if setup else None
     return daemon.run()
+
+
+def check_round_memory(cfg: RunConfig, initial: dict) -> None:
+    """Refuse an async run whose rule holds every update of a round (`round_spills` false)
+    when `min_clients` updates cannot fit in `round_max_mib` (one line, exit 2)."""
+    import math
+
+    from edgefcl.config import resolve_head
+    from edgefcl.federation.aggregator import round_spills
+    from edgefcl.federation.registry import get_encoding
+
+    fed = cfg.fed
+    library = resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes"
+    if fed.mode != "async" or not fed.round_max_mib or round_spills(fed, library):
+        return
+    per = sum(4 * int(t.size) for t in initial.values())
+    per *= 2 if get_encoding(fed.encoding).bayesian else 1  # means and sigmas
+    need = fed.min_clients * per
+    if need > fed.round_max_mib * (1 << 20):
+        raise ConfigError(
+            f"aggregation {fed.aggregation} holds every update of a round: --min-clients "
+            f"{fed.min_clients} x {per / 1024:.0f} KiB = {need / (1 << 20):.1f} MiB is over "
+            f"--round-max-mib {fed.round_max_mib:g}; raise --round-max-mib to at least "
+            f"{math.ceil(need / (1 << 20))} or lower --min-clients")
 
 
 def check_shard_role(cfg: RunConfig, args: argparse.Namespace) -> None:
