@@ -87,6 +87,9 @@ BENCHES = {
              "aggregator daemon, vs the raw broker rate (see the fleet options)",
     "shard": "CPU time per update of one aggregator vs an aggregator worker, and per partial "
              "of the root (dense and sparse demo updates, through the daemons' handlers)",
+    "backpressure": "the backpressure control loop on a virtual clock (the daemon's inbox, "
+                    "controller and update quota, the devices' pacers): synchronised, random "
+                    "and bursty devices, devices that ignore the factor (table, JSON, plot)",
     "crash": "SIGKILL the aggregator at random moments and check its state after each restart",
     "fuzz": "mutated payloads through the aggregator's and the device's message handlers",
     "flood": "the aggregator process's resident memory under chunk and tensor-count floods "
@@ -126,6 +129,9 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
                        help="rules METHOD[:SELECTION][+past][@RESCORE]")
     if what in ("client", "transport"):
         p.add_argument("--repeats", type=int, default=3, metavar="N", help="timing repeats")
+    if what == "backpressure":
+        p.add_argument("--devices", type=int, default=1000, metavar="N",
+                       help="devices in the loop")
     if what in ("crash", "fuzz", "flood"):
         default = {"crash": "100 SIGKILLs", "fuzz": "100000 payloads",
                    "flood": "1024 MiB per flood"}[what]
@@ -149,6 +155,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from edgefcl.bench.async_study import run_from_args as run_async_study
 
         return run_async_study(args, cfg, Path(cfg.out or "runs/bench"))
+    if args.what == "backpressure":
+        from edgefcl.bench.backpressure import Loop, bench_backpressure
+
+        if args.devices < 1:
+            raise ConfigError("--devices must be >= 1")
+        bench_backpressure(Path(cfg.out or "runs/bench"), cfg.seeds,
+                           Loop(devices=args.devices, capacity=float(args.devices),
+                                seed=cfg.seed))
+        return 0
     if args.what == "shard":
         from edgefcl.bench.shard import bench_shard
 

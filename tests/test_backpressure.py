@@ -252,6 +252,7 @@ def test_a_device_sends_its_last_update_again_to_a_restarted_aggregator(setup_cf
 
     config("a")
     r._send(sent[-1])
+    r.flush_sends()  # before its send delay is over
     assert len(out) == 1 and not r._resend_if_restarted()  # the same aggregator
     config("b")
     assert r._resend_if_restarted() and out[1] == out[0]
@@ -336,3 +337,62 @@ def test_a_held_update_sent_after_more_batches_names_the_batch_it_was_due_at(set
     assert final is not None and (final.batch, final.num_samples, final.class_counts) == due
     agg = Aggregator(client.base, cfg.fed, batch_size=cfg.data.batch_size)
     assert agg.validate(final) is None
+
+
+def test_a_pacer_delays_a_send_over_its_measured_due_period():
+    p = Pacer("d1", seed=0)
+    assert p.delay() == 0.0  # nothing measured yet
+    for k in range(5):
+        p.take(now=2.0 * k)
+    assert p.period == 2.0
+    delays = [p.delay() for _ in range(2000)]
+    assert 0 <= min(delays) < 0.05 and 1.95 < max(delays) < 2.0
+    assert abs(float(np.mean(delays)) - 1.0) < 0.05
+    q = Pacer("d2", seed=0)
+    for k in range(5):
+        q.take(now=2.0 * k)
+    assert [q.delay() for _ in range(3)] != delays[:3]  # each device its own draws
+    assert Pacer("d1", 0).delay(1.0) == Pacer("d1", 0).delay(1.0)  # from its id and seed
+
+
+def test_an_async_device_sends_after_its_delay_and_flushes_before_the_end(setup_cfg):
+    r, sent = _sent_updates(setup_cfg, None)
+    out: list[bytes] = []
+    r.link.publish = lambda topic, payload, **kw: out.append(payload) or len(payload)
+    r.pacer.period = 30.0  # a delay of seconds: still waiting when flushed
+    r._send(sent[-1])
+    assert out == [] and len(r._sends) == 1
+    r.flush_sends()
+    assert len(out) == 1
+    r.flush_sends()
+    assert len(out) == 1  # once
+
+
+# -- the closed loop on a virtual clock (edgefcl/bench/backpressure.py) ------------------------
+def test_synchronised_devices_fold_at_capacity_only_with_send_delays():
+    """1,000 devices due at the same instants, offered 1x: without the send delay each burst
+    is shed and the factor locks at its cap (0.09 of capacity: the outside harness saw 0.13);
+    with it the daemon folds at capacity and the factor stays near 1."""
+    from edgefcl.bench.backpressure import Loop, run_loop
+
+    stuck = run_loop(Loop(pacing="synchronised", offered=1.0, jitter="off"))
+    assert stuck["folded_over_capacity"] < 0.2 and stuck["factor_steady_min"] == 8.0
+    spread = run_loop(Loop(pacing="synchronised", offered=1.0))
+    assert spread["folded_over_capacity"] >= 0.95 and spread["factor_steady_max"] <= 1.25
+
+
+def test_the_factor_settles_at_twice_the_capacity_and_comes_back_down():
+    from edgefcl.bench.backpressure import Loop, run_loop
+
+    r = run_loop(Loop(pacing="synchronised", offered=2.0))
+    assert r["folded_over_capacity"] >= 0.9 and r["settled_s"] <= 10
+    assert r["factor_steady_min"] >= 1.6 and r["factor_steady_max"] <= 2.5  # no limit cycle
+    down = run_loop(Loop(offered=2.0, drop_to=0.5))
+    assert down["down_s"] <= 20  # x 0.9 an interval: 2 -> 1 in 7 intervals of 2 s, and more
+
+
+def test_devices_that_ignore_the_factor_get_at_most_1_5x_the_compliant_share():
+    from edgefcl.bench.backpressure import Loop, run_loop
+
+    r = run_loop(Loop(offered=2.0, ignoring=0.2))
+    assert r["ignoring_over_compliant"] <= 1.5 and r["folded_over_capacity"] >= 0.9

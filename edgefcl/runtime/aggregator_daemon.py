@@ -22,7 +22,7 @@ from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.runtime.store import StateStore
 from edgefcl.runtime.threads import stop_on_signals
-from edgefcl.runtime.update_quota import UpdateQuota
+from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
 from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import (
     DEFAULT_MAX_BYTES,
@@ -95,6 +95,7 @@ class AggregatorDaemon:
         self.gate = (-1, 0)
         """The task gate last announced: (tasks passed, the global version then)."""
         self.quota = UpdateQuota()  # fair service while backpressure is on
+        self._next_release = 0.0
         self.spec = tensor_spec(self.agg.global_.tensors)
         self.store = StateStore.open(self.state_dir, fleet=cfg.mqtt.fleet, spec=self.spec,
                                      fresh=fresh, resume=resume)
@@ -352,13 +353,21 @@ class AggregatorDaemon:
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval; a changed factor is
         re-published on the retained config (devices follow it there)."""
-        line = self.backpressure.observe(self.inbox.load(), self.status_every)
+        line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
+                                         self.status_every)
         self.quota.end_interval(self.status_every, set(self.agg.active), self.backpressure.factor)
-        for topic, payload in self.quota.release():  # what waited for its device's token
-            self.handle(topic, payload, admitted=True)
         if line:
             log.info(line)
             self._publish_config()
+
+    def _release_due(self, now: float) -> None:
+        """Handle the updates whose device has a token again (every RELEASE_EVERY s: the
+        buckets refill continuously, so the waiting updates come back spread out)."""
+        if now < self._next_release:
+            return
+        self._next_release = now + RELEASE_EVERY
+        for topic, payload in self.quota.release():
+            self.handle(topic, payload, admitted=True)
 
     def _release_waiting(self) -> bool:
         """Handle every update still waiting for its device's token (the run is ending: none
@@ -437,6 +446,7 @@ class AggregatorDaemon:
                 self._publish_config()
                 self._publish_global(self.agg.global_)
             self._serve_rounds(now)
+            self._release_due(now)
             if now >= next_status:
                 self._pressure()
                 self._publish_status()

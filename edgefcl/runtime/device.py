@@ -52,6 +52,25 @@ class Stopped(Exception):
     """The operator sent `stop`, or the process was asked to terminate."""
 
 
+class _Later:
+    """A send that goes out once: when its timer fires or when flushed, whichever is first."""
+
+    def __init__(self, send) -> None:
+        self.send = send
+        self.lock = threading.Lock()
+        self.done = False
+
+    def fire(self) -> None:
+        with self.lock:
+            if not self.done:
+                self.done = True
+                self.send()
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.done = True
+
+
 class DeviceRunner:
     """Drives one Client over MQTT.
 
@@ -132,8 +151,9 @@ class DeviceRunner:
         # async: the aggregator's backpressure (retained config, and its status while this
         # device follows it) stretches the jump: one due update in `factor` is sent
         self.pacer = Pacer(self.cid, cfg.seed)
+        self._sends: list[_Later] = []  # async updates waiting for their send delay
         if cfg.fed.mode == "async":
-            client.pace = self.pacer.take
+            client.pace = self._pace
         self.finished_task = MAX_TASK if cfg.learn.task_free else -1
         """async: the last task this device finished (its status claims it: the task gate). A
         task-free device does not know where a task ends: it never waits at the gate, and
@@ -421,6 +441,7 @@ class DeviceRunner:
                 final = self.client.held_update()  # the last mini-batches reach the fleet
                 if final is not None:
                     self._send(final, last=True)
+                self.flush_sends()
                 self._last_round()
                 if self.last_task is not None:  # again, on the model the device ends with
                     self._evaluate(self.last_task)
@@ -428,6 +449,8 @@ class DeviceRunner:
             state = "done"
         except Stopped:
             state = "stopped"
+            for later in self._sends:  # the link closes: nothing goes out after it
+                later.cancel()
         results = self.results()
         self.final_status(state, accuracy=results.get("accuracy"),
                           forgetting=results.get("forgetting"),
@@ -463,6 +486,7 @@ class DeviceRunner:
         held = self.client.held_update()
         if held is not None:
             self._send(held)
+        self.flush_sends()  # the task's updates go out before its claim
         self.finished_task = task
         self._status("online")
         start = time.monotonic()
@@ -634,13 +658,38 @@ class DeviceRunner:
         """Called once the whole stream was consumed (not when stopped)."""
 
     def send_update(self, seq: int, payload: bytes) -> None:
-        """Publish an encoded update (QoS 1)."""
-        self.link.publish(self.topics.update(self.cid), payload, qos=1)
+        """Publish an encoded update (QoS 1); in async mode after the pacer's send delay, on
+        a timer (the device trains on meanwhile)."""
         self.bytes_up += len(payload)
+        delay = self.pacer.delay() if self.cfg.fed.mode == "async" else 0.0
+        later = _Later(lambda: self.link.publish(self.topics.update(self.cid), payload, qos=1))
+        if delay <= 0:
+            later.fire()
+            return
+        self._sends = [s for s in self._sends if not s.done] + [later]
+        timer = threading.Timer(delay, later.fire)
+        timer.daemon = True
+        timer.start()
+
+    def _pace(self) -> bool:
+        """The pacer's decision on a due update; before it has measured the time between due
+        updates, it starts from `jump` mini-batches (a fleet's first updates are spread too)."""
+        if not self.pacer.period and self.batch_s:
+            self.pacer.period = self.cfg.fed.jump * float(np.median(self.batch_s[-20:]))
+        return self.pacer.take(time.monotonic())
+
+    def flush_sends(self) -> None:
+        """Publish now every update still waiting for its send delay."""
+        for later in self._sends:
+            later.fire()
+        self._sends = []
 
     def send_last(self, seq: int, payload: bytes) -> None:
-        """Publish the update held back to the end of the stream (after the last mini-batch)."""
-        self.send_update(seq, payload)
+        """Publish the update held back to the end of the stream (after the last mini-batch),
+        at once, after any still waiting."""
+        self.flush_sends()
+        self.link.publish(self.topics.update(self.cid), payload, qos=1)
+        self.bytes_up += len(payload)
 
     def status_fields(self) -> dict:
         """Extra fields of every status message."""

@@ -39,7 +39,9 @@ class Inbox:
 
     def __init__(self, max_bytes: int, max_items: int = 10_000,
                  sender_of: Callable[[str], str] | None = None,
-                 per_sender: int = PER_SENDER, rate: float = 0.0) -> None:
+                 per_sender: int = PER_SENDER, rate: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # a virtual one in the backpressure bench
         self.max_bytes = max_bytes
         self.max_items = max_items
         self.sender_of = sender_of or (lambda topic: topic)
@@ -58,14 +60,14 @@ class Inbox:
         self.offenders: Counter[str] = Counter()
         self.queued = 0
         self.taken = 0
-        self._since = time.monotonic()  # the interval load() reports on
+        self._since = self.clock()  # the interval load() reports on
         self._t = self._since  # last change of `bytes`
         self._area = 0.0  # integral of bytes over time since `_since`
         self._mark = (0, 0, 0)  # queued, shed, taken at `_since`
 
     def _account(self) -> None:
         """Add the time since the last change of `bytes` to the fill integral (under lock)."""
-        now = time.monotonic()
+        now = self.clock()
         self._area += self.bytes * (now - self._t)
         self._t = now
 
@@ -120,7 +122,7 @@ class Inbox:
         MAX_OFFENDERS senders, so the table stays bounded."""
         if self.rate <= 0:
             return True
-        now = time.monotonic()
+        now = self.clock()
         burst = 2 * self.rate
         tokens, at = self._buckets.get(sender, (burst, now))
         tokens = min(burst, tokens + (now - at) * self.rate)

@@ -33,7 +33,7 @@ from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics
 from edgefcl.runtime.threads import stop_on_signals
-from edgefcl.runtime.update_quota import UpdateQuota
+from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
 from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
 from edgefcl.transport.mqtt import TransportError
@@ -250,11 +250,10 @@ class WorkerDaemon:
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval (the root relays the
         highest of its workers' factors to the devices)."""
-        line = self.backpressure.observe(self.inbox.load(), self.status_every)
+        line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
+                                         self.status_every)
         self.quota.end_interval(self.status_every, self.quota.recent(),
                                 self.backpressure.factor)
-        for topic, payload in self.quota.release():  # what waited for its device's token
-            self.handle(topic, payload, admitted=True)
         if line:
             log.info(line)
 
@@ -293,7 +292,7 @@ class WorkerDaemon:
             log.info("worker %s for fleet %s on %s (%s), version %d", self.id, t.fleet,
                      self.cfg.mqtt.broker, updates, g.version)
             freeze_startup_heap()
-            next_status = 0.0
+            next_status = next_release = 0.0
             while not self.stop_event.is_set():
                 self._take_global()
                 self._take_grant()
@@ -301,6 +300,10 @@ class WorkerDaemon:
                 if item is not None:
                     self.handle(*item)
                 now = time.monotonic()
+                if now >= next_release:  # what waited for its device's token
+                    for topic, payload in self.quota.release():
+                        self.handle(topic, payload, admitted=True)
+                    next_release = now + RELEASE_EVERY
                 if self.agg.flush_due(now, self.flush_every) and (
                         self.claimed_at is None or now - self.claimed_at >= CLAIM_TIMEOUT):
                     self.claim(now)

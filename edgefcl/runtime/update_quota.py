@@ -2,7 +2,10 @@
 its updates folded than a compliant one.
 
 While the aggregator advertises a factor above 1, each active device may have its updates
-handled at most at `ratio` (1.2) times the fleet's median device rate: a token bucket per
+handled at most at `ratio` (1.2) times the fleet's median device rate, or times its fair share
+of what the aggregator let through in the last interval (those updates over the active
+devices) when that is lower (with half the fleet ignoring the factor the median is an
+ignoring device's rate; the fair share is not): a token bucket per
 device, refilled at that rate and holding one interval's refill and one more, so that with its
 allowances a device stays within 1.5x. The rates are smoothed over the status intervals.
 A device whose smoothed rate is within the limit is never held. One sending faster (one that
@@ -15,7 +18,9 @@ With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +33,8 @@ its devices' sessions deliver after it)."""
 MAX_WAITING = 4096
 """Devices whose newest update may wait for a token (beyond, an update over the limit is
 shed)."""
+RELEASE_EVERY = 0.1
+"""Seconds between a daemon's calls to `release` (its main loop)."""
 MIN_RATE = 1e-3
 """A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
 
@@ -35,16 +42,23 @@ MIN_RATE = 1e-3
 class UpdateQuota:
     """Per-device update budgets, set once per status interval."""
 
-    def __init__(self, ratio: float = 1.2) -> None:
+    def __init__(self, ratio: float = 1.2, clock: Callable[[], float] = time.monotonic) -> None:
         self.ratio = ratio
+        self.clock = clock  # a virtual one in the backpressure bench and the tests
         self.counts: Counter[str] = Counter()  # this interval's updates, per device
         self.rates: dict[str, float] = {}  # smoothed updates a second, per active device
-        self.tokens: dict[str, float] = {}
+        self.tokens: dict[str, tuple[float, float]] = {}  # device -> (tokens, when)
         self.limit: float | None = None  # updates a second per device; None: no limit
+        self.refill = 0.0  # tokens a second: the limit, at least one an interval
         self.burst = 1.0  # what a device's bucket holds: one interval's refill and one more
         self.intervals = 0
         self.shed: Counter[str] = Counter()
         self.waiting: dict[str, Any] = {}  # device -> its newest update over the limit
+        self.refused = 0
+        """Updates refused this interval (waiting or shed): not load the factor should
+        answer, as the devices over their share send them whatever it is."""
+        self.passed = 0
+        """Updates let through this interval (admitted or released)."""
 
     def admit(self, device: str, item: Any = None) -> bool:
         """Whether an update of `device` may be handled now (counted either way). When not,
@@ -52,28 +66,42 @@ class UpdateQuota:
         which is shed) until `release` finds a token for it."""
         self.counts[device] += 1
         if self.limit is None or self.rates.get(device, 0.0) <= self.limit:
+            self.passed += 1
             return True  # within the limit: never held (devices that wait for a global and
             # for each other would otherwise wait on each other's tokens for ever)
-        tokens = self.tokens.setdefault(device, self.burst)
+        now = self.clock()
+        tokens = self._tokens(device, now)
         if tokens < 1.0:
+            self.tokens[device] = (tokens, now)
+            self.refused += 1
             if device in self.waiting or len(self.waiting) >= MAX_WAITING:
                 self.shed[device] += 1
             if device in self.waiting or len(self.waiting) < MAX_WAITING:
                 self.waiting[device] = item
             return False
-        self.tokens[device] = tokens - 1.0
+        self.tokens[device] = (tokens - 1.0, now)
+        self.passed += 1
         return True
+
+    def _tokens(self, device: str, now: float) -> float:
+        """`device`'s tokens now: its bucket refills continuously (a full one when new)."""
+        tokens, at = self.tokens.get(device, (self.burst, now))
+        return min(self.burst, tokens + (now - at) * self.refill)
 
     def release(self, everything: bool = False) -> list[Any]:
         """The waiting items whose device has a token again (taking it), oldest device
-        first; all of them once the limit is off, or with `everything`."""
+        first; all of them once the limit is off, or with `everything`. Called often (the
+        buckets refill continuously), so that the waiting updates come back spread over an
+        interval, not in one burst that would make the inbox shed."""
         out = []
+        now = self.clock()
         for device in list(self.waiting):
-            tokens = self.tokens.get(device, self.burst)
+            tokens = self._tokens(device, now)
             if everything or self.limit is None or tokens >= 1.0:
                 if self.limit is not None:
-                    self.tokens[device] = tokens - 1.0
+                    self.tokens[device] = (tokens - 1.0, now)
                 out.append(self.waiting.pop(device))
+        self.passed += len(out)
         return out
 
     def recent(self) -> set[str]:
@@ -90,15 +118,18 @@ class UpdateQuota:
                  for d, r in now.items()}
         self.rates = rates
         self.counts.clear()
+        fair = self.passed / seconds / max(len(active), 1)  # each device's share of the folds
+        self.refused = self.passed = 0
         self.intervals += 1
         if len(self.shed) > 1024:  # bounded: the worst offenders
             self.shed = Counter(dict(self.shed.most_common(512)))
+        now = self.clock()
+        kept = {d: self._tokens(d, now) for d in active if d in self.tokens}  # at the old rate
         if factor <= 1.0 or not self.rates or self.intervals < WARMUP:
             self.limit, self.tokens = None, {}
             return
-        self.limit = self.ratio * float(np.median(list(self.rates.values())))
-        refill = max(self.limit * seconds, 1.0)  # at least one a device and interval: never
-        # starved (devices that send after each global would wait for each other for ever)
-        self.burst = refill + 1.0  # an interval's worth, and one more
-        self.tokens = {d: min(self.burst, self.tokens.get(d, self.burst) + refill)
-                       for d in active}
+        self.limit = self.ratio * min(float(np.median(list(self.rates.values()))), fair)
+        self.refill = max(self.limit, 1.0 / seconds)  # at least one a device and interval:
+        # never starved (devices that send after each global would wait for each other)
+        self.burst = self.refill * seconds + 1.0  # an interval's worth, and one more
+        self.tokens = {d: (min(self.burst, t), now) for d, t in kept.items()}

@@ -1,0 +1,275 @@
+"""`edgefcl bench backpressure`: the backpressure control loop on a virtual clock.
+
+The daemon's own parts, `Inbox`, `Backpressure` and `UpdateQuota`, and the devices' `Pacer`
+run against a model of the rest, driven by an event queue instead of wall time (the same
+seed gives the same numbers, in well under a second per run):
+
+- devices: `devices` devices, each with an update due every `devices / (offered x capacity)`
+  seconds, sent when its `Pacer` takes it (devices that ignore the factor send every one);
+  `pacing` sets the phases of their due times: `random` (uniform over a period),
+  `synchronised` (every device due at the same instant) or `bursty` (synchronised, and due
+  only in the first 10 s of every 40 s);
+- the daemon: an inbox of `inbox` updates (its byte budget over the update size), a main loop
+  that takes one update at a time, asks the update quota and folds an admitted one in
+  `1 / capacity` seconds; every `interval` seconds the inbox's load sets the factor, the
+  quota's interval ends, and the devices follow the new factor at once (the retained config).
+
+What it reports, per run: the folded rate over capacity in the steady state (the second
+half), when the factor settled (it stays within 20 % of its final level from then on), the
+factor's range in the steady state (a limit cycle shows as a wide one), and with devices that
+ignore the factor, their median folded count over the compliant devices'.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from edgefcl.runtime.backpressure import Backpressure, Pacer
+from edgefcl.runtime.inbox import Inbox
+from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
+
+PACINGS = ("random", "synchronised", "bursty")
+BURST_ON, BURST_EVERY = 10.0, 40.0
+SIZE = 1024
+"""Bytes of one simulated update (only the inbox's budget in updates matters)."""
+DUE, STATUS, SEND, RELEASE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Loop:
+    """One closed-loop run."""
+
+    devices: int = 1000
+    capacity: float = 1000.0
+    """Updates the daemon folds a second."""
+    offered: float = 2.0
+    """The fleet's due updates a second over `capacity`."""
+    pacing: str = "random"
+    ignoring: float = 0.0
+    """Fraction of the devices that send every due update whatever the factor."""
+    seconds: float = 60.0
+    inbox: int = 85
+    """Updates the inbox holds (32 MiB over a 382 KB dense update)."""
+    interval: float = 2.0
+    max_factor: float = 8.0
+    seed: int = 0
+    jitter: str = "on"
+    """Devices' send delay (`Pacer.delay`): on, off, or overload (only while the factor is
+    above 1)."""
+    drop_to: float = 0.0
+    """When > 0: the offered load drops to this (over capacity) halfway through."""
+
+
+def _due_after(t: float, spec: Loop, period: float) -> float:
+    """The next due time after one at `t` (bursty: only inside the on-windows; after the
+    drop, at the lower load)."""
+    if spec.drop_to and t >= spec.seconds / 2:
+        period *= spec.offered / spec.drop_to
+    nxt = t + period
+    if spec.pacing == "bursty" and nxt % BURST_EVERY >= BURST_ON:
+        nxt = (nxt // BURST_EVERY + 1) * BURST_EVERY + nxt % period
+    return nxt
+
+
+def _loaded(second: int, spec: Loop) -> bool:
+    """Whether the devices have updates due in `second` (bursty: its on-windows)."""
+    return spec.pacing != "bursty" or second % BURST_EVERY < BURST_ON
+
+
+def run_loop(spec: Loop) -> dict:
+    """Run one closed loop; returns its summary (see the module docstring) and its traces."""
+    if spec.pacing not in PACINGS:
+        raise ValueError(f"pacing must be one of {', '.join(PACINGS)}")
+    now = [0.0]
+    inbox = Inbox(max_bytes=spec.inbox * SIZE, sender_of=lambda topic: topic,
+                  clock=lambda: now[0])
+    bp = Backpressure(spec.max_factor)
+    quota = UpdateQuota(clock=lambda: now[0])
+    rng = np.random.default_rng(spec.seed)
+    n = spec.devices
+    period = n / (spec.offered * spec.capacity)
+    phases = rng.random(n) * period if spec.pacing == "random" else np.zeros(n)
+    ignoring = set(rng.permutation(n)[:round(spec.ignoring * n)].tolist())
+    pacers = [Pacer(f"d{i}", spec.seed) for i in range(n)]
+    for p in pacers:  # as a device does from its mini-batch times (DeviceRunner._pace)
+        p.period = period
+    names = [f"d{i}" for i in range(n)]
+    events = [(float(phases[i]), DUE, i) for i in range(n)]
+    events += [(k * spec.interval, STATUS, -1)
+               for k in range(1, int(spec.seconds / spec.interval) + 1)]
+    events += [(k * RELEASE_EVERY, RELEASE, -1)
+               for k in range(1, int(spec.seconds / RELEASE_EVERY) + 1)]
+    heapq.heapify(events)
+    payload = bytes(SIZE)
+    folded = np.zeros(n, np.int64)
+    per_second = np.zeros(int(np.ceil(spec.seconds)) + 1, np.int64)
+    factors: list[tuple[float, float]] = []
+    busy = 0.0  # when the main loop is free
+
+    def fold(device: str, at: float) -> float:
+        i = int(device[1:])
+        folded[i] += 1
+        done = at + 1.0 / spec.capacity
+        per_second[min(int(done), len(per_second) - 1)] += 1
+        return done
+
+    released: deque[str] = deque()  # the quota's, handled one after each inbox message
+
+    def serve(until: float) -> None:
+        nonlocal busy
+        while (len(inbox) or released) and busy <= until:
+            now[0] = busy
+            if len(inbox):
+                device, _ = inbox.get(0)
+                if quota.admit(device, device):
+                    busy = fold(device, busy)
+            if released and busy <= until:
+                busy = fold(released.popleft(), busy)
+        if not len(inbox) and not released:
+            busy = max(busy, until)
+
+    while events:
+        t, kind, i = heapq.heappop(events)
+        if t > spec.seconds:
+            break
+        serve(t)
+        now[0] = t
+        if kind == DUE:
+            heapq.heappush(events, (_due_after(t, spec, period), DUE, i))
+            if pacers[i].take(t) or i in ignoring:
+                if spec.jitter == "off" or (spec.jitter == "overload" and bp.factor <= 1):
+                    inbox.put(names[i], payload)
+                else:
+                    heapq.heappush(events, (t + pacers[i].delay(), SEND, i))
+            continue
+        if kind == SEND:
+            inbox.put(names[i], payload)
+            continue
+        if kind == RELEASE:
+            released.extend(quota.release())  # what waited for its device's token
+            continue
+        bp.observe(inbox.load().less(quota.refused), spec.interval)
+        quota.end_interval(spec.interval, set(names), bp.factor)
+        for p in pacers:
+            p.factor = bp.factor
+        factors.append((t, bp.factor))
+    return summarise(spec, folded, per_second, factors, ignoring)
+
+
+def summarise(spec: Loop, folded: np.ndarray, per_second: np.ndarray,
+              factors: list[tuple[float, float]], ignoring: set[int]) -> dict:
+    """The run's numbers: folded/capacity in the steady state (the second half; the first
+    with `drop_to`; the seconds with load due for bursty devices), when the factor settled
+    (within 20 % of its steady level from then on), its steady range, how long it took to
+    come back to 1 after a drop, and fairness."""
+    half = int(spec.seconds // 2)
+    window = range(half // 2, half) if spec.drop_to else range(half, int(spec.seconds))
+    steady = [per_second[k] for k in window if _loaded(k, spec)]
+    times = np.array([t for t, _ in factors])
+    f = np.array([v for _, v in factors])
+    level = f[(times >= window.start) & (times < window.stop)]
+    final = float(np.median(level)) if len(level) else 1.0
+    off = np.nonzero((np.abs(f - final) > 0.2 * final) & (times < window.stop))[0]
+    settled = 0.0 if not len(off) else float(times[off[-1] + 1])
+    out = {"spec": asdict(spec),
+           "folded_over_capacity": round(float(np.mean(steady)) / spec.capacity, 3),
+           "settled_s": settled, "factor_steady": round(final, 2),
+           "factor_steady_min": float(level.min()) if len(level) else 1.0,
+           "factor_steady_max": float(level.max()) if len(level) else 1.0,
+           "factors": f.tolist(), "folded_per_s": per_second.tolist()}
+    if spec.drop_to:
+        down = np.nonzero((times >= half) & (f <= 1.05))[0]
+        out["down_s"] = float(times[down[0]] - half) if len(down) else float("inf")
+    if ignoring:
+        compliant = [folded[i] for i in range(len(folded)) if i not in ignoring]
+        out["ignoring_over_compliant"] = round(
+            float(np.median([folded[i] for i in ignoring])) / max(float(np.median(compliant)),
+                                                                 1.0), 2)
+    return out
+
+
+CASES = [{"pacing": "random", "offered": 1.0}, {"pacing": "random", "offered": 2.0},
+         {"pacing": "synchronised", "offered": 1.0}, {"pacing": "synchronised", "offered": 2.0},
+         {"pacing": "synchronised", "offered": 1.0, "jitter": "off"},
+         {"pacing": "synchronised", "offered": 2.0, "jitter": "off"},
+         {"pacing": "bursty", "offered": 2.0},
+         {"pacing": "random", "offered": 2.0, "drop_to": 0.5},
+         {"pacing": "random", "offered": 2.0, "ignoring": 0.2},
+         {"pacing": "random", "offered": 2.0, "ignoring": 0.5}]
+"""The cases of the default table (fields of `Loop`)."""
+
+
+def _label(case: dict) -> str:
+    text = f"{case['pacing']} {case['offered']:g}x"
+    if case.get("drop_to"):
+        text += f" -> {case['drop_to']:g}x"
+    if case.get("ignoring"):
+        text += f", {case['ignoring']:.0%} ignoring"
+    if case.get("jitter", "on") != "on":
+        text += f", delay {case['jitter']}"
+    return text
+
+
+def bench_backpressure(out: Path, seeds: int = 3, base: Loop = Loop()) -> dict:
+    """`edgefcl bench backpressure`: every case of CASES over `seeds` seeds; a table, JSON
+    and a plot of the factor and the folded rate over time."""
+    rows = []
+    print(f"{'case':<36}{'folded/capacity':>17}{'settled s':>10}{'factor':>12}"
+          f"{'down s':>8}{'ignoring/compliant':>20}")
+    for case in CASES:
+        runs = [run_loop(replace(base, **case, seed=base.seed + s)) for s in range(seeds)]
+        ratio = [r["folded_over_capacity"] for r in runs]
+        fair = [r["ignoring_over_compliant"] for r in runs if "ignoring_over_compliant" in r]
+        row = {"case": case, "label": _label(case),
+               "folded_over_capacity": [float(np.mean(ratio)), _sd(ratio)],
+               "settled_s_max": max(r["settled_s"] for r in runs),
+               "factor_steady": [min(r["factor_steady_min"] for r in runs),
+                                 max(r["factor_steady_max"] for r in runs)],
+               "down_s_max": max((r["down_s"] for r in runs if "down_s" in r), default=None),
+               "ignoring_over_compliant_max": max(fair, default=None), "runs": runs}
+        rows.append(row)
+        down = row["down_s_max"]
+        print(f"{row['label']:<36}{np.mean(ratio):>10.3f} ± {_sd(ratio):.3f}"
+              f"{row['settled_s_max']:>10g}"
+              f"{row['factor_steady'][0]:>6.2f}-{row['factor_steady'][1]:<5.2f}"
+              f"{'-' if down is None else f'{down:g}':>8}"
+              f"{'-' if not fair else f'{max(fair):.2f}':>20}")
+    report = {"seeds": seeds, "base": asdict(base), "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_backpressure.json").write_text(json.dumps(report, indent=1))
+    _plot(rows, out / "bench_backpressure.png")
+    print(f"\nwritten {out / 'bench_backpressure.json'} and {out / 'bench_backpressure.png'}")
+    return report
+
+
+def _sd(values: list[float]) -> float:
+    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for row in rows:
+        run, label = row["runs"][0], row["label"]
+        spec = run["spec"]
+        t = [spec["interval"] * (k + 1) for k in range(len(run["factors"]))]
+        a.step(t, run["factors"], where="post", label=label)
+        rate = np.array(run["folded_per_s"][:int(spec["seconds"])]) / spec["capacity"]
+        b.plot(np.arange(len(rate)) + 0.5, rate, label=label)
+    a.set_ylabel("backpressure factor")
+    b.set_ylabel("folded / capacity")
+    b.set_xlabel("seconds (virtual clock, seed 0)")
+    a.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
