@@ -24,7 +24,7 @@ from edgefcl.transport.mqtt import BrokerUnavailable, MqttLink, TransportError, 
 from edgefcl.transport.topics import Topics
 
 pytestmark = pytest.mark.mqtt
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 T = Topics(FLEET)
 
 

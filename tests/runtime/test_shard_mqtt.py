@@ -126,7 +126,7 @@ def test_root_and_two_workers_over_mosquitto_equal_one_aggregator(mosquitto, tmp
 
 
 def _cli(*args: str, log: Path) -> subprocess.Popen:
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     return subprocess.Popen([sys.executable, "-m", "edgefcl", "aggregator", *args],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 

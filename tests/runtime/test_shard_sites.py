@@ -17,7 +17,7 @@ from edgefcl.runtime.shard_worker import WorkerDaemon
 from edgefcl.transport.broker import render_bridge, start_mosquitto
 from edgefcl.transport.codec import encode
 from edgefcl.transport.mqtt import MqttLink
-from tests.test_shard_mqtt import FLEET, INITIAL, Watcher, cfg_for, device_updates
+from tests.runtime.test_shard_mqtt import FLEET, INITIAL, Watcher, cfg_for, device_updates
 
 
 @pytest.mark.slow

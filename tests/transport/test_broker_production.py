@@ -26,7 +26,7 @@ from edgefcl.transport.topics import Topics
 
 pytestmark = pytest.mark.mqtt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLEET = "prod"
 T = Topics(FLEET)
 USERS = ("aggregator", "operator", "dev1", "dev2", "dev3", "dev4")
