@@ -26,7 +26,7 @@ from edgefcl.data.types import Batch
 from edgefcl.learn.bayes import predict_logits
 from edgefcl.learn.client import Client
 from edgefcl.learn.models import build_model
-from edgefcl.learn.prototypes import ProtoNet, proto_model
+from edgefcl.learn.proto_net import ProtoNet, proto_model
 from edgefcl.learn.variational import client_hooks
 from edgefcl.results import RunResult
 from edgefcl.sim.runs import simulate

@@ -15,7 +15,7 @@ from edgefcl.config import FedConfig, LearnConfig, RunConfig, resolve_current_sh
 from edgefcl.data.types import Dataset, TaskData
 from edgefcl.data.workload import client_id, load_workload
 from edgefcl.federation.messages import Tensors
-from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.registry import get_encoding
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import make_monitor
@@ -26,8 +26,8 @@ from edgefcl.learn.memory import ClassBalanced, MemorySpec
 from edgefcl.learn.methods import get_method
 from edgefcl.learn.models import build_model
 from edgefcl.learn.perturb import make_perturber
+from edgefcl.learn.proto_net import ProtoNet, proto_model, resolve_head
 from edgefcl.learn.proto_train import PrototypeHead
-from edgefcl.learn.prototypes import ProtoNet, proto_model, resolve_head
 from edgefcl.learn.selection import get_selection
 from edgefcl.learn.variational import client_hooks
 

@@ -7,9 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from edgefcl.config import ConfigError
-from edgefcl.logs import setup_logging
-from edgefcl.options import (
+from edgefcl.cli_options import (
     BROKER_VARIABLE,
     DAEMON_HELP,
     HelpFormatter,
@@ -25,6 +23,8 @@ from edgefcl.options import (
     run_command,
     show_all_help,
 )
+from edgefcl.config import ConfigError
+from edgefcl.logs import setup_logging
 from edgefcl.runtime.roles import add_role_commands
 from edgefcl.version import __version__
 
@@ -138,7 +138,7 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--count", type=int, default=0, metavar="N",
                        help=f"how many (default 0: {default})")
     if what == "fleet":
-        from edgefcl.bench.loadgen.options import add_fleet_arguments
+        from edgefcl.bench.loadgen.fleet_options import add_fleet_arguments
 
         add_fleet_arguments(p)
 

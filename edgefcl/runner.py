@@ -49,7 +49,7 @@ def run_one(cfg: RunConfig, method: str, seed: int, label: str | None = None) ->
     10 s otherwise; `label` names it (default: the method). Its results get `environment`."""
     label = label or method
     if cfg.transport == "mqtt":
-        from edgefcl.runtime.fleet import simulate_mqtt
+        from edgefcl.runtime.fleet_processes import simulate_mqtt
 
         def sim(c: RunConfig, m: str, s: int, p: Progress | None = None) -> RunResult:
             name = label.replace("/", "-")

@@ -47,7 +47,7 @@ import numpy as np
 from edgefcl.config import ConfigError, RunConfig
 from edgefcl.data.types import Batch, TaskData
 from edgefcl.learn.client import Client
-from edgefcl.runtime.device import END, DeviceRunner
+from edgefcl.runtime.device_runner import END, DeviceRunner
 from edgefcl.transport.codec import CodecError, Message, as_batch, decode
 from edgefcl.transport.mqtt import TransportError
 from firmware_sim.flash import Flash

@@ -103,7 +103,7 @@ def read_publish_log(path: Path) -> tuple[list[tuple[int, str]], int]:
 def child(state_dir: Path) -> None:
     """Serve deterministic updates forever (until killed)."""
     from edgefcl.federation.messages import Update
-    from edgefcl.federation.prototypes import PrototypeTable
+    from edgefcl.federation.prototype_library import PrototypeTable
     from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
     from edgefcl.transport.codec import encode
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from edgefcl.bench.loadgen.counter import run_counter
 from edgefcl.bench.loadgen.devices import COUNTERS, DeviceSpec, raise_fd_limit, run_devices
-from edgefcl.bench.loadgen.options import FleetOptions
+from edgefcl.bench.loadgen.fleet_options import FleetOptions
 from edgefcl.config import ConfigError, RunConfig
 
 DRAIN_S = 2.0

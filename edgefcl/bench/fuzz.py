@@ -38,7 +38,7 @@ import numpy as np
 from edgefcl.config import RunConfig, apply
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Tick, Update
-from edgefcl.federation.prototypes import (
+from edgefcl.federation.prototype_library import (
     MAX_COUNT,
     MAX_LABEL_CHARS,
     MAX_LABELS,
@@ -378,7 +378,7 @@ def _model(size: int = 64) -> dict[str, np.ndarray]:
 def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = False) -> dict:
     """`n` payloads through `AggregatorDaemon.handle` (async rounds, robust rules on, head
     prototypes: the updates carry prototype libraries)."""
-    from edgefcl.federation.prototypes import feature_width
+    from edgefcl.federation.prototype_library import feature_width
     from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
 
     cfg = apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": FLEET, "max_payload": 4 << 20},
@@ -432,7 +432,7 @@ def fuzz_device(n: int, seed: int = 0, progress: bool = False) -> dict:
     cannot be merged escapes)."""
     from edgefcl.build import make_client, prepare
     from edgefcl.learn.global_format import global_tensors
-    from edgefcl.runtime.device import DeviceRunner
+    from edgefcl.runtime.device_runner import DeviceRunner
 
     cfg = apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": FLEET},
                               "data": {"tasks": 2, "classes_per_task": 2},

@@ -39,7 +39,7 @@ def model_tensors(n_params: int = PARAMS, seed: int = 0) -> dict[str, np.ndarray
 
 def wall_ratio(cfg: RunConfig, workdir: Path) -> dict:
     """In-process vs lock-step MQTT (embedded broker) on the same config and seed."""
-    from edgefcl.runtime.fleet import simulate_mqtt
+    from edgefcl.runtime.fleet_processes import simulate_mqtt
     from edgefcl.sim.runs import simulate
 
     local = simulate(cfg)

@@ -15,7 +15,7 @@ from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.folds import FOLDS, Fold
 from edgefcl.federation.global_check import published_fault
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.prototypes import PrototypeTable, average_tables, check_table
+from edgefcl.federation.prototype_library import PrototypeTable, average_tables, check_table
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import check_variances, label_room, prepare_round
 from edgefcl.federation.round_weights import weigh
@@ -508,7 +508,7 @@ class Aggregator:
         (`round_weights.py`), for the robust rules; after `strategy.configure_round`."""
         return weigh(updates, self.global_.version, self.fed, self.strategy)
 
-    # -- prototype library (head prototypes; federation/prototypes.py) ---------------------
+    # -- prototype library (head prototypes; federation/prototype_library.py) ---------------------
     def _check_prototypes(self, msg: Update) -> str | None:
         """An update's library must match the global's row width and kind (Gaussian rows,
         with sigmas, exactly where the global's are); none where the run has no library."""

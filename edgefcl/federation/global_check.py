@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from edgefcl.federation.messages import GlobalModel
-from edgefcl.federation.prototypes import MAX_ROW_ABS, check_table
+from edgefcl.federation.prototype_library import MAX_ROW_ABS, check_table
 from edgefcl.federation.robust.variance import check_variances
 from edgefcl.federation.sparse import KB
 

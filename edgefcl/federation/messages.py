@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.prototype_library import PrototypeTable
 
 Tensors = dict[str, np.ndarray]
 """Named parameter tensors, float32 numpy arrays in a fixed (state_dict) order."""

@@ -6,7 +6,7 @@ global, downlink) asks here."""
 from __future__ import annotations
 
 from edgefcl.config import NAMES, ConfigError
-from edgefcl.federation.apc import APC
+from edgefcl.federation.apc_rule import APC
 from edgefcl.federation.encodings import DENSE, Encoding
 from edgefcl.federation.gaussian import GAUSSIAN
 from edgefcl.federation.q8 import Q8

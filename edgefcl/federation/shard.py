@@ -53,7 +53,7 @@ from edgefcl.federation.aggregator import (
     note_round,
 )
 from edgefcl.federation.messages import GlobalModel, Tensors
-from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import prepare_round
 from edgefcl.federation.strategy import RoundInput

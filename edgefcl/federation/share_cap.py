@@ -1,6 +1,6 @@
 """The share cap's arithmetic (water-filling), used by the robust share rule
 (`robust/share.py`, one weight per update) and by the prototype library (one weight per row
-of a label, `federation/prototypes.py`). Depends on numpy only."""
+of a label, `federation/prototype_library.py`). Depends on numpy only."""
 
 from __future__ import annotations
 

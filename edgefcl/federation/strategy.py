@@ -22,7 +22,7 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
-from edgefcl.federation.prototypes import MAX_ROW_ABS
+from edgefcl.federation.prototype_library import MAX_ROW_ABS
 
 MAX_VALUE = MAX_ROW_ABS
 """Largest magnitude of a value in an update: the bound every device checks a global against

@@ -31,11 +31,11 @@ from torch import Tensor, nn
 
 from edgefcl.config import ConfigError, FedConfig, LearnConfig, scores_with_onnxruntime
 from edgefcl.data.types import DataError
-from edgefcl.federation.prototypes import ROWS_KEY
+from edgefcl.federation.prototype_library import ROWS_KEY
 from edgefcl.learn.models import build_model, model_device, resolve_model_name
 from edgefcl.learn.params import get_tensors, set_tensors
 from edgefcl.learn.perturb import ImagePerturber, NoisePerturber, Perturber, eval_mode
-from edgefcl.learn.prototypes import ProtoNet, proto_model
+from edgefcl.learn.proto_net import ProtoNet, proto_model
 from edgefcl.learn.score_worker import PerturberSpec, WorkerError, shared_worker
 from edgefcl.learn.scores import uncertainty
 from edgefcl.learn.variational import client_hooks

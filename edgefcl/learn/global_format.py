@@ -7,7 +7,7 @@ from torch import nn
 
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.registry import get_encoding
-from edgefcl.learn.apc import local_keys
+from edgefcl.learn.apc_layers import local_keys
 from edgefcl.learn.params import get_tensors
 
 

@@ -6,7 +6,7 @@ state it last sent (`sent`), the names of the learned parameters (statistics suc
 BatchNorm running means and variances always take the global's value: a variance moved by a
 delta can turn negative) and `tau`, the versions the global moved on since the base of the
 update it counts. `merge_global` is the async device's one decision, shared by the daemon's
-device (`runtime/device.py`) and the in-process simulator (`edgefcl.asyncsim`).
+device (`runtime/device_runner.py`) and the in-process simulator (`edgefcl.asyncsim`).
 """
 
 from __future__ import annotations

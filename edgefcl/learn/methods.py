@@ -88,7 +88,7 @@ METHODS: dict[str, Method] = {
         Method("fedbnn", "balanced-score", hooks="edgefcl.learn.variational:FedBNNHooks",
                encoding="gaussian", aggregation="fedbnn",
                help="Bayesian, likelihood product; BI-ranked memory"),
-        Method("apc", "balanced-random", hooks="edgefcl.learn.apc:APC", encoding="apc",
+        Method("apc", "balanced-random", hooks="edgefcl.learn.apc_layers:APC", encoding="apc",
                help="FedWeIT decomposition, class-balanced random memory"),
     )},
 }

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from edgefcl.federation.messages import Tensors
-from edgefcl.federation.prototypes import PrototypeTable, table_digest
+from edgefcl.federation.prototype_library import PrototypeTable, table_digest
 
 
 def shared_names(model: torch.nn.Module) -> list[str]:

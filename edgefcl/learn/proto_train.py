@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from edgefcl.data.labels import check_names, label_id, label_names
-from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.learn.perturb import eval_mode
-from edgefcl.learn.prototypes import ProtoNet, PrototypeLibrary
+from edgefcl.learn.proto_net import ProtoNet, PrototypeLibrary
 
 
 class PrototypeHead:

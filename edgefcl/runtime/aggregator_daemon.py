@@ -13,7 +13,7 @@ from pathlib import Path
 from edgefcl.config import RunConfig
 from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.prototypes import initial_library
+from edgefcl.federation.prototype_library import initial_library
 from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.fleet_results import FleetResults

@@ -15,7 +15,7 @@ import numpy as np
 
 from edgefcl.config import RunConfig, public_dict
 from edgefcl.federation.messages import GlobalModel
-from edgefcl.federation.prototypes import ROWS_KEY
+from edgefcl.federation.prototype_library import ROWS_KEY
 from edgefcl.metrics import forgetting, last_accuracy, sample_std
 from edgefcl.statefiles import save_json, save_tensors
 from edgefcl.transport.codec import CodecError

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from edgefcl.config import MqttConfig, RunConfig, resolve_head
-from edgefcl.federation.prototypes import MAX_LABEL_CHARS, MAX_LABELS, feature_width
+from edgefcl.federation.prototype_library import MAX_LABEL_CHARS, MAX_LABELS, feature_width
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError
 from edgefcl.transport.mqtt import MqttLink
 from edgefcl.transport.topics import Topics

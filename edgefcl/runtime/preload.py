@@ -9,6 +9,6 @@ import edgefcl.build  # noqa: F401
 import edgefcl.data.workload  # noqa: F401
 import edgefcl.learn.export  # noqa: F401
 import edgefcl.runtime.aggregator_daemon  # noqa: F401
-import edgefcl.runtime.device  # noqa: F401
+import edgefcl.runtime.device_runner  # noqa: F401
 import edgefcl.runtime.replayer  # noqa: F401
 import edgefcl.runtime.roles  # noqa: F401

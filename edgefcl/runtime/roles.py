@@ -10,9 +10,7 @@ import functools
 import logging
 from pathlib import Path
 
-from edgefcl.config import ConfigError, RunConfig
-from edgefcl.logs import setup_logging
-from edgefcl.options import (
+from edgefcl.cli_options import (
     DAEMON_HELP,
     RUN_ONLY,
     Parser,
@@ -26,6 +24,8 @@ from edgefcl.options import (
     run_command,
     show_all_help,
 )
+from edgefcl.config import ConfigError, RunConfig
+from edgefcl.logs import setup_logging
 
 log = logging.getLogger("edgefcl")
 
@@ -172,7 +172,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     from edgefcl.build import make_client, use_cpu_threads
     from edgefcl.data.workload import client_stream
-    from edgefcl.runtime.device import DeviceRunner
+    from edgefcl.runtime.device_runner import DeviceRunner
     from edgefcl.runtime.heap import freeze_startup_heap
 
     use_cpu_threads(cfg.learn.threads)

@@ -38,7 +38,7 @@ import numpy as np
 
 from edgefcl.config import ConfigError
 from edgefcl.federation.messages import Tensors
-from edgefcl.federation.prototypes import PrototypeTable, split_table, table_arrays
+from edgefcl.federation.prototype_library import PrototypeTable, split_table, table_arrays
 from edgefcl.statefiles import atomic_write
 from edgefcl.transport.codec import CodecError, TensorSpec, check_tensors, spec_hash, tensor_spec
 

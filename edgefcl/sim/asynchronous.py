@@ -2,8 +2,9 @@
 `Client` and merge decision (`learn.merges.merge_global`) the daemon's devices run, with the
 broker replaced by delays drawn from a timing profile (`profiles.py`).
 
-Per device, as `runtime/device.py` does over MQTT: train a mini-batch (its compute time), send
-the update when the schedule says so (it reaches the aggregator after the uplink delay), merge
+Per device, as `runtime/device_runner.py` does over MQTT: train a mini-batch (its compute
+time), send the update when the schedule says so (it reaches the aggregator after the uplink
+delay), merge
 the newest global it has received, evaluate at the end of a task (with the task gate, after
 waiting there for the fleet and taking the gate's global; `federation/task_gate.py`; and the
 last task once more on the model the device ends with). At the end of its stream a

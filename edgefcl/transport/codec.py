@@ -30,7 +30,12 @@ import numpy as np
 
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.prototypes import MAX_LABEL_CHARS, MAX_LABELS, PrototypeTable, valid_name
+from edgefcl.federation.prototype_library import (
+    MAX_LABEL_CHARS,
+    MAX_LABELS,
+    PrototypeTable,
+    valid_name,
+)
 from edgefcl.transport import integrity
 from edgefcl.transport.bounds import DEFAULT_LIMITS, Limits, scan
 from edgefcl.transport.errors import CodecError

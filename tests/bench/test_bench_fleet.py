@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgefcl.bench.loadgen.options import FleetOptions
+from edgefcl.bench.loadgen.fleet_options import FleetOptions
 from edgefcl.bench.loadgen.template import UpdateTemplate
 from edgefcl.config import ConfigError, FedConfig, RunConfig
 from edgefcl.federation.aggregator import Aggregator

@@ -10,10 +10,10 @@ from torch import nn
 
 from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, apply, resolve_fed
 from edgefcl.federation.aggregator import Aggregator
-from edgefcl.federation.apc import KB_NEXT, APCEncoder, APCFedAvg
+from edgefcl.federation.apc_rule import KB_NEXT, APCEncoder, APCFedAvg
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.sparse import IDX, KB, ROWS, VAL, decode_indices, encode_indices
-from edgefcl.learn.apc import APC, APCLayer, decompose, local_keys, shared_tensors
+from edgefcl.learn.apc_layers import APC, APCLayer, decompose, local_keys, shared_tensors
 from edgefcl.learn.params import get_tensors
 
 sig = torch.sigmoid

@@ -22,7 +22,7 @@ EXPECTED = {  # the counter that shows the defence at work
     "inflate": "rejected_samples", "scaled": "clipped", "sign-flip": "clipped",
     "noise": "accepted", "bn-var": "rejected_variance", "bomb": "rejected_limits",
     "stop": "rejected_kind", "replay": "rejected_replay", "ghost": "rejected_roster",
-    "chunk-flood": None,  # chunks go to the link's reassembler (tests/transport/test_boundary_codec.py)
+    "chunk-flood": None,  # to the link's reassembler (tests/transport/test_boundary_codec.py)
 }
 
 

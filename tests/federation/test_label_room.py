@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from edgefcl.config import FedConfig
 from edgefcl.data.labels import MAX_LABELS
-from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.robust.label_room import admit, quota
 
 

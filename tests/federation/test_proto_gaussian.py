@@ -18,7 +18,7 @@ from edgefcl.data.types import Batch
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.global_check import check_global
 from edgefcl.federation.messages import GlobalModel, Update
-from edgefcl.federation.prototypes import (
+from edgefcl.federation.prototype_library import (
     PrototypeTable,
     average_tables,
     check_table,
@@ -30,7 +30,7 @@ from edgefcl.learn.bayes import predict_logits
 from edgefcl.learn.merges import MERGES
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
-from edgefcl.learn.prototypes import PrototypeLibrary, proto_model
+from edgefcl.learn.proto_net import PrototypeLibrary, proto_model
 from edgefcl.transport.codec import CodecError, decode, encode
 
 
@@ -379,7 +379,8 @@ def test_fedbnn_rows_of_the_standard_network_phase_are_averaged_or_left_out():
 
 
 def test_the_row_constants_agree_with_the_gaussian_encoding():
-    from edgefcl.federation import gaussian, prototypes
+    from edgefcl.federation import gaussian
+    from edgefcl.federation import prototype_library as prototypes
 
     assert prototypes.LIK_SIGMA_MAX == gaussian.LIK_SIGMA_MAX
     assert prototypes.LIK_FLOOR == gaussian.LIK_FLOOR

@@ -20,7 +20,7 @@ from edgefcl.data.loaders import load_dataset
 from edgefcl.data.types import Batch
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import GlobalModel, Update
-from edgefcl.federation.prototypes import (
+from edgefcl.federation.prototype_library import (
     MAX_COUNT,
     MAX_LABEL_CHARS,
     MAX_LABELS,
@@ -34,7 +34,7 @@ from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.merges import MERGES
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
-from edgefcl.learn.prototypes import ProtoNet, PrototypeLibrary, proto_model
+from edgefcl.learn.proto_net import ProtoNet, PrototypeLibrary, proto_model
 from edgefcl.learn.variational import client_hooks
 from edgefcl.transport.codec import CodecError, decode, encode
 
@@ -499,7 +499,7 @@ def test_fixed_head_is_untouched_by_the_option():
 @pytest.mark.mqtt
 @pytest.mark.parametrize("method", ["bi", "fedbnn", "apc"])  # fedbnn: Gaussian rows
 def test_lockstep_mqtt_reproduces_inprocess_with_prototypes(embedded_broker, tmp_path, method):
-    from edgefcl.runtime.fleet import simulate_mqtt
+    from edgefcl.runtime.fleet_processes import simulate_mqtt
     from edgefcl.sim.runs import simulate
 
     cfg = small(mqtt={"broker": embedded_broker}, learn={"method": method})
@@ -630,7 +630,7 @@ def test_a_device_refuses_a_global_library_of_another_width():
     from edgefcl.build import make_client, prepare
     from edgefcl.federation.global_check import check_global
     from edgefcl.learn.global_format import global_tensors
-    from edgefcl.runtime.device import DeviceRunner
+    from edgefcl.runtime.device_runner import DeviceRunner
     from edgefcl.transport.codec import tensor_spec
 
     cfg = apply(RunConfig(), {"quiet": True, "data": {"tasks": 2, "classes_per_task": 2},
@@ -687,7 +687,7 @@ def test_one_devices_rows_move_at_most_their_share_of_predictions(honest) -> Non
     # vectors went to '3' (0.13-0.16 with honest rows only)
     from collections import Counter
 
-    from edgefcl.federation.prototypes import MAX_COUNT, average_tables
+    from edgefcl.federation.prototype_library import MAX_COUNT, average_tables
 
     rng = np.random.default_rng(0)
     names = tuple(str(c) for c in range(10))

@@ -12,7 +12,7 @@ import pytest
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Update
-from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.q8 import Q8Encoder
 from edgefcl.federation.shard import Partial, ShardError, ShardRoot, ShardWorker
 from edgefcl.federation.sparse import SparseEncoder

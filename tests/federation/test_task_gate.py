@@ -18,7 +18,7 @@ from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.task_gate import MAX_TASK, OPEN, TaskGate, gate_open
 from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
-from edgefcl.runtime.device import DeviceRunner
+from edgefcl.runtime.device_runner import DeviceRunner
 from edgefcl.runtime.links import NullLink, topics
 from edgefcl.sim import asynchronous
 from edgefcl.sim.runs import simulate

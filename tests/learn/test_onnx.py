@@ -406,7 +406,7 @@ def test_a_shared_template_of_another_model_is_not_used():
 def test_a_template_that_bakes_in_tensors_outside_the_state_is_not_refilled():
     # a prototype library's rows are read by the forward but not in the state_dict: a refill
     # would keep the rows the export saw, so the client exports each snapshot whole instead
-    from edgefcl.learn.prototypes import proto_model
+    from edgefcl.learn.proto_net import proto_model
 
     model = proto_model(build_model("mlp", (12,), 1, hidden=8))
     model.library.ensure(["a", "b", "c"])

@@ -13,7 +13,7 @@ from edgefcl.config import RunConfig, apply
 from edgefcl.data.workload import client_stream
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.runtime.backpressure import Backpressure, Load, Pacer, advertised
-from edgefcl.runtime.device import DeviceRunner
+from edgefcl.runtime.device_runner import DeviceRunner
 from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.links import NullLink, topics
 from edgefcl.transport.codec import Message, encode

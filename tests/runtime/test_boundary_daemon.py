@@ -182,7 +182,7 @@ def make_proto_daemon(tmp_path) -> AggregatorDaemon:
 
 
 def proto_update(client, seq, labels, value=1.0, counts=None, rows=None):
-    from edgefcl.federation.prototypes import PrototypeTable
+    from edgefcl.federation.prototype_library import PrototypeTable
 
     n = len(labels)
     table = PrototypeTable(tuple(labels), rows if rows is not None else
@@ -198,7 +198,7 @@ _GOOD_PROTO = [proto_update("a", s, ["cat", f"a{s}"], value=s) for s in (1, 2, 3
 
 
 def _library_ok(d: AggregatorDaemon) -> bool:
-    from edgefcl.federation.prototypes import check_table
+    from edgefcl.federation.prototype_library import check_table
 
     return check_table(d.agg.global_.prototypes, WIDTH) is None
 
@@ -235,7 +235,7 @@ def test_any_sequence_of_mutated_prototype_libraries_never_escapes(tmp_path_fact
 
 
 def test_hostile_libraries_are_rejected_with_their_reason(tmp_path) -> None:
-    from edgefcl.federation.prototypes import MAX_COUNT, MAX_LABEL_CHARS
+    from edgefcl.federation.prototype_library import MAX_COUNT, MAX_LABEL_CHARS
 
     d = make_proto_daemon(tmp_path)
     tp = topics(d.cfg.mqtt)

@@ -13,7 +13,7 @@ from edgefcl.build import make_client, prepare
 from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.global_format import global_tensors
-from edgefcl.runtime.device import DeviceRunner
+from edgefcl.runtime.device_runner import DeviceRunner
 from edgefcl.runtime.links import NullLink, topics
 from edgefcl.transport import integrity
 from edgefcl.transport.codec import Message, encode

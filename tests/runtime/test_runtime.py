@@ -14,7 +14,7 @@ from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import Update
 from edgefcl.learn.params import get_tensors
 from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
-from edgefcl.runtime.fleet import simulate_mqtt
+from edgefcl.runtime.fleet_processes import simulate_mqtt
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.sim.runs import simulate
 from edgefcl.transport.codec import encode

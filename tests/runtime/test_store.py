@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgefcl.bench import crash as bench_crash
-from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.runtime.store import (
     StateError,
     StateStore,
@@ -202,7 +202,7 @@ def test_the_library_is_saved_with_its_global_under_one_sha256(tmp_path) -> None
 
 
 def test_a_damaged_library_is_refused(tmp_path) -> None:
-    from edgefcl.federation.prototypes import table_arrays
+    from edgefcl.federation.prototype_library import table_arrays
 
     s = fresh_store(tmp_path)
     s.commit({"version": 0, "rounds": 0}, T)

@@ -107,7 +107,7 @@ def test_apply_table_sets_typed_values():
 
 
 def test_firmware_overrides_only_the_runner_hooks():
-    from edgefcl.runtime.device import DeviceRunner
+    from edgefcl.runtime.device_runner import DeviceRunner
     from firmware_sim.device import Firmware
 
     overridden = {n for n, v in vars(Firmware).items()

@@ -20,7 +20,7 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.data.labels import MAX_LABELS
-from edgefcl.federation.prototypes import PrototypeTable
+from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.share_cap import default_cap
 
 

@@ -87,7 +87,7 @@ def check_apc(tensors: Tensors, spec: Spec) -> str | None:
 
 # -- client side -------------------------------------------------------------------------------
 class PayloadSource(Protocol):
-    """What the APC client hooks (`edgefcl.learn.apc.APC`) give the encoder."""
+    """What the APC client hooks (`edgefcl.learn.apc_layers.APC`) give the encoder."""
 
     local_keys: frozenset[str]
 

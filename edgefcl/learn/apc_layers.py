@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgefcl.config import ConfigError, LearnConfig
-from edgefcl.federation.apc import KB, APCEncoder
+from edgefcl.federation.apc_rule import KB, APCEncoder
 from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.sparse import IDX, ROWS, VAL, encode_indices, to_values
 from edgefcl.learn.objectives import MethodHooks

@@ -23,7 +23,7 @@ from edgefcl.data.streams import count_batches
 from edgefcl.data.workload import client_id
 from edgefcl.federation.aggregator import async_stats
 from edgefcl.federation.messages import GlobalModel
-from edgefcl.federation.prototypes import split_table
+from edgefcl.federation.prototype_library import split_table
 from edgefcl.learn.drift import summarize_drift
 from edgefcl.learn.export import architecture_spec, global_state
 from edgefcl.learn.params import global_sha256

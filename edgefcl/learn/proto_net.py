@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from edgefcl.config import resolve_head  # noqa: F401  (re-exported)
 from edgefcl.federation.gaussian import LIK_SIGMA_MAX, likelihood
-from edgefcl.federation.prototypes import (
+from edgefcl.federation.prototype_library import (
     MAX_LABEL_CHARS,
     MAX_LABELS,
     MAX_ROW_ABS,
