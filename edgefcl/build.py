@@ -75,7 +75,7 @@ def initial_prototypes(setup: Setup, encoding: str = "dense") -> PrototypeTable 
     model = setup.initial
     if not isinstance(model, ProtoNet):
         return None
-    return PrototypeTable.empty(model.dim + 1, encoding == "gaussian")
+    return PrototypeTable.empty(model.dim + 1, get_encoding(encoding).bayesian)
 
 
 def for_method(cfg: RunConfig, method: str) -> RunConfig:
@@ -114,7 +114,7 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
     encoder = get_encoding(fed.encoding).make_encoder(fed)
     protos = (PrototypeHead(model, learn.optimizer, learn.lr, device, learn.warmup_steps,
                             not learn.prototypes_local,
-                            learn.bayes_sigma if fed.encoding == "gaussian" else None)
+                            learn.bayes_sigma if get_encoding(fed.encoding).bayesian else None)
               if isinstance(model, ProtoNet) else None)
     learner = StreamLearner(cid, model, learn, data_kind, device, opt,
                       torch.Generator().manual_seed(seed), memory, spec.score, perturber,

@@ -476,10 +476,11 @@ def run_entries(cfg: RunConfig) -> list[tuple[str, str, FedConfig]]:
 
 
 def resolve_head(head: str, method: str) -> str:
-    """The head a run of `method` uses: `auto` is the prototype library for fedbnn (as in the
-    paper) and the fixed output layer for every other method."""
+    """The head a run of `method` uses: `auto` is the method's own (its registry entry: the
+    prototype library for fedbnn, as in the paper; the fixed output layer for the others)."""
     if head == "auto":
-        return "prototypes" if method == "fedbnn" else "fixed"
+        m = NAMES.get("methods", {}).get(method)
+        return m.head if m is not None else "fixed"
     return head
 
 
@@ -504,6 +505,9 @@ def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
     if e.method and method != e.method:
         raise ConfigError(f"encoding {e.name} needs method {e.method} (--method {e.method} "
                           "sets both)")
+    if fed.value_dtype not in e.value_dtypes:
+        raise ConfigError(f"value_dtype {fed.value_dtype} does not work with the {e.name} "
+                          f"encoding; choose from {', '.join(e.value_dtypes)}")
     if fed.downlink == "sparse" and not e.sparse_downlink:
         ok = ", ".join(n for n, x in encodings.items() if x.sparse_downlink)
         raise ConfigError(f"downlink sparse works with the {ok} encodings")
@@ -595,8 +599,6 @@ def check_fed(f: FedConfig) -> None:
         (f.topk > 0 or f.threshold > 0, "topk 0 needs a threshold > 0"),
         (f.value_dtype in ("auto", "float32", "float16", "bfloat16"),
          "value_dtype must be auto, float32, float16 or bfloat16"),
-        (f.value_dtype != "bfloat16" or f.encoding != "apc",
-         "value_dtype bfloat16 is for the sparse encoding; apc sends float32 or float16"),
         (f.index_format in ("auto", "idx", "bits", "zidx", "zbits"),
          "index_format must be auto, idx, bits, zidx or zbits"),
         (f.downlink in ("auto", "dense", "sparse"), "downlink must be auto, dense or sparse"),

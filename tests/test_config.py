@@ -86,6 +86,19 @@ def test_names_come_from_the_registries(monkeypatch: pytest.MonkeyPatch) -> None
         assert enc.default_rule in enc.rules
 
 
+def test_pairings_come_from_the_registered_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a method or an encoding allows is a field of its registry entry, not a name
+    compared elsewhere: the head `auto` gives, the value dtypes an encoding sends."""
+    from edgefcl.config import resolve_head
+
+    assert resolve_head("auto", "fedbnn") == "prototypes" and resolve_head("auto", "bi") == "fixed"
+    monkeypatch.setitem(METHODS, "mine", Method("mine", None, head="prototypes"))
+    assert resolve_head("auto", "mine") == "prototypes"
+    with pytest.raises(ConfigError, match="value_dtype bfloat16 does not work with the apc"):
+        _checked({"learn": {"method": "apc"}, "fed": {"value_dtype": "bfloat16"}})
+    _checked({"fed": {"encoding": "sparse", "value_dtype": "bfloat16"}})
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     return subprocess.run([sys.executable, "-m", "edgefcl", *args], capture_output=True,

@@ -16,7 +16,7 @@ from edgefcl.federation.folds import FOLDS, Fold
 from edgefcl.federation.global_check import published_fault
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototype_library import PrototypeTable, average_tables, check_table
-from edgefcl.federation.registry import get_encoding
+from edgefcl.federation.registry import get_encoding, get_rule
 from edgefcl.federation.robust import check_variances, label_room, prepare_round
 from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.schedule import eligible
@@ -69,8 +69,8 @@ def round_spills(fed: FedConfig, library: bool) -> bool:
     """Whether a full async round of `fed` below `min_clients` can fold what it holds early
     (as a shard worker's flush): a decomposable rule, no prototype `library`, no class share
     cap. Rounds of other rules hold every update until they close."""
-    rule = get_encoding(fed.encoding).rules.get(fed.aggregation)
-    return (fed.mode == "async" and rule is not None and rule.decomposable and not library
+    rule = get_rule(fed)
+    return (fed.mode == "async" and rule.decomposable and not library
             and not (rule.weights_by_class and fed.max_share < 1))
 
 
@@ -524,7 +524,7 @@ class Aggregator:
 
     def _rows_by_likelihood(self, table: PrototypeTable | None) -> bool:
         """Whether Gaussian rows follow the fedbnn rule (likelihoods times the prior)."""
-        return table is not None and table.gaussian and self.fed.aggregation == "fedbnn"
+        return table is not None and table.gaussian and get_rule(self.fed).multiplies_likelihoods
 
     def _next_prototypes(self, updates: list[Update]
                          ) -> tuple[PrototypeTable | None, dict[str, str]]:

@@ -131,4 +131,6 @@ APC = Encoding(
     form="sparse",
     downlink="sparse",
     method="apc",
+    knowledge_base=True,
+    value_dtypes=("auto", "float32", "float16"),
 )

@@ -67,6 +67,11 @@ class Encoding:
     """The one method that produces this encoding, if it needs one (apc)."""
     default_rule: str = "fedavg"
     """The aggregation a method that implies this encoding gets when none is given."""
+    knowledge_base: bool = False
+    """Its globals also carry a knowledge base of `apc_kb_size` models' worth of tensors (the
+    payload limit grows with it)."""
+    value_dtypes: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+    """The `value_dtype`s it can send."""
 
     def strategy(self, aggregation: str, fed: FedConfig, spec: Spec) -> Strategy:
         """The run's long-lived strategy for `aggregation`; ConfigError for an unknown one."""

@@ -309,6 +309,8 @@ class FedBNNProduct(GaussianStrategy):
     `bnn_init_rounds` come from the standard-network phase and are averaged (FedAvg of mu and
     sigma); they are ignored for the Gaussians of a round that also has Bayesian updates."""
 
+    multiplies_likelihoods = True
+
     def reset(self) -> None:
         super().reset()
         self.sums = _PrecisionSums()

@@ -91,12 +91,13 @@ def feature_width(tensors: dict[str, np.ndarray]) -> int:
     return int(np.shape(mats[-1])[0]) + 1
 
 
-def initial_library(cfg: RunConfig, initial: dict[str, np.ndarray]) -> PrototypeTable | None:
-    """The first global library of a run (empty; Gaussian with the gaussian encoding), or None
-    for a fixed head."""
+def initial_library(cfg: RunConfig, initial: dict[str, np.ndarray],
+                    gaussian: bool) -> PrototypeTable | None:
+    """The first global library of a run (empty; Gaussian rows when `gaussian`: a Bayesian
+    encoding), or None for a fixed head."""
     if resolve_head(cfg.learn.head, cfg.learn.method) != "prototypes":
         return None
-    return PrototypeTable.empty(feature_width(initial), cfg.fed.encoding == "gaussian")
+    return PrototypeTable.empty(feature_width(initial), gaussian)
 
 
 def check_table(table: object, width: int | None) -> str | None:

@@ -133,6 +133,10 @@ class Strategy:
     weights_by_class: ClassVar[bool] = False
     """True for rules whose weights are per class, not per sample (the share cap then caps
     each update's share of the class-weighted average: `robust/share.py`)."""
+    multiplies_likelihoods: ClassVar[bool] = False
+    """True for rules that multiply the previous global by the clients' likelihoods (FedBNN):
+    clients then send likelihoods after the standard-network phase, and Gaussian prototype
+    rows follow the same product."""
 
     def __init__(self, fed: FedConfig, spec: Spec) -> None:
         self.fed = fed

@@ -53,6 +53,8 @@ class Method:
     """The encoding it needs (and implies when none is given); empty: any."""
     aggregation: str = ""
     """The aggregation it implies with that encoding; empty: the encoding's default."""
+    head: str = "fixed"
+    """The head `--head auto` gives it: fixed (an output layer) or prototypes (a library)."""
     help: str = ""
 
 
@@ -86,7 +88,7 @@ METHODS: dict[str, Method] = {
                encoding="gaussian", aggregation="conflation",
                help="Bayesian, mixture prior; BI-ranked memory"),
         Method("fedbnn", "balanced-score", hooks="edgefcl.learn.variational:FedBNNHooks",
-               encoding="gaussian", aggregation="fedbnn",
+               encoding="gaussian", aggregation="fedbnn", head="prototypes",
                help="Bayesian, likelihood product; BI-ranked memory"),
         Method("apc", "balanced-random", hooks="edgefcl.learn.apc_layers:APC", encoding="apc",
                help="FedWeIT decomposition, class-balanced random memory"),

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from edgefcl.config import ConfigError, FedConfig, LearnConfig
 from edgefcl.federation.gaussian import STATE_MU, STATE_RHO, GaussianEncoder
-from edgefcl.federation.registry import get_encoding
+from edgefcl.federation.registry import get_encoding, get_rule
 from edgefcl.learn.bayes import (
     gaussians,
     kl_normal,
@@ -99,10 +99,11 @@ class BayesHooks(MethodHooks):
         fed = self.fed
         assert fed is not None
         self.global_prior = prior_from_state(client.base, self.names, client.device)
-        self.snn = fed.aggregation == "fedbnn" and client.version < fed.bnn_init_rounds
+        product = get_rule(fed).multiplies_likelihoods
+        self.snn = product and client.version < fed.bnn_init_rounds
         set_mode(client.model, "mean" if self.snn else "auto")
         if isinstance(client.encoder, GaussianEncoder):
-            client.encoder.likelihood = fed.aggregation == "fedbnn" and not self.snn
+            client.encoder.likelihood = product and not self.snn
 
     def on_global(self, client: ClientView, g: GlobalModel) -> None:
         self._on_version(client)

@@ -14,6 +14,7 @@ from edgefcl.config import RunConfig
 from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototype_library import initial_library
+from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.fleet_results import FleetResults
@@ -65,8 +66,9 @@ class AggregatorDaemon:
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.topics = topics(cfg.mqtt)
+        library = initial_library(cfg, initial, get_encoding(cfg.fed.encoding).bayesian)
         self.agg = self.aggregator_class(initial, cfg.fed, batch_size=cfg.data.batch_size,
-                                         prototypes=initial_library(cfg, initial),
+                                         prototypes=library,
                                          row_prior_sigma=cfg.learn.bayes_sigma,
                                          wire_dtype=wire_dtype(cfg.mqtt))
         self.spec_hash = spec_hash(tensor_spec(initial))

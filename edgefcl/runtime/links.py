@@ -9,6 +9,7 @@ import numpy as np
 
 from edgefcl.config import MqttConfig, RunConfig, resolve_head
 from edgefcl.federation.prototype_library import MAX_LABEL_CHARS, MAX_LABELS, feature_width
+from edgefcl.federation.registry import get_encoding
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError
 from edgefcl.transport.mqtt import MqttLink
 from edgefcl.transport.topics import Topics
@@ -32,7 +33,7 @@ def payload_limit(cfg: RunConfig, tensors: dict[str, np.ndarray]) -> int:
     if cfg.mqtt.max_payload > 0:
         return cfg.mqtt.max_payload
     model = sum(4 * int(np.size(t)) for t in tensors.values())
-    kb = cfg.fed.apc_kb_size * model if cfg.learn.method == "apc" else 0
+    kb = cfg.fed.apc_kb_size * model if get_encoding(cfg.fed.encoding).knowledge_base else 0
     library = 0
     if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
         library = MAX_LABELS * (2 * 4 * feature_width(tensors) + 4 * MAX_LABEL_CHARS + 16)
