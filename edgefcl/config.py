@@ -41,12 +41,14 @@ expectation; the past tasks' classes share the rest). The option also takes `aut
 
 
 def resolve_current_share(share: str, memory: str | None) -> str:
-    """The share a memory of kind `memory` uses: `auto` is `stream` for score-ranked memories
-    (the memory study: it meets the bar in 6 of 9 cells, equal shares in 2) and `equal`
-    for the others, so that `cbr` stays the classic class-balanced random baseline."""
+    """The share a memory of policy `memory` uses: `auto` is the policy's own (its registry
+    entry, `learn/memory_policies.py`: `stream` for score-ranked memories, as the memory
+    study chose, meeting the bar in 6 of 9 cells against 2 for equal shares; `equal` for the
+    others, so that `cbr` stays the classic class-balanced random baseline)."""
     if share != "auto":
         return share
-    return "stream" if memory == "balanced-score" else "equal"
+    policy = NAMES.get("memories", {}).get(memory)
+    return policy.current_share if policy is not None else "equal"
 
 
 class ConfigError(ValueError):

@@ -72,6 +72,9 @@ class Encoding:
     payload limit grows with it)."""
     value_dtypes: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
     """The `value_dtype`s it can send."""
+    exportable: bool = False
+    """Its global tensors are the model's own state (an operator can export them as they
+    are: `runtime/fleet_results.py`)."""
 
     def strategy(self, aggregation: str, fed: FedConfig, spec: Spec) -> Strategy:
         """The run's long-lived strategy for `aggregation`; ConfigError for an unknown one."""
@@ -100,4 +103,5 @@ DENSE = Encoding(
     make_encoder=lambda fed: DenseEncoder(),
     validate=check_dense,
     rules=DENSE_RULES,
+    exportable=True,
 )

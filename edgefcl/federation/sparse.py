@@ -422,4 +422,5 @@ SPARSE = Encoding(
     rules={"fedavg": SparseFedAvg},
     form="sparse",
     downlink="sparse",
+    exportable=True,
 )

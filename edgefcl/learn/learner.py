@@ -104,9 +104,9 @@ class StreamLearner:
         self.score_log: list[torch.Tensor] | None = None  # a list: every scoring call's logits
 
     @property
-    def policy(self) -> str | None:
-        """The memory's population policy, or None without a memory."""
-        return self.memory_spec.policy if self.memory_spec is not None else None
+    def ranked(self) -> bool:
+        """Whether the memory's policy ranks samples by their scores (False: no memory)."""
+        return self.memory_spec is not None and self.memory_spec.policy.ranked
 
     def bind(self, penalty: Callable[[], torch.Tensor | None],
              on_task_start: Callable[[int], None]) -> None:
@@ -196,7 +196,7 @@ class StreamLearner:
         scores are identical to scoring after training; the perturber is only used by one
         thread at a time. Returns what gives the scores, waiting for them."""
         if (not self.learn.score_overlap or self.memory is None or self.score_model is None
-                or self.policy != "balanced-score" or self.skip_scoring):
+                or not self.ranked or self.skip_scoring):
             return None
         cands = self.memory.pending_scores(x, y, self.task or 0, self.score_version,
                                            rescore_all=self.learn.rescore == "always",
@@ -219,7 +219,7 @@ class StreamLearner:
         if self.memory is None:
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.gen))
             self.memory = spec.build(tuple(x.shape[1:]), seed)
-        scorer = self._score if spec.policy == "balanced-score" else None
+        scorer = self._score if spec.policy.ranked else None
         if self.score_model is None:
             # No snapshot yet: the scoring model is the current model, which moved this batch.
             self.score_version += 1

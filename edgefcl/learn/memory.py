@@ -41,9 +41,9 @@ from torch import Tensor
 
 from edgefcl.config import CURRENT_SHARES, ConfigError
 from edgefcl.data.types import DataError
+from edgefcl.learn.memory_policies import MemoryPolicy, get_policy
 from edgefcl.learn.selection import Candidates, Selection, get_selection
 
-POLICIES = ("reservoir", "balanced-random", "balanced-score")
 UNIFORM = get_selection("random")
 """How every class that no rule ranks is cut: a uniform draw."""
 MAX_NEW_GROUPS_AHEAD = 3
@@ -151,7 +151,7 @@ class MemorySpec:
     allocates it."""
 
     capacity: int
-    policy: str
+    policy: MemoryPolicy
     selection: Selection
     device: torch.device
     rank_past: bool = False
@@ -182,8 +182,9 @@ class _Plan:
 class ReplayMemory:
     """A replay memory of `capacity` samples of shape `sample_shape` on `device`.
 
-    policy: "reservoir" (ER), "balanced-random" (CBR) or "balanced-score" (uncertainty
-    ranked). selection (balanced-score only): a rule of `edgefcl.learn.selection` (or its name
+    policy: a `MemoryPolicy` or its name in `memory_policies.POLICIES`: "reservoir" (ER),
+    "balanced-random" (CBR) or "balanced-score" (uncertainty ranked). selection (ranked
+    policies only): a rule of `edgefcl.learn.selection` (or its name
     in `SELECTIONS`) applied to the over-quota groups of the current task, and of past tasks
     too when `rank_past`. grouping (balanced policies): how candidates are grouped and the
     capacity shared (`ClassBalanced` by default: classes, water-filling). current_share
@@ -197,7 +198,7 @@ class ReplayMemory:
         self,
         capacity: int,
         sample_shape: tuple[int, ...],
-        policy: str,
+        policy: str | MemoryPolicy,
         selection: Selection | str = "bottom",
         device: str | torch.device = "cpu",
         seed: int = 0,
@@ -208,8 +209,7 @@ class ReplayMemory:
     ) -> None:
         if capacity < 0:
             raise ConfigError(f"memory capacity must be >= 0, got {capacity}")
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown memory policy '{policy}'; choose from {POLICIES}")
+        policy = get_policy(policy)
         if current_share not in CURRENT_SHARES:
             raise ConfigError(f"unknown current_share '{current_share}'; choose from "
                               f"{CURRENT_SHARES}")
@@ -279,21 +279,21 @@ class ReplayMemory:
     ) -> int:
         """Offer a mini-batch (x, y) of `task`; returns the number of samples scored.
 
-        For "balanced-score", `scorer` is called at most once, on the stacked candidates of
-        ranked over-quota classes that need a score: those without a cached score, or with one
-        from another `version` for current-task classes (every one if `rescore_all`; none
-        with a cached score if `keep_stale`). `scores`, when given, are the scores of
-        `pending_scores(...)` with the same arguments, computed ahead; the scorer is then not
-        called. `featurizer` (rules that need features) is called at most once, on the
-        candidates of ranked classes. x is stored as x_dtype.
+        For a ranked policy ("balanced-score"), `scorer` is called at most once, on the
+        stacked candidates of ranked over-quota classes that need a score: those without a
+        cached score, or with one from another `version` for current-task classes (every one
+        if `rescore_all`; none with a cached score if `keep_stale`). `scores`, when given,
+        are the scores of `pending_scores(...)` with the same arguments, computed ahead; the
+        scorer is then not called. `featurizer` (rules that need features) is called at
+        most once, on the candidates of ranked classes. x is stored as x_dtype.
         """
         x, y = self._check_batch(x, y)
         b = y.numel()
         if b == 0:
             return 0
-        if self.policy == "balanced-score" and scorer is None:
-            raise ConfigError("a 'balanced-score' memory needs a scorer in update()")
-        if self.policy == "reservoir":
+        if self.policy.ranked and scorer is None:
+            raise ConfigError(f"a '{self.policy.name}' memory needs a scorer in update()")
+        if not self.policy.balanced:
             self._reservoir(x, y, task)
             return 0
         self._note_classes(self._groups(_host(y), task))
@@ -400,7 +400,7 @@ class ReplayMemory:
         for labels never offered before), computed without changing the memory or drawing
         random numbers: a caller can score them ahead (e.g. while it trains) and pass the
         scores to `update`."""
-        if self.policy != "balanced-score" or not self.rule.needs_scores:
+        if not self.policy.ranked or not self.rule.needs_scores:
             return None
         x, y = self._check_batch(x, y)
         if self.capacity == 0 or self.size + y.numel() <= self.capacity or y.numel() == 0:
@@ -480,7 +480,7 @@ class ReplayMemory:
             keep_n = stream_paced(counts, prio, current, share, self.grouping, self.capacity)
         ranked = np.zeros(m, dtype=bool)
         need = np.zeros(0, dtype=np.int64)
-        if self.policy == "balanced-score":
+        if self.policy.ranked:
             ranked = (counts > keep_n) & (current | self.rank_past)
             if self.rule.needs_scores:
                 vc = np.concatenate([_host(self.score_version[:size]),
@@ -529,7 +529,7 @@ class ReplayMemory:
             sc[plan.need] = self._checked_scores(scores, scored)
             vc[plan.need] = version
             self.score[:size], self.score_version[:size] = sc[:size], vc[:size]
-        if self.policy == "balanced-score" and self.rule.needs_features:
+        if self.policy.ranked and self.rule.needs_features:
             in_ranked = ranked[inv]
             if bool(in_ranked.any()):
                 if featurizer is None:
@@ -571,7 +571,7 @@ class ReplayMemory:
         return {
             "capacity": self.capacity,
             "sample_shape": self.sample_shape,
-            "policy": self.policy,
+            "policy": self.policy.name,
             "selection": self.selection,
             "rank_past": self.rank_past,
             "current_share": self.current_share,
@@ -594,8 +594,8 @@ class ReplayMemory:
         missing = [k for k in _STATE_KEYS if k not in d]
         if missing:
             raise ConfigError(f"not a ReplayMemory state: missing {missing}")
-        mine = (self.capacity, self.sample_shape, self.policy, self.selection, self.rank_past,
-                self.current_share)
+        mine = (self.capacity, self.sample_shape, self.policy.name, self.selection,
+                self.rank_past, self.current_share)
         theirs = (int(d["capacity"]), tuple(d["sample_shape"]), d["policy"], d["selection"],
                   bool(d.get("rank_past", _OPTIONAL_STATE["rank_past"])),
                   d.get("current_share", _OPTIONAL_STATE["current_share"]))

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgefcl.config import NAMES, ConfigError
+from edgefcl.learn.memory_policies import POLICIES
 
-MEMORIES = ("balanced-score", "reservoir", "balanced-random")
-"""Memory policies of `edgefcl.learn.memory.ReplayMemory`."""
+MEMORIES = tuple(POLICIES)
+"""Memory policies of `edgefcl.learn.memory.ReplayMemory` (`memory_policies.py`)."""
 
 
 def load(ref: str) -> Any:

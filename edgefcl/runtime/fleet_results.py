@@ -16,6 +16,7 @@ import numpy as np
 from edgefcl.config import RunConfig, public_dict
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.prototype_library import ROWS_KEY
+from edgefcl.federation.registry import get_encoding
 from edgefcl.metrics import forgetting, last_accuracy, sample_std
 from edgefcl.statefiles import save_json, save_tensors
 from edgefcl.transport.codec import CodecError
@@ -28,8 +29,6 @@ SELF_REPORTED = "devices (self-reported)"
 checked; the aggregator's own measure is `fleet.held_out_accuracy` (with --eval-data)."""
 MAX_CLAIMED_BYTES = 1 << 50
 """The largest downlink byte count a device's report may claim (a bound, not a check)."""
-EXPORTABLE = ("dense", "sparse")
-"""Encodings whose global tensors are the model's own state (exportable as they are)."""
 
 
 def _matrix(value: Any, tasks: int) -> np.ndarray | None:
@@ -168,7 +167,7 @@ class FleetResults:
             res["labels"] = self.labels
         p = self.profile
         if all(k in p for k in ("model", "sample_shape", "n_classes")) and \
-                self.cfg.fed.encoding in EXPORTABLE:
+                get_encoding(self.cfg.fed.encoding).exportable:
             res["model_spec"] = {"model": p["model"], "sample_shape": p["sample_shape"],
                                  "n_classes": p["n_classes"], "hidden": self.cfg.learn.hidden}
             tensors = dict(agg.global_.tensors)

@@ -734,3 +734,22 @@ def test_current_share_reaches_the_memory_and_bad_values_are_rejected():
     assert share(method="cbr") == "equal"
     with pytest.raises(ConfigError, match="current_share must be equal, stream or auto"):
         validate(apply(RunConfig(), {"learn": {"current_share": "fast"}}))
+
+
+def test_a_policy_acts_by_its_flags_not_its_name(monkeypatch):
+    """A policy registered under a new name behaves as its flags say (a ranked, balanced one
+    needs a scorer; `current_share auto` is its own), and unknown names list the registry."""
+    from edgefcl.config import resolve_current_share
+    from edgefcl.learn.memory_policies import POLICIES, MemoryPolicy
+
+    mine = MemoryPolicy("mine", balanced=True, ranked=True, current_share="stream", help="")
+    monkeypatch.setitem(POLICIES, "mine", mine)
+    mem = ReplayMemory(2, (2,), "mine", seed=0)
+    x, y = torch.zeros(3, 2), torch.tensor([0, 1, 1])
+    with pytest.raises(ConfigError, match="'mine' memory needs a scorer"):
+        mem.update(x, y, 0)
+    assert mem.update(x, y, 0, scorer=lambda s: torch.arange(len(s), dtype=torch.float32)) > 0
+    assert resolve_current_share("auto", "mine") == "stream"
+    assert resolve_current_share("auto", "reservoir") == "equal"
+    with pytest.raises(ConfigError, match="choose from .*mine"):
+        ReplayMemory(2, (2,), "nope")
