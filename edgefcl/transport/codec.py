@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +31,12 @@ import numpy as np
 
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.prototype_library import (
-    MAX_LABEL_CHARS,
-    MAX_LABELS,
-    PrototypeTable,
-    valid_name,
-)
+from edgefcl.federation.prototype_library import MAX_LABELS, PrototypeTable
 from edgefcl.transport import integrity
 from edgefcl.transport.bounds import DEFAULT_LIMITS, Limits, scan
 from edgefcl.transport.errors import CodecError
+from edgefcl.transport.kinds import KINDS, MAP_KINDS, label_list
+from edgefcl.transport.kinds import field as _get
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
@@ -51,12 +49,6 @@ FLOAT_DTYPES = frozenset(["<f2", "<f4", "<f8"])
 WIRE_DTYPES = frozenset(["<f4", "<f2"])
 MAX_NDIM = 32
 
-DICT_KINDS = frozenset(["config", "status", "control", "stream", "answer", "partial", "claim",
-                        "grant"])
-"""Kinds carried as plain dicts (`Message`): `answer` is the aggregator's lock-step reply;
-`partial` a worker's partial aggregate, `claim` and `grant` its request for the clients of its
-next partial and the root's answer (checked further by `transport.partials`)."""
-CONTROL_COMMANDS = frozenset(["pause", "resume", "stop"])
 RESERVED_KEYS = frozenset(["schema", "kind", "fleet", "sender", integrity.DIGEST_KEY])
 _TENSOR_KEYS = frozenset(["dtype", "shape", "data"])
 
@@ -184,7 +176,7 @@ def _decode_prototypes(m: Any) -> PrototypeTable | None:
     if not isinstance(m, dict) or set(m) - {"sigmas"} != {"labels", "rows", "counts"}:
         raise CodecError("malformed", "prototypes must be a map of labels, rows, counts "
                          "(and sigmas)")
-    labels = _label_list(m["labels"], "prototype labels")
+    labels = label_list(m["labels"], "prototype labels")
     rows = decode_tensor(m["rows"], "prototypes.rows")
     counts = decode_tensor(m["counts"], "prototypes.counts")
     if rows.ndim != 2 or rows.shape[0] != len(labels) or counts.shape != (len(labels),):
@@ -275,6 +267,18 @@ def encode(
     `sender` defaults to the update/tick client, "aggregator" for a GlobalModel, and
     `msg.sender` for a Message. `wire_dtype="<f2"` sends float32 tensors as float16.
     """
+    return integrity.seal(to_map(msg, fleet=fleet, sender=sender, wire_dtype=wire_dtype), _pack)
+
+
+def to_map(
+    msg: Update | Tick | GlobalModel | Message,
+    *,
+    fleet: str,
+    sender: str | None = None,
+    wire_dtype: str | None = None,
+) -> dict[str, Any]:
+    """The map `encode` packs and seals (the load generator's update template starts from
+    it, so the update layout is written once)."""
     if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
         raise CodecError("dtype", f"wire_dtype must be None or one of {sorted(WIRE_DTYPES)}")
     if isinstance(msg, Update):
@@ -300,8 +304,8 @@ def encode(
         if msg.prototypes is not None:
             m["prototypes"] = _encode_prototypes(msg.prototypes, wire_dtype)
     elif isinstance(msg, Message):
-        if msg.kind not in DICT_KINDS:
-            raise CodecError("kind", f"unknown kind {msg.kind!r}; known {sorted(DICT_KINDS)}")
+        if msg.kind not in MAP_KINDS:
+            raise CodecError("kind", f"unknown kind {msg.kind!r}; known {sorted(MAP_KINDS)}")
         clash = RESERVED_KEYS & msg.body.keys()
         if clash:
             raise CodecError("malformed", f"body keys {sorted(clash)} are reserved")
@@ -310,7 +314,7 @@ def encode(
             m[str(k)] = encode_tensor(v, wire_dtype) if isinstance(v, np.ndarray) else v
     else:
         raise CodecError("kind", f"cannot encode {type(msg).__name__}")
-    return integrity.seal(m, _pack)
+    return m
 
 
 def encode_batch(
@@ -335,19 +339,6 @@ def encode_batch(
 
 # ---------------------------------------------------------------- decode
 
-
-def _get(m: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
-    v = m.get(key)
-    # bool is an int subclass: never accept it where an int is meant (and vice versa)
-    ok = isinstance(v, typ) and not (isinstance(v, bool) and bool not in _as_tuple(typ))
-    if not ok:
-        names = "/".join(t.__name__ for t in _as_tuple(typ))
-        raise CodecError("malformed", f"field {key!r} must be {names}, got {type(v).__name__}")
-    return v
-
-
-def _as_tuple(typ: type | tuple[type, ...]) -> tuple[type, ...]:
-    return typ if isinstance(typ, tuple) else (typ,)
 
 
 def _decode_update(m: dict[str, Any], limits: Limits) -> Update:
@@ -381,52 +372,8 @@ def _decode_value(v: Any, name: str) -> Any:
 
 def _decode_message(kind: str, m: dict[str, Any]) -> Message:
     body = {k: _decode_value(v, str(k)) for k, v in m.items() if k not in RESERVED_KEYS}
-    command = body.get("command")
-    if kind == "control" and not (isinstance(command, str) and command in CONTROL_COMMANDS):
-        raise CodecError("malformed", f"control command must be one of {sorted(CONTROL_COMMANDS)}")
-    if kind == "answer":
-        _get(body, "tick", int)
-        _get(body, "version", int)
-        parts = body.get("participants")
-        if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
-            raise CodecError("malformed", "answer participants must be a list of strings")
-    if kind == "stream":
-        _get(body, "client", str)
-        _get(body, "task", int)
-        _get(body, "index", int)
-        _get(body, "end_of_task", bool)
-        x, y = body.get("x"), body.get("y")
-        if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
-            raise CodecError("malformed", "stream batch needs tensors x and y")
-        if y.ndim != 1 or x.ndim < 1 or len(x) != len(y) or y.dtype.kind not in "iu":
-            raise CodecError("shape", f"stream batch x {x.shape} / y {y.shape} {y.dtype} mismatch")
-        if "names" in body:
-            body["y"] = _stream_names(body.pop("names"), y)
-    return Message(kind, body, m["fleet"], m["sender"])
-
-
-def _label_list(names: Any, what: str) -> list[str]:
-    """`names` if it is a list of at most MAX_LABELS label names (`valid_name`)."""
-    if not isinstance(names, list):
-        raise CodecError("malformed", f"{what} must be a list of strings")
-    if len(names) > MAX_LABELS:
-        raise CodecError("limits", f"{len(names)} {what} > limit {MAX_LABELS}")
-    if not all(valid_name(n) for n in names):
-        raise CodecError("malformed", f"{what} must be strings of 1-{MAX_LABEL_CHARS} printable "
-                         "characters")
-    return names
-
-
-def _stream_names(names: Any, y: np.ndarray) -> np.ndarray:
-    """The labels of a named stream batch as a unicode array: `names` bounded like a
-    library's (count, 1-MAX_LABEL_CHARS characters, distinct), `y` positions among them."""
-    names = _label_list(names, "stream names")
-    if len(set(names)) != len(names):
-        raise CodecError("malformed", "stream names must be distinct")
-    if len(y) and (int(y.min()) < 0 or int(y.max()) >= len(names)):
-        raise CodecError("shape", f"stream labels index {len(names)} names out of range")
-    table = np.array(names, dtype=str) if names else np.zeros(0, "<U1")
-    return table[y.astype(np.int64)]
+    check = KINDS[kind].check
+    return Message(kind, body if check is None else check(body), m["fleet"], m["sender"])
 
 
 def decode(
@@ -465,30 +412,40 @@ def _decode(
     if type(schema) is not int or schema != SCHEMA_VERSION:
         raise CodecError("schema", f"schema {schema!r}, this build speaks {SCHEMA_VERSION}")
     kind = _get(m, "kind", str)
-    if kind == "chunk":
+    form = KINDS[kind].form if kind in KINDS else None
+    if form is None:
+        raise CodecError("kind", f"unknown message kind {kind!r}")
+    if form == "chunk":
         raise CodecError("kind", "chunk payloads must be reassembled first (transport.chunks)")
     fleet = _get(m, "fleet", str)
     _get(m, "sender", str)
     if expect_fleet is not None and fleet != expect_fleet:
         raise CodecError("fleet", f"payload is for fleet {fleet!r}, expected {expect_fleet!r}")
-    if kind == "update":
-        return _decode_update(m, limits)
-    if kind == "tick":
-        return Tick(
-            client=_get(m, "client", str), seq=_get(m, "seq", int),
-            task=_get(m, "task", int), batch=_get(m, "batch", int),
-        )
-    if kind == "global":
-        parts = m.get("participants")
-        if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
-            raise CodecError("malformed", "participants must be a list of strings")
-        return GlobalModel(
-            version=_get(m, "version", int), tensors=_decode_tensors(m.get("tensors"), limits),
-            participants=tuple(parts), prototypes=_decode_prototypes(m.get("prototypes")),
-        )
-    if kind in DICT_KINDS:
-        return _decode_message(kind, m)
-    raise CodecError("kind", f"unknown message kind {kind!r}")
+    return _DECODERS[form](kind, m, limits)
+
+
+def _decode_tick(kind: str, m: dict[str, Any], limits: Limits) -> Tick:
+    return Tick(client=_get(m, "client", str), seq=_get(m, "seq", int),
+                task=_get(m, "task", int), batch=_get(m, "batch", int))
+
+
+def _decode_global(kind: str, m: dict[str, Any], limits: Limits) -> GlobalModel:
+    parts = m.get("participants")
+    if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+        raise CodecError("malformed", "participants must be a list of strings")
+    return GlobalModel(
+        version=_get(m, "version", int), tensors=_decode_tensors(m.get("tensors"), limits),
+        participants=tuple(parts), prototypes=_decode_prototypes(m.get("prototypes")),
+    )
+
+
+_DECODERS: dict[str, Callable[[str, dict[str, Any], Limits], Any]] = {
+    "update": lambda kind, m, limits: _decode_update(m, limits),
+    "tick": _decode_tick,
+    "global": _decode_global,
+    "map": lambda kind, m, limits: _decode_message(kind, m),
+}
+"""The decoder of each wire form of `kinds.KINDS`."""
 
 
 def as_batch(msg: Message) -> Batch:

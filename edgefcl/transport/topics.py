@@ -17,12 +17,13 @@ All topics live under `<root>/<fleet>/`:
 
 from __future__ import annotations
 
+from edgefcl.transport.kinds import kinds_on
+
 _FORBIDDEN = ("/", "+", "#", "\x00")
-TOPIC_KINDS = {"update": frozenset(["update", "tick"]), "status": frozenset(["status"]),
-               "stream": frozenset(["stream"])}
-"""Message kinds accepted on each per-client topic."""
+TOPIC_KINDS = {family: kinds_on(family) for family in ("update", "status", "stream")}
+"""Message kinds accepted on each per-client topic (`transport/kinds.py`)."""
 UPDATE_KINDS, STATUS_KINDS = TOPIC_KINDS["update"], TOPIC_KINDS["status"]
-CONTROL_KINDS = frozenset(["control"])
+CONTROL_KINDS = kinds_on("control")
 MAX_ID_LEN = 128
 
 

@@ -450,3 +450,21 @@ def test_chunk_with_junk_field_is_rejected_cleanly(key: str, junk) -> None:
     except CodecError:
         return
     assert got is None  # accepted only if still a plausible chunk; never a wrong payload
+
+
+def test_one_table_names_every_kind_its_topic_and_form():
+    """`transport/kinds.py` is the one home of message kinds: the codec decodes every form of
+    the table, carries exactly its map kinds as Messages, and the topics accept on each
+    per-client topic exactly the table's kinds for it."""
+    from edgefcl.transport.kinds import KINDS, MAP_KINDS, kinds_on
+    from edgefcl.transport.topics import CONTROL_KINDS, TOPIC_KINDS
+
+    assert {k.form for k in KINDS.values()} - {"chunk"} == set(codec._DECODERS)
+    expected = {"update": {"update", "tick"}, "status": {"status"}, "stream": {"stream"}}
+    assert expected == TOPIC_KINDS
+    assert CONTROL_KINDS == kinds_on("control") == {"control"}
+    for kind in MAP_KINDS - {"stream", "answer", "control"}:  # those need their fields
+        msg = codec.decode(codec.encode(Message(kind, {"a": 1}), fleet="f", sender="s"))
+        assert isinstance(msg, Message) and msg.kind == kind and msg.body == {"a": 1}
+    with pytest.raises(CodecError, match="unknown"):
+        codec.encode(Message("nope", {}), fleet="f", sender="s")

@@ -17,9 +17,10 @@ import hashlib
 import msgpack
 import numpy as np
 
+from edgefcl.federation.messages import Update
 from edgefcl.federation.schedule import nth_eligible
 from edgefcl.transport import integrity
-from edgefcl.transport.codec import SCHEMA_VERSION, encode_tensor
+from edgefcl.transport.codec import to_map
 
 _VARYING = ("sender", "client", "base_version", "seq", "batch")
 
@@ -33,9 +34,8 @@ class UpdateTemplate:
 
     def __init__(self, tensors: dict[str, np.ndarray], encoding: str, fleet: str, *,
                  task: int = 0, burn_in: int = 4, jump: int = 2, num_samples: int = 10) -> None:
-        fixed = {"tensors": {k: encode_tensor(v) for k, v in tensors.items()},
-                 "schema": SCHEMA_VERSION, "kind": "update", "fleet": fleet, "task": task,
-                 "num_samples": num_samples, "encoding": encoding, "class_counts": None}
+        whole = to_map(Update("c", 0, 1, task, 1, num_samples, tensors, encoding), fleet=fleet)
+        fixed = {k: v for k, v in whole.items() if k not in _VARYING}  # the codec's layout
         self.burn_in, self.jump = burn_in, jump
         n_keys = len(fixed) + len(_VARYING) + 1  # + the digest
         assert n_keys < 16, "a msgpack fixmap holds at most 15 keys"
