@@ -18,6 +18,10 @@ and publishes it on its own topics, as a device with a stolen credential could:
 | replay        | its first update again and again, each time with a new sequence number   |
 | ghost         | statuses and updates from a new made-up id every period                  |
 | chunk-flood   | first chunks of 4 MiB transfers that never complete                      |
+| status-flood  | 300 statuses a second, each a list of 16,000 numbers (costly to scan)    |
+| update-flood  | 20 valid updates a second near the global (20x an honest device's rate)  |
+| tick-flood    | 100 lock-step ticks a second with sequence number -1                     |
+| proto-bias    | prototype rows biased +1e6 toward one label, the others -1e6, huge counts|
 """
 
 from __future__ import annotations
@@ -26,20 +30,24 @@ import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from edgefcl.config import RunConfig
-from edgefcl.federation.messages import GlobalModel, Tensors, Update
+from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
+from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.schedule import nth_eligible
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.transport.chunks import split
 from edgefcl.transport.codec import Message, decode, encode
 
 ATTACKS = ("inflate", "scaled", "sign-flip", "noise", "bn-var", "bomb", "stop", "replay",
-           "ghost", "chunk-flood")
+           "ghost", "chunk-flood", "status-flood", "update-flood", "tick-flood", "proto-bias")
+FLOODS = {"status-flood": 300, "update-flood": 20, "tick-flood": 100}
+"""Messages per period of each flooding attack."""
 
 
 class _Attacker:
@@ -160,8 +168,31 @@ class Byzantine:
             "ghost": lambda: self._ghost(a, g),
             "chunk-flood": lambda: [(up, split(bytes(4 << 20), 1 << 16, secrets.token_hex(8))[0],
                                      False) for _ in range(8)],
+            "status-flood": lambda: [(self.tp.status(a.cid), enc(Message(
+                "status", {"state": "online", "pad": [7] * 16_000}, sender=a.cid)), False)
+                for _ in range(FLOODS["status-flood"])],
+            "update-flood": lambda: [(up, enc(self._update(a, g, self._near(t))), False)
+                                     for _ in range(FLOODS["update-flood"])],
+            "tick-flood": lambda: [(up, enc(Tick(a.cid, -1, 0, 1)), False)
+                                   for _ in range(FLOODS["tick-flood"])],
+            "proto-bias": lambda: [(up, enc(replace(self._update(a, g, self._near(t)),
+                                                    prototypes=self._biased(g))), False)],
         }
         return builders[self.attack]()
+
+    @staticmethod
+    def _biased(g: GlobalModel, label: int = 0) -> PrototypeTable:
+        """The global's library (four labels of width 4 without one) with every row's last
+        entry (its bias) +1e6 for `label` and -1e6 for the others, and counts of 10^9."""
+        lib = g.prototypes
+        if lib is None or not lib.labels:
+            lib = PrototypeTable(("0", "1", "2", "3"), np.zeros((4, 4), np.float32),
+                                 np.ones(4, np.int64))
+        rows = np.array(lib.rows, np.float32, copy=True)
+        rows[:, -1] = -1e6
+        rows[min(label, len(rows) - 1), -1] = 1e6
+        sigmas = None if lib.sigmas is None else np.array(lib.sigmas, np.float32)
+        return PrototypeTable(lib.labels, rows, np.full(len(rows), 10**9, np.int64), sigmas)
 
     def _near(self, t: Tensors) -> Tensors:
         return {k: (v + self.rng.normal(0, 1e-3, v.shape)).astype(np.float32) for k, v in t.items()}

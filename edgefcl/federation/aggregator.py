@@ -542,7 +542,8 @@ class Aggregator:
             likelihood = [u.base_version >= self.fed.bnn_init_rounds for u in sent]
         return average_tables(tables, previous, self.fed.mix, self.fed.max_share,
                               self.counters, self.fed.sigma_floor, likelihood,
-                              self.row_prior_sigma, self.fed.clip_factor), owners
+                              self.row_prior_sigma, self.fed.clip_factor,
+                              self.strategy.row_combiner()), owners
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:

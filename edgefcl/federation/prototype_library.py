@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,7 +150,9 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
                    sigma_floor: float = 0.0,
                    likelihood: Sequence[bool] | None = None,
                    prior_sigma: float | None = None,
-                   clip_factor: float = 0.0) -> PrototypeTable:
+                   clip_factor: float = 0.0,
+                   combine: Callable[[np.ndarray], np.ndarray] | None = None
+                   ) -> PrototypeTable:
     """The next global library: per label, the sample-weighted mean of the rows sent (labels
     with zero samples in this round weigh equally), mixed `mix_weight : 1 - mix_weight` with the
     previous global's row where the label already had one; labels nobody sent keep their row.
@@ -167,6 +169,9 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     label (tables without the flag are left out, `counters["prototype_snn_ignored"]`); a round
     without any averages the rows' means and sigmas by their share-capped sample weights (the
     standard-network phase, as `gaussian.FedBNNProduct`).
+    `combine` (point libraries; the robust rules' estimator, `Strategy.row_combiner`): each
+    label's row is `combine` of its senders' rows (stack (senders, width)) instead of their
+    weighted mean: a coordinate-wise median ignores a minority of senders whatever they claim.
     Labels keep the previous order, new ones follow in sorted order (deterministic); past
     MAX_LABELS the newest are left out."""
     flags = [False] * len(tables) if likelihood is None else [bool(f) for f in likelihood]
@@ -229,6 +234,10 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
         else:
             mean, sigma = combine_gaussian(rows, sigmas, w, inverse, len(names), sigma_floor,
                                            counters)
+    elif combine is not None:
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.cumsum(np.bincount(inverse, minlength=len(names)))[:-1]
+        mean = np.stack([combine(group) for group in np.split(rows[order], bounds)])
     else:
         mean = _weighted_mean(rows, w, inverse, len(names))
     out_labels = list(previous.labels) + [str(n) for n in names if n not in old]

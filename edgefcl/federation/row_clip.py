@@ -6,7 +6,9 @@ outgrow the honest rows of the round. As with dense clipping the median is robus
 honest senders are the majority; of two senders the smaller counts (their median would be
 their mean). The change is also bounded by `factor` times the previous global's median row
 norm, which no sender of the round holds. Senders whose rows did not change are left out of
-the median. Depends on numpy only (the prototype library imports it)."""
+the median. Last, each row's own norm is clipped to `factor` times the round's median sender
+row norm, a bound the previous global does not move. Depends on numpy only (the prototype
+library imports it)."""
 
 from __future__ import annotations
 
@@ -38,9 +40,27 @@ def clip_rows(rows: np.ndarray, base: np.ndarray, sender: np.ndarray, factor: fl
     if have_reference:
         tau = min(tau, factor * float(np.median(np.linalg.norm(reference, axis=1))))
     over = norms > tau
-    if not over.any():
+    if over.any():
+        if counters is not None:
+            counters["prototype_rows_clipped"] += int(over.sum())
+        rows = base + delta * np.where(over, tau / np.maximum(norms, 1e-30), 1.0)[:, None]
+    return _clip_norms(rows, sender, senders, factor, counters)
+
+
+def _clip_norms(rows: np.ndarray, sender: np.ndarray, senders: np.ndarray, factor: float,
+                counters: Counter | None) -> np.ndarray:
+    """Each row's own norm to `factor` x the median over the round's senders of their median
+    row norm (of two, the smaller): a bound that the previous global does not set, so that
+    rows clipped by their change cannot creep further round after round (two senders biasing
+    every row by 1e6 moved the rows by 3-4 a round without it)."""
+    if len(senders) < 2:
+        return rows
+    norms = np.linalg.norm(rows, axis=1)
+    per_sender = np.array([np.median(norms[sender == s]) for s in senders])
+    tau = factor * float(per_sender.min() if len(per_sender) == 2 else np.median(per_sender))
+    over = norms > tau
+    if not over.any() or tau <= 0:
         return rows
     if counters is not None:
-        counters["prototype_rows_clipped"] += int(over.sum())
-    scale = np.where(over, tau / np.maximum(norms, 1e-30), 1.0)
-    return base + delta * scale[:, None]
+        counters["prototype_rows_norm_clipped"] += int(over.sum())
+    return rows * np.where(over, tau / np.maximum(norms, 1e-30), 1.0)[:, None]

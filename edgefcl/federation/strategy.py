@@ -138,6 +138,12 @@ class Strategy:
     clients then send likelihoods after the standard-network phase, and Gaussian prototype
     rows follow the same product."""
 
+    def row_combiner(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """How the rows one label's senders sent combine into the label's prototype row
+        (stack (senders, width) -> (width,)), for point prototype libraries: None for the
+        share-capped sample-weighted mean; the robust rules give their own estimator."""
+        return None
+
     def __init__(self, fed: FedConfig, spec: Spec) -> None:
         self.fed = fed
         self.spec = dict(spec)

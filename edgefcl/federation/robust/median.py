@@ -1,8 +1,11 @@
 """Coordinate-wise median of dense updates (`--aggregation median`): each entry of the new
 global is the median of the clients' values, so fewer than half the clients cannot move it
-outside the honest range. Keeps the round's tensors (memory grows with the participants)."""
+outside the honest range. Keeps the round's tensors (memory grows with the participants). A
+point prototype library's rows are combined per label by the same estimator."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,6 +24,10 @@ class CoordinateMedian(Strategy):
 
     def combine(self, stack: np.ndarray) -> np.ndarray:
         return np.median(stack, axis=0)
+
+    def row_combiner(self) -> Callable[[np.ndarray], np.ndarray]:
+        """Prototype rows per label by the same estimator (median, or the trimmed mean)."""
+        return self.combine
 
     def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
         if not self.tensors:
