@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgefcl.bench.bare_step import bare_step_refs, print_refs
 from edgefcl.build import Setup, make_optimizer, prepare, use_cpu_threads
 from edgefcl.config import ConfigError, RunConfig
 from edgefcl.learn.export import export_onnx
@@ -316,6 +317,8 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
         print(f"{name:<22} {s['candidates']:6d} {s['views']:6d} {1000 * s['batched_s']:11.1f} "
               f"{1000 * s['single_pass_s']:12.1f} {1000 * s['per_view_s']:12.1f} "
               f"{s['speedup']:7.2f}x")
+    report["bare_step"] = bare_step_refs(cfg, setup)
+    print_refs(report["bare_step"])
     threads = cfg.learn.threads
     use_cpu_threads(threads)
     models = [(cases[0][0], setup.initial, setup.dataset.sample_shape)]

@@ -14,6 +14,7 @@ from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch
 from edgefcl.errors import UserError
 from edgefcl.runtime.links import open_link, topics
+from edgefcl.transport.bounds import STATUS_LIMITS
 from edgefcl.transport.codec import CodecError, Message, decode, encode, encode_batch
 
 log = logging.getLogger("edgefcl.replay")
@@ -45,7 +46,7 @@ class Replayer:
 
     def _on_status(self, topic: str, payload: bytes) -> None:
         try:
-            msg = decode(payload, self.cfg.mqtt.fleet)
+            msg = decode(payload, self.cfg.mqtt.fleet, limits=STATUS_LIMITS)
             cid = self.topics.client_from(topic)
         except (CodecError, ValueError):
             return
@@ -64,7 +65,8 @@ class Replayer:
         """Publish every stream to the end; returns batches sent per client."""
         link = open_link(self.cfg.mqtt, f"{self.cfg.mqtt.fleet}-replayer-{time.time_ns()}",
                          clean_start=True)
-        link.subscribe(self.topics.statuses, self._on_status)
+        for cid in self.streams:  # its own clients only: another device's flood never reaches it
+            link.subscribe(self.topics.status(cid), self._on_status)
         fleet = self.cfg.mqtt.fleet
         with self.cond:
             ok = self.cond.wait_for(lambda: set(self.streams) <= self.online or self.refused,

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from edgefcl.config import RunConfig
 from edgefcl.errors import UserError
 from edgefcl.runtime.links import open_link, topics
+from edgefcl.transport.bounds import STATUS_LIMITS
 from edgefcl.transport.codec import CodecError, Message, decode
 
 
@@ -137,7 +138,7 @@ class FleetProgress:
 
     def on_status(self, topic: str, payload: bytes) -> None:
         try:
-            msg = decode(payload, self.fleet)
+            msg = decode(payload, self.fleet, limits=STATUS_LIMITS)
         except CodecError:
             return
         if not isinstance(msg, Message) or msg.kind != "status":

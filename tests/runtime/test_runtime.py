@@ -116,3 +116,49 @@ def test_sparse_downlink_over_mqtt_reproduces_inprocess_and_sends_less(embedded_
     whole = len((tmp_path / "fleet" / "aggregator" / "global.npz").read_bytes())
     per_client_rounds = remote.rounds  # every device receives every change
     assert remote.comm.bytes_down < 0.8 * whole * per_client_rounds * cfg.fed.clients
+
+
+@pytest.mark.mqtt
+def test_another_devices_status_flood_never_reaches_the_replayer(mosquitto):
+    """A roster device floods statuses of 16,000 numbers (300 a second): the replayer listens
+    to its own clients' statuses only, so it decodes none of them and streams on (on status/+
+    it decoded every one in its network thread, its publishes went unacknowledged for 30 s
+    and a firmware_sim fleet run failed)."""
+    import threading
+
+    from edgefcl.data.types import Batch
+    from edgefcl.runtime.replayer import Replayer
+    from edgefcl.transport.codec import Message, encode
+    from edgefcl.transport.mqtt import MqttLink
+
+    cfg = small_config(mqtt={"broker": mosquitto, "fleet": "rp"})
+    tp = topics(cfg.mqtt)
+    batches = [Batch(np.zeros((4, 3), np.float32), np.zeros(4, np.int64), 0, i, i == 9)
+               for i in range(10)]
+    rep = Replayer(cfg, {"c0": iter(batches)}, rate=20.0, wait_online=10.0)
+    seen: list[str] = []
+    on_status = rep._on_status
+    rep._on_status = lambda topic, payload: seen.append(topic) or on_status(topic, payload)
+    flood = MqttLink(mosquitto, "byz", clean_start=True).connect()
+    device = MqttLink(mosquitto, "c0", clean_start=True).connect()
+    stop = threading.Event()
+    big = encode(Message("status", {"state": "online", "pad": [7] * 16_000}, sender="byz"),
+                 fleet="rp")
+
+    def flooding() -> None:
+        while not stop.wait(1 / 300):
+            flood.publish(tp.status("byz"), big, qos=0)
+
+    th = threading.Thread(target=flooding, daemon=True)
+    th.start()
+    device.publish(tp.status("c0"), encode(Message("status", {"state": "online"}, sender="c0"),
+                                           fleet="rp"), retain=True, wait=True)
+    try:
+        sent = rep.run()
+    finally:
+        stop.set()
+        th.join(5)
+        flood.close()
+        device.close()
+    assert sent == {"c0": 10}
+    assert seen and all(t == tp.status("c0") for t in seen)

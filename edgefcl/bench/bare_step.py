@@ -1,0 +1,162 @@
+"""Bare-step references of `edgefcl bench client`: what one client's training of a mini-batch
+costs in torch alone, and what stacking the clients of a tick into one computation could gain.
+
+Each variant runs `local_epochs` optimizer steps of the run's initial model on 2 x batch_size
+samples of the first task (the batch and a replay draw of the same size), on the run's device,
+timed after a warm-up:
+
+- `eager`: the model and optimizer as the client builds them;
+- `fused`: the same with the optimizer's fused implementation (Adam and AdamW; skipped where
+  torch has none for the device);
+- `compiled`: `torch.compile` of the step's forward and backward (mode reduce-overhead, CUDA
+  graphs on CUDA); its compile time is reported apart;
+- `stacked`: `clients` copies of the model stepped as one computation: parameters stacked,
+  `torch.func.vmap` over `grad` of `functional_call`, and one optimizer over the stacked
+  tensors (Adam and SGD are elementwise, so each client keeps its own optimizer state); the
+  time per client is reported. Models with BatchNorm are skipped (their running statistics
+  are per-client buffers that vmap cannot update in place).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, stack_module_state, vmap
+
+from edgefcl.build import Setup, make_optimizer
+from edgefcl.config import RunConfig
+from edgefcl.learn.learner import resolve_device
+
+
+def _timed(step: Callable[[], None], seconds: float, sync: Callable[[], None],
+           warmup: int = 10) -> float:
+    """Mean ms of `step` over `seconds` (at least one call), after `warmup` calls."""
+    for _ in range(warmup):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    n = 0
+    while True:
+        step()
+        n += 1
+        sync()
+        if (elapsed := time.perf_counter() - t0) >= seconds:
+            return 1000 * elapsed / n
+
+
+def _stepper(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+             steps: int, forward: Callable[[torch.Tensor], torch.Tensor] | None = None
+             ) -> Callable[[], None]:
+    forward = model if forward is None else forward
+
+    def step() -> None:
+        for _ in range(steps):
+            loss = nn.functional.cross_entropy(forward(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return step
+
+
+def _optimizer(params, cfg: RunConfig, **extra) -> torch.optim.Optimizer:
+    """The client's optimizer kind and learning rate over `params` (a list of tensors)."""
+    probe = make_optimizer(nn.Linear(1, 1), cfg.learn)
+    return type(probe)(params, **{**probe.defaults, **extra})
+
+
+def bare_step_refs(cfg: RunConfig, setup: Setup, seconds: float = 2.0, clients: int = 0,
+                   compile_step: bool = True) -> dict:
+    """ms per client mini-batch of each variant (see the module docstring), with the compile
+    time of `compiled` and the number of stacked clients (`clients`, default the run's)."""
+    device = resolve_device(cfg.learn.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    task = setup.tasks[0][0]
+    n = 2 * cfg.data.batch_size
+    x = torch.from_numpy(task.x_train[:n]).to(device)
+    y = torch.from_numpy(task.y_train[:n]).long().to(device)
+    steps = cfg.learn.local_epochs
+    out: dict = {"samples": n, "steps": steps, "device": str(device)}
+
+    def fresh() -> nn.Module:
+        return copy.deepcopy(setup.initial).to(device).train()
+
+    model = fresh()
+    out["eager_ms"] = _timed(_stepper(model, make_optimizer(model, cfg.learn), x, y, steps),
+                             seconds, sync)
+    model = fresh()
+    try:
+        opt = _optimizer(list(model.parameters()), cfg, fused=True)
+        out["fused_ms"] = _timed(_stepper(model, opt, x, y, steps), seconds, sync)
+    except (RuntimeError, TypeError, ValueError) as e:  # no fused kernel for this device
+        out["fused_skipped"] = str(e).splitlines()[0][:200]
+    if compile_step:
+        model = fresh()
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        forward = torch.compile(model, mode=mode)
+        step = _stepper(model, make_optimizer(model, cfg.learn), x, y, steps, forward)
+        t0 = time.perf_counter()
+        try:
+            step()
+            sync()
+            out["compile_s"] = time.perf_counter() - t0
+            out["compiled_ms"] = _timed(step, seconds, sync)
+        except Exception as e:  # noqa: BLE001  (no compiler toolchain: reported, not fatal)
+            out["compiled_skipped"] = str(e).splitlines()[0][:200]
+    k = clients or cfg.fed.clients
+    out["stacked_clients"] = k
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in setup.initial.modules()):
+        out["stacked_skipped"] = "BatchNorm buffers"
+        return out
+    step, _ = stacked_trainer([fresh() for _ in range(k)], cfg)
+    xs, ys = x.expand(k, *x.shape).contiguous(), y.expand(k, *y.shape).contiguous()
+    out["stacked_ms_per_client"] = _timed(lambda: step(xs, ys), seconds, sync) / k
+    return out
+
+
+def stacked_trainer(models: list[nn.Module], cfg: RunConfig
+                    ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None],
+                               dict[str, torch.Tensor]]:
+    """(step, params): `step(xs, ys)` runs `local_epochs` optimizer steps of every model at
+    once on its own mini-batch (xs (k, n, ...), ys (k, n)); `params` are the stacked
+    parameters it updates (name -> (k, ...)). Each model keeps its own optimizer state: the
+    optimizer's update is elementwise. Models without BatchNorm only."""
+    params, buffers = stack_module_state(models)
+    stacked = {name: p.detach() for name, p in params.items()}
+    base = copy.deepcopy(models[0]).to("meta")
+    opt = _optimizer(list(stacked.values()), cfg)
+
+    def loss(p: dict, b: dict, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(functional_call(base, (p, b), (xs,)), ys)
+
+    grads = vmap(grad(loss))
+
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        for _ in range(cfg.learn.local_epochs):
+            g = grads(stacked, buffers, xs, ys)
+            for name, p in stacked.items():
+                p.grad = g[name]
+            opt.step()
+    return step, stacked
+
+
+def print_refs(refs: dict) -> None:
+    """One line per variant."""
+    print(f"\nbare step ({refs['steps']} steps on {refs['samples']} samples, {refs['device']}), "
+          "ms per client mini-batch:")
+    print(f"  eager {refs['eager_ms']:.2f}")
+    for key, label in (("fused", "fused optimizer"), ("compiled", "torch.compile")):
+        if f"{key}_ms" in refs:
+            extra = f" (compile {refs['compile_s']:.1f} s)" if key == "compiled" else ""
+            print(f"  {label} {refs[f'{key}_ms']:.2f}{extra}")
+        elif f"{key}_skipped" in refs:
+            print(f"  {label}: skipped ({refs[f'{key}_skipped']})")
+    if "stacked_ms_per_client" in refs:
+        print(f"  {refs['stacked_clients']} clients stacked (vmap) "
+              f"{refs['stacked_ms_per_client']:.2f} per client "
+              f"({refs['eager_ms'] / refs['stacked_ms_per_client']:.2f}x eager)")
+    elif "stacked_skipped" in refs:
+        print(f"  stacked: skipped ({refs['stacked_skipped']})")
