@@ -60,8 +60,7 @@ class Loop:
     max_factor: float = 8.0
     seed: int = 0
     jitter: str = "on"
-    """Devices' send delay (`Pacer.delay`): on, off, or overload (only while the factor is
-    above 1)."""
+    """Devices' send delay (`Pacer.delay`: from the first factor above 1 on) or off."""
     drop_to: float = 0.0
     """When > 0: the offered load drops to this (over capacity) halfway through."""
 
@@ -90,6 +89,7 @@ def run_loop(spec: Loop) -> dict:
     inbox = Inbox(max_bytes=spec.inbox * SIZE, sender_of=lambda topic: topic,
                   clock=lambda: now[0])
     bp = Backpressure(spec.max_factor)
+    bp.spread_for(spec.devices)
     quota = UpdateQuota(clock=lambda: now[0])
     rng = np.random.default_rng(spec.seed)
     n = spec.devices
@@ -98,7 +98,7 @@ def run_loop(spec: Loop) -> dict:
     ignoring = set(rng.permutation(n)[:round(spec.ignoring * n)].tolist())
     pacers = [Pacer(f"d{i}", spec.seed) for i in range(n)]
     for p in pacers:  # as a device does from its mini-batch times (DeviceRunner._pace)
-        p.period = period
+        p.period, p.spreading = period, bp.spread
     names = [f"d{i}" for i in range(n)]
     events = [(float(phases[i]), DUE, i) for i in range(n)]
     events += [(k * spec.interval, STATUS, -1)
@@ -143,7 +143,7 @@ def run_loop(spec: Loop) -> dict:
         if kind == DUE:
             heapq.heappush(events, (_due_after(t, spec, period), DUE, i))
             if pacers[i].take(t) or i in ignoring:
-                if spec.jitter == "off" or (spec.jitter == "overload" and bp.factor <= 1):
+                if spec.jitter == "off":
                     inbox.put(names[i], payload)
                 else:
                     heapq.heappush(events, (t + pacers[i].delay(), SEND, i))
@@ -157,7 +157,7 @@ def run_loop(spec: Loop) -> dict:
         bp.observe(inbox.load().less(quota.refused), spec.interval)
         quota.end_interval(spec.interval, set(names), bp.factor)
         for p in pacers:
-            p.factor = bp.factor
+            p.factor, p.spreading = bp.factor, bp.spread
         factors.append((t, bp.factor))
     return summarise(spec, folded, per_second, factors, ignoring)
 

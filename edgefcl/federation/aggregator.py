@@ -508,7 +508,7 @@ class Aggregator:
         (`round_weights.py`), for the robust rules; after `strategy.configure_round`."""
         return weigh(updates, self.global_.version, self.fed, self.strategy)
 
-    # -- prototype library (head prototypes; federation/prototype_library.py) ---------------------
+    # -- prototype library (head prototypes; federation/prototype_library.py) -------------
     def _check_prototypes(self, msg: Update) -> str | None:
         """An update's library must match the global's row width and kind (Gaussian rows,
         with sigmas, exactly where the global's are); none where the run has no library."""

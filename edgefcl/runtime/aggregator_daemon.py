@@ -355,11 +355,14 @@ class AggregatorDaemon:
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval; a changed factor is
         re-published on the retained config (devices follow it there)."""
+        spread = self.backpressure.spread
         line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
                                          self.status_every)
+        self.backpressure.spread_for(len(self.agg.active))
         self.quota.end_interval(self.status_every, set(self.agg.active), self.backpressure.factor)
         if line:
             log.info(line)
+        if line or self.backpressure.spread != spread:
             self._publish_config()
 
     def _release_due(self, now: float) -> None:

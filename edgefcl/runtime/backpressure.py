@@ -47,6 +47,9 @@ SLACK = 0.1
 STEP = 1.1
 DECAY = 0.9
 REASONS = ("shed", "fill", "behind")
+SPREAD_FLEET = 100
+"""Active devices from which an aggregator asks its fleet to spread its sends at once (a
+smaller fleet is asked after its inbox first sheds)."""
 MAX_DELAY_S = 10.0
 """The longest send delay of a device (`Pacer.delay`)."""
 
@@ -82,6 +85,9 @@ class Backpressure:
         self.max_factor = max(1.0, float(max_factor))
         self.factor = 1.0
         self.reason = ""
+        self.spread = False
+        """Whether devices are asked to spread their sends (`Pacer.delay`): once the fleet
+        has SPREAD_FLEET active devices or the inbox has shed (it stays on)."""
         self._settling = False
 
     @property
@@ -93,6 +99,7 @@ class Backpressure:
         if not self.enabled:
             return self.factor
         ratio = load.offered / max(load.taken, 1)
+        self.spread = self.spread or load.shed > 0
         prev = self.factor
         if self._settling:
             self._settling = False
@@ -131,11 +138,24 @@ class Backpressure:
         self.reason = f"{top}: {why}" if self.factor > 1.0 else ""
         return self.factor
 
-    def fields(self) -> dict[str, float | str]:
+    def fields(self) -> dict[str, float | str | bool]:
         """What the config and status carry (nothing when backpressure is off)."""
         if not self.enabled:
             return {}
-        return {"backpressure": self.factor, "backpressure_reason": self.reason}
+        return {"backpressure": self.factor, "backpressure_reason": self.reason,
+                "spread_sends": self.spread}
+
+    def spread_for(self, active: int) -> bool:
+        """Turn `spread` on for a fleet of `active` devices; True when that changed it."""
+        if self.spread or not self.enabled or active < SPREAD_FLEET:
+            return False
+        self.spread = True
+        return True
+
+
+def spread_advertised(body: dict | None) -> bool:
+    """Whether a config or status body asks devices to spread their sends (a bool only)."""
+    return (body or {}).get("spread_sends") is True
 
 
 def advertised(body: dict | None, max_factor: float) -> float:
@@ -165,16 +185,21 @@ class Pacer:
         self.held = 0
         self.period = 0.0
         """Seconds between due updates (smoothed), when `take` is given the time."""
+        self.spreading = False
+        """Whether sends are delayed (`delay`): as the aggregator advertises
+        (`spread_sends`)."""
         self._due_at: float | None = None
 
     def delay(self, period: float | None = None) -> float:
-        """Seconds to wait before sending an update taken now: uniform over [0, period)
-        (default: the measured time between due updates, at most MAX_DELAY_S), from the
-        device's own generator, so that devices whose updates fall due at the same instants
-        (streams replayed in step, a fleet started at once) still reach the aggregator
-        spread over the period instead of in one burst that the inbox sheds (in the
-        backpressure bench: 0.09 of capacity folded at 1x with synchronised devices, 0.996
-        with the delay)."""
+        """Seconds to wait before sending an update taken now: 0 unless the aggregator asks
+        its fleet to spread its sends (`spreading`), then uniform over [0, period) (default:
+        the measured time between due updates, at most MAX_DELAY_S), from the device's own
+        generator, so that devices whose updates fall due at the same instants (streams
+        replayed in step, a fleet started at once) reach the aggregator spread over the
+        period instead of in one burst that the inbox sheds (in the backpressure bench:
+        0.09 of capacity folded at 1x with synchronised devices, 0.99 with the delay)."""
+        if not self.spreading:
+            return 0.0
         return self.rng.random() * (min(self.period, MAX_DELAY_S) if period is None
                                     else period)
 

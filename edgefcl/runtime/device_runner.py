@@ -31,7 +31,7 @@ from edgefcl.learn.drift import stream_report
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.merges import CAUGHT_UP, MERGED, merge_at_gate, merge_global
 from edgefcl.metrics import forgetting
-from edgefcl.runtime.backpressure import Pacer, advertised
+from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
 from edgefcl.runtime.bodies import body_fault
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, size_payload_limit, topics, wire_dtype
@@ -204,10 +204,12 @@ class DeviceRunner:
             elif isinstance(msg, Message) and msg.kind == "config":
                 self.fleet_config = msg.body
                 self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
+                self.pacer.spreading = spread_advertised(msg.body)
             elif isinstance(msg, Message) and msg.kind == "status":
                 self.aggregator_state = msg.body
                 if "backpressure" in msg.body:
                     self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
+                    self.pacer.spreading = spread_advertised(msg.body)
             elif isinstance(msg, Message) and msg.kind == "answer":
                 self.answers[msg.body["tick"]] = msg.body
             elif isinstance(msg, Message) and msg.kind == "control":

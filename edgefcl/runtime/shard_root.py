@@ -22,7 +22,7 @@ from edgefcl.config import RunConfig
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.shard import ShardRoot
 from edgefcl.runtime.aggregator_daemon import SENDER, AggregatorDaemon
-from edgefcl.runtime.backpressure import REASONS, advertised
+from edgefcl.runtime.backpressure import REASONS, advertised, spread_advertised
 from edgefcl.transport.codec import CodecError, Message, decode
 from edgefcl.transport.partials import decode_worker_message, encode_grant
 
@@ -45,6 +45,8 @@ class RootDaemon(AggregatorDaemon):
         self.spec_shapes = {k: v.shape for k, v in self.agg.global_.tensors.items()}
         self.worker_pressure: dict[str, tuple[float, str]] = {}
         """(backpressure factor, reason) of each live worker, from its status."""
+        self.worker_spread = False
+        """Whether a worker has asked its devices to spread their sends."""
 
     def subscriptions(self) -> list[str]:
         t = self.topics
@@ -59,10 +61,15 @@ class RootDaemon(AggregatorDaemon):
         is relayed from the workers' statuses instead (`_relay_pressure`)."""
 
     def _relay_pressure(self) -> None:
-        before = self.backpressure.factor
+        before, spread = self.backpressure.factor, self.backpressure.spread
+        if self.worker_spread:  # a worker's ask, or the fleet's size
+            self.backpressure.spread = self.backpressure.enabled
+        self.backpressure.spread_for(len(self.agg.active))
         if self.backpressure.relay(self.worker_pressure) != before:
             log.info("backpressure %.2f (%s)", self.backpressure.factor,
                      self.backpressure.reason or "down")
+            self._publish_config()
+        elif self.backpressure.spread != spread:
             self._publish_config()
 
     def _keeps_open(self, topic: str) -> bool:
@@ -92,6 +99,7 @@ class RootDaemon(AggregatorDaemon):
                 self.worker_pressure[worker] = (
                     advertised(msg.body, self.cfg.fed.max_backpressure),
                     reason if reason in REASONS else "")
+                self.worker_spread = self.worker_spread or spread_advertised(msg.body)
             else:
                 self.worker_pressure.pop(worker, None)
                 self._close_safely(lambda: self.agg.worker_offline(worker, now))

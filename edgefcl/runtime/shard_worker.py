@@ -252,8 +252,9 @@ class WorkerDaemon:
         highest of its workers' factors to the devices)."""
         line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
                                          self.status_every)
-        self.quota.end_interval(self.status_every, self.quota.recent(),
-                                self.backpressure.factor)
+        recent = self.quota.recent()
+        self.backpressure.spread_for(len(recent))
+        self.quota.end_interval(self.status_every, recent, self.backpressure.factor)
         if line:
             log.info(line)
 

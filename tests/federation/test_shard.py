@@ -182,9 +182,9 @@ def _root_and_partials(rng, fed=None):
     return fed, initial, ups
 
 
-def test_a_client_in_two_partials_waits_for_the_next_round():
-    rng = np.random.default_rng(1)
-    fed, initial, ups = _root_and_partials(rng)
+def _c00_in_two_workers():
+    """A root with workers w0 (updates of c00 and c01) and w1 (c00's next update)."""
+    fed, initial, ups = _root_and_partials(np.random.default_rng(1))
     root = ShardRoot(initial, fed)
     root.worker_online("w0")
     root.worker_online("w1")
@@ -192,8 +192,12 @@ def test_a_client_in_two_partials_waits_for_the_next_round():
     wb = ShardWorker(initial, fed, worker="w1")
     wa.submit(ups[0], 0.0)
     wa.submit(ups[1], 0.0)
-    again = Update(**{**ups[0].__dict__, "seq": 2, "batch": 2})
-    wb.submit(again, 0.0)
+    wb.submit(Update(**{**ups[0].__dict__, "seq": 2, "batch": 2}), 0.0)
+    return root, wa, wb, ups
+
+
+def test_a_client_in_two_partials_waits_for_the_next_round():
+    root, wa, wb, _ = _c00_in_two_workers()
     assert root.merge(wa.flush(), 0.0) is None
     assert root.merge(wb.flush(), 0.0) is None  # held: c00 is already in this round
     assert root.counters["partials_deferred"] == 1
@@ -206,16 +210,7 @@ def test_a_client_in_two_partials_waits_for_the_next_round():
 def test_a_client_claimed_by_two_workers_is_held_back_alone():
     """Both workers hold an update of c00: the root grants it to the first claim only, the
     second worker's partial carries its other clients now and c00 in a later round."""
-    rng = np.random.default_rng(1)
-    fed, initial, ups = _root_and_partials(rng)
-    root = ShardRoot(initial, fed)
-    root.worker_online("w0")
-    root.worker_online("w1")
-    wa = ShardWorker(initial, fed, worker="w0")
-    wb = ShardWorker(initial, fed, worker="w1")
-    wa.submit(ups[0], 0.0)
-    wa.submit(ups[1], 0.0)
-    wb.submit(Update(**{**ups[0].__dict__, "seq": 2, "batch": 2}), 0.0)
+    root, wa, wb, ups = _c00_in_two_workers()
     wb.submit(ups[2], 0.0)
     assert wa.claimable() == ("c00", "c01") and wb.claimable() == ("c00", "c02")
     assert root.claim("w0", wa.claimable()) == ("c00", "c01")

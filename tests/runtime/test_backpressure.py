@@ -47,7 +47,7 @@ def test_factor_rises_with_the_overload_settles_and_decays_to_one():
     for _ in range(30):
         bp.update(Load(offered=10, shed=0, taken=10, fill=0.0))
     assert bp.factor == 1.0 and bp.reason == "" and bp.fields() == {
-        "backpressure": 1.0, "backpressure_reason": ""}
+        "backpressure": 1.0, "backpressure_reason": "", "spread_sends": True}  # it shed
 
 
 def test_factor_is_bounded_and_off_at_one():
@@ -341,6 +341,7 @@ def test_a_held_update_sent_after_more_batches_names_the_batch_it_was_due_at(set
 
 def test_a_pacer_delays_a_send_over_its_measured_due_period():
     p = Pacer("d1", seed=0)
+    p.spreading = True
     assert p.delay() == 0.0  # nothing measured yet
     for k in range(5):
         p.take(now=2.0 * k)
@@ -349,17 +350,41 @@ def test_a_pacer_delays_a_send_over_its_measured_due_period():
     assert 0 <= min(delays) < 0.05 and 1.95 < max(delays) < 2.0
     assert abs(float(np.mean(delays)) - 1.0) < 0.05
     q = Pacer("d2", seed=0)
+    q.spreading = True
     for k in range(5):
         q.take(now=2.0 * k)
     assert [q.delay() for _ in range(3)] != delays[:3]  # each device its own draws
-    assert Pacer("d1", 0).delay(1.0) == Pacer("d1", 0).delay(1.0)  # from its id and seed
+    a, b = Pacer("d1", 0), Pacer("d1", 0)
+    a.spreading = b.spreading = True
+    assert a.delay(1.0) == b.delay(1.0)  # from its id and seed
+    assert Pacer("d1", 0).delay(1.0) == 0.0  # not asked to spread: no delay
+
+
+def test_an_aggregator_asks_a_large_or_shedding_fleet_to_spread_its_sends():
+    """A fleet of SPREAD_FLEET devices is asked at once, a small one after its inbox first
+    sheds (and it stays asked); a device reads the flag only as a bool."""
+    from edgefcl.runtime.backpressure import SPREAD_FLEET, spread_advertised
+
+    bp = Backpressure(max_factor=8)
+    assert not bp.spread_for(SPREAD_FLEET - 1) and bp.fields()["spread_sends"] is False
+    bp.update(Load(offered=100, shed=1, taken=99, fill=0.2))
+    assert bp.spread and bp.fields()["spread_sends"] is True
+    for _ in range(30):
+        bp.update(Load(offered=10, shed=0, taken=10, fill=0.0))
+    assert bp.factor == 1.0 and bp.spread
+    big = Backpressure(max_factor=8)
+    assert big.spread_for(SPREAD_FLEET) and not big.spread_for(SPREAD_FLEET)
+    assert not Backpressure(max_factor=1).spread_for(10 * SPREAD_FLEET)  # off: never
+    assert spread_advertised({"spread_sends": True})
+    assert not any(spread_advertised(b) for b in ({"spread_sends": 1}, {}, None,
+                                                   {"spread_sends": "yes"}))
 
 
 def test_an_async_device_sends_after_its_delay_and_flushes_before_the_end(setup_cfg):
     r, sent = _sent_updates(setup_cfg, None)
     out: list[bytes] = []
     r.link.publish = lambda topic, payload, **kw: out.append(payload) or len(payload)
-    r.pacer.period = 30.0  # a delay of seconds: still waiting when flushed
+    r.pacer.period, r.pacer.spreading = 30.0, True  # a delay of seconds: still waiting
     r._send(sent[-1])
     assert out == [] and len(r._sends) == 1
     r.flush_sends()

@@ -84,6 +84,22 @@ def start(daemon) -> threading.Thread:
     return th
 
 
+def start_tier(cfg: RunConfig, url: str, state: Path, flush_every: float):
+    """A root and workers w0, w1 in threads, both live at the root; (root, workers, threads,
+    a watcher of the globals)."""
+    root = RootDaemon(cfg, INITIAL, state, workers=frozenset({"w0", "w1"}))
+    threads = [start(root)]
+    watcher = Watcher(url)
+    watcher.wait(0)
+    workers = [WorkerDaemon(cfg, w, flush_every=flush_every) for w in ("w0", "w1")]
+    threads += [start(w) for w in workers]
+    deadline = time.monotonic() + 20
+    while root.agg.live_workers != {"w0", "w1"} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert root.agg.live_workers == {"w0", "w1"}
+    return root, workers, threads, watcher
+
+
 @pytest.mark.parametrize("encoding,aggregation", [("dense", "fedavg"),
                                                   ("dense", "class-weighted"),
                                                   ("sparse", "fedavg"),
@@ -91,16 +107,7 @@ def start(daemon) -> threading.Thread:
 def test_root_and_two_workers_over_mosquitto_equal_one_aggregator(mosquitto, tmp_path,
                                                                   encoding, aggregation):
     cfg = cfg_for(mosquitto, encoding=encoding, aggregation=aggregation)
-    root = RootDaemon(cfg, INITIAL, tmp_path / "state", workers=frozenset({"w0", "w1"}))
-    threads = [start(root)]
-    watcher = Watcher(mosquitto)
-    watcher.wait(0)
-    workers = [WorkerDaemon(cfg, w, flush_every=1.0) for w in ("w0", "w1")]
-    threads += [start(w) for w in workers]
-    deadline = time.monotonic() + 20
-    while root.agg.live_workers != {"w0", "w1"} and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert root.agg.live_workers == {"w0", "w1"}
+    root, workers, threads, watcher = start_tier(cfg, mosquitto, tmp_path / "state", 1.0)
     updates = device_updates(encoding, np.random.default_rng(11))
     dev = MqttLink(mosquitto, "devices", clean_start=True).connect()
     t = topics(cfg.mqtt)
@@ -198,15 +205,7 @@ def test_one_flooding_device_costs_honest_devices_under_5_percent_when_sharded(m
     honest = [f"d{i:02d}" for i in range(4)]
     attacker = "d07"
     cfg = cfg_for(mosquitto, min_clients=2, round_timeout=2.0)
-    root = RootDaemon(cfg, INITIAL, tmp_path / "state", workers=frozenset({"w0", "w1"}))
-    threads = [start(root)]
-    watcher = Watcher(mosquitto)
-    watcher.wait(0)
-    workers = [WorkerDaemon(cfg, w, flush_every=0.5) for w in ("w0", "w1")]
-    threads += [start(w) for w in workers]
-    deadline = time.monotonic() + 20
-    while root.agg.live_workers != {"w0", "w1"} and time.monotonic() < deadline:
-        time.sleep(0.05)
+    root, workers, threads, watcher = start_tier(cfg, mosquitto, tmp_path / "state", 0.5)
     dev = MqttLink(mosquitto, "devices", clean_start=True).connect()
     t = topics(cfg.mqtt)
     rng = np.random.default_rng(3)
