@@ -140,9 +140,12 @@ def _cli(*args: str, log: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_killing_one_of_two_workers_costs_a_device_at_most_one_round(mosquitto, tmp_path):
-    """Eight devices send an update every 0.4 s; rounds close on 4 devices + 1.5 s timeout.
-    Worker w1 is SIGKILLed after round 4: every device is in one of any two consecutive
-    rounds from then on."""
+    """Eight devices send an update every 0.4 s; rounds close on 4 devices + 1.5 s timeout;
+    workers flush every 0.5 s, longer than a device's period, so that each flush holds an
+    update of every device of its share (with 0.3 s, under a loaded machine's timing a
+    round could close on four devices whose updates happened to be in, twice in a row
+    without one of the others, kill or no kill). Worker w1 is SIGKILLed after round 4:
+    every device is in one of any two consecutive rounds from then on."""
     common = ["--broker", mosquitto, "--fleet", FLEET, "--mode", "async", "--clients", str(N),
               "--burn-in", "0", "--jump", "1", "--clip-factor", "0", "--max-share", "1",
               "--sample-cap", "1000"]
@@ -156,7 +159,7 @@ def test_killing_one_of_two_workers_costs_a_device_at_most_one_round(mosquitto, 
     try:
         watcher.wait(0, 60)
         for w in ("w0", "w1"):
-            procs.append(_cli("--role", "worker", "--id", w, "--flush-every", "0.3", *common,
+            procs.append(_cli("--role", "worker", "--id", w, "--flush-every", "0.5", *common,
                               log=tmp_path / f"{w}.log"))
         time.sleep(3.0)
         dev = MqttLink(mosquitto, "devices", clean_start=True).connect()
