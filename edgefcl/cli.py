@@ -7,7 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
-from edgefcl.cli_options import (
+from edgefcl.config import ConfigError
+from edgefcl.logs import setup_logging
+from edgefcl.options import (
     BROKER_VARIABLE,
     DAEMON_HELP,
     HelpFormatter,
@@ -23,8 +25,6 @@ from edgefcl.cli_options import (
     run_command,
     show_all_help,
 )
-from edgefcl.config import ConfigError
-from edgefcl.logs import setup_logging
 from edgefcl.runtime.roles import add_role_commands
 from edgefcl.version import __version__
 

@@ -11,8 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from edgefcl.cli_options import HelpFormatter, Parser, log_level, logging_options, run_command
 from edgefcl.config import ConfigError
+from edgefcl.options import HelpFormatter, Parser, log_level, logging_options, run_command
 
 
 def _fleet(args: argparse.Namespace) -> int:

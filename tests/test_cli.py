@@ -168,7 +168,7 @@ def test_broker_port_taken_names_its_owner(capsys):
 
 
 def test_the_broker_variable_is_the_default_broker(monkeypatch):
-    from edgefcl.cli_options import daemon_config
+    from edgefcl.options import daemon_config
     from edgefcl.runtime.roles import add_role_commands
 
     parser = argparse.ArgumentParser()

@@ -24,7 +24,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 
 # Known violations, to be removed as they are fixed (each (importer, imported) pair). Empty: the
-# roles start through runtime/roles.py, the parser helpers live in edgefcl/cli_options.py and the
+# roles start through runtime/roles.py, the parser helpers live in edgefcl/options.py and the
 # state-file helpers in edgefcl/statefiles.py.
 KNOWN: set[tuple[str, str]] = set()
 
@@ -32,7 +32,7 @@ ABOVE_GROUND = ("edgefcl.learn", "edgefcl.federation", "edgefcl.transport", "edg
                 "edgefcl.build", "edgefcl.cli", "edgefcl.sim.runs")
 FORBIDDEN.update({
     "edgefcl.statefiles": ABOVE_GROUND,  # ground floor: file I/O of state
-    "edgefcl.cli_options": ("edgefcl.cli", "edgefcl.sim.runs", "edgefcl.runtime"),
+    "edgefcl.options": ("edgefcl.cli", "edgefcl.sim.runs", "edgefcl.runtime"),
 })
 CLI_IMPORTERS = {"edgefcl.__main__"}
 """The only modules that may import `edgefcl.cli`: nothing below the CLI imports it."""

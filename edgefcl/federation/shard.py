@@ -148,15 +148,18 @@ class ShardWorker(Aggregator):
         """The clients whose updates wait for the next flush, to claim from the root."""
         return tuple(sorted(self._round.updates))
 
-    def flush(self, granted: Collection[str] | None = None) -> Partial | None:
+    def flush(self, granted: Collection[str] | None = None,
+              now: float | None = None) -> Partial | None:
         """The partial of the updates accepted since the last flush (None if none): of the
-        `granted` clients only when given, the others' updates stay for a later flush."""
+        `granted` clients only when given, the others' updates stay for a later flush (due
+        `flush_every` after `now` when given, so that they are not claimed again at once)."""
         rnd = self._round
         take = sorted(rnd.updates if granted is None else set(rnd.updates) & set(granted))
         self._round = _Round()
         if len(take) < len(rnd.updates):  # the rest wait, as they were
             kept = {c: u for c, u in rnd.updates.items() if c not in take}
-            self._round = _Round(kept, opened_at=rnd.opened_at, arrived=len(kept),
+            self._round = _Round(kept, opened_at=rnd.opened_at if now is None else now,
+                                 arrived=len(kept),
                                  nbytes=sum(map(_nbytes, kept.values())))
             self.counters["held_for_later_round"] += len(self._round.updates)
         if not take:

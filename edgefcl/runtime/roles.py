@@ -10,7 +10,9 @@ import functools
 import logging
 from pathlib import Path
 
-from edgefcl.cli_options import (
+from edgefcl.config import ConfigError, RunConfig
+from edgefcl.logs import setup_logging
+from edgefcl.options import (
     DAEMON_HELP,
     RUN_ONLY,
     Parser,
@@ -24,8 +26,6 @@ from edgefcl.cli_options import (
     run_command,
     show_all_help,
 )
-from edgefcl.config import ConfigError, RunConfig
-from edgefcl.logs import setup_logging
 
 log = logging.getLogger("edgefcl")
 

@@ -160,7 +160,7 @@ class WorkerDaemon:
         if claim != self.claims or self.claimed_at is None:
             return  # the answer to an earlier claim
         self.claimed_at = None
-        self.flush(granted)
+        self.flush(granted, time.monotonic())
 
     def handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         """Apply one message; never raises (failures are counted as `rejected_<reason>`)."""
@@ -220,12 +220,12 @@ class WorkerDaemon:
                 msg.body.get("command") == "stop":
             self.stop_event.set()
 
-    def flush(self, granted: list[str] | None = None) -> None:
+    def flush(self, granted: list[str] | None = None, now: float | None = None) -> None:
         """Send the partial of the updates held (of the `granted` clients only, when given),
         if any. A flush that fails (a bug reached by input) drops them, counted and logged:
         the worker goes on."""
         try:
-            p = self.agg.flush(granted)
+            p = self.agg.flush(granted, now)
         except Exception:
             self.agg.counters["rejected_internal"] += 1
             log.exception("internal error while aggregating a partial: its updates are dropped")

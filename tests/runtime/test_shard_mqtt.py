@@ -100,6 +100,17 @@ def start_tier(cfg: RunConfig, url: str, state: Path, flush_every: float):
     return root, workers, threads, watcher
 
 
+def stop_tier(daemons: list, threads: list[threading.Thread], dev: MqttLink,
+              watcher: Watcher) -> None:
+    """Stop what `start_tier` started, and the test's device link."""
+    for d in daemons:
+        d.stop_event.set()
+    for th in threads:
+        th.join(10)
+    dev.close()
+    watcher.link.close()
+
+
 @pytest.mark.parametrize("encoding,aggregation", [("dense", "fedavg"),
                                                   ("dense", "class-weighted"),
                                                   ("sparse", "fedavg"),
@@ -124,12 +135,7 @@ def test_root_and_two_workers_over_mosquitto_equal_one_aggregator(mosquitto, tmp
         np.testing.assert_allclose(got.tensors[k], v, rtol=1e-6, atol=1e-7)
     # both workers took a share (Mosquitto hands shared messages out in turn)
     assert all(w.partials_sent >= 1 for w in workers)
-    for d in [root, *workers]:
-        d.stop_event.set()
-    for th in threads:
-        th.join(10)
-    dev.close()
-    watcher.link.close()
+    stop_tier([root, *workers], threads, dev, watcher)
 
 
 def _cli(*args: str, log: Path) -> subprocess.Popen:
@@ -233,12 +239,7 @@ def test_one_flooding_device_costs_honest_devices_under_5_percent_when_sharded(m
         time.sleep(max(0.0, start_at + (tick + 1) * 0.05 - time.monotonic()))
     time.sleep(3.0)  # the last honest updates reach a round
     lines = root.store.round_lines()
-    for d in [root, *workers]:
-        d.stop_event.set()
-    for th in threads:
-        th.join(10)
-    dev.close()
-    watcher.link.close()
+    stop_tier([root, *workers], threads, dev, watcher)
     counted = {(c, s) for line in lines for c, s in line["seqs"].items()} & sent
     attacker_rounds = sum(attacker in line["seqs"] for line in lines)
     assert len(sent) == 80
