@@ -111,7 +111,7 @@ class Learner:
         learner = self._client.learner
         if task is not None and task != self.task:
             self.task = int(task)
-        index = learner.bn + 1 if learner.task == self.task else 1
+        index = learner.batch_in_task + 1 if learner.task == self.task else 1
         learner.learn_one(Batch(x, labels, self.task, index, False))
 
     def learn_one(self, x: ArrayLike, y: object, task: int | None = None) -> None:

@@ -39,9 +39,9 @@ def test_task_boundaries_are_explicit_and_stay_until_changed() -> None:
     learner.learn_many(X[:10], y[:10], task=0)
     learner.learn_many(X[10:20], y[10:20])  # no task: the last one
     inner = learner.client.learner
-    assert inner.task == 0 and inner.bn == 2
+    assert inner.task == 0 and inner.batch_in_task == 2
     learner.learn_many(X[20:30], y[20:30], task=1)
-    assert inner.task == 1 and inner.bn == 1 and learner.task == 1
+    assert inner.task == 1 and inner.batch_in_task == 1 and learner.task == 1
 
 
 def test_same_seed_same_predictions() -> None:

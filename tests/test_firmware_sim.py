@@ -315,8 +315,8 @@ def test_checkpoint_restores_a_client_bit_for_bit(method, extra):
     drive(b, bs[6:])
     ta, tb = get_tensors(a.model), get_tensors(b.model)
     assert all(np.array_equal(ta[k], tb[k]) for k in ta)
-    assert (a.seq, a.version, a.bn, a.batches, a.scored) == (b.seq, b.version, b.bn, b.batches,
-                                                             b.scored)
+    assert ((a.seq, a.version, a.batch_in_task, a.batches, a.scored)
+            == (b.seq, b.version, b.batch_in_task, b.batches, b.scored))
     if a.memory is not None:
         assert torch.equal(a.memory.x, b.memory.x) and torch.equal(a.memory.score, b.memory.score)
     assert torch.equal(a.gen.get_state(), b.gen.get_state())

@@ -8,7 +8,10 @@ positive, and the version moves forward by at most `max_step`. APC globals may a
 knowledge base (`<name>::kb`, shape (K, *shape)) and its ring position (`apc::kb_next`, an
 int64 scalar). A prototype library must pass `federation.prototypes.check_table` and MAX_ABS,
 and have the device's row width and kind (Gaussian rows with sigmas, or point rows) where the
-device merges it (`library_width`, `library_gaussian`).
+device merges it (`library_width`, `library_gaussian`). Its rows are bounded by the previous
+global the device adopted, as the aggregator bounds senders' rows (`row_clip`): per version,
+no row may move further than MAX_ROW_GROWTH x that global's median row norm
+(`library_fault`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from edgefcl.federation.messages import GlobalModel
-from edgefcl.federation.prototype_library import MAX_ROW_ABS, check_table
+from edgefcl.federation.prototype_library import MAX_ROW_ABS, PrototypeTable, check_table
 from edgefcl.federation.robust.variance import check_variances
 from edgefcl.federation.sparse import KB
 
@@ -28,6 +31,12 @@ MAX_ABS = MAX_ROW_ABS
 far below; 3e38 is finite but poisons every prediction)."""
 MAX_VERSION_STEP = 1_000_000
 """Largest version step a device accepts (an honest aggregator publishes one per round)."""
+
+MAX_ROW_GROWTH = 10.0
+"""How far, per version and x the median row norm of the previous global a device adopted,
+a global's prototype row may lie from that global's row of its label: the aggregator clips
+each row's change to `clip_factor` (3 by default) x that median, so an honest global moves a
+row by at most that in one round. Larger `clip_factor`s widen it to 2 x theirs."""
 
 Spec = dict[str, tuple[tuple[int, ...], str]]
 
@@ -90,15 +99,39 @@ def published_fault(g: GlobalModel, wire_dtype: str | None = None) -> str | None
     return None
 
 
+def library_fault(table: PrototypeTable, previous: PrototypeTable | None, steps: int,
+                  clip_factor: float = 3.0) -> str | None:
+    """"prototype_norm" when a row of the global's library `table` lies further from the
+    `previous` global's row of its label (the zero row for a new label) than `steps` (the
+    versions between them, at least 1) x max(MAX_ROW_GROWTH, 2 x `clip_factor`) x the median
+    norm of the previous rows; None when it fits, when there is no previous library with
+    rows to measure against, or when the aggregator does not clip (`clip_factor` 0)."""
+    if previous is None or not previous.labels or not table.labels or clip_factor <= 0:
+        return None
+    scale = float(np.median(np.linalg.norm(previous.rows.astype(np.float64), axis=1)))
+    if not scale > 0:
+        return None
+    at = previous.row_of()
+    base = np.zeros(table.rows.shape, np.float64)
+    old = np.array([at.get(n, -1) for n in table.labels], np.int64)
+    base[old >= 0] = previous.rows[old[old >= 0]]
+    bound = max(1, steps) * max(MAX_ROW_GROWTH, 2 * clip_factor) * scale
+    far = np.linalg.norm(table.rows.astype(np.float64) - base, axis=1) > bound
+    return "prototype_norm" if far.any() else None
+
+
 def check_global(g: GlobalModel, expected: Spec, held_version: int,
                  max_step: int = MAX_VERSION_STEP,
                  library_width: int | None = None,
-                 library_gaussian: bool = False) -> str | None:
+                 library_gaussian: bool = False,
+                 previous: GlobalModel | None = None, clip_factor: float = 3.0) -> str | None:
     """The reason to reject global `g` (a whole one, deltas resolved), or None. A version at
     or below `held_version` may be valid (a retained global re-delivered); the caller simply
     does not merge it. `library_width`: the row width of the library the device merges the
     global's into (None: the device does not merge one); `library_gaussian`: whether that
-    library has Gaussian rows (the global's must then carry sigmas, and only then)."""
+    library has Gaussian rows (the global's must then carry sigmas, and only then);
+    `previous`: the last global the device adopted, whose library bounds this one's rows
+    (`library_fault`, with the run's `clip_factor`; None: not checked)."""
     if g.version < 0 or g.version - held_version > max_step:
         return "version-jump"
     if any(k not in g.tensors for k in expected):
@@ -122,4 +155,8 @@ def check_global(g: GlobalModel, expected: Spec, held_version: int,
             return reason
         if library_width is not None and g.prototypes.gaussian != library_gaussian:
             return "prototype_sigma"
+        reason = library_fault(g.prototypes, previous and previous.prototypes,
+                               g.version - (previous.version if previous else 0), clip_factor)
+        if reason is not None:
+            return reason
     return check_variances({k: g.tensors[k] for k in expected})

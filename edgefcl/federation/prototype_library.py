@@ -161,8 +161,9 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     the capped weights; `counters["prototype_share_capped"]` counts capped rows).
     A Gaussian library (`previous.sigmas` set; every table sent must be Gaussian) combines the
     rows with `combine_gaussian` (sigma floor `sigma_floor`) and mixes on both moments.
-    Rows (not likelihoods) are first norm-clipped against the previous global's rows by
-    `row_clip.clip_rows` (`clip_factor` x the median sender's change; 0: off).
+    Rows (not likelihoods) are first clipped towards their label's median row and
+    norm-clipped against the previous global's rows by `row_clip.clip_rows` (`clip_factor`
+    x the median distance and the median sender's change; 0: off).
     `likelihood` (fedbnn rule; Gaussian libraries only), one flag per table: True for a table
     of row likelihoods (posterior / prior). A round with likelihoods combines only those, by
     `product_gaussian` against the previous global's row, or N(0, `prior_sigma`) for a new
@@ -207,7 +208,7 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
         prev_at = np.array([old.get(s, -1) for s in labels], dtype=np.int64)
         base[prev_at >= 0] = previous.rows[prev_at[prev_at >= 0]]
         sender = np.repeat(np.arange(len(sent)), [len(t.labels) for t in sent])
-        rows = clip_rows(rows, base, sender, clip_factor, counters, previous.rows)
+        rows = clip_rows(rows, base, sender, clip_factor, counters, previous.rows, inverse)
     capped = capped_groups(counts, inverse, max_share)
     if counters is not None:
         counters["prototype_share_capped"] += int((capped < counts).sum())

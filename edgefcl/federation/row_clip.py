@@ -7,8 +7,15 @@ honest senders are the majority; of two senders the smaller counts (their median
 their mean). The change is also bounded by `factor` times the previous global's median row
 norm, which no sender of the round holds. Senders whose rows did not change are left out of
 the median. Last, each row's own norm is clipped to `factor` times the round's median sender
-row norm, a bound the previous global does not move. Depends on numpy only (the prototype
-library imports it)."""
+row norm, a bound the previous global does not move.
+
+Those bounds are on a row's size, not on where it points: one sender moving every row of its
+by the same bounded bias still took 0.96 of the predictions over 20 rounds under the mean
+rule. So first, per label sent by three senders or more, each row's distance from the label's
+coordinate-wise median row is clipped to `factor` times the median distance of that label's
+rows (centred clipping, Karimireddy et al. 2021): a minority's rows are pulled into the honest
+spread, and the mean that follows moves by at most that spread over the senders' count.
+Depends on numpy only (the prototype library imports it)."""
 
 from __future__ import annotations
 
@@ -18,13 +25,16 @@ import numpy as np
 
 
 def clip_rows(rows: np.ndarray, base: np.ndarray, sender: np.ndarray, factor: float,
-              counters: Counter | None = None, reference: np.ndarray | None = None
-              ) -> np.ndarray:
-    """`rows` (n, width) with each row's change from `base` (its label's previous row, same
-    shape) clipped to `factor` x the median over senders of their median change, and to
-    `factor` x the median norm of the `reference` rows (the previous global library: no
-    sender of this round holds it) where there are some; `sender` (n,) names each row's
+              counters: Counter | None = None, reference: np.ndarray | None = None,
+              label: np.ndarray | None = None) -> np.ndarray:
+    """`rows` (n, width) clipped towards their label's median row (`label` (n,): each row's
+    label index; see `clip_to_centre`), then with each row's change from `base` (its label's
+    previous row, same shape) clipped to `factor` x the median over senders of their median
+    change, and to `factor` x the median norm of the `reference` rows (the previous global
+    library: no sender of this round holds it) where there are some; `sender` (n,) names each row's
     sender. Unchanged with `factor` 0, or with fewer than two senders and no reference."""
+    if factor > 0 and label is not None:
+        rows = clip_to_centre(rows, label, factor, counters)
     senders = np.unique(sender)
     have_reference = reference is not None and len(reference) > 0
     if factor <= 0 or len(rows) == 0 or (len(senders) < 2 and not have_reference):
@@ -64,3 +74,29 @@ def _clip_norms(rows: np.ndarray, sender: np.ndarray, senders: np.ndarray, facto
     if counters is not None:
         counters["prototype_rows_norm_clipped"] += int(over.sum())
     return rows * np.where(over, tau / np.maximum(norms, 1e-30), 1.0)[:, None]
+
+
+def clip_to_centre(rows: np.ndarray, label: np.ndarray, factor: float,
+                   counters: Counter | None = None) -> np.ndarray:
+    """Per label with three rows or more (one per sender), each row's distance from the
+    label's coordinate-wise median row clipped to `factor` x the median of those distances;
+    labels with fewer rows are left as they are (of two, the median is their mean)."""
+    order = np.argsort(label, kind="stable")
+    bounds = np.cumsum(np.bincount(label))[:-1]
+    out = rows.copy()
+    clipped = 0
+    for at in np.split(order, bounds):  # one pass per label, a few hundred at most
+        if len(at) < 3:
+            continue
+        group = rows[at]
+        centre = np.median(group, axis=0)
+        dist = np.linalg.norm(group - centre, axis=1)
+        tau = factor * float(np.median(dist))
+        over = dist > tau
+        if over.any():
+            clipped += int(over.sum())
+            scale = np.where(over, tau / np.maximum(dist, 1e-30), 1.0)[:, None]
+            out[at] = centre + (group - centre) * scale
+    if counters is not None and clipped:
+        counters["prototype_rows_centre_clipped"] += clipped
+    return out

@@ -6,7 +6,8 @@ from __future__ import annotations
 def eligible(batch: int, burn_in: int, jump: int) -> bool:
     """True when a client that has seen `batch` mini-batches of its current task takes part.
 
-    The paper's rule: bn >= burn_in and bn % q == 0, with bn counted from 1 and reset per task.
+    The paper's rule: b >= burn_in and b % q == 0, with b (`batch_in_task`) counted from 1
+    and reset per task.
     """
     return batch >= max(burn_in, 1) and batch % jump == 0
 

@@ -8,8 +8,8 @@ helpers for their parts. A checkpoint holds everything the next mini-batch depen
   and the scoring snapshot the same way;
 - the optimizer state, the client's torch generator, the replay memory (its own state_dict,
   RNG included) and the perturber's generator;
-- the counters (version, seq, task, bn, samples in task, class counts, scored, batches, score
-  version), timings, the last merged global (`base`), the last state sent (`sent`);
+- the counters (version, seq, task, batch in task, samples in task, class counts, scored,
+  batches, score version), timings, the last merged global (`base`), the last state sent (`sent`);
 - the plain-data attributes (tensors, arrays, numbers, strings, containers of them, torch
   generators) of the update encoder (error-feedback residuals), the method hooks (FedProx
   anchor, Bayesian priors, APC bookkeeping), the downlink state and the ONNX helper; the

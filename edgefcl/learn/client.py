@@ -38,9 +38,9 @@ class Schedule:
     burn_in: int
     jump: int
 
-    def due(self, bn: int) -> bool:
-        """Whether the client takes part after its `bn`-th mini-batch of the task."""
-        return eligible(bn, self.burn_in, self.jump)
+    def due(self, batch_in_task: int) -> bool:
+        """Whether the client takes part after its `batch_in_task`-th mini-batch of the task."""
+        return eligible(batch_in_task, self.burn_in, self.jump)
 
 
 class Client:
@@ -92,7 +92,7 @@ class Client:
     onnx = property(lambda self: self.learner.onnx)
     protos = property(lambda self: self.learner.protos)
     task = property(lambda self: self.learner.task)
-    bn = property(lambda self: self.learner.bn)
+    batch_in_task = property(lambda self: self.learner.batch_in_task)
     samples_in_task = property(lambda self: self.learner.samples_in_task)
     class_counts = property(lambda self: self.learner.class_counts)
     batches = property(lambda self: self.learner.batches)
@@ -123,10 +123,10 @@ class Client:
         """Process one mini-batch once; an Update when this client takes part now."""
         learner = self.learner
         learner.learn_one(batch)
-        if not self.schedule.due(learner.bn):
+        if not self.schedule.due(learner.batch_in_task):
             return None
         self.seq += 1
-        due = (learner.task or 0, learner.bn, learner.samples_in_task,
+        due = (learner.task or 0, learner.batch_in_task, learner.samples_in_task,
                dict(learner.class_counts))
         self.held = due if self.pace is not None and not self.pace() else None
         return self._update(*due) if self.held is None else None
@@ -155,7 +155,7 @@ class Client:
     def tick(self) -> Tick:
         """A lock-step report for a mini-batch at which this client is not eligible."""
         self.seq += 1
-        return Tick(self.cid, self.seq, self.learner.task or 0, self.learner.bn)
+        return Tick(self.cid, self.seq, self.learner.task or 0, self.learner.batch_in_task)
 
     # -- persistence ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -29,7 +29,8 @@ from edgefcl.learn.perturb import Perturber, augment_batch, eval_mode
 from edgefcl.learn.proto_train import PrototypeHead
 from edgefcl.learn.scores import uncertainty
 
-LEARNER_COUNTERS = ("score_version", "task", "bn", "samples_in_task", "scored", "batches")
+LEARNER_COUNTERS = ("score_version", "task", "batch_in_task", "samples_in_task", "scored",
+                    "batches")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,7 +58,7 @@ class Clock:
 class StreamLearner:
     """An online continual learner over one stream (one pass, replay ranked by uncertainty).
 
-    Counts what it has seen in the current task (`task`, `bn`, `samples_in_task`,
+    Counts what it has seen in the current task (`task`, `batch_in_task`, `samples_in_task`,
     `class_counts`); a task change (true, or detected by the monitor when task-free) resets
     them and calls `on_task_start`. `penalty()` is added to the loss (method hooks, bound by
     the federated wrapper with `bind`).
@@ -88,7 +89,7 @@ class StreamLearner:
         self.score_model: torch.nn.Module | None = None
         self.score_version = 0
         self.task: int | None = None
-        self.bn = 0
+        self.batch_in_task = 0
         self.samples_in_task = 0
         self.class_counts: dict[int, int] = {}
         self.scored = 0
@@ -151,7 +152,7 @@ class StreamLearner:
         self.timings["score_wait"] += t_mem - t1
         self.timings["memory"] += (t2 - t_mem) - (self.timings["score"] - score_before)
         self.batches += 1
-        self.bn += 1
+        self.batch_in_task += 1
         self.samples_in_task += len(batch.y)
         labels, counts = np.unique(y_ids, return_counts=True)
         for c, n in zip(labels.tolist(), counts.tolist(), strict=True):
@@ -161,7 +162,7 @@ class StreamLearner:
 
     def _start_task(self, task: int) -> None:
         self.task = task
-        self.bn = 0
+        self.batch_in_task = 0
         self.samples_in_task = 0
         self.class_counts = {}
         self.on_task_start(task)
@@ -333,6 +334,8 @@ class StreamLearner:
         else:
             self.score_model = None
         counters = state["counters"]
+        if "bn" in counters:  # a checkpoint from before the counter's rename
+            counters = {**counters, "batch_in_task": counters["bn"]}
         for k in LEARNER_COUNTERS:
             setattr(self, k, counters[k])
         self.class_counts = dict(state["class_counts"])

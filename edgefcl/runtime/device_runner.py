@@ -258,7 +258,8 @@ class DeviceRunner:
         """Raise CodecError(reason) unless `g` fits this device's model (never adopted)."""
         reason = check_global(g, self.global_spec, self.client.version,
                               library_width=self.library_width,
-                              library_gaussian=self.library_gaussian)
+                              library_gaussian=self.library_gaussian, previous=self.latest,
+                              clip_factor=self.cfg.fed.clip_factor)
         if reason is not None:
             raise CodecError(reason, f"global v{g.version} does not fit this device's model")
 
@@ -325,7 +326,7 @@ class DeviceRunner:
     def _status(self, state: str, wait: bool = False, **extra) -> None:
         c = self.client
         body = {"state": state, "incarnation": self.incarnation,
-                "task": c.task if c.task is not None else -1, "batch": c.bn,
+                "task": c.task if c.task is not None else -1, "batch": c.batch_in_task,
                 "version": c.version, "consumed": self.consumed, "rounds": self.rounds,
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
                 "rejected": self.rejected, "time": round(time.time(), 3),

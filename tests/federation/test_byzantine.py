@@ -126,10 +126,14 @@ def test_biased_prototype_rows_move_no_prediction_under_the_median_rule(attacker
     assert abs(_share_of_label_0(rows) - honest) < 0.01
 
 
-def test_biased_prototype_rows_are_bounded_under_the_mean_rule() -> None:
-    """The default (share-capped weighted mean) clips each row's change and norm: the rows
-    stay within 3x the honest norm, but a persistent biased sender still takes most
-    predictions over 20 rounds (0.96 of them; 0.13 honest): use a median rule against it."""
-    rows, counters = _library_fleet("fedavg", 1)
-    assert counters["prototype_rows_clipped"] > 0
-    assert float(np.abs(rows).max()) < 3.0
+@pytest.mark.parametrize("attackers", [1, 2])
+def test_biased_prototype_rows_move_no_prediction_under_the_mean_rule(attackers) -> None:
+    """The default (share-capped weighted mean) clips each row's distance from its label's
+    coordinate-wise median to `clip_factor` x the honest spread: one or two persistent biased
+    senders of five or six move the share predicted as their label by 0.2 and 2.2 points in 20
+    rounds (to 0.96 and 1.00 of them with norm clipping only; 0.134 honest). The bar is 1/n
+    per device."""
+    honest = _share_of_label_0(_library_fleet("fedavg", 0)[0])
+    rows, counters = _library_fleet("fedavg", attackers)
+    assert counters["prototype_rows_centre_clipped"] > 0
+    assert abs(_share_of_label_0(rows) - honest) < 0.03

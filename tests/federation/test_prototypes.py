@@ -717,3 +717,55 @@ def test_one_devices_rows_move_at_most_their_share_of_predictions(honest) -> Non
     assert moved <= 1 / n  # of two senders the smaller change bounds both
     unclipped = average_tables([*honest_tables, attacker], previous, 0.5, counters=Counter())
     assert (np.argmax(feats @ unclipped.rows.T, 1) == 3).mean() > 0.99  # the attack, unbounded
+
+
+def test_library_fault_bounds_rows_by_the_previous_global():
+    from edgefcl.federation.global_check import MAX_ROW_GROWTH, library_fault
+
+    # the previous global's rows have norms 1, 3 and 50 (median 3): one version on, a row may
+    # lie up to 10 x 3 = 30 from its previous row, or from 0 for a new label; k versions on,
+    # k x 30; a clip_factor of 20 widens the 10 to 40
+    prev = PrototypeTable(("a", "b", "c"), np.array([[1, 0], [0, 3], [50, 0]], np.float32),
+                          np.array([4, 4, 0], np.int64))
+    assert MAX_ROW_GROWTH == 10.0
+
+    def glob(rows) -> PrototypeTable:
+        return PrototypeTable(("a", "d"), np.array(rows, np.float32), np.ones(2, np.int64))
+
+    assert library_fault(glob([[31, 0], [0, 30]]), prev, 1) is None  # 30 from 'a', 30 from 0
+    assert library_fault(glob([[31.5, 0], [0, 0]]), prev, 1) == "prototype_norm"
+    assert library_fault(glob([[1, 0], [0, 30.5]]), prev, 1) == "prototype_norm"
+    assert library_fault(glob([[1, 0], [0, 30.5]]), prev, 2) is None
+    assert library_fault(glob([[1, 0], [0, 30.5]]), prev, 0) == "prototype_norm"  # as 1
+    assert library_fault(glob([[1, 0], [0, 119]]), prev, 1, clip_factor=20) is None
+    assert library_fault(glob([[1, 0], [0, 121]]), prev, 1, clip_factor=20) == "prototype_norm"
+    assert library_fault(glob([[1e6, 0], [0, 0]]), None, 1) is None  # nothing to measure by
+    assert library_fault(glob([[1e6, 0], [0, 0]]), prev, 1, clip_factor=0) is None  # no clip
+    zero = PrototypeTable(("a",), np.zeros((1, 2), np.float32), np.ones(1, np.int64))
+    assert library_fault(glob([[1e6, 0], [0, 0]]), zero, 1) is None
+
+
+def test_a_device_refuses_a_global_whose_rows_carry_a_huge_bias():
+    # the proto-bias attack's rows reaching a device (a broken ACL, a stale retained global):
+    # the previous global's rows bound them, as the aggregator's clip bounds a sender's
+    from edgefcl.build import make_client, prepare
+    from edgefcl.learn.global_format import global_tensors
+    from edgefcl.runtime.device_runner import DeviceRunner
+
+    cfg = apply(RunConfig(), {"quiet": True, "data": {"tasks": 2, "classes_per_task": 2},
+                              "learn": {"model": "mlp", "hidden": 16, "head": "prototypes"}})
+    client = make_client(cfg, prepare(cfg, 0), 0, "fedavg", 0)
+    runner = DeviceRunner(cfg, client)
+    good = global_tensors(client.model, cfg.fed.encoding)
+    rows = np.random.default_rng(0).normal(0, 1, (2, 17)).astype(np.float32)
+    first = GlobalModel(1, good, (), PrototypeTable(("0", "1"), rows, np.ones(2, np.int64)))
+    runner._check(first)  # nothing to measure the first library against
+    runner._adopt(first)
+    counts = first.prototypes.counts
+    runner._check(GlobalModel(2, good, (), PrototypeTable(("0", "1"), rows * 3, counts)))
+    evil = rows.copy()
+    evil[:, -1] = -1e6
+    evil[1, -1] = 1e6
+    with pytest.raises(CodecError, match="does not fit") as caught:
+        runner._check(GlobalModel(2, good, (), PrototypeTable(("0", "1"), evil, counts)))
+    assert caught.value.reason == "prototype_norm"

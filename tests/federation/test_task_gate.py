@@ -122,7 +122,7 @@ def task_starts(monkeypatch, cfg: RunConfig) -> dict[int, list[tuple[float, floa
         before = d.client.learner.task
         batch(self, d)
         task = d.client.learner.task
-        if task is not None and (before != task or d.client.learner.bn >= 1):
+        if task is not None and (before != task or d.client.learner.batch_in_task >= 1):
             seen.setdefault((d.k, task), []).append(self.clock.now)
 
     monkeypatch.setattr(asynchronous.AsyncFleet, "batch", spy)

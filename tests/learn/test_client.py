@@ -34,7 +34,7 @@ def batch(task, index, classes, n=5, seed=0):
 def test_updates_follow_burn_in_and_jump_and_restart_per_task():
     c = make_client(burn_in=3, jump=2)
     sent = [c.step(batch(0, i, [0, 1])) is not None for i in range(1, 8)]
-    assert sent == [False, False, False, True, False, True, False]  # bn 4 and 6
+    assert sent == [False, False, False, True, False, True, False]  # batch_in_task 4 and 6
     sent = [c.step(batch(1, i, [2, 3])) is not None for i in range(1, 5)]
     assert sent == [False, False, False, True]  # burn-in restarted with the task
 
@@ -181,7 +181,7 @@ def test_the_learner_learns_alone_and_the_wrapper_only_adds_the_schedule():
     for k, v in get_tensors(fed_client.model).items():
         np.testing.assert_array_equal(v, get_tensors(learner.model)[k])
     assert torch.equal(fed_client.memory.x, learner.memory.x)
-    assert (learner.bn, learner.batches, fed_client.seq, alone.seq) == (5, 5, 5, 0)
+    assert (learner.batch_in_task, learner.batches, fed_client.seq, alone.seq) == (5, 5, 5, 0)
     assert not any(hasattr(learner, k) for k in ("encoder", "fed", "seq", "version", "base"))
     assert learner.clock.now() <= learner.clock.now()
 
@@ -213,8 +213,10 @@ def test_state_dict_lists_its_parts_explicitly():
                           "perturber", "score_model", "counters", "class_counts", "timings",
                           "sample_shape", "monitor", "onnx", "prototypes", "base", "sent",
                           "downlink", "encoder", "hooks", "held"}
-    assert set(state["counters"]) == {"score_version", "task", "bn", "samples_in_task",
-                                      "scored", "batches", "version", "seq", "sent_base"}
+    assert set(state["counters"]) == {"score_version", "task", "batch_in_task",
+                                      "samples_in_task", "scored", "batches", "version", "seq",
+                                      "sent_base"}
     fresh = make_client()
     fresh.load_state_dict(state)
-    assert (fresh.bn, fresh.seq, fresh.memory.size) == (c.bn, c.seq, c.memory.size)
+    assert ((fresh.batch_in_task, fresh.seq, fresh.memory.size)
+            == (c.batch_in_task, c.seq, c.memory.size))

@@ -330,9 +330,9 @@ def test_a_held_update_sent_after_more_batches_names_the_batch_it_was_due_at(set
     batches = iter(client_stream(cfg, setup.tasks[0], 0, 0))
     while client.step(next(batches)) is None and not client.held:
         pass
-    due = (client.bn, client.samples_in_task, dict(client.class_counts))
-    client.step(next(batches))  # not due: bn is odd now
-    assert client.bn == due[0] + 1 and client.samples_in_task > due[1]
+    due = (client.batch_in_task, client.samples_in_task, dict(client.class_counts))
+    client.step(next(batches))  # not due: batch_in_task is odd now
+    assert client.batch_in_task == due[0] + 1 and client.samples_in_task > due[1]
     final = client.held_update()
     assert final is not None and (final.batch, final.num_samples, final.class_counts) == due
     agg = Aggregator(client.base, cfg.fed, batch_size=cfg.data.batch_size)
