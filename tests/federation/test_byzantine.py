@@ -130,7 +130,7 @@ def test_biased_prototype_rows_move_no_prediction_under_the_median_rule(attacker
 def test_biased_prototype_rows_move_no_prediction_under_the_mean_rule(attackers) -> None:
     """The default (share-capped weighted mean) clips each row's distance from its label's
     coordinate-wise median to `clip_factor` x the honest spread: one or two persistent biased
-    senders of five or six move the share predicted as their label by 0.2 and 2.2 points in 20
+    senders of five or six move the share predicted as their label by 1.0 and 2.2 points in 20
     rounds (to 0.96 and 1.00 of them with norm clipping only; 0.134 honest). The bar is 1/n
     per device."""
     honest = _share_of_label_0(_library_fleet("fedavg", 0)[0])
