@@ -196,7 +196,8 @@ def bare_train_ms(cfg: RunConfig, setup: Setup, seconds: float = 3.0) -> float:
             return 1000 * (now - t0) / batches
 
 
-def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
+def cost_vs_cbr(cfg: RunConfig, out: Path, configs: tuple[str, ...] = ("demo", "28x28")
+                ) -> dict:
     """Wall time of the configured BI run against CBR on the same stream, on the run's
     configuration and on digits upscaled to 28x28 images, interleaved seed by seed (the order
     alternates) so that other load hits both alike; per-batch time split of each; the bare
@@ -204,10 +205,10 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
     untimed run of each method on a seed past the timed ones comes first: the process's
     one-time costs (torch's optimizer stack imported by the first run, the scoring graph's
     export, the scoring worker's start) would otherwise land in whichever run is first, as
-    the bare step's own warm-up keeps them out of it."""
+    the bare step's own warm-up keeps them out of it. `configs`: which of the two to run."""
     from edgefcl.bench.memory import dataset_spec
 
-    configs = [("demo", cfg.data.dataset), ("28x28", dataset_spec("digits28", out))]
+    specs = {"demo": lambda: cfg.data.dataset, "28x28": lambda: dataset_spec("digits28", out)}
     report: dict = {}
     print(f"\n{cfg.learn.method} (selection {cfg.learn.selection}, rescore {cfg.learn.rescore}, "
           f"overlap {cfg.learn.score_overlap}) vs cbr, per mini-batch ms and wall s, "
@@ -217,7 +218,8 @@ def cost_vs_cbr(cfg: RunConfig, out: Path) -> dict:
           f"second thread:")
     print(f"{'config':<7} {'method':<6} {'step':>7} {'train':>7} {'score':>7} {'wait':>6} "
           f"{'memory':>7} {'thread':>7} {'wall s':>7}")
-    for name, spec in configs:
+    for name in configs:
+        spec = specs[name]()
         run_cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=spec))
         runs: dict[str, list] = {"cbr": [], cfg.learn.method: []}
         logs: list[torch.Tensor] = []  # the scoring calls of the first seed's run

@@ -1,7 +1,6 @@
 """Imported once by the fleet launcher's forkserver (see launcher.py): everything a role needs
 before it can start work."""
 
-import sklearn.datasets  # noqa: F401
 import torch  # noqa: F401
 import torch._dynamo  # noqa: F401  (the first torch.optim optimizer imports it: ~2 s)
 
