@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,14 @@ import msgpack
 import numpy as np
 
 from edgefcl.bench.loadgen.counter import run_counter
-from edgefcl.bench.loadgen.devices import COUNTERS, DeviceSpec, raise_fd_limit, run_devices
+from edgefcl.bench.loadgen.devices import (
+    COUNTERS,
+    DeviceSpec,
+    device_id,
+    ignores,
+    raise_fd_limit,
+    run_devices,
+)
 from edgefcl.bench.loadgen.fleet_options import FleetOptions
 from edgefcl.config import ConfigError, RunConfig
 
@@ -161,7 +169,8 @@ def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: st
     for j in range(procs):
         spec = DeviceSpec(host, port, fleet, root, int(bounds[j]), int(bounds[j + 1] - bounds[j]),
                           opts.rate, encoding, tensors, seed=j, burn_in=burn_in, jump=jump,
-                          max_backpressure=max_backpressure)
+                          max_backpressure=max_backpressure, pacing=opts.pacing,
+                          ignoring=opts.ignoring)
         counters = {name: ctx.Value("q", 0) for name in COUNTERS}
         p = ctx.Process(target=run_devices, args=(spec, counters, go, stop, f.rate), daemon=True,
                         name=f"devices-{j}")
@@ -319,6 +328,8 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
             stop_daemon(d)
         watcher.close()
     rounds = read_rounds(state / "rounds.jsonl", wall0 + opts.warmup, wall1)
+    fair = fairness(folded_per_device(state / "rounds.jsonl", wall0 + opts.warmup, wall1), n,
+                    opts.ignoring)
     intervals = list(np.diff([t for t, _ in rounds])) if len(rounds) > 1 else []
     if intervals:  # updates folded into the rounds that closed in the window, per second
         rate = sum(k for _, k in rounds[1:]) / (rounds[-1][0] - rounds[0][0])
@@ -338,7 +349,7 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
                     for b in (last, *watcher.workers.values())),
         "backpressure_mean": float(np.mean(factors)) if factors else 1.0,
         "backpressure_max": max(factors, default=1.0),
-        "aggregator_hwm_mb": hwm,
+        "aggregator_hwm_mb": hwm, **fair,
     }
 
 
@@ -447,15 +458,40 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
             "phases": list(phases.values()), "device_processes": opts.procs(n)}
 
 
+def folded_per_device(path: Path, t0: float, t1: float) -> Counter:
+    """Updates of each device folded into the rounds of the daemon's round log closed in
+    [t0, t1] (wall clock)."""
+    return Counter(c for r in _rounds_in(path, t0, t1) for c in r["participants"])
+
+
+def fairness(folded: Counter, n: int, ignoring: float) -> dict:
+    """The median folded updates of the devices that follow the factor and, with a fraction
+    `ignoring` of the fleet ignoring it (`loadgen.devices.ignores`), theirs and the ratio of
+    the two (the bar: at most 1.5)."""
+    groups: dict[bool, list[int]] = {False: [], True: []}
+    for i in range(n):
+        groups[ignores(i, ignoring)].append(folded.get(device_id(i), 0))
+    out = {"folded_median_compliant": float(np.median(groups[False])) if groups[False] else 0.0}
+    if groups[True]:
+        out["folded_median_ignoring"] = float(np.median(groups[True]))
+        out["ignoring_over_compliant"] = (out["folded_median_ignoring"]
+                                          / max(out["folded_median_compliant"], 1e-9))
+    return out
+
+
 def read_rounds(path: Path, t0: float, t1: float) -> list[tuple[float, int]]:
     """(close time, updates folded) of the rounds in the daemon's round log closed in
     [t0, t1] (wall clock)."""
+    return [(r["time"], len(r["participants"])) for r in _rounds_in(path, t0, t1)]
+
+
+def _rounds_in(path: Path, t0: float, t1: float) -> list[dict]:
     import json
 
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [(r["time"], len(r["participants"])) for r in rows if t0 <= r["time"] <= t1]
+    return [r for r in rows if t0 <= r["time"] <= t1]
 
 
 def len_payload(tensors: dict, encoding: str, fleet: str) -> int:
@@ -487,10 +523,11 @@ def table(runs: list[dict]) -> str:
 
 def overload_table(phases: list[dict]) -> str:
     """One line per overload phase; `vs cap` is folded / capacity, `max/round` the most times
-    one client was in one round."""
+    one client was in one round, `ign/comp` the median folded updates of the devices that
+    ignore the factor over the others' (with --ignoring)."""
     head = (f"{'phase':>22} {'offered/s':>9} {'sent/s':>8} {'folded/s':>8} {'vs cap':>6} "
             f"{'shed':>6} {'factor mean/max':>15} {'RSS MB':>7} {'HWM MB':>7} "
-            f"{'max/round':>9} {'load':>5}")
+            f"{'max/round':>9} {'ign/comp':>8} {'load':>5}")
     lines = [head]
     for r in phases:
         ratio = r.get("ratio_to_capacity")
@@ -499,7 +536,9 @@ def overload_table(phases: list[dict]) -> str:
             f"{r['updates_per_s']:8.1f} {ratio if ratio is not None else float('nan'):6.2f} "
             f"{r['shed']:6d} {r['backpressure_mean']:7.2f}/{r['backpressure_max']:<7.2f} "
             f"{r['aggregator_rss_mb']:7.0f} {r['aggregator_hwm_mb']:7.0f} "
-            f"{r['max_updates_per_client_round']:9d} {r['load_average_1min'][1]:5.1f}")
+            f"{r['max_updates_per_client_round']:9d} "
+            f"{r.get('ignoring_over_compliant', float('nan')):8.2f} "
+            f"{r['load_average_1min'][1]:5.1f}")
     return "\n".join(lines)
 
 

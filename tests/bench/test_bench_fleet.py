@@ -120,7 +120,8 @@ def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
     from edgefcl.bench.fleet import bench_fleet
 
     opts = FleetOptions([6], payload="sparse", rate=3.0, duration=3.0, overload=2.0,
-                        capacity_duration=3.0, warmup=1.5)
+                        capacity_duration=3.0, warmup=1.5, pacing="synchronised",
+                        ignoring=0.2)
     bench_fleet(opts, RunConfig(), tmp_path)
     saved = json.loads((tmp_path / "bench_fleet.json").read_text())
     assert saved["runs"] == []
@@ -136,12 +137,38 @@ def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
         assert p["ratio_to_capacity"] == pytest.approx(p["updates_per_s"] / o["capacity_per_s"])
         assert p["backpressure_mean"] >= 1.0 and p["aggregator_hwm_mb"] >= 10
     assert off["backpressure_max"] == 1.0  # the daemon advertised nothing
+    assert all(p["folded_median_ignoring"] >= 0 and "ignoring_over_compliant" in p
+               for p in o["phases"])  # d00000 and d00005 ignore the factor
+
+
+def test_the_ignoring_devices_are_a_fraction_spread_over_the_numbers():
+    from edgefcl.bench.loadgen.devices import ignores
+
+    # i x 0.618... mod 1 for i = 0..5: 0, .618, .236, .854, .472, .090
+    assert [i for i in range(6) if ignores(i, 0.2)] == [0, 5]
+    assert [i for i in range(6) if ignores(i, 0.5)] == [0, 2, 4, 5]
+    assert sum(ignores(i, 0.3) for i in range(1000)) in range(295, 306)
+    assert not any(ignores(i, 0.0) for i in range(100))
+
+
+def test_fairness_compares_the_median_folded_updates():
+    from collections import Counter
+
+    from edgefcl.bench.fleet import fairness
+
+    # 6 devices, d00000 and d00005 ignoring: they got 9 and 11, the others 4, 5, 6, 0
+    folded = Counter({"d00000": 9, "d00001": 4, "d00002": 5, "d00003": 6, "d00005": 11})
+    f = fairness(folded, 6, 0.2)
+    assert f == {"folded_median_compliant": 4.5, "folded_median_ignoring": 10.0,
+                 "ignoring_over_compliant": 10.0 / 4.5}
+    assert fairness(folded, 6, 0.0) == {"folded_median_compliant": 5.5}  # 0 4 5 6 9 11
 
 
 def test_overload_options_are_checked():
     FleetOptions([10], overload=2.0).check()
     FleetOptions([10], overload=2.0, workers=2).check()
     for bad in (FleetOptions([10], overload=0.5), FleetOptions([10], overload=1.0),
-                FleetOptions([10], overload=2, capacity_duration=0)):
+                FleetOptions([10], overload=2, capacity_duration=0),
+                FleetOptions([10], ignoring=1.0), FleetOptions([10], ignoring=-0.1)):
         with pytest.raises(ConfigError):
             bad.check()

@@ -14,6 +14,13 @@ the device's id, so the fleet's sends stay spread over time as the factor change
 (stretching every device's period instead would keep the phases of the old period, and the
 fleet would send in bursts). The rate is a shared value the bench may change between phases
 (`rate`, updates/s per device).
+
+Pacing (`DeviceSpec.pacing`, one of PACINGS): "random" starts each device at a random phase
+of its period; "synchronised" starts every device at the same instant, as streams replayed in
+step or a fleet powered on at once, and then relies on the devices' own send delay
+(`Pacer.delay`, once the aggregator advertises `spread_sends`) to spread them. A fraction
+`ignoring` of the devices (`ignores`) never consult their pacer: they send every due update
+whatever the factor, as a device that does not follow the protocol.
 """
 
 from __future__ import annotations
@@ -31,9 +38,13 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from edgefcl.bench.loadgen.template import UpdateTemplate
-from edgefcl.runtime.backpressure import Pacer, advertised
+from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
 
 log = logging.getLogger("edgefcl.bench.loadgen")
+
+PACINGS = ("random", "synchronised")
+"""How the load generator's devices start their periods (see the module docstring)."""
+GOLDEN = 0.6180339887498949
 
 COUNTERS = ("connected", "published", "acked", "skipped", "lagged", "held", "dropped",
             "factor_pct")
@@ -58,6 +69,15 @@ class DeviceSpec:
     burn_in: int = 4
     jump: int = 2
     max_backpressure: float = 8.0
+    pacing: str = "random"
+    ignoring: float = 0.0
+
+
+def ignores(i: int, fraction: float) -> bool:
+    """Whether device number `i` ignores the backpressure factor: a `fraction` of the fleet,
+    spread evenly over the device numbers (a golden-ratio sequence), so that every device
+    process holds its share of them."""
+    return (i * GOLDEN) % 1.0 < fraction
 
 
 def raise_fd_limit() -> int:
@@ -75,12 +95,16 @@ def device_id(i: int) -> str:
 
 
 class _Device:
-    __slots__ = ("cid", "client", "topic", "seq", "due", "pacer", "events", "connected")
+    __slots__ = ("cid", "client", "topic", "seq", "due", "send_at", "pacer", "events",
+                 "connected", "ignoring")
 
-    def __init__(self, cid: str, client: mqtt.Client, topic: str, seed: int = 0) -> None:
+    def __init__(self, cid: str, client: mqtt.Client, topic: str, seed: int = 0,
+                 ignoring: bool = False) -> None:
         self.cid, self.client, self.topic = cid, client, topic
         self.seq, self.due, self.events, self.connected = 0, 0.0, 0, False
+        self.send_at: float | None = None  # a taken update waiting for its send delay
         self.pacer = Pacer(cid, seed)  # the device's own pacing code, as DeviceRunner's
+        self.ignoring = ignoring
 
 
 def _new_client(cid: str, host: str, port: int) -> mqtt.Client:
@@ -105,6 +129,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
     sel = selectors.DefaultSelector()
     version = [0]
     factor = [1.0]
+    spread = [False]
     counters["factor_pct"].value = 100
 
     def on_message(client, userdata, msg) -> None:
@@ -112,6 +137,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
             body = msgpack.unpackb(msg.payload, raw=False)
             if msg.topic.endswith("/config") and body.get("kind") == "config":
                 factor[0] = advertised(body, spec.max_backpressure)
+                spread[0] = spread_advertised(body)
                 counters["factor_pct"].value = round(100 * factor[0])
                 return
             v = body.get("version")
@@ -137,7 +163,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
     for i in range(spec.first, spec.first + spec.count):
         cid = device_id(i)
         c = _new_client(cid, spec.host, spec.port)
-        d = _Device(cid, c, f"{base}/update/{cid}", spec.seed)
+        d = _Device(cid, c, f"{base}/update/{cid}", spec.seed, ignores(i, spec.ignoring))
         c.user_data_set(d)
         c.on_connect, c.on_publish = on_connect, on_publish
         devices.append(d)
@@ -153,9 +179,10 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
         now = time.monotonic()
         going = go.is_set()
         period = 1.0 / (rate.value if rate is not None else spec.rate)
-        if going and not was_going:  # spread the devices over one period
+        if going and not was_going:  # each device's first update falls due
             for d in devices:
-                d.due = now + rng.random() * period
+                d.due = now + (rng.random() * period if spec.pacing == "random" else 0.0)
+                d.send_at = None
         was_going = going
         timeout = 0.05
         if going:
@@ -163,20 +190,27 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
             for d in devices:
                 if not d.connected:
                     continue
-                if d.due > now:
-                    timeout = min(timeout, d.due - now)
-                    continue
-                d.seq += 1  # a held update consumes its seq, as on a real device
-                d.pacer.factor = factor[0]
-                if not d.pacer.take():
-                    held += 1
-                else:
+                if d.send_at is not None and d.send_at <= now:  # its send delay is over
+                    d.send_at = None
                     info = d.client.publish(d.topic, template.payload(d.cid, version[0], d.seq),
                                             qos=1)
                     if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
                         published += 1
                     else:
                         skipped += 1
+                if d.due > now:
+                    timeout = min(timeout, d.due - now,
+                                  d.send_at - now if d.send_at is not None else timeout)
+                    continue
+                d.seq += 1  # a held update consumes its seq, as on a real device
+                d.pacer.factor = 1.0 if d.ignoring else factor[0]
+                d.pacer.spreading = spread[0] and not d.ignoring
+                if not d.pacer.take():
+                    held += 1
+                else:  # a new update replaces one still waiting for its delay
+                    skipped += d.send_at is not None
+                    d.send_at = now + d.pacer.delay(period)
+                    timeout = 0.0
                 d.due += period
                 if d.due < now - period:  # this loop cannot keep up: do not burst later
                     lagged += 1

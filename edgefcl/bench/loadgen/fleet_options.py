@@ -33,6 +33,13 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
                    "times it for --duration s with backpressure on and off (default 0: off)")
     g.add_argument("--capacity-duration", type=float, default=20.0, metavar="S",
                    help="--overload: seconds measured per capacity phase (default: 20)")
+    g.add_argument("--pacing", choices=["random", "synchronised"], default="random",
+                   help="how the devices start their periods: at random phases, or all at the "
+                   "same instant (then only their own send delay spreads them) "
+                   "(default: random)")
+    g.add_argument("--ignoring", type=float, default=0.0, metavar="F",
+                   help="fraction of the devices that ignore the backpressure factor; the "
+                   "report compares their folded updates with the others' (default: 0)")
     g.add_argument("--device-procs", type=int, default=0, metavar="P",
                    help=f"device processes (default 0: one per {DEVICES_PER_PROC} devices, "
                    "at least 2)")
@@ -50,6 +57,8 @@ class FleetOptions:
     device_procs: int = 0
     overload: float = 0.0
     capacity_duration: float = 20.0
+    pacing: str = "random"
+    ignoring: float = 0.0
     warmup: float = 3.0
     """Seconds of publishing before each measured window (not a flag; tests shorten it)."""
 
@@ -60,7 +69,8 @@ class FleetOptions:
         except ValueError:
             raise ConfigError(f"--devices must be N[,N...], got {args.devices!r}") from None
         opts = cls(devices, args.workers, args.payload, args.rate, args.duration,
-                   args.device_procs, args.overload, args.capacity_duration)
+                   args.device_procs, args.overload, args.capacity_duration, args.pacing,
+                   args.ignoring)
         opts.check()
         return opts
 
@@ -69,6 +79,8 @@ class FleetOptions:
             raise ConfigError("--workers and every --devices count must be >= 1")
         if not self.rate > 0 or not self.duration > 0 or self.device_procs < 0:
             raise ConfigError("--rate and --duration must be > 0, --device-procs >= 0")
+        if not 0 <= self.ignoring < 1:
+            raise ConfigError(f"--ignoring must be in [0, 1), got {self.ignoring}")
         if self.overload and (self.overload <= 1 or not self.capacity_duration > 0):
             raise ConfigError("--overload must be > 1 (times the capacity), with "
                               "--capacity-duration > 0")
