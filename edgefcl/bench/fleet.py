@@ -149,6 +149,9 @@ class Fleet:
     ctx: mp.context.BaseContext
     rate: object = None
     """Updates/s per device (a shared float the device processes read)."""
+    synchronised: object = None
+    """Whether every device's first update falls due at once when `go` is set (a shared
+    flag; else at random phases)."""
     procs: list = field(default_factory=list)
     counters: dict = field(default_factory=dict)
 
@@ -163,16 +166,16 @@ class Fleet:
 def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: str, root: str,
                 encoding: str, tensors: dict, go, stop, burn_in: int = 4, jump: int = 2,
                 max_backpressure: float = 8.0) -> Fleet:
-    f = Fleet(ctx, ctx.Value("d", opts.rate))
+    f = Fleet(ctx, ctx.Value("d", opts.rate), ctx.Value("b", False))
     procs = opts.procs(n)
     bounds = np.linspace(0, n, procs + 1).astype(int)
     for j in range(procs):
         spec = DeviceSpec(host, port, fleet, root, int(bounds[j]), int(bounds[j + 1] - bounds[j]),
                           opts.rate, encoding, tensors, seed=j, burn_in=burn_in, jump=jump,
-                          max_backpressure=max_backpressure, pacing=opts.pacing,
-                          ignoring=opts.ignoring)
+                          max_backpressure=max_backpressure, ignoring=opts.ignoring)
         counters = {name: ctx.Value("q", 0) for name in COUNTERS}
-        p = ctx.Process(target=run_devices, args=(spec, counters, go, stop, f.rate), daemon=True,
+        p = ctx.Process(target=run_devices, args=(spec, counters, go, stop, f.rate,
+                                                  f.synchronised), daemon=True,
                         name=f"devices-{j}")
         p.start()
         f.procs.append(p)
@@ -419,8 +422,13 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
     """Overload for `n` devices against a fresh Mosquitto and a fresh aggregator tier (one
     aggregator, or a root and --workers workers) per phase:
     1. saturate: the nominal load (n x --rate), backpressure off: the rate the tier folds;
-    2. 1x: that rate offered (backpressure off): the capacity is what it folds then;
-    3. X x the capacity offered for --duration s, backpressure on, then off.
+    2. 1x: that rate offered (backpressure off), then 1.5x the last folded rate while the tier
+       folds at least 0.95 of what it is offered (at most RAMP_STEPS times): the capacity is
+       the best folded rate of these phases (an overloaded tier spends its CPU reading what
+       it sheds, so the saturating phase under-reads it, 0.5x at 1,000 devices);
+    3. X x the capacity offered for --duration s, backpressure on, then off, the devices paced
+       by --pacing (1 and 2 start them at random phases: a synchronised fleet without
+       backpressure measures its bursts, not the tier).
     Folded rates count the updates in the rounds closed in each window."""
     off = ("--max-backpressure", "1")
     on = ("--max-backpressure", str(max(cfg.fed.max_backpressure, 1.0)))
@@ -429,12 +437,14 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
                                                              encoding, go):
         args = (opts, n, cfg, broker, fleet, fleet_name, encoding, initial_npz, workdir, go)
 
-        def phase(name: str, rate: float, flags: tuple[str, ...], seconds: float) -> dict:
+        def phase(name: str, rate: float, flags: tuple[str, ...], seconds: float,
+                  synchronised: bool = False) -> dict:
             if not rate > 0:
                 raise ConfigError("bench fleet --overload: the aggregator folded nothing in the "
                                   "capacity window (no round closed); raise "
                                   "--capacity-duration")
             fleet.rate.value = rate / n
+            fleet.synchronised.value = synchronised
             print(f"{n} devices, {name}: {rate:.1f} updates/s offered", flush=True)
             r = aggregator_phase(*args, extra=flags, tag=f"-{name}", duration=seconds)
             phases[name] = {"phase": name, "offered_per_s": rate, **r}
@@ -442,20 +452,30 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
             return phases[name]
 
         saturating = phase("saturate", n * opts.rate, off, opts.capacity_duration)
-        one = phase("1x", saturating["updates_per_s"], off, opts.capacity_duration)
-        capacity = one["updates_per_s"]
+        one = last = phase("1x", saturating["updates_per_s"], off, opts.capacity_duration)
+        for k in range(RAMP_STEPS):
+            if last["updates_per_s"] < 0.95 * last["offered_per_s"]:
+                break
+            last = phase(f"ramp {k + 1}", 1.5 * last["updates_per_s"], off,
+                         opts.capacity_duration)
+        capacity = max(p["updates_per_s"] for p in phases.values())
         x = f"{opts.overload:g}x"
         for name, flags in ((f"{x}-backpressure", on), (f"{x}-no-backpressure", off)):
-            phase(name, opts.overload * capacity, flags, opts.duration)
+            phase(name, opts.overload * capacity, flags, opts.duration,
+                  opts.pacing == "synchronised")
     for r in phases.values():
         r["ratio_to_capacity"] = r["updates_per_s"] / capacity if capacity else None
     return {"devices": n, "payload": opts.payload, "overload": opts.overload,
             "payload_bytes": len_payload(tensors, encoding, fleet_name),
             "capacity_saturating_per_s": saturating["updates_per_s"],
             "capacity_per_s": capacity,
-            "accepted_over_offered_at_1x": capacity / one["offered_per_s"]
+            "accepted_over_offered_at_1x": one["updates_per_s"] / one["offered_per_s"]
             if one["offered_per_s"] else None,
             "phases": list(phases.values()), "device_processes": opts.procs(n)}
+
+
+RAMP_STEPS = 3
+"""Phases of `bench fleet --overload` that raise the offered load to find the capacity."""
 
 
 def folded_per_device(path: Path, t0: float, t1: float) -> Counter:

@@ -15,12 +15,12 @@ the device's id, so the fleet's sends stay spread over time as the factor change
 fleet would send in bursts). The rate is a shared value the bench may change between phases
 (`rate`, updates/s per device).
 
-Pacing (`DeviceSpec.pacing`, one of PACINGS): "random" starts each device at a random phase
-of its period; "synchronised" starts every device at the same instant, as streams replayed in
-step or a fleet powered on at once, and then relies on the devices' own send delay
-(`Pacer.delay`, once the aggregator advertises `spread_sends`) to spread them. A fraction
-`ignoring` of the devices (`ignores`) never consult their pacer: they send every due update
-whatever the factor, as a device that does not follow the protocol.
+Pacing: with the shared flag `synchronised` (the bench may change it between phases) every
+device's first update falls due at the same instant, as streams replayed in step or a fleet
+powered on at once, and only the devices' own send delay (`Pacer.delay`, once the aggregator
+advertises `spread_sends`) spreads them; without it each device starts at a random phase of
+its period. A fraction `ignoring` of the devices (`ignores`) never consult their pacer: they
+send every due update whatever the factor, as a device that does not follow the protocol.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
 
 log = logging.getLogger("edgefcl.bench.loadgen")
 
-PACINGS = ("random", "synchronised")
-"""How the load generator's devices start their periods (see the module docstring)."""
 GOLDEN = 0.6180339887498949
 
 COUNTERS = ("connected", "published", "acked", "skipped", "lagged", "held", "dropped",
@@ -69,7 +67,6 @@ class DeviceSpec:
     burn_in: int = 4
     jump: int = 2
     max_backpressure: float = 8.0
-    pacing: str = "random"
     ignoring: float = 0.0
 
 
@@ -116,11 +113,13 @@ def _new_client(cid: str, host: str, port: int) -> mqtt.Client:
     return c
 
 
-def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
+def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=None) -> None:
     """Process main: connect `spec.count` devices, publish while `go` is set, until `stop`.
 
     `counters` maps the names in COUNTERS to shared integers (multiprocessing.Value); `rate`, a
-    shared float, overrides `spec.rate` when given (read every turn of the loop).
+    shared float, overrides `spec.rate` when given (read every turn of the loop);
+    `synchronised`, a shared flag read whenever `go` is set: every device's first update
+    falls due at that instant (else at a random phase of its period).
     """
     raise_fd_limit()
     template = UpdateTemplate(spec.tensors, spec.encoding, spec.fleet, burn_in=spec.burn_in,
@@ -180,8 +179,9 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None) -> None:
         going = go.is_set()
         period = 1.0 / (rate.value if rate is not None else spec.rate)
         if going and not was_going:  # each device's first update falls due
+            phase = 0.0 if synchronised is not None and synchronised.value else period
             for d in devices:
-                d.due = now + (rng.random() * period if spec.pacing == "random" else 0.0)
+                d.due = now + rng.random() * phase
                 d.send_at = None
         was_going = going
         timeout = 0.05
