@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edgefcl.build import make_client, prepare
-from edgefcl.config import RunConfig, apply
+from edgefcl.config import FedConfig, RunConfig, apply
 from edgefcl.data.workload import client_stream
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.runtime.backpressure import Backpressure, Load, Pacer, advertised
@@ -375,6 +375,12 @@ def test_an_aggregator_asks_a_large_or_shedding_fleet_to_spread_its_sends():
     big = Backpressure(max_factor=8)
     assert big.spread_for(SPREAD_FLEET) and not big.spread_for(SPREAD_FLEET)
     assert not Backpressure(max_factor=1).spread_for(10 * SPREAD_FLEET)  # off: never
+    # a daemon expecting a large fleet asks from the start (before any device is active)
+    fed = FedConfig(mode="async", clients=SPREAD_FLEET, min_clients=2)
+    assert Backpressure.for_fed(fed).fields()["spread_sends"] is True
+    small = FedConfig(mode="async", clients=SPREAD_FLEET - 1, min_clients=2)
+    assert Backpressure.for_fed(small).fields()["spread_sends"] is False
+    assert Backpressure.for_fed(FedConfig(mode="sync", clients=SPREAD_FLEET)).fields() == {}
     assert spread_advertised({"spread_sends": True})
     assert not any(spread_advertised(b) for b in ({"spread_sends": 1}, {}, None,
                                                    {"spread_sends": "yes"}))
