@@ -86,11 +86,11 @@ def run_loop(spec: Loop) -> dict:
     if spec.pacing not in PACINGS:
         raise ValueError(f"pacing must be one of {', '.join(PACINGS)}")
     now = [0.0]
+    quota = UpdateQuota(clock=lambda: now[0])
     inbox = Inbox(max_bytes=spec.inbox * SIZE, sender_of=lambda topic: topic,
-                  clock=lambda: now[0])
+                  clock=lambda: now[0], over_limit=quota.over)
     bp = Backpressure(spec.max_factor)
     bp.spread_for(spec.devices)
-    quota = UpdateQuota(clock=lambda: now[0])
     rng = np.random.default_rng(spec.seed)
     n = spec.devices
     period = n / (spec.offered * spec.capacity)

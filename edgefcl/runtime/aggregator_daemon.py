@@ -77,8 +77,10 @@ class AggregatorDaemon:
         if self.payload_from_model:
             size_payload_limit(cfg, initial)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
+        self.quota = UpdateQuota()  # fair service while backpressure is on
         self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
-                           sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate)
+                           sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate,
+                           over_limit=self.quota.over)
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.stop_event = threading.Event()
         # before the first state is saved: a SIGTERM from then on (while the CLI still loads
@@ -96,7 +98,6 @@ class AggregatorDaemon:
         self.reanswered: dict[str, int] = {}  # client -> tick it was last answered again
         self.gate = (-1, 0)
         """The task gate last announced: (tasks passed, the global version then)."""
-        self.quota = UpdateQuota()  # fair service while backpressure is on
         self._next_release = 0.0
         self.spec = tensor_spec(self.agg.global_.tensors)
         self.store = StateStore.open(self.state_dir, fleet=cfg.mqtt.fleet, spec=self.spec,

@@ -14,6 +14,11 @@ what it sent last), counted as `over_share` per sender (`offenders`): one device
 the inbox, the main loop's time or the honest devices' place in line. `load()` reports what
 the inbox saw since its last call (offered, shed, taken, mean fill) for backpressure, leaving
 out the messages shed over a sender's share: one sender's flood is not the fleet's load.
+Under backpressure the daemon's update quota names the devices sending over their fair share
+(`over_limit`): when the inbox is full, a message of such a device is refused and one of
+theirs makes room for anyone else's, both counted over their share, not as shed (with half of
+1,000 devices ignoring the factor over the broker, their messages filled the inbox, the
+compliant devices' were shed, and the factor locked at its cap: 6x the folds for ignoring).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
 from edgefcl.runtime.backpressure import Load
@@ -31,6 +37,8 @@ PER_SENDER = 8
 """Messages one sender may have waiting (an honest device has one or two: an update, a status)."""
 MAX_OFFENDERS = 1024
 """Senders whose over-share sheds are counted (the largest counts are kept)."""
+MAX_EVICTIONS = 4
+"""Messages of senders over their limit a full inbox sheds to queue one of another sender."""
 
 
 class Inbox:
@@ -40,8 +48,10 @@ class Inbox:
     def __init__(self, max_bytes: int, max_items: int = 10_000,
                  sender_of: Callable[[str], str] | None = None,
                  per_sender: int = PER_SENDER, rate: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 over_limit: Callable[[str], bool] | None = None) -> None:
         self.clock = clock  # a virtual one in the backpressure bench
+        self.over_limit = over_limit  # senders over their fair share (see the docstring)
         self.max_bytes = max_bytes
         self.max_items = max_items
         self.sender_of = sender_of or (lambda topic: topic)
@@ -85,11 +95,9 @@ class Inbox:
             while mine and (len(mine) >= self.per_sender
                             or self._held[sender] + size > self.max_bytes // 4):
                 self._drop_oldest(sender, mine)  # its newest messages matter: keep them
-            mine = self._queues.get(sender)
-            if self.bytes + size > self.max_bytes or self._count >= self.max_items:
-                self.shed += 1
-                self.shed_bytes += size
+            if not self._room(sender, size):
                 return False
+            mine = self._queues.get(sender)
             self._account()
             if mine is None:
                 mine = self._queues[sender] = deque()
@@ -101,6 +109,31 @@ class Inbox:
             self.bytes += size
             self._cond.notify()
             return True
+
+    def _full(self, size: int) -> bool:
+        return self.bytes + size > self.max_bytes or self._count >= self.max_items
+
+    def _room(self, sender: str, size: int) -> bool:
+        """Whether a message of `sender` fits now (under the lock): a full inbox refuses it,
+        counted over the sender's share when it is over its limit and as shed otherwise,
+        after shedding up to MAX_EVICTIONS waiting messages of senders over their limit."""
+        if not self._full(size):
+            return True
+        over = self.over_limit
+        if over is not None and over(sender):
+            self.over_share += 1
+            self._offend(sender)
+            return False
+        if over is not None:
+            victims = list(islice((s for s in self._turns if s != sender and over(s)),
+                                  MAX_EVICTIONS))
+            for victim in victims:
+                self._drop_oldest(victim, self._queues[victim])
+                if not self._full(size):
+                    return True
+        self.shed += 1
+        self.shed_bytes += size
+        return False
 
     def _drop_oldest(self, sender: str, mine: deque[tuple[str, Any, int]]) -> None:
         """Shed `sender`'s oldest waiting message (over its share; under the lock)."""

@@ -65,9 +65,10 @@ class WorkerDaemon:
         self.flush_every = flush_every
         self.status_every = status_every
         self.inbox_bytes = inbox_bytes
-        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
-                           sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate)
         self.quota = UpdateQuota()  # fair service while backpressure is on
+        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
+                           sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate,
+                           over_limit=self.quota.over)
         self.ahead: dict[str, Update] = {}  # updates based on a global not here yet
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES

@@ -89,6 +89,12 @@ class UpdateQuota:
         self.passed += 1
         return True
 
+    def over(self, device: str) -> bool:
+        """Whether `device` sends over its limit now (the inbox asks from the network
+        thread: one read of each of two attributes, each replaced whole)."""
+        limit = self.limit
+        return limit is not None and self.rates.get(device, 0.0) > limit
+
     def _tokens(self, device: str, now: float) -> float:
         """`device`'s tokens now: its bucket refills continuously (a full one when new)."""
         tokens, at = self.tokens.get(device, (self.burst, now))

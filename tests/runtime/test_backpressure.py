@@ -76,6 +76,26 @@ def test_inbox_reports_its_load_per_interval():
     assert later.fill == pytest.approx(0.3)
 
 
+def test_a_full_inbox_makes_room_with_the_messages_of_devices_over_their_limit():
+    # the attack: half the fleet ignores the factor; their updates fill the inbox, the
+    # compliant devices' are shed and counted as load, and the factor locks at its cap
+    over = {"x", "y", "z"}
+    box = Inbox(max_bytes=400, over_limit=lambda s: s in over)
+    for sender in "xyab":
+        assert box.put(sender, sender.encode() * 100)  # 400 of 400 bytes
+    assert not box.put("z", b"z" * 100)  # over its limit: refused, not shed
+    assert box.put("c", b"c" * 100)  # x's message makes room
+    assert box.shed == 0 and box.over_share == 2 and box.offenders == {"z": 1, "x": 1}
+    load = box.load()
+    assert (load.offered, load.shed) == (4, 0)  # y a b c: x's never reached the main loop
+    got = [box.get(0.1)[0] for _ in range(4)]
+    assert sorted(got) == ["a", "b", "c", "y"]
+    over.clear()
+    for sender in "defg":
+        assert box.put(sender, sender.encode() * 100)
+    assert not box.put("h", b"h" * 100) and box.shed == 1  # nobody over: shed, as load
+
+
 def test_advertised_factor_is_clamped_and_malformed_means_one():
     assert advertised({"backpressure": 2.5}, 8) == 2.5
     assert advertised({"backpressure": 50}, 8) == 8
