@@ -155,7 +155,7 @@ def run_loop(spec: Loop) -> dict:
             released.extend(quota.release())  # what waited for its device's token
             continue
         bp.observe(inbox.load().less(quota.refused), spec.interval)
-        quota.end_interval(spec.interval, set(names), bp.factor)
+        quota.end_interval(spec.interval, set(names), bp.factor, inbox.take_refused())
         for p in pacers:
             p.factor, p.spreading = bp.factor, bp.spread
         factors.append((t, bp.factor))

@@ -360,7 +360,8 @@ class AggregatorDaemon:
         line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
                                          self.status_every)
         self.backpressure.spread_for(len(self.agg.active))
-        self.quota.end_interval(self.status_every, set(self.agg.active), self.backpressure.factor)
+        self.quota.end_interval(self.status_every, set(self.agg.active), self.backpressure.factor,
+                                self.inbox.take_refused())
         if line:
             log.info(line)
         if line or self.backpressure.spread != spread:

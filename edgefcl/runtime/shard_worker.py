@@ -253,9 +253,10 @@ class WorkerDaemon:
         highest of its workers' factors to the devices)."""
         line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
                                          self.status_every)
-        recent = self.quota.recent()
+        refused = self.inbox.take_refused()
+        recent = self.quota.recent() | set(refused)
         self.backpressure.spread_for(len(recent))
-        self.quota.end_interval(self.status_every, recent, self.backpressure.factor)
+        self.quota.end_interval(self.status_every, recent, self.backpressure.factor, refused)
         if line:
             log.info(line)
 

@@ -121,10 +121,15 @@ class UpdateQuota:
         MIN_RATE): the active set of a daemon that keeps none (an aggregator worker)."""
         return set(self.counts) | {d for d, r in self.rates.items() if r >= MIN_RATE}
 
-    def end_interval(self, seconds: float, active: set[str], factor: float) -> None:
+    def end_interval(self, seconds: float, active: set[str], factor: float,
+                     inbox_refused: Counter[str] | None = None) -> None:
         """Close an interval of `seconds`: smooth the `active` devices' rates (others are
-        forgotten, so the tables stay bounded by the active set), then set the next
-        interval's limit (`factor` > 1: `ratio` x the median rate) and refill the buckets."""
+        forgotten, so the tables stay bounded by the active set), counting the updates the
+        inbox refused before they reached `admit` (`inbox_refused`, `Inbox.take_refused`),
+        then set the next interval's limit (`factor` > 1: `ratio` x the median rate) and
+        refill the buckets."""
+        if inbox_refused:
+            self.counts.update(inbox_refused)
         now = {d: self.counts.get(d, 0) / seconds for d in active}
         rates = {d: (1 - SMOOTHING) * self.rates.get(d, r) + SMOOTHING * r
                  for d, r in now.items()}

@@ -3,6 +3,8 @@ gets no more of its updates handled than a compliant one (at most 1.5x)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from edgefcl.runtime.update_quota import UpdateQuota
 
 
@@ -63,3 +65,15 @@ def test_nothing_is_limited_in_the_first_intervals() -> None:
     quota.end_interval(2.0, {"a", "b"}, factor=8.0)
     quota.end_interval(2.0, {"a", "b"}, factor=8.0)
     assert quota.limit is None and all(quota.admit("a") for _ in range(50))
+
+
+def test_the_updates_the_inbox_refused_count_in_a_devices_rate() -> None:
+    # an ignoring device whose updates the full inbox refuses looked within its limit by what
+    # got past the inbox, so every other interval it was let through unlimited
+    quota = UpdateQuota(clock=Clock())
+    for _ in range(4):
+        for d in "abc":
+            quota.admit(d)
+        quota.end_interval(1.0, {"a", "b", "c"}, factor=2.0, inbox_refused=Counter(c=9))
+    assert quota.rates["c"] > 9 and quota.rates["a"] < 1.5
+    assert quota.limit is not None and quota.over("c") and not quota.over("a")

@@ -43,6 +43,7 @@ from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
 log = logging.getLogger("edgefcl.bench.loadgen")
 
 GOLDEN = 0.6180339887498949
+"""(sqrt 5 - 1) / 2: i x GOLDEN mod 1 spreads any run of device numbers evenly (`ignores`)."""
 
 COUNTERS = ("connected", "published", "acked", "skipped", "lagged", "held", "dropped",
             "factor_pct")
