@@ -416,6 +416,9 @@ def test_crash_and_reboot_train_every_batch_exactly_once(embedded_broker, tmp_pa
     seen: list[Update] = []
     tap = make_link(embedded_broker, "test-tap")
     tap.subscribe(f"edgefcl/{FLEET}/update/c000", lambda t, p: seen.append(decode(p, FLEET)))
+    statuses: list[str] = []  # the incarnations that published a status
+    tap.subscribe(f"edgefcl/{FLEET}/status/c000",
+                  lambda t, p: statuses.append(decode(p, FLEET).body["incarnation"]))
 
     def boot() -> Firmware:
         return Firmware(cfg, make_client("bi", memory=20), profile, flash, None, tmp_path,
@@ -425,7 +428,10 @@ def test_crash_and_reboot_train_every_batch_exactly_once(embedded_broker, tmp_pa
     box: dict = {}
     thread = threading.Thread(target=lambda: box.setdefault("err", _run(first)))
     thread.start()
-    assert _until(lambda: first.link is not None and first.link.is_connected)
+    # its first status follows its subscriptions on the same connection: the broker holds
+    # them before it (connected alone was not enough: on a loaded machine the first batch
+    # could reach the broker before the subscription and was lost)
+    assert _until(lambda: first.incarnation in statuses)
     topic = f"edgefcl/{FLEET}/stream/c000"
     for b in bs[:12]:
         pub.publish(topic, encode_batch(b, client="c000", fleet=FLEET), wait=True)
