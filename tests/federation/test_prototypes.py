@@ -626,18 +626,24 @@ def test_global_counts_saturate_instead_of_wrapping():
     assert out.counts.tolist() == [MAX_COUNT] and check_table(out, 3) is None
 
 
-def test_a_device_refuses_a_global_library_of_another_width():
+def _prototype_device():
+    """A DeviceRunner of a 16-unit MLP with the prototype head (rows of width 17) and its
+    model's global tensors."""
     from edgefcl.build import make_client, prepare
-    from edgefcl.federation.global_check import check_global
     from edgefcl.learn.global_format import global_tensors
     from edgefcl.runtime.device_runner import DeviceRunner
-    from edgefcl.transport.codec import tensor_spec
 
     cfg = apply(RunConfig(), {"quiet": True, "data": {"tasks": 2, "classes_per_task": 2},
                               "learn": {"model": "mlp", "hidden": 16, "head": "prototypes"}})
     client = make_client(cfg, prepare(cfg, 0), 0, "fedavg", 0)
-    runner = DeviceRunner(cfg, client)
-    good = global_tensors(client.model, cfg.fed.encoding)
+    return DeviceRunner(cfg, client), global_tensors(client.model, cfg.fed.encoding)
+
+
+def test_a_device_refuses_a_global_library_of_another_width():
+    from edgefcl.federation.global_check import check_global
+    from edgefcl.transport.codec import tensor_spec
+
+    runner, good = _prototype_device()
     spec = tensor_spec(good)
     assert runner.library_width == 17
     for width, reason in ((17, None), (18, "prototype_shape"), (16, "prototype_shape")):
@@ -748,15 +754,7 @@ def test_library_fault_bounds_rows_by_the_previous_global():
 def test_a_device_refuses_a_global_whose_rows_carry_a_huge_bias():
     # the proto-bias attack's rows reaching a device (a broken ACL, a stale retained global):
     # the previous global's rows bound them, as the aggregator's clip bounds a sender's
-    from edgefcl.build import make_client, prepare
-    from edgefcl.learn.global_format import global_tensors
-    from edgefcl.runtime.device_runner import DeviceRunner
-
-    cfg = apply(RunConfig(), {"quiet": True, "data": {"tasks": 2, "classes_per_task": 2},
-                              "learn": {"model": "mlp", "hidden": 16, "head": "prototypes"}})
-    client = make_client(cfg, prepare(cfg, 0), 0, "fedavg", 0)
-    runner = DeviceRunner(cfg, client)
-    good = global_tensors(client.model, cfg.fed.encoding)
+    runner, good = _prototype_device()
     rows = np.random.default_rng(0).normal(0, 1, (2, 17)).astype(np.float32)
     first = GlobalModel(1, good, (), PrototypeTable(("0", "1"), rows, np.ones(2, np.int64)))
     runner._check(first)  # nothing to measure the first library against
