@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import multiprocessing as mp
 import os
 import secrets
@@ -359,17 +360,9 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
 def max_per_client(path: Path) -> int:
     """The most times one client appears in one round of the round log (1 when the rule
     'one update per client and round' held)."""
-    import json
-    from collections import Counter
-
-    if not path.exists():
-        return 0
-    worst = 0
-    for line in path.read_text().splitlines():
-        if line.strip():
-            c = Counter(json.loads(line)["participants"])
-            worst = max(worst, max(c.values(), default=0))
-    return worst
+    rounds = _rounds_in(path, -math.inf, math.inf)
+    return max((max(Counter(r["participants"]).values(), default=0) for r in rounds),
+               default=0)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from itertools import islice
 from typing import Any
 
@@ -52,7 +53,7 @@ class Inbox:
                  sender_of: Callable[[str], str] | None = None,
                  per_sender: int = PER_SENDER, rate: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
-                 over_limit: Callable[[str], bool] | None = None) -> None:
+                 over_limit: Callable[[], AbstractSet[str]] | None = None) -> None:
         self.clock = clock  # a virtual one in the backpressure bench
         self.over_limit = over_limit  # senders over their fair share (see the docstring)
         self.refused: Counter[str] = Counter()  # their messages refused or shed since
@@ -124,15 +125,14 @@ class Inbox:
         after shedding up to MAX_EVICTIONS waiting messages of senders over their limit."""
         if not self._full(size):
             return True
-        over = self.over_limit
-        if over is not None and over(sender):
+        over = self.over_limit() if self.over_limit is not None else ()
+        if sender in over:
             self.over_share += 1
             self._offend(sender)
             self._note_refused(sender)
             return False
-        if over is not None:
-            victims = list(islice((s for s in self._turns if s != sender and over(s)),
-                                  MAX_EVICTIONS))
+        if over:  # the oldest turns first; nobody over the limit: no scan at all
+            victims = list(islice((s for s in self._turns if s in over), MAX_EVICTIONS))
             for victim in victims:
                 self._drop_oldest(victim, self._queues[victim])
                 self._note_refused(victim)

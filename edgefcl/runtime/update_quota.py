@@ -65,6 +65,7 @@ class UpdateQuota:
         answer, as the devices over their share send them whatever it is."""
         self.passed = 0
         """Updates let through this interval (admitted or released)."""
+        self._over: frozenset[str] = frozenset()
 
     def admit(self, device: str, item: Any = None) -> bool:
         """Whether an update of `device` may be handled now (counted either way). When not,
@@ -89,11 +90,10 @@ class UpdateQuota:
         self.passed += 1
         return True
 
-    def over(self, device: str) -> bool:
-        """Whether `device` sends over its limit now (the inbox asks from the network
-        thread: one read of each of two attributes, each replaced whole)."""
-        limit = self.limit
-        return limit is not None and self.rates.get(device, 0.0) > limit
+    def over(self) -> frozenset[str]:
+        """The devices sending over their limit now (empty without one): the inbox asks
+        from the network thread; the set is replaced whole once per interval."""
+        return self._over
 
     def _tokens(self, device: str, now: float) -> float:
         """`device`'s tokens now: its bucket refills continuously (a full one when new)."""
@@ -143,7 +143,7 @@ class UpdateQuota:
         now = self.clock()
         kept = {d: self._tokens(d, now) for d in active if d in self.tokens}  # at the old rate
         if factor <= 1.0 or not self.rates or self.intervals < WARMUP:
-            self.limit, self.tokens = None, {}
+            self.limit, self.tokens, self._over = None, {}, frozenset()
             return
         self.limit = min(self.ratio * float(np.median(list(self.rates.values()))),
                          FAIR_SLACK * fair)
@@ -151,3 +151,4 @@ class UpdateQuota:
         # never starved (devices that send after each global would wait for each other)
         self.burst = self.refill * seconds + 1.0  # an interval's worth, and one more
         self.tokens = {d: (min(self.burst, t), now) for d, t in kept.items()}
+        self._over = frozenset(d for d, r in self.rates.items() if r > self.limit)
