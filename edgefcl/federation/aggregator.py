@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -154,6 +155,8 @@ class Aggregator:
     many distinct clients as it takes updates to fill it). A round keeps at
     most one update per client (a newer one replaces the older) and the quorum counts distinct
     clients; the updates are aggregated in client-id order when the round closes.
+
+    An update the daemon had to shed unread counts as reported (`lost`).
 
     Every report first passes `Admission` (roster, sequence, batch, base version, sample and
     class counts); `batch_size` (of the data stream) bounds the samples an update may claim.
@@ -357,6 +360,17 @@ class Aggregator:
                 self._spill()
         else:
             self.counters["ticks"] += 1
+        return self._maybe_close(now)
+
+    def lost(self, clients: Iterable[str], now: float | None = None) -> RoundClosed | None:
+        """Async: these active clients' updates were shed before they could be read (a full
+        inbox). They reported, so the open round stops waiting for them: under overload a round
+        that waits for every active client would otherwise wait for the last one to get an
+        update through, while the others' newer updates replace theirs."""
+        if self.fed.mode != "async":
+            return None
+        rnd = self._round
+        rnd.reported.update(c for c in clients if c in self.active)
         return self._maybe_close(now)
 
     def _spill(self) -> None:

@@ -80,7 +80,8 @@ class AggregatorDaemon:
         self.quota = UpdateQuota()  # fair service while backpressure is on
         self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
                            sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate,
-                           over_limit=self.quota.over)
+                           over_limit=self.quota.over,
+                           is_report=lambda topic: self.topics.kinds_on(topic) == UPDATE_KINDS)
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.stop_event = threading.Event()
         # before the first state is saved: a SIGTERM from then on (while the CLI still loads
@@ -334,6 +335,9 @@ class AggregatorDaemon:
     def _serve_rounds(self, now: float) -> None:
         """Close what is due (async timeouts, silent clients)."""
         if self.cfg.fed.mode == "async":
+            lost = self.inbox.take_lost()
+            if lost:
+                self._close_safely(lambda: self.agg.lost(lost, now))
             self._close_safely(lambda: self.agg.poll(now))
         self._close_safely(lambda: self.agg.expire(now))
         self._announce_gate()

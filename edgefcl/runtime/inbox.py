@@ -22,6 +22,8 @@ compliant devices' were shed, and the factor locked at its cap: 6x the folds for
 Those refusals are handed back to the quota (`take_refused`): they are part of what the device
 sends, and a device measured by what got past the inbox looked within its limit every other
 interval (1.77x the folds of a compliant device with 20 % ignoring).
+The senders of reports it refused (`is_report`: updates) are handed to the aggregator
+(`take_lost`), whose open round then stops waiting for them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ PER_SENDER = 8
 """Messages one sender may have waiting (an honest device has one or two: an update, a status)."""
 MAX_OFFENDERS = 1024
 """Senders whose over-share sheds are counted (the largest counts are kept)."""
+MAX_LOST = 65_536
+"""Senders whose lost reports are remembered between two `take_lost` calls (the roster's
+devices fit; a flood of made-up ids cannot grow it further)."""
 MAX_EVICTIONS = 4
 """Messages of senders over their limit a full inbox sheds to queue one of another sender."""
 
@@ -53,8 +58,11 @@ class Inbox:
                  sender_of: Callable[[str], str] | None = None,
                  per_sender: int = PER_SENDER, rate: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
-                 over_limit: Callable[[], AbstractSet[str]] | None = None) -> None:
+                 over_limit: Callable[[], AbstractSet[str]] | None = None,
+                 is_report: Callable[[str], bool] | None = None) -> None:
         self.clock = clock  # a virtual one in the backpressure bench
+        self.is_report = is_report  # topics whose messages a round waits for (updates)
+        self._lost: set[str] = set()  # senders of such messages refused since `take_lost`
         self.over_limit = over_limit  # senders over their fair share (see the docstring)
         self.refused: Counter[str] = Counter()  # their messages refused or shed since
         # `take_refused`
@@ -96,12 +104,14 @@ class Inbox:
             if not self._within_rate(sender):
                 self.over_share += 1
                 self._offend(sender)
+                self._note_lost(topic, sender)
                 return False
             mine = self._queues.get(sender)
             while mine and (len(mine) >= self.per_sender
                             or self._held[sender] + size > self.max_bytes // 4):
                 self._drop_oldest(sender, mine)  # its newest messages matter: keep them
             if not self._room(sender, size):
+                self._note_lost(topic, sender)
                 return False
             mine = self._queues.get(sender)
             self._account()
@@ -152,6 +162,18 @@ class Inbox:
         sender (the quota counts them in the senders' rates)."""
         with self._cond:
             out, self.refused = self.refused, Counter()
+            return out
+
+    def _note_lost(self, topic: str, sender: str) -> None:
+        if (self.is_report is not None and len(self._lost) < MAX_LOST
+                and self.is_report(topic)):
+            self._lost.add(sender)
+
+    def take_lost(self) -> set[str]:
+        """Senders of reports (`is_report` topics) refused since the last call: the open round
+        need not wait for them (`Aggregator.lost`)."""
+        with self._cond:
+            out, self._lost = self._lost, set()
             return out
 
     def _drop_oldest(self, sender: str, mine: deque[tuple[str, Any, int]]) -> None:

@@ -255,3 +255,48 @@ def test_no_buffer_bound_waits_for_the_quorum():
     for cid in "abcde":
         assert agg.submit(upd(cid, 1.0), now=0.1) is None
     assert agg.counters["closed_full"] == 0
+
+
+
+def test_a_lost_update_counts_as_reported():
+    """4 active clients, c's update shed unread: the round of a, b and d closes without
+    waiting for the timeout; an id off the active set and a lock-step tick are unchanged."""
+    agg = make("async", round_timeout=100.0, min_clients=2, quorum=0.5, clients=4)
+    for cid in "abcd":
+        agg.join(cid, now=0.0)
+    agg.submit(upd("a", 1.0), now=0.1)
+    agg.submit(upd("b", 1.0), now=0.2)
+    assert agg.lost({"c", "ghost"}, now=0.3) is None  # d has not reported
+    closed = agg.submit(upd("d", 1.0), now=0.4)
+    assert closed is not None and closed.participants == ("a", "b", "d")
+    sync = make("sync")
+    sync.submit(upd("a", 1.0))
+    assert sync.lost({"b", "c"}) is None and sync._round.reported == {"a"}
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_an_overloaded_async_round_folds_what_comes_in(told):
+    """200 clients at random phases sending every 0.5 s for 20 s (virtual), a third of the
+    sends shed unread (a full inbox), small updates that never fill `round_max_mib`: told of
+    the lost updates, the rounds fold nearly every update that arrives; not told, a round
+    waits until the last active client got one through while the others' newer updates
+    replace theirs, and folds under a third (the collapse of sparse rounds under overload)."""
+    agg = make("async", round_timeout=5.0, min_clients=2, quorum=0.5, clients=200, burn_in=0,
+               jump=1)
+    rng = np.random.default_rng(0)
+    clients = [f"c{i:03d}" for i in range(200)]
+    sends = sorted((t, c) for c, phase in zip(clients, rng.uniform(0, 0.5, 200), strict=True)
+                   for t in np.arange(phase, 20.0, 0.5))
+    seq: dict[str, int] = {}
+    folded = 0
+    for (t, c), shed in zip(sends, rng.uniform(size=len(sends)) < 1 / 3, strict=True):
+        seq[c] = seq.get(c, 0) + 1
+        if shed:
+            closed = agg.lost({c}, float(t)) if told else None
+        else:
+            closed = agg.submit(upd(c, 1.0, seq=seq[c], batch=seq[c],
+                                    base=agg.global_.version), now=float(t))
+        closed = closed or agg.poll(float(t))
+        folded += len(closed.participants) if closed and closed.global_ else 0
+    share = folded / agg.counters["accepted"]
+    assert (share > 0.9) if told else (share < 0.33), share

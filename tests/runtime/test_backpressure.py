@@ -96,6 +96,19 @@ def test_a_full_inbox_makes_room_with_the_messages_of_devices_over_their_limit()
     assert not box.put("h", b"h" * 100) and box.shed == 1  # nobody over: shed, as load
 
 
+def test_a_full_inbox_names_the_senders_of_the_reports_it_refused():
+    """What a round stops waiting for: the updates shed or refused unread, per sender, once;
+    a shed status is no report."""
+    box = Inbox(max_bytes=200, over_limit=lambda: {"x"},
+                sender_of=lambda topic: topic.split("/")[1],
+                is_report=lambda topic: topic.startswith("update/"))
+    assert box.put("update/a", b"a" * 100) and box.put("update/b", b"b" * 100)
+    assert not box.put("update/c", b"c" * 100)  # shed
+    assert not box.put("status/d", b"d" * 100)  # shed, not a report
+    assert not box.put("update/x", b"x" * 100)  # refused over its limit
+    assert box.take_lost() == {"c", "x"} and box.take_lost() == set()
+
+
 def test_advertised_factor_is_clamped_and_malformed_means_one():
     assert advertised({"backpressure": 2.5}, 8) == 2.5
     assert advertised({"backpressure": 50}, 8) == 8
