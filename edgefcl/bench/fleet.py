@@ -173,7 +173,8 @@ def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: st
     for j in range(procs):
         spec = DeviceSpec(host, port, fleet, root, int(bounds[j]), int(bounds[j + 1] - bounds[j]),
                           opts.rate, encoding, tensors, seed=j, burn_in=burn_in, jump=jump,
-                          max_backpressure=max_backpressure, ignoring=opts.ignoring)
+                          max_backpressure=max_backpressure, ignoring=opts.ignoring,
+                          subscribed=opts.subscribed)
         counters = {name: ctx.Value("q", 0) for name in COUNTERS}
         p = ctx.Process(target=run_devices, args=(spec, counters, go, stop, f.rate,
                                                   f.synchronised), daemon=True,
@@ -307,16 +308,19 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
         rss = [0.0, 0.0]  # highest and latest RSS (all processes) in the window
         per = {k: 0.0 for k in daemons}
         factors: list[float] = []
+        broker_rss = [rss_mb(broker.pid)]  # at the start, then every sample
 
         def sample() -> None:
             factors.append(fleet.factor())
+            broker_rss.append(rss_mb(broker.pid))
             now = {k: rss_mb(d.pid) for k, d in daemons.items()}
             for k, v in now.items():
                 per[k] = max(per[k], v)
             rss[1] = sum(now.values())
             rss[0] = max(rss[0], rss[1])
 
-        before = {k: fleet.total(k) for k in ("published", "skipped", "lagged", "held")}
+        before = {k: fleet.total(k) for k in ("published", "skipped", "lagged", "held",
+                                              "downlink_bytes")}
         bc0, wall0 = cpu_seconds(broker.pid), time.time()
         cpu0 = {k: cpu_seconds(d.pid) for k, d in daemons.items()}
         load0 = os.getloadavg()[0]
@@ -354,6 +358,10 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
         "backpressure_mean": float(np.mean(factors)) if factors else 1.0,
         "backpressure_max": max(factors, default=1.0),
         "aggregator_hwm_mb": hwm, **fair,
+        "downlink_mb_per_s": (fleet.total("downlink_bytes") - before["downlink_bytes"])
+        / (t1 - t0) / 1e6,
+        "broker_rss_mb": {"start": broker_rss[0], "max": max(broker_rss),
+                          "end": broker_rss[-1]},
     }
 
 
@@ -537,10 +545,12 @@ def table(runs: list[dict]) -> str:
 def overload_table(phases: list[dict]) -> str:
     """One line per overload phase; `vs cap` is folded / capacity, `max/round` the most times
     one client was in one round, `ign/comp` the median folded updates of the devices that
-    ignore the factor over the others' (with --ignoring)."""
+    ignore the factor over the others' (with --ignoring), `down MB/s` the globals the devices
+    received (with --subscribed), `broker MB` the broker's RSS at the start > its highest."""
     head = (f"{'phase':>22} {'offered/s':>9} {'sent/s':>8} {'folded/s':>8} {'vs cap':>6} "
             f"{'shed':>6} {'factor mean/max':>15} {'RSS MB':>7} {'HWM MB':>7} "
-            f"{'max/round':>9} {'ign/comp':>8} {'load':>5}")
+            f"{'max/round':>9} {'ign/comp':>8} {'down MB/s':>9} {'broker MB':>13} "
+            f"{'load':>5}")
     lines = [head]
     for r in phases:
         ratio = r.get("ratio_to_capacity")
@@ -551,6 +561,8 @@ def overload_table(phases: list[dict]) -> str:
             f"{r['aggregator_rss_mb']:7.0f} {r['aggregator_hwm_mb']:7.0f} "
             f"{r['max_updates_per_client_round']:9d} "
             f"{r.get('ignoring_over_compliant', float('nan')):8.2f} "
+            f"{r['downlink_mb_per_s']:9.1f} "
+            f"{r['broker_rss_mb']['start']:6.0f}>{r['broker_rss_mb']['max']:<6.0f} "
             f"{r['load_average_1min'][1]:5.1f}")
     return "\n".join(lines)
 

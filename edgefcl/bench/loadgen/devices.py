@@ -46,9 +46,10 @@ GOLDEN = 0.6180339887498949
 """(sqrt 5 - 1) / 2: i x GOLDEN mod 1 spreads any run of device numbers evenly (`ignores`)."""
 
 COUNTERS = ("connected", "published", "acked", "skipped", "lagged", "held", "dropped",
-            "factor_pct")
+            "factor_pct", "downlink_bytes")
 """Shared per-process counters; `factor_pct` is the backpressure factor x 100 the process
-follows now (a level, not a count)."""
+follows now (a level, not a count); `downlink_bytes` the payload bytes of the globals the
+devices received (`subscribed`)."""
 
 
 @dataclass
@@ -69,6 +70,9 @@ class DeviceSpec:
     jump: int = 2
     max_backpressure: float = 8.0
     ignoring: float = 0.0
+    subscribed: bool = False
+    """Every device subscribes to the global (QoS 0, retained) and its deltas (QoS 1), as
+    DeviceRunner does, and counts the bytes it receives."""
 
 
 def ignores(i: int, fraction: float) -> bool:
@@ -156,6 +160,17 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
             with counters["connected"].get_lock():
                 counters["connected"].value += 1
 
+    received = [0]  # downlink payload bytes not yet added to the shared counter
+    downlink = [(f"{base}/global", 0), (f"{base}/global/delta", 1)]
+
+    def on_device_connect(client, userdata, flags, reason, properties) -> None:
+        on_connect(client, userdata, flags, reason, properties)
+        if userdata.connected:
+            client.subscribe(downlink)
+
+    def on_global(client, userdata, msg) -> None:
+        received[0] += len(msg.payload)
+
     def on_publish(client, userdata, mid, reason, properties) -> None:
         with counters["acked"].get_lock():
             counters["acked"].value += 1
@@ -166,6 +181,8 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
         d = _Device(cid, c, f"{base}/update/{cid}", spec.seed, ignores(i, spec.ignoring))
         c.user_data_set(d)
         c.on_connect, c.on_publish = on_connect, on_publish
+        if spec.subscribed:
+            c.on_connect, c.on_message = on_device_connect, on_global
         devices.append(d)
     watch = _Device("watch", watcher, "")
     for d in [watch, *devices]:
@@ -239,6 +256,10 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
             if want != d.events:
                 d.events = want
                 sel.modify(d.client.socket(), want, d)
+        if received[0]:
+            with counters["downlink_bytes"].get_lock():
+                counters["downlink_bytes"].value += received[0]
+            received[0] = 0
         if now >= next_misc:
             for d in [watch, *devices]:
                 if d.events:

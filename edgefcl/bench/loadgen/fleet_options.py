@@ -40,6 +40,10 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ignoring", type=float, default=0.0, metavar="F",
                    help="fraction of the devices that ignore the backpressure factor; the "
                    "report compares their folded updates with the others' (default: 0)")
+    g.add_argument("--subscribed", action="store_true",
+                   help="every device subscribes to the global and its deltas, as real "
+                   "devices do; the report adds the downlink the devices received (MB/s) and "
+                   "the broker's memory")
     g.add_argument("--device-procs", type=int, default=0, metavar="P",
                    help=f"device processes (default 0: one per {DEVICES_PER_PROC} devices, "
                    "at least 2)")
@@ -59,6 +63,7 @@ class FleetOptions:
     capacity_duration: float = 20.0
     pacing: str = "random"
     ignoring: float = 0.0
+    subscribed: bool = False
     warmup: float = 3.0
     """Seconds of publishing before each measured window (not a flag; tests shorten it)."""
 
@@ -70,7 +75,7 @@ class FleetOptions:
             raise ConfigError(f"--devices must be N[,N...], got {args.devices!r}") from None
         opts = cls(devices, args.workers, args.payload, args.rate, args.duration,
                    args.device_procs, args.overload, args.capacity_duration, args.pacing,
-                   args.ignoring)
+                   args.ignoring, args.subscribed)
         opts.check()
         return opts
 
