@@ -24,7 +24,7 @@ from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.learner import Clock, StreamLearner, resolve_device
 from edgefcl.learn.memory import ClassBalanced, MemorySpec
 from edgefcl.learn.memory_policies import get_policy
-from edgefcl.learn.methods import get_method
+from edgefcl.learn.methods import get_method, load
 from edgefcl.learn.models import build_model
 from edgefcl.learn.perturb import make_perturber
 from edgefcl.learn.proto_net import ProtoNet, proto_model, resolve_head
@@ -106,13 +106,13 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
     opt = make_optimizer(model, learn)
     spec = get_method(learn.method)
     selection = get_selection(learn.selection)  # unknown names fail here, early
-    policy = get_policy(spec.memory) if spec.memory is not None else None
+    policy = load(get_policy(spec.memory).memory) if spec.memory is not None else None
     memory = (MemorySpec(learn.memory_size, policy, selection, device, learn.rank_past,
                          ClassBalanced(), resolve_current_share(learn.current_share,
-                                                                policy.name))
+                                                                policy.name), learn.rescore)
               if learn.memory_size > 0 and policy is not None else None)
     perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
-                 if policy is not None and policy.ranked else None)
+                 if policy is not None and policy.scored else None)
     encoder = get_encoding(fed.encoding).make_encoder(fed)
     protos = (PrototypeHead(model, learn.optimizer, learn.lr, device, learn.warmup_steps,
                             not learn.prototypes_local,

@@ -23,7 +23,7 @@ from edgefcl.learn.bayes import predict_logits, score_logits
 from edgefcl.learn.checkpoint import data_attrs, load_data_attrs, load_module_state, module_state
 from edgefcl.learn.drift import StreamMonitor
 from edgefcl.learn.export import ClientOnnx, WorkerScores
-from edgefcl.learn.memory import MemorySpec, ReplayMemory
+from edgefcl.learn.memory import MemorySpec, ReplayMemory, Scoring
 from edgefcl.learn.models import penultimate
 from edgefcl.learn.perturb import Perturber, augment_batch, eval_mode
 from edgefcl.learn.proto_train import PrototypeHead
@@ -103,11 +103,6 @@ class StreamLearner:
         self._pool: ThreadPoolExecutor | None = None  # scores ahead while training
         self.scored_ahead = 0  # batches whose scores were computed while training
         self.score_log: list[torch.Tensor] | None = None  # a list: every scoring call's logits
-
-    @property
-    def ranked(self) -> bool:
-        """Whether the memory's policy ranks samples by their scores (False: no memory)."""
-        return self.memory_spec is not None and self.memory_spec.policy.ranked
 
     def bind(self, penalty: Callable[[], torch.Tensor | None],
              on_task_start: Callable[[int], None]) -> None:
@@ -197,11 +192,9 @@ class StreamLearner:
         scores are identical to scoring after training; the perturber is only used by one
         thread at a time. Returns what gives the scores, waiting for them."""
         if (not self.learn.score_overlap or self.memory is None or self.score_model is None
-                or not self.ranked or self.skip_scoring):
+                or self.skip_scoring):
             return None
-        cands = self.memory.pending_scores(x, y, self.task or 0, self.score_version,
-                                           rescore_all=self.learn.rescore == "always",
-                                           keep_stale=self.learn.rescore == "never")
+        cands = self.memory.pending_scores(x, y, self.task or 0, self.score_version)
         if cands is None:
             return None
         pending = (None if self.onnx is None
@@ -220,20 +213,15 @@ class StreamLearner:
         if self.memory is None:
             seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.gen))
             self.memory = spec.build(tuple(x.shape[1:]), seed)
-        scorer = self._score if spec.policy.ranked else None
         if self.score_model is None:
             # No snapshot yet: the scoring model is the current model, which moved this batch.
             self.score_version += 1
-        version = self.score_version
-        if scorer is not None and self.skip_scoring:
-            # over the compute budget: class-balanced random this batch (version -1: stale)
-            scorer, version = self._random_scores, -1
         featurizer = self._features if spec.selection.needs_features else None
-        scored = self.memory.update(x, y, self.task or 0, scorer, version,
-                                    rescore_all=self.learn.rescore == "always",
-                                    featurizer=featurizer,
-                                    keep_stale=self.learn.rescore == "never", scores=scores)
-        self.scored += scored if version >= 0 else 0
+        # over the compute budget: class-balanced random this batch (version -1: stale)
+        scoring = (Scoring(self._random_scores, -1, featurizer) if self.skip_scoring
+                   else Scoring(self._score, self.score_version, featurizer, scores))
+        scored = self.memory.update(x, y, self.task or 0, scoring)
+        self.scored += scored if scoring.version >= 0 else 0
 
     def _random_scores(self, x: torch.Tensor) -> torch.Tensor:
         return torch.rand(len(x), generator=self.gen).to(x.device)

@@ -20,7 +20,7 @@ from edgefcl.config import NAMES, ConfigError
 from edgefcl.learn.memory_policies import POLICIES
 
 MEMORIES = tuple(POLICIES)
-"""Memory policies of `edgefcl.learn.memory.ReplayMemory` (`memory_policies.py`)."""
+"""Names of the replay memory policies (`memory_policies.POLICIES`)."""
 
 
 def load(ref: str) -> Any:

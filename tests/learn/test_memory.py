@@ -1,4 +1,5 @@
-"""Tests for the replay memory (edgefcl.learn.memory).
+"""Tests for the replay memory (edgefcl.learn.memory and its policies: memory_reservoir,
+memory_balanced, memory_scored; the registry memory_policies).
 
 Samples are 2-d vectors x = (id, label): ids are unique per stream so the tests can tell which
 samples were kept, and a scorer that returns x[:, 0] gives every sample a known score.
@@ -16,7 +17,19 @@ from hypothesis import strategies as st
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.memory import ClassBalanced, Grouping, ReplayMemory, stream_paced, water_fill
+from edgefcl.learn.memory import (
+    ClassBalanced,
+    Grouping,
+    ReplayMemory,
+    Scoring,
+    stream_paced,
+    water_fill,
+)
+from edgefcl.learn.memory_balanced import BalancedRandomMemory
+from edgefcl.learn.memory_policies import POLICIES, MemoryPolicy, get_policy
+from edgefcl.learn.memory_reservoir import ReservoirMemory
+from edgefcl.learn.memory_scored import BalancedScoreMemory
+from edgefcl.learn.methods import load
 from edgefcl.learn.selection import get_selection
 
 
@@ -39,6 +52,11 @@ class Recorder:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(sorted(x[:, 0].long().tolist()))
         return x[:, 0].clone()
+
+
+def memory_class(policy: str) -> type[ReplayMemory]:
+    """The memory class the registry names for `policy`."""
+    return load(get_policy(policy).memory)
 
 
 def ids_of(mem: ReplayMemory, label: int | None = None) -> set[int]:
@@ -94,44 +112,46 @@ def test_water_fill_fills_exactly_by_quota_and_priority(counts, data):
 
 def test_bad_configuration_is_rejected():
     with pytest.raises(ConfigError, match="policy"):
-        ReplayMemory(10, (2,), "fifo")
+        get_policy("fifo")
     with pytest.raises(ConfigError, match="selection"):
-        ReplayMemory(10, (2,), "balanced-score", selection="middle")
+        BalancedScoreMemory(10, (2,), selection="middle")
     with pytest.raises(ConfigError, match="capacity"):
-        ReplayMemory(-1, (2,), "reservoir")
+        ReservoirMemory(-1, (2,))
+    with pytest.raises(ConfigError, match="rescore"):
+        BalancedScoreMemory(10, (2,), rescore="sometimes")
 
 
 def test_bad_batches_are_rejected():
-    mem = ReplayMemory(4, (2,), "balanced-score")
+    mem = BalancedScoreMemory(4, (2,))
     x, y = batch([0, 1], 0)
     with pytest.raises(DataError, match="shape"):
-        mem.update(torch.zeros(2, 3), y, 0, id_score)
+        mem.update(torch.zeros(2, 3), y, 0, Scoring(id_score))
     with pytest.raises(DataError, match="labels"):
-        mem.update(x, y[:1], 0, id_score)
+        mem.update(x, y[:1], 0, Scoring(id_score))
     with pytest.raises(DataError, match="integers"):
-        mem.update(x, y.float(), 0, id_score)
+        mem.update(x, y.float(), 0, Scoring(id_score))
     with pytest.raises(DataError, match=">= 0"):
-        mem.update(x, -y - 1, 0, id_score)
+        mem.update(x, -y - 1, 0, Scoring(id_score))
     with pytest.raises(ConfigError, match="scorer"):
         mem.update(x, y, 0)
     assert mem.size == 0
-    full = ReplayMemory(1, (2,), "balanced-score")  # 2 candidates for 1 slot: scores decide
+    full = BalancedScoreMemory(1, (2,))  # 2 candidates for 1 slot: scores decide
     with pytest.raises(DataError, match="scorer must return"):
-        full.update(x, y, 0, lambda t: t[:1, 0])
+        full.update(x, y, 0, Scoring(lambda t: t[:1, 0]))
     with pytest.raises(DataError, match="NaN"):
-        full.update(x, y, 0, lambda t: torch.full((t.shape[0],), float("nan")))
+        full.update(x, y, 0, Scoring(lambda t: torch.full((t.shape[0],), float("nan"))))
 
 
 def test_zero_capacity_stores_nothing():
     for policy in ("reservoir", "balanced-random", "balanced-score"):
-        mem = ReplayMemory(0, (2,), policy)
-        assert mem.update(*batch([0, 1, 2], 0), 0, id_score) == 0
+        mem = memory_class(policy)(0, (2,))
+        assert mem.update(*batch([0, 1, 2], 0), 0, Scoring(id_score)) == 0
         assert mem.size == 0 and mem.seen == 3
         assert mem.sample(5) is None
 
 
 def test_x_dtype_is_the_storage_dtype():
-    mem = ReplayMemory(4, (2,), "balanced-random", x_dtype=torch.float16)
+    mem = BalancedRandomMemory(4, (2,), x_dtype=torch.float16)
     mem.update(*batch([1.5, 2.5], 0), 0)
     assert mem.x.dtype == torch.float16
     assert mem.x[:2, 0].tolist() == [1.5, 2.5]
@@ -141,7 +161,7 @@ def test_x_dtype_is_the_storage_dtype():
 
 
 def test_append_while_room_then_exactly_full():
-    mem = ReplayMemory(10, (2,), "balanced-random")
+    mem = BalancedRandomMemory(10, (2,))
     mem.update(*batch(range(0, 4), 0), 0)
     mem.update(*batch(range(4, 8), 1), 0)
     assert mem.size == 8 and mem.class_counts() == {0: 4, 1: 4}
@@ -153,7 +173,7 @@ def test_append_while_room_then_exactly_full():
 
 
 def test_under_quota_classes_keep_everything():
-    mem = ReplayMemory(10, (2,), "balanced-random")
+    mem = BalancedRandomMemory(10, (2,))
     mem.update(*batch(range(0, 8), 0), 0)
     mem.update(*batch(range(8, 10), 1), 0)
     mem.update(*batch(range(10, 13), 2), 1)  # counts 8, 2, 3 -> q = 5
@@ -163,7 +183,7 @@ def test_under_quota_classes_keep_everything():
 
 
 def test_leftover_slot_then_rebalance():
-    mem = ReplayMemory(10, (2,), "balanced-random", seed=3)
+    mem = BalancedRandomMemory(10, (2,), seed=3)
     mem.update(*batch(range(0, 5), 0), 0)
     mem.update(*batch(range(5, 10), 1), 0)
     mem.update(*batch([10], 2), 1)  # counts 5, 5, 1: q = 4, one leftover to class 0 or 1
@@ -174,11 +194,11 @@ def test_leftover_slot_then_rebalance():
 
 
 def _past_and_current(cap: int, per_class: int, selection: str, values: list[list[int]]):
-    mem = ReplayMemory(cap, (2,), "balanced-score", selection=selection, seed=1)
-    mem.update(*batch(range(100, 100 + per_class), 0), 0, id_score)
-    mem.update(*batch(range(200, 200 + per_class), 1), 0, id_score)
+    mem = BalancedScoreMemory(cap, (2,), selection=selection, seed=1)
+    mem.update(*batch(range(100, 100 + per_class), 0), 0, Scoring(id_score))
+    mem.update(*batch(range(200, 200 + per_class), 1), 0, Scoring(id_score))
     for v in values:
-        mem.update(*batch(v, 2), 1, id_score)
+        mem.update(*batch(v, 2), 1, Scoring(id_score))
     return mem
 
 
@@ -211,21 +231,22 @@ def test_past_classes_are_random_not_ranked():
     # Past classes hold ids 100..109 / 200..209; a ranked cut (bottom) would keep the lowest.
     kept = set()
     for seed in range(8):
-        mem = ReplayMemory(10, (2,), "balanced-score", seed=seed)
-        mem.update(*batch(range(100, 105), 0), 0, id_score)
-        mem.update(*batch(range(200, 205), 1), 0, id_score)
-        mem.update(*batch(range(0, 10), 2), 1, id_score)
+        mem = BalancedScoreMemory(10, (2,), seed=seed)
+        mem.update(*batch(range(100, 105), 0), 0, Scoring(id_score))
+        mem.update(*batch(range(200, 205), 1), 0, Scoring(id_score))
+        mem.update(*batch(range(0, 10), 2), 1, Scoring(id_score))
         kept |= ids_of(mem, 0)
     assert kept == set(range(100, 105))
 
 
 def test_only_candidates_whose_fate_depends_on_a_score_are_scored():
-    mem = ReplayMemory(6, (2,), "balanced-score", seed=0)
+    mem = BalancedScoreMemory(6, (2,), seed=0)
     rec = Recorder()
 
-    def step(ids, label, task, version=0, rescore_all=False):
+    def step(ids, label, task, version=0, rescore="on_change"):
         before = len(rec.calls)
-        n = mem.update(*batch(ids, label), task, rec, version, rescore_all)
+        mem.rescore = rescore
+        n = mem.update(*batch(ids, label), task, Scoring(rec, version))
         if n == 0:
             assert len(rec.calls) == before
             return []
@@ -244,8 +265,8 @@ def test_only_candidates_whose_fate_depends_on_a_score_are_scored():
     assert step([10, 11], 1, 0, version=1) == [3, 4, 5, 10, 11]
     # same version: only the new samples.
     assert step([14, 15], 1, 0, version=1) == [14, 15]
-    # rescore_all re-scores the ranked class only; class 1 is at its allotment.
-    assert step([12, 13], 0, 0, version=1, rescore_all=True) == [0, 1, 2, 12, 13]
+    # rescore "always" re-scores the ranked class only; class 1 is at its allotment.
+    assert step([12, 13], 0, 0, version=1, rescore="always") == [0, 1, 2, 12, 13]
     # New task: counts 3, 3, 3 -> allotments 2 each; past classes are cut at random (no
     # score), the current class 2 is ranked.
     assert step([20, 21, 22], 2, 1, version=1) == [20, 21, 22]
@@ -260,52 +281,52 @@ def test_only_candidates_whose_fate_depends_on_a_score_are_scored():
 
 
 def test_keep_stale_scores_each_sample_once():
-    mem = ReplayMemory(4, (2,), "balanced-score", seed=0)
+    mem = BalancedScoreMemory(4, (2,), seed=0, rescore="never")
     rec = Recorder()
-    mem.update(*batch([0, 1, 2, 3], 0), 0, rec)
-    assert mem.update(*batch([4], 0), 0, rec, version=1, keep_stale=True) == 5
-    assert mem.update(*batch([5], 0), 0, rec, version=2, keep_stale=True) == 1
+    mem.update(*batch([0, 1, 2, 3], 0), 0, Scoring(rec))
+    assert mem.update(*batch([4], 0), 0, Scoring(rec, 1)) == 5
+    assert mem.update(*batch([5], 0), 0, Scoring(rec, 2)) == 1
     assert rec.calls == [[0, 1, 2, 3, 4], [5]]
 
 
 def test_rank_past_ranks_past_classes_by_their_cached_scores():
     # Past classes 0 and 1 were scored while current (ids = scores); under a new task they
     # are cut by the rule on those cached scores (bottom: the lowest ids), never re-scored.
-    mem = ReplayMemory(6, (2,), "balanced-score", seed=3, rank_past=True)
+    mem = BalancedScoreMemory(6, (2,), seed=3, rank_past=True)
     rec = Recorder()
-    mem.update(*batch([105, 101, 103], 0), 0, rec)
-    mem.update(*batch([204, 202, 206, 200], 1), 0, rec)  # class 1 over quota: scored
-    mem.update(*batch([104, 100], 0), 0, rec)  # class 0 over quota: scored
+    mem.update(*batch([105, 101, 103], 0), 0, Scoring(rec))
+    mem.update(*batch([204, 202, 206, 200], 1), 0, Scoring(rec))  # class 1 over quota: scored
+    mem.update(*batch([104, 100], 0), 0, Scoring(rec))  # class 0 over quota: scored
     assert ids_of(mem, 0) == {100, 101, 103} and ids_of(mem, 1) == {200, 202, 204}
     calls = len(rec.calls)
-    mem.update(*batch([0, 1, 2], 2), 1, rec, version=5)  # 3+3+3 -> 2 each
+    mem.update(*batch([0, 1, 2], 2), 1, Scoring(rec, 5))  # 3+3+3 -> 2 each
     assert rec.calls[calls:] == [[0, 1, 2]]  # cached past scores reused under version 5
     assert ids_of(mem, 0) == {100, 101} and ids_of(mem, 1) == {200, 202}
     assert ids_of(mem, 2) == {0, 1}
 
 
 def test_pending_scores_are_what_update_scores():
-    mem = ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0)
+    mem = BalancedScoreMemory(6, (2,), selection="step", seed=0)
     rec = Recorder()
-    mem.update(*batch([0, 1, 2], 0), 0, rec)
-    mem.update(*batch([3, 4, 5], 1), 0, rec)
+    mem.update(*batch([0, 1, 2], 0), 0, Scoring(rec))
+    mem.update(*batch([3, 4, 5], 1), 0, Scoring(rec))
     x, y = batch([6, 7], 1)
     ahead = mem.pending_scores(x, y, 0, 0)
     assert sorted(ahead[:, 0].long().tolist()) == [3, 4, 5, 6, 7]
     assert mem.size == 6 and rec.calls == []  # nothing changed, nothing scored
-    twin = ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0)
+    twin = BalancedScoreMemory(6, (2,), selection="step", seed=0)
     twin.load_state_dict(mem.state_dict())
-    assert mem.update(x, y, 0, rec, scores=ahead[:, 0].clone()) == 5
+    assert mem.update(x, y, 0, Scoring(rec, scores=ahead[:, 0].clone())) == 5
     assert rec.calls == []  # the scores given were used
-    assert twin.update(x, y, 0, id_score) == 5
+    assert twin.update(x, y, 0, Scoring(id_score)) == 5
     assert torch.equal(mem.x, twin.x) and torch.equal(mem.score, twin.score)
 
 
 def test_a_new_label_is_planned_ahead_unless_its_priority_decides():
     def mem(capacity: int) -> ReplayMemory:
-        m = ReplayMemory(capacity, (2,), "balanced-score", selection="step", seed=0)
-        m.update(*batch([0, 1, 2], 0), 0, id_score)
-        m.update(*batch([3, 4, 5], 1), 0, id_score)
+        m = BalancedScoreMemory(capacity, (2,), selection="step", seed=0)
+        m.update(*batch([0, 1, 2], 0), 0, Scoring(id_score))
+        m.update(*batch([3, 4, 5], 1), 0, Scoring(id_score))
         return m
 
     # 3 + 3 + 3 candidates for 7 slots: q = 2 and one leftover, to the class whose priority
@@ -318,8 +339,8 @@ def test_a_new_label_is_planned_ahead_unless_its_priority_decides():
     ahead = a.pending_scores(x, y, 0, 0)
     assert sorted(ahead[:, 0].long().tolist()) in ([0, 1, 2], [3, 4, 5])
     rec = Recorder()
-    assert a.update(x, y, 0, rec, scores=ahead[:, 0].clone()) == 3 and rec.calls == []
-    assert b.update(x, y, 0, id_score) == 3 and _state_equal(a, b)
+    assert a.update(x, y, 0, Scoring(rec, scores=ahead[:, 0].clone())) == 3 and rec.calls == []
+    assert b.update(x, y, 0, Scoring(id_score)) == 3 and _state_equal(a, b)
 
 
 class CloseToHalf(ClassBalanced):
@@ -332,17 +353,17 @@ class CloseToHalf(ClassBalanced):
 def test_update_scores_again_when_the_drawn_priority_changes_what_it_needs():
     rescored = 0
     for seed in range(20):
-        mems = [ReplayMemory(7, (2,), "balanced-score", selection="step", seed=seed,
+        mems = [BalancedScoreMemory(7, (2,), selection="step", seed=seed,
                              grouping=CloseToHalf()) for _ in range(2)]
         for m in mems:
-            m.update(*batch([0, 1, 2], 0), 0, id_score)
-            m.update(*batch([3, 4, 5], 1), 0, id_score)
+            m.update(*batch([0, 1, 2], 0), 0, Scoring(id_score))
+            m.update(*batch([3, 4, 5], 1), 0, Scoring(id_score))
         x, y = batch([10, 11, 12], 9)
         ahead = mems[0].pending_scores(x, y, 0, 0)  # both ends plan label 9 last
         rec = Recorder()
-        scored = mems[0].update(x, y, 0, rec, scores=id_score(ahead))
+        scored = mems[0].update(x, y, 0, Scoring(rec, scores=id_score(ahead)))
         rescored += bool(rec.calls)
-        assert scored == mems[1].update(x, y, 0, id_score) and _state_equal(*mems)
+        assert scored == mems[1].update(x, y, 0, Scoring(id_score)) and _state_equal(*mems)
     assert rescored > 0
 
 
@@ -356,7 +377,7 @@ def test_scores_planned_ahead_are_the_ones_update_needs(capacity, share, batches
     update does, and the update never has to score again (the plan for a new label holds
     whatever priority it draws)."""
     def mem() -> ReplayMemory:
-        return ReplayMemory(capacity, (2,), "balanced-score", selection="step", seed=3,
+        return BalancedScoreMemory(capacity, (2,), selection="step", seed=3,
                             current_share=share)
 
     ahead_mem, inside = mem(), mem()
@@ -370,28 +391,29 @@ def test_scores_planned_ahead_are_the_ones_update_needs(capacity, share, batches
         cands = ahead_mem.pending_scores(x, y, task, version)
         rec = Recorder()
         scores = None if cands is None else id_score(cands)
-        scored = ahead_mem.update(x, y, task, rec, version, scores=scores)
-        assert scored == inside.update(x, y, task, id_score, version)
+        scored = ahead_mem.update(x, y, task, Scoring(rec, version, scores=scores))
+        assert scored == inside.update(x, y, task, Scoring(id_score, version))
         assert cands is None or rec.calls == []
         assert _state_equal(ahead_mem, inside)
 
 
 def _memory(*fills: tuple[list[int], int, int]) -> ReplayMemory:
     """A step-ranked memory of 6 after the updates (ids, label, version), all of task 0."""
-    mem = ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0)
+    mem = BalancedScoreMemory(6, (2,), selection="step", seed=0)
     for ids, label, version in fills:
-        mem.update(*batch(ids, label), 0, id_score, version=version)
+        mem.update(*batch(ids, label), 0, Scoring(id_score, version))
     return mem
 
 
 def test_update_reuses_the_plan_made_ahead_for_the_same_batch(monkeypatch):
     mem = _memory(([0, 1, 2], 0, 0), ([3, 4, 5], 1, 0))
     plans = []
-    real = ReplayMemory._plan
-    monkeypatch.setattr(ReplayMemory, "_plan", lambda self, *a: plans.append(a) or real(self, *a))
+    real = BalancedScoreMemory._plan
+    monkeypatch.setattr(BalancedScoreMemory, "_plan",
+                        lambda self, *a: plans.append(a) or real(self, *a))
     x, y = batch([6, 7], 1)
     ahead = mem.pending_scores(x, y, 0, 0)
-    assert mem.update(x, y, 0, id_score, scores=id_score(ahead)) == 5
+    assert mem.update(x, y, 0, Scoring(id_score, scores=id_score(ahead))) == 5
     assert len(plans) == 1
 
 
@@ -410,16 +432,16 @@ def test_a_plan_made_ahead_is_not_used_for_another_update():
         assert mem.pending_scores(*batch([8, 9], 1), 0, 0) is not None, name
         x, y = batch([8, 9], change.get("label", 1))
         task, version = change.get("task", 0), change.get("version", 0)
-        scored = mem.update(x, y, task, id_score, version=version)
-        assert scored == twin.update(x, y, task, id_score, version=version), name
+        scored = mem.update(x, y, task, Scoring(id_score, version))
+        assert scored == twin.update(x, y, task, Scoring(id_score, version)), name
         assert torch.equal(mem.x, twin.x) and torch.equal(mem.y, twin.y), name
 
 
 def test_balanced_random_and_reservoir_never_score():
     rec = Recorder()
     for policy in ("balanced-random", "reservoir"):
-        mem = ReplayMemory(3, (2,), policy)
-        assert mem.update(*batch([0, 1, 2, 3], 0), 0, rec) == 0
+        mem = memory_class(policy)(3, (2,))
+        assert mem.update(*batch([0, 1, 2, 3], 0), 0, Scoring(rec)) == 0
     assert rec.calls == []
 
 
@@ -434,7 +456,7 @@ def test_balanced_invariants_on_an_irregular_stream(policy, selection):
     g = torch.Generator().manual_seed(7)
     cap = 17
     rule, _, past = selection.partition("+")
-    mem = ReplayMemory(cap, (2,), policy, selection=rule, seed=5, rank_past=bool(past))
+    mem = memory_class(policy)(cap, (2,), selection=rule, seed=5, rank_past=bool(past))
     scorer = lambda x: torch.sin(x[:, 0])  # noqa: E731 - arbitrary, reproducible scores
     next_id, offered = 0, set()
     for task in range(5):
@@ -447,7 +469,7 @@ def test_balanced_invariants_on_an_irregular_stream(policy, selection):
             cand = mem.class_counts()
             cand[label] = cand.get(label, 0) + b
             before = {c: ids_of(mem, c) for c in cand}
-            mem.update(*batch(ids, label), task, scorer, featurizer=lambda x: x)
+            mem.update(*batch(ids, label), task, Scoring(scorer, featurizer=lambda x: x))
             offered |= set(ids)
             counts = mem.class_counts()
             assert mem.size == min(cap, len(offered)) == sum(counts.values())
@@ -469,7 +491,7 @@ def test_balanced_invariants_on_an_irregular_stream(policy, selection):
 
 
 def test_sample_excludes_the_current_task():
-    mem = ReplayMemory(10, (2,), "balanced-random", seed=2)
+    mem = BalancedRandomMemory(10, (2,), seed=2)
     mem.update(*batch(range(0, 4), 0), 0)
     assert mem.sample(3, exclude_task=0) is None
     assert mem.sample(0) is None
@@ -486,7 +508,7 @@ def test_sample_excludes_the_current_task():
 
 
 def test_sample_is_roughly_uniform():
-    mem = ReplayMemory(10, (2,), "balanced-random", seed=4)
+    mem = BalancedRandomMemory(10, (2,), seed=4)
     mem.update(*batch(range(10), 0), 0)
     hits = torch.zeros(10)
     for _ in range(2000):
@@ -496,14 +518,14 @@ def test_sample_is_roughly_uniform():
 
 
 def test_empty_memory_samples_nothing():
-    assert ReplayMemory(5, (2,), "reservoir").sample(3) is None
+    assert ReservoirMemory(5, (2,)).sample(3) is None
 
 
 # ---------------------------------------------------------------- reservoir
 
 
 def test_reservoir_count_is_min_of_seen_and_capacity():
-    mem = ReplayMemory(25, (2,), "reservoir")
+    mem = ReservoirMemory(25, (2,))
     for i in range(10):
         mem.update(*batch(range(7 * i, 7 * i + 7), i % 3), i // 4)
         assert mem.seen == 7 * (i + 1) and mem.size == min(7 * (i + 1), 25)
@@ -516,7 +538,7 @@ def test_reservoir_keeps_every_sample_with_equal_probability():
     blocks = torch.zeros(10)
     runs = 100
     for seed in range(runs):
-        mem = ReplayMemory(50, (2,), "reservoir", seed=seed)
+        mem = ReservoirMemory(50, (2,), seed=seed)
         for s in range(0, 1000, 25):
             mem.update(*batch(range(s, s + 25), 0), 0)
         blocks += torch.bincount(mem.x[:, 0].long() // 100, minlength=10)
@@ -529,7 +551,7 @@ def test_reservoir_later_sample_wins_a_shared_slot():
     # sample of a batch won a shared slot, early batch positions would be strongly favoured.
     hits = torch.zeros(20)
     for seed in range(1500):
-        mem = ReplayMemory(1, (2,), "reservoir", seed=seed)
+        mem = ReservoirMemory(1, (2,), seed=seed)
         mem.update(*batch(range(10), 0), 0)
         mem.update(*batch(range(10, 20), 0), 0)
         hits[int(mem.x[0, 0])] += 1
@@ -558,10 +580,11 @@ def _cos(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("policy", ["reservoir", "balanced-random", "balanced-score"])
 def test_same_seed_same_memory_other_seed_other_memory(policy):
     def run(seed):
-        mem = ReplayMemory(12, (2,), policy, seed=seed)
+        mem = memory_class(policy)(12, (2,), seed=seed)
         for i in range(24):
             task = i // 6
-            mem.update(*batch(range(5 * i, 5 * i + 5), 2 * task + i % 2), task, _cos, i // 4)
+            mem.update(*batch(range(5 * i, 5 * i + 5), 2 * task + i % 2), task,
+                       Scoring(_cos, i // 4))
         return mem
 
     a, b, c = run(0), run(0), run(1)
@@ -577,14 +600,15 @@ def test_state_dict_round_trip(policy):
     def feed(mem, start, stop):
         for i in range(start, stop):
             task = i // 6
-            mem.update(*batch(range(5 * i, 5 * i + 5), 2 * task + i % 2), task, _cos, i // 4)
+            mem.update(*batch(range(5 * i, 5 * i + 5), 2 * task + i % 2), task,
+                       Scoring(_cos, i // 4))
 
-    a = ReplayMemory(12, (2,), policy, seed=0)
+    a = memory_class(policy)(12, (2,), seed=0)
     feed(a, 0, 10)
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     buf.seek(0)
-    b = ReplayMemory(12, (2,), policy, seed=123)
+    b = memory_class(policy)(12, (2,), seed=123)
     b.load_state_dict(torch.load(buf))
     assert _state_equal(a, b) and a.class_counts() == b.class_counts()
     feed(a, 10, 24)
@@ -594,11 +618,11 @@ def test_state_dict_round_trip(policy):
 
 
 def test_load_state_dict_rejects_other_layouts():
-    a = ReplayMemory(12, (2,), "balanced-random")
+    a = BalancedRandomMemory(12, (2,))
     with pytest.raises(ConfigError, match="capacity, shape"):
-        ReplayMemory(10, (2,), "balanced-random").load_state_dict(a.state_dict())
+        BalancedRandomMemory(10, (2,)).load_state_dict(a.state_dict())
     with pytest.raises(ConfigError, match="capacity, shape"):
-        ReplayMemory(12, (2,), "reservoir").load_state_dict(a.state_dict())
+        ReservoirMemory(12, (2,)).load_state_dict(a.state_dict())
     with pytest.raises(ConfigError, match="missing"):
         a.load_state_dict({"capacity": 12})
 
@@ -606,14 +630,14 @@ def test_load_state_dict_rejects_other_layouts():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_memory_keeps_its_invariants():
-    mem = ReplayMemory(8, (2,), "balanced-score", device="cuda", seed=0)
-    mem.update(*batch(range(0, 6), 0), 0, id_score)
-    mem.update(*batch(range(6, 12), 1), 1, id_score)
+    mem = BalancedScoreMemory(8, (2,), device="cuda", seed=0)
+    mem.update(*batch(range(0, 6), 0), 0, Scoring(id_score))
+    mem.update(*batch(range(6, 12), 1), 1, Scoring(id_score))
     assert mem.x.device.type == "cuda" and mem.class_counts() == {0: 4, 1: 4}
     assert ids_of(mem, 1) == {6, 7, 8, 9}
     x, y = mem.sample(10, exclude_task=1)
     assert x.device.type == "cuda" and (y == 0).all() and x.shape[0] == 4
-    res = ReplayMemory(8, (2,), "reservoir", device="cuda", seed=0)
+    res = ReservoirMemory(8, (2,), device="cuda", seed=0)
     res.update(*batch(range(20), 0), 0)
     assert res.size == 8 and len(ids_of(res)) == 8
 
@@ -634,23 +658,23 @@ class ByTask(Grouping):
 
 
 def test_a_selection_object_acts_like_its_name():
-    named = ReplayMemory(6, (2,), "balanced-score", "top", seed=3)
-    given = ReplayMemory(6, (2,), "balanced-score", get_selection("top"), seed=3)
+    named = BalancedScoreMemory(6, (2,), "top", seed=3)
+    given = BalancedScoreMemory(6, (2,), get_selection("top"), seed=3)
     for i, label in enumerate([0, 1, 0, 1, 0]):
         for mem in (named, given):
-            mem.update(*batch(range(10 * i, 10 * i + 4), label), task=0, scorer=id_score)
+            mem.update(*batch(range(10 * i, 10 * i + 4), label), task=0, scoring=Scoring(id_score))
     assert given.selection == "top"
     assert torch.equal(named.x, given.x) and torch.equal(named.y, given.y)
     assert named.state_dict()["selection"] == given.state_dict()["selection"]
 
 
 def test_grouping_is_pluggable():
-    mem = ReplayMemory(8, (2,), "balanced-random", grouping=ByTask(), seed=0)
+    mem = BalancedRandomMemory(8, (2,), grouping=ByTask(), seed=0)
     mem.update(*batch(range(0, 8), 0), task=0)  # task 0 fills the memory with class 0
     mem.update(*batch(range(100, 104), 0), task=1)  # same class, another task
     tasks = mem.task[: mem.size].tolist()
     assert sorted(tasks) == [0] * 4 + [1] * 4  # shared by task, not by class (all class 0)
-    by_class = ReplayMemory(8, (2,), "balanced-random", seed=0)
+    by_class = BalancedRandomMemory(8, (2,), seed=0)
     by_class.update(*batch(range(0, 8), 0), task=0)
     by_class.update(*batch(range(100, 104), 0), task=1)
     assert by_class.class_counts() == {0: 8}
@@ -684,7 +708,7 @@ def test_stream_share_paces_the_current_task_by_the_stream():
     # stream: 2 of 12 samples seen belong to task 1 -> share 10 * 2 // 12 = 1 slot for it,
     # 9 for classes 0, 1.
     def fill(share):
-        mem = ReplayMemory(10, (2,), "balanced-random", seed=0, current_share=share)
+        mem = BalancedRandomMemory(10, (2,), seed=0, current_share=share)
         mem.update(*batch(range(5), 0), 0)
         mem.update(*batch(range(5, 10), 1), 0)
         x = torch.cat([batch([10], 2)[0], batch([11], 3)[0]])
@@ -695,25 +719,25 @@ def test_stream_share_paces_the_current_task_by_the_stream():
     assert equal[0] + equal[1] == 8 and equal[2] == equal[3] == 1
     assert stream[0] + stream[1] == 9 and stream.get(2, 0) + stream.get(3, 0) == 1
     with pytest.raises(ConfigError, match="current_share"):
-        ReplayMemory(10, (2,), "balanced-random", current_share="fast")
+        BalancedRandomMemory(10, (2,), current_share="fast")
 
 
 def test_stream_share_keeps_pending_scores_and_state_consistent():
     def mem():
-        return ReplayMemory(6, (2,), "balanced-score", selection="step", seed=0,
+        return BalancedScoreMemory(6, (2,), selection="step", seed=0,
                             current_share="stream")
 
     a = mem()
-    a.update(*batch([0, 1, 2], 0), 0, id_score)
-    a.update(*batch([3, 4, 5], 1), 0, id_score)
-    a.update(*batch([6, 7], 2), 1, id_score)
+    a.update(*batch([0, 1, 2], 0), 0, Scoring(id_score))
+    a.update(*batch([3, 4, 5], 1), 0, Scoring(id_score))
+    a.update(*batch([6, 7], 2), 1, Scoring(id_score))
     x, y = batch([8, 9, 10], 2)
     ahead = a.pending_scores(x, y, 1, 0)  # planned with the batch counted, as update does
     b = mem()
     b.load_state_dict(a.state_dict())
     assert (b.current_task, b.current_seen, b.seen) == (1, 2, 8)
-    scored = a.update(x, y, 1, Recorder(), scores=ahead[:, 0].clone())
-    assert scored == ahead.shape[0] and b.update(x, y, 1, id_score) == scored
+    scored = a.update(x, y, 1, Scoring(Recorder(), scores=ahead[:, 0].clone()))
+    assert scored == ahead.shape[0] and b.update(x, y, 1, Scoring(id_score)) == scored
     assert _state_equal(a, b) and (a.current_task, a.current_seen) == (1, 5)
 
 
@@ -736,20 +760,34 @@ def test_current_share_reaches_the_memory_and_bad_values_are_rejected():
         validate(apply(RunConfig(), {"learn": {"current_share": "fast"}}))
 
 
-def test_a_policy_acts_by_its_flags_not_its_name(monkeypatch):
-    """A policy registered under a new name behaves as its flags say (a ranked, balanced one
-    needs a scorer; `current_share auto` is its own), and unknown names list the registry."""
-    from edgefcl.config import resolve_current_share
-    from edgefcl.learn.memory_policies import POLICIES, MemoryPolicy
+def test_every_policy_names_its_class():
+    for name in POLICIES:
+        cls = memory_class(name)
+        assert issubclass(cls, ReplayMemory) and cls.name == name
+    assert [p for p in POLICIES if memory_class(p).scored] == ["balanced-score"]
 
-    mine = MemoryPolicy("mine", balanced=True, ranked=True, current_share="stream", help="")
+
+class Mine(BalancedScoreMemory):
+    name = "mine"
+
+
+def test_a_new_policy_is_its_class_and_one_registry_line(monkeypatch):
+    """A class named in a new registry entry makes a policy: built through the registry, it
+    acts as its class (a score-ranked one needs a scorer), keeps its name in the state, and
+    `current_share auto` is its own; unknown names list the registry."""
+    from edgefcl.config import resolve_current_share
+
+    mine = MemoryPolicy("mine", f"{__name__}:Mine", current_share="stream", help="")
     monkeypatch.setitem(POLICIES, "mine", mine)
-    mem = ReplayMemory(2, (2,), "mine", seed=0)
+    mem = memory_class("mine")(2, (2,), seed=0)
     x, y = torch.zeros(3, 2), torch.tensor([0, 1, 1])
     with pytest.raises(ConfigError, match="'mine' memory needs a scorer"):
         mem.update(x, y, 0)
-    assert mem.update(x, y, 0, scorer=lambda s: torch.arange(len(s), dtype=torch.float32)) > 0
+    assert mem.update(x, y, 0, Scoring(lambda s: torch.arange(len(s), dtype=torch.float32))) > 0
+    assert mem.state_dict()["policy"] == "mine"
+    with pytest.raises(ConfigError, match="capacity, shape, policy"):
+        BalancedScoreMemory(2, (2,)).load_state_dict(mem.state_dict())
     assert resolve_current_share("auto", "mine") == "stream"
     assert resolve_current_share("auto", "reservoir") == "equal"
     with pytest.raises(ConfigError, match="choose from .*mine"):
-        ReplayMemory(2, (2,), "nope")
+        get_policy("nope")
