@@ -289,8 +289,10 @@ class FedConfig:
     index_format: str = opt("auto", "sparse: index format of each tensor: auto (the cheapest "
                             "per tensor) | idx (gaps) | bits (bitmap) | zidx | zbits (zlib)")
     downlink: str = opt("auto", "globals to clients: dense (whole) | sparse (only the entries "
-                        "changed since the version the client holds) | auto (sparse for the "
-                        "sparse and apc encodings)")
+                        "changed since the version the client holds) | pull (async: whole, "
+                        "and a device listens for globals only while an update of its waits "
+                        "to be counted) | auto (sparse for the sparse and apc encodings, pull "
+                        "for an async fleet of 100 clients or more, else dense)")
     apc_kb_size: int = opt(5, "apc: task-adaptive tensors in the knowledge base the server "
                            "broadcasts")
     roster: str = opt("", "comma-separated client ids allowed to take part (empty: learned from "
@@ -603,7 +605,8 @@ def check_fed(f: FedConfig) -> None:
          "value_dtype must be auto, float32, float16 or bfloat16"),
         (f.index_format in ("auto", "idx", "bits", "zidx", "zbits"),
          "index_format must be auto, idx, bits, zidx or zbits"),
-        (f.downlink in ("auto", "dense", "sparse"), "downlink must be auto, dense or sparse"),
+        (f.downlink in ("auto", "dense", "sparse", "pull"),
+         "downlink must be auto, dense, sparse or pull"),
         (f.apc_kb_size >= 0, "apc_kb_size must be >= 0"),
         (f.roster_cap >= 0 and f.sample_cap >= 0, "roster_cap and sample_cap must be >= 0"),
         (f.client_timeout >= 0, "client_timeout must be >= 0"),

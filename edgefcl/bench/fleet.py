@@ -174,7 +174,7 @@ def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: st
         spec = DeviceSpec(host, port, fleet, root, int(bounds[j]), int(bounds[j + 1] - bounds[j]),
                           opts.rate, encoding, tensors, seed=j, burn_in=burn_in, jump=jump,
                           max_backpressure=max_backpressure, ignoring=opts.ignoring,
-                          subscribed=opts.subscribed)
+                          globals=opts.globals)
         counters = {name: ctx.Value("q", 0) for name in COUNTERS}
         p = ctx.Process(target=run_devices, args=(spec, counters, go, stop, f.rate,
                                                   f.synchronised), daemon=True,
@@ -546,7 +546,8 @@ def overload_table(phases: list[dict]) -> str:
     """One line per overload phase; `vs cap` is folded / capacity, `max/round` the most times
     one client was in one round, `ign/comp` the median folded updates of the devices that
     ignore the factor over the others' (with --ignoring), `down MB/s` the globals the devices
-    received (with --subscribed), `broker MB` the broker's RSS at the start > its highest."""
+    received (with --globals every or pull), `broker MB` the broker's RSS at the start > its
+    highest."""
     head = (f"{'phase':>22} {'offered/s':>9} {'sent/s':>8} {'folded/s':>8} {'vs cap':>6} "
             f"{'shed':>6} {'factor mean/max':>15} {'RSS MB':>7} {'HWM MB':>7} "
             f"{'max/round':>9} {'ign/comp':>8} {'down MB/s':>9} {'broker MB':>13} "

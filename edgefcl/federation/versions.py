@@ -1,4 +1,5 @@
-"""Global model versions: a bounded history on the aggregator, and sparse downlink deltas.
+"""Global model versions: a bounded history on the aggregator, sparse downlink deltas, and
+which downlink a fleet uses.
 
 A client that holds global version v can receive version v' as a delta: only the tensors that
 changed, each either whole (when that is smaller) or as an index (`w::idx`, `w::bits`, ... the
@@ -116,6 +117,21 @@ def delta_downlink(fed: FedConfig) -> bool:
     whose descriptor says sparse: sparse, apc)."""
     return fed.downlink == "sparse" or (fed.downlink == "auto"
                                         and get_encoding(fed.encoding).downlink == "sparse")
+
+
+PULL_FLEET = 100
+"""Clients (`fed.clients`) from which `--downlink auto` has an async fleet pull its whole
+globals (`pull_downlink`)."""
+
+
+def pull_downlink(fed: FedConfig) -> bool:
+    """Whether async devices listen for the whole global only while an update of theirs waits
+    to be counted, instead of receiving every version (downlink pull, or auto for a fleet of
+    PULL_FLEET clients or more without a delta downlink): each device then receives about one
+    global per update it sends instead of one per round."""
+    if fed.mode != "async" or delta_downlink(fed):
+        return False
+    return fed.downlink == "pull" or (fed.downlink == "auto" and fed.clients >= PULL_FLEET)
 
 
 def downlink_message(g: GlobalModel, history: GlobalHistory, held_version: int) -> GlobalModel:

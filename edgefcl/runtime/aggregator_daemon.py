@@ -15,7 +15,7 @@ from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.prototype_library import initial_library
 from edgefcl.federation.registry import get_encoding
-from edgefcl.federation.versions import delta_downlink, downlink_message
+from edgefcl.federation.versions import delta_downlink, downlink_message, pull_downlink
 from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.fleet_results import FleetResults
 from edgefcl.runtime.heap import freeze_startup_heap
@@ -81,7 +81,8 @@ class AggregatorDaemon:
         self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
                            sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate,
                            over_limit=self.quota.over,
-                           is_report=lambda topic: self.topics.kinds_on(topic) == UPDATE_KINDS)
+                           is_report=lambda topic: self.topics.kinds_on(topic) == UPDATE_KINDS,
+                           supersede=cfg.fed.mode == "async")
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.stop_event = threading.Event()
         # before the first state is saved: a SIGTERM from then on (while the CLI still loads
@@ -164,7 +165,8 @@ class AggregatorDaemon:
         body = {"burn_in": f.burn_in, "jump": f.jump, "mode": f.mode, "encoding": f.encoding,
                 "aggregation": f.aggregation, "min_clients": f.min_clients,
                 "spec_hash": self.spec_hash, "clients": f.clients,
-                "incarnation": self.incarnation} | self.profile | (
+                "incarnation": self.incarnation, "pull_globals": pull_downlink(f)
+                } | self.profile | (
                     self.backpressure.fields()) | self._gate_fields()
         self._publish(self.topics.config, encode(Message("config", body), fleet=self.cfg.mqtt.fleet,
                                                  sender=SENDER), retain=True)

@@ -116,6 +116,12 @@ class DeviceRunner:
         self.rounds = 0
         self.catch_ups = 0  # globals merged without taking part (see _merge_async)
         self.unanswered = 0  # async: updates sent since the last global that listed this device
+        self.pull = False
+        """Async, whole globals: the aggregator asks its fleet to pull (`pull_globals`): the
+        device listens for globals only while an update of its may still be counted, or while
+        it waits for one (`_wants_global`)."""
+        self.listening = True  # subscribed to the whole global
+        self.waiting_global = False  # at the task gate or the end of the stream
         self.last_update: tuple[int, int, bytes, str | None] | None = None
         """async: the last update sent (seq, base version, payload, the incarnation of the
         aggregator it was sent to, from its retained config)."""
@@ -203,6 +209,8 @@ class DeviceRunner:
                 self._on_global(topic, msg)
             elif isinstance(msg, Message) and msg.kind == "config":
                 self.fleet_config = msg.body
+                self.pull = (msg.body.get("pull_globals") is True and self.tracker is None
+                             and self.cfg.fed.mode == "async")
                 self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
                 self.pacer.spreading = spread_advertised(msg.body)
             elif isinstance(msg, Message) and msg.kind == "status":
@@ -270,6 +278,33 @@ class DeviceRunner:
         self.link.unsubscribe(self.topics.global_)
         self.link.subscribe(self.topics.global_, self._on_message, qos=0, wait=False)
 
+    def _wants_global(self) -> bool:
+        """Whether the device listens for globals now: always, unless it pulls; then while
+        it waits for one (task gate, end of stream) or its last update may still be counted
+        (not answered, and not staler than `max_staleness` against the newest global)."""
+        if not self.pull or self.waiting_global:
+            return True
+        if not self.unanswered or self.last_update is None:
+            return False
+        latest = self.latest
+        return latest is None or latest.version - self.last_update[1] <= self.cfg.fed.max_staleness
+
+    def _listen(self) -> None:
+        """Subscribe to the whole global, or leave it, as `_wants_global` says."""
+        want = self._wants_global()
+        if want != self.listening:
+            self.listening = want
+            if want:  # the retained global arrives at once, then every new one
+                self.link.subscribe(self.topics.global_, self._on_message, qos=0, wait=False)
+            else:
+                self.link.unsubscribe(self.topics.global_)
+
+    def _waiting_global(self, waiting: bool) -> None:
+        """The device starts or stops waiting for a global (it listens meanwhile)."""
+        self.waiting_global = waiting
+        if self.tracker is None:
+            self._listen()
+
     def _stream(self) -> Iterator[Batch]:
         if not self.before_stream():
             return
@@ -319,6 +354,8 @@ class DeviceRunner:
             (self.send_last if last else self.send_update)(msg.seq, payload)
             self.unanswered += 1
             self.last_update = (msg.seq, msg.base_version, payload, self._aggregator())
+            if self.tracker is None:
+                self._listen()
         else:
             self.link.publish(self.topics.update(self.cid), payload, qos=1)
         return payload
@@ -492,6 +529,7 @@ class DeviceRunner:
         self.flush_sends()  # the task's updates go out before its claim
         self.finished_task = task
         self._status("online")
+        self._waiting_global(True)
         start = time.monotonic()
         deadline = start + self.cfg.fed.task_gate
 
@@ -516,6 +554,7 @@ class DeviceRunner:
                         self.cid, self.cfg.fed.task_gate, task)
             self._merge_async()
         self.gate_waits += time.monotonic() - start
+        self._waiting_global(False)
 
     def _sync_round(self, upd: Update | None) -> None:
         msg = upd if upd is not None else self.client.tick()
@@ -559,6 +598,8 @@ class DeviceRunner:
             self.unanswered = 0
         elif done == CAUGHT_UP:
             self.catch_ups += 1
+        if self.tracker is None:
+            self._listen()
 
     def _aggregator(self) -> str | None:
         """The incarnation of the aggregator process now serving (its retained config)."""
@@ -590,6 +631,7 @@ class DeviceRunner:
         seq = self.last_update[0] if self.last_update else self.client.seq
         log.info("%s: end of stream; waiting for a global that counts update %d", self.cid, seq)
         self.link.subscribe(self.topics.aggregator_status, self._on_message)
+        self._waiting_global(True)
         patience = self.cfg.fed.round_timeout + 1.0
         deadline = time.monotonic() + patience
         give_up = deadline + self.join_timeout
@@ -608,6 +650,7 @@ class DeviceRunner:
             return None
 
         self._wait(settled)
+        self._waiting_global(False)
         self.link.unsubscribe(self.topics.aggregator_status)
         if self.unanswered:
             log.warning("%s: no round counted update %d (see the aggregator's log)", self.cid,

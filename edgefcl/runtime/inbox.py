@@ -23,7 +23,9 @@ Those refusals are handed back to the quota (`take_refused`): they are part of w
 sends, and a device measured by what got past the inbox looked within its limit every other
 interval (1.77x the folds of a compliant device with 20 % ignoring).
 The senders of reports it refused (`is_report`: updates) are handed to the aggregator
-(`take_lost`), whose open round then stops waiting for them.
+(`take_lost`), whose open round then stops waiting for them. With `supersede` (async), a
+sender's newer report replaces its report still waiting: under overload a queue of small
+updates held several of each device's, whose newer ones then replaced the older in the round.
 """
 
 from __future__ import annotations
@@ -59,9 +61,13 @@ class Inbox:
                  per_sender: int = PER_SENDER, rate: float = 0.0,
                  clock: Callable[[], float] = time.monotonic,
                  over_limit: Callable[[], AbstractSet[str]] | None = None,
-                 is_report: Callable[[str], bool] | None = None) -> None:
+                 is_report: Callable[[str], bool] | None = None,
+                 supersede: bool = False) -> None:
         self.clock = clock  # a virtual one in the backpressure bench
         self.is_report = is_report  # topics whose messages a round waits for (updates)
+        self.supersede = supersede and is_report is not None  # a newer report replaces one
+        # of the same sender still waiting (async: a device's newest model is what counts)
+        self.superseded = 0
         self._lost: set[str] = set()  # senders of such messages refused since `take_lost`
         self.over_limit = over_limit  # senders over their fair share (see the docstring)
         self.refused: Counter[str] = Counter()  # their messages refused or shed since
@@ -107,6 +113,8 @@ class Inbox:
                 self._note_lost(topic, sender)
                 return False
             mine = self._queues.get(sender)
+            if mine and self.supersede and self.is_report(topic):
+                self._supersede(sender, mine)
             while mine and (len(mine) >= self.per_sender
                             or self._held[sender] + size > self.max_bytes // 4):
                 self._drop_oldest(sender, mine)  # its newest messages matter: keep them
@@ -175,6 +183,23 @@ class Inbox:
         with self._cond:
             out, self._lost = self._lost, set()
             return out
+
+    def _supersede(self, sender: str, mine: deque[tuple[str, Any, int]]) -> None:
+        """Drop `sender`'s waiting report, if any: the one being put supersedes it (under the
+        lock; it stays counted as offered load, so backpressure sees devices that send faster
+        than they are served)."""
+        old = next((m for m in mine if self.is_report(m[0])), None)
+        if old is None:
+            return
+        mine.remove(old)
+        self._account()
+        self._held[sender] -= old[2]
+        self._count -= 1
+        self.bytes -= old[2]
+        self.superseded += 1
+        if not mine:
+            del self._queues[sender], self._held[sender]
+            self._turns.remove(sender)
 
     def _drop_oldest(self, sender: str, mine: deque[tuple[str, Any, int]]) -> None:
         """Shed `sender`'s oldest waiting message (over its share; under the lock)."""
@@ -280,4 +305,6 @@ def shed_counters(inbox: Inbox) -> dict[str, Any]:
         out["rejected_inbox_full"] = inbox.shed
     if inbox.over_share:
         out["rejected_over_share"] = inbox.over_share
+    if inbox.superseded:
+        out["superseded_in_inbox"] = inbox.superseded
     return out

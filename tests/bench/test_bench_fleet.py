@@ -121,7 +121,7 @@ def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
 
     opts = FleetOptions([6], payload="sparse", rate=3.0, duration=3.0, overload=2.0,
                         capacity_duration=3.0, warmup=1.5, pacing="synchronised",
-                        ignoring=0.2, subscribed=True)
+                        ignoring=0.2, globals="every")
     bench_fleet(opts, RunConfig(), tmp_path)
     saved = json.loads((tmp_path / "bench_fleet.json").read_text())
     assert saved["runs"] == []
@@ -138,7 +138,7 @@ def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
         assert p["ratio_to_capacity"] == pytest.approx(p["updates_per_s"] / o["capacity_per_s"])
         assert p["backpressure_mean"] >= 1.0 and p["aggregator_hwm_mb"] >= 10
         assert p["broker_rss_mb"]["max"] >= p["broker_rss_mb"]["start"] > 0
-        # every device receives the globals (subscribed): the deltas of the rounds' globals
+        # every device receives the globals (--globals every): the deltas of the rounds' globals
         assert p["downlink_mb_per_s"] > 0 or not p["rounds_in_window"]
     assert off["backpressure_max"] == 1.0  # the daemon advertised nothing
     assert all(p["folded_median_ignoring"] >= 0 and "ignoring_over_compliant" in p

@@ -162,3 +162,19 @@ def test_another_devices_status_flood_never_reaches_the_replayer(mosquitto):
         device.close()
     assert sent == {"c0": 10}
     assert seen and all(t == tp.status("c0") for t in seen)
+
+
+def test_an_async_fleet_that_pulls_its_globals_learns(embedded_broker, tmp_path):
+    """`--downlink pull`: each device listens for globals only while an update of its waits
+    to be counted. The run completes and learns, and a device receives at most every global
+    plus the retained one again for each update it sends (its subscription delivers it: on
+    2 devices and 10 rounds pulling costs more than it saves; it pays at fleet scale, where
+    rounds close faster than a device sends, see docs/guide/scaling.md)."""
+    cfg = small_config(mqtt={"broker": embedded_broker},
+                       fed={"mode": "async", "downlink": "pull", "min_clients": 1})
+    remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=tmp_path / "fleet")
+    assert remote.rounds > 0 and remote.acc.shape[0] == cfg.data.tasks
+    assert np.nanmean(remote.acc[-1]) > 0.5  # 2 classes a task: better than chance
+    whole = len((tmp_path / "fleet" / "aggregator" / "global.npz").read_bytes())
+    for c, down in remote.comm.down.items():  # an update weighs about a global here
+        assert 0 < down <= 1.1 * (whole * (remote.rounds + 1) + remote.comm.up[c])

@@ -49,7 +49,7 @@ COUNTERS = ("connected", "published", "acked", "skipped", "lagged", "held", "dro
             "factor_pct", "downlink_bytes")
 """Shared per-process counters; `factor_pct` is the backpressure factor x 100 the process
 follows now (a level, not a count); `downlink_bytes` the payload bytes of the globals the
-devices received (`subscribed`)."""
+devices received (`globals`)."""
 
 
 @dataclass
@@ -70,9 +70,10 @@ class DeviceSpec:
     jump: int = 2
     max_backpressure: float = 8.0
     ignoring: float = 0.0
-    subscribed: bool = False
-    """Every device subscribes to the global (QoS 0, retained) and its deltas (QoS 1), as
-    DeviceRunner does, and counts the bytes it receives."""
+    globals: str = "none"
+    """`every`: each device subscribes to the global (QoS 0, retained) and its deltas (QoS
+    1), as DeviceRunner does; `pull`: each device subscribes to the global after each update
+    it sends and unsubscribes once a global lists it; both count the bytes received."""
 
 
 def ignores(i: int, fraction: float) -> bool:
@@ -98,7 +99,7 @@ def device_id(i: int) -> str:
 
 class _Device:
     __slots__ = ("cid", "client", "topic", "seq", "due", "send_at", "pacer", "events",
-                 "connected", "ignoring")
+                 "connected", "ignoring", "pulling")
 
     def __init__(self, cid: str, client: mqtt.Client, topic: str, seed: int = 0,
                  ignoring: bool = False) -> None:
@@ -107,6 +108,7 @@ class _Device:
         self.send_at: float | None = None  # a taken update waiting for its send delay
         self.pacer = Pacer(cid, seed)  # the device's own pacing code, as DeviceRunner's
         self.ignoring = ignoring
+        self.pulling = False  # subscribed to the global until one lists it
 
 
 def _new_client(cid: str, host: str, port: int) -> mqtt.Client:
@@ -165,11 +167,17 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
 
     def on_device_connect(client, userdata, flags, reason, properties) -> None:
         on_connect(client, userdata, flags, reason, properties)
-        if userdata.connected:
+        if userdata.connected and spec.globals == "every":
             client.subscribe(downlink)
 
     def on_global(client, userdata, msg) -> None:
         received[0] += len(msg.payload)
+        if userdata.pulling:  # listening until a global counts its update (DeviceRunner's)
+            with contextlib.suppress(Exception):
+                parts = msgpack.unpackb(msg.payload, raw=False).get("participants") or ()
+                if userdata.cid in parts:
+                    userdata.pulling = False
+                    client.unsubscribe(downlink[0][0])
 
     def on_publish(client, userdata, mid, reason, properties) -> None:
         with counters["acked"].get_lock():
@@ -181,7 +189,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
         d = _Device(cid, c, f"{base}/update/{cid}", spec.seed, ignores(i, spec.ignoring))
         c.user_data_set(d)
         c.on_connect, c.on_publish = on_connect, on_publish
-        if spec.subscribed:
+        if spec.globals != "none":
             c.on_connect, c.on_message = on_device_connect, on_global
         devices.append(d)
     watch = _Device("watch", watcher, "")
@@ -214,6 +222,9 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
                                             qos=1)
                     if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
                         published += 1
+                        if spec.globals == "pull" and not d.pulling:
+                            d.pulling = True
+                            d.client.subscribe(downlink[0][0], 0)
                     else:
                         skipped += 1
                 if d.due > now:

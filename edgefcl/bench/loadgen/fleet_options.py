@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from edgefcl.config import ConfigError
 
 DEVICES_PER_PROC = 250
+GLOBALS = ("none", "every", "pull")
+"""What the load generator's devices receive (`--globals`)."""
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,10 +42,13 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ignoring", type=float, default=0.0, metavar="F",
                    help="fraction of the devices that ignore the backpressure factor; the "
                    "report compares their folded updates with the others' (default: 0)")
-    g.add_argument("--subscribed", action="store_true",
-                   help="every device subscribes to the global and its deltas, as real "
-                   "devices do; the report adds the downlink the devices received (MB/s) and "
-                   "the broker's memory")
+    g.add_argument("--globals", choices=GLOBALS, default="none",
+                   help="what the devices receive: none (one connection per process follows "
+                   "the version), every (each device subscribes to the global and its deltas, "
+                   "as DeviceRunner does) or pull (each device subscribes to the global after "
+                   "each update it sends, until a global lists it); the report adds the "
+                   "downlink the devices received (MB/s) and the broker's memory "
+                   "(default: none)")
     g.add_argument("--device-procs", type=int, default=0, metavar="P",
                    help=f"device processes (default 0: one per {DEVICES_PER_PROC} devices, "
                    "at least 2)")
@@ -63,7 +68,7 @@ class FleetOptions:
     capacity_duration: float = 20.0
     pacing: str = "random"
     ignoring: float = 0.0
-    subscribed: bool = False
+    globals: str = "none"
     warmup: float = 3.0
     """Seconds of publishing before each measured window (not a flag; tests shorten it)."""
 
@@ -75,7 +80,7 @@ class FleetOptions:
             raise ConfigError(f"--devices must be N[,N...], got {args.devices!r}") from None
         opts = cls(devices, args.workers, args.payload, args.rate, args.duration,
                    args.device_procs, args.overload, args.capacity_duration, args.pacing,
-                   args.ignoring, args.subscribed)
+                   args.ignoring, args.globals)
         opts.check()
         return opts
 
@@ -84,6 +89,8 @@ class FleetOptions:
             raise ConfigError("--workers and every --devices count must be >= 1")
         if not self.rate > 0 or not self.duration > 0 or self.device_procs < 0:
             raise ConfigError("--rate and --duration must be > 0, --device-procs >= 0")
+        if self.globals not in GLOBALS:
+            raise ConfigError(f"--globals must be one of {', '.join(GLOBALS)}")
         if not 0 <= self.ignoring < 1:
             raise ConfigError(f"--ignoring must be in [0, 1), got {self.ignoring}")
         if self.overload and (self.overload <= 1 or not self.capacity_duration > 0):
