@@ -113,8 +113,9 @@ class Inbox:
                 self._note_lost(topic, sender)
                 return False
             mine = self._queues.get(sender)
-            if mine and self.supersede and self.is_report(topic):
-                self._supersede(sender, mine)
+            if mine and self.supersede and self.is_report(topic) and self._supersede(
+                    sender, mine, topic, item, size):
+                return True
             while mine and (len(mine) >= self.per_sender
                             or self._held[sender] + size > self.max_bytes // 4):
                 self._drop_oldest(sender, mine)  # its newest messages matter: keep them
@@ -184,22 +185,25 @@ class Inbox:
             out, self._lost = self._lost, set()
             return out
 
-    def _supersede(self, sender: str, mine: deque[tuple[str, Any, int]]) -> None:
-        """Drop `sender`'s waiting report, if any: the one being put supersedes it (under the
-        lock; it stays counted as offered load, so backpressure sees devices that send faster
-        than they are served)."""
-        old = next((m for m in mine if self.is_report(m[0])), None)
-        if old is None:
-            return
-        mine.remove(old)
+    def _supersede(self, sender: str, mine: deque[tuple[str, Any, int]], topic: str,
+                   item: Any, size: int) -> bool:
+        """Put a report of `sender` in the place of its report still waiting, if it has one
+        and the difference fits (under the lock): the sender keeps its turn (sent to the back,
+        a device that sends faster than it is served would never be served). The superseded
+        one stays counted as offered load, so backpressure sees such devices."""
+        at = next((i for i, m in enumerate(mine) if self.is_report(m[0])), None)
+        if at is None:
+            return False
+        delta = size - mine[at][2]
+        if delta > 0 and self.bytes + delta > self.max_bytes:
+            return False
         self._account()
-        self._held[sender] -= old[2]
-        self._count -= 1
-        self.bytes -= old[2]
+        mine[at] = (topic, item, size)
+        self._held[sender] += delta
+        self.bytes += delta
+        self.queued += 1
         self.superseded += 1
-        if not mine:
-            del self._queues[sender], self._held[sender]
-            self._turns.remove(sender)
+        return True
 
     def _drop_oldest(self, sender: str, mine: deque[tuple[str, Any, int]]) -> None:
         """Shed `sender`'s oldest waiting message (over its share; under the lock)."""
