@@ -188,7 +188,8 @@ class Pacer:
         self.factor = 1.0
         digest = hashlib.sha256(f"{seed}:{device}".encode()).digest()
         self.credit = int.from_bytes(digest[:8], "big") / 2**64
-        self.rng = random.Random(digest[8:])
+        self.phase = random.Random(digest[8:]).random()
+        """Where in the period this device sends when it spreads its sends (`delay`)."""
         self.held = 0
         self.period = 0.0
         """Seconds between due updates (smoothed), when `take` is given the time."""
@@ -199,16 +200,19 @@ class Pacer:
 
     def delay(self, period: float | None = None) -> float:
         """Seconds to wait before sending an update taken now: 0 unless the aggregator asks
-        its fleet to spread its sends (`spreading`), then uniform over [0, period) (default:
-        the measured time between due updates, at most MAX_DELAY_S), from the device's own
-        generator, so that devices whose updates fall due at the same instants (streams
-        replayed in step, a fleet started at once) reach the aggregator spread over the
-        period instead of in one burst that the inbox sheds (in the backpressure bench:
-        0.09 of capacity folded at 1x with synchronised devices, 0.99 with the delay)."""
+        its fleet to spread its sends (`spreading`), then the device's own `phase` (drawn once
+        from its id and seed, uniform in [0, 1)) times the period (default: the measured time
+        between due updates, at most MAX_DELAY_S), so that devices whose updates fall due at
+        the same instants (streams replayed in step, a fleet started at once) reach the
+        aggregator spread over the period instead of in one burst that the inbox sheds (in the
+        backpressure bench: 0.09 of capacity folded at 1x with synchronised devices, 0.99 with
+        the delay). A fixed phase keeps each device's sends one period apart: a delay drawn
+        afresh for every update put two of a device's updates into one round now and then,
+        the newer replacing the older (1,000 sparse devices at 2x over the broker: 35 % of the
+        updates replaced, 0.56 of capacity folded)."""
         if not self.spreading:
             return 0.0
-        return self.rng.random() * (min(self.period, MAX_DELAY_S) if period is None
-                                    else period)
+        return self.phase * (min(self.period, MAX_DELAY_S) if period is None else period)
 
     def take(self, now: float | None = None) -> bool:
         """Called for every due update (at time `now`, to measure the period): True to send
