@@ -19,9 +19,8 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", default="100", metavar="N[,N...]",
                    help="device counts to measure, one run each (default: 100)")
     g.add_argument("--workers", type=int, default=1, metavar="W",
-                   help="aggregator workers (default: 1: one `edgefcl aggregator`; W > 1: a "
-                   "root and W workers sharing the updates over an MQTT 5 shared "
-                   "subscription)")
+                   help="aggregator workers (default: 1; W > 1: a root and W workers sharing "
+                   "the updates over an MQTT 5 shared subscription)")
     g.add_argument("--payload", choices=["dense", "sparse"], default="dense",
                    help="update payload: the demo model's dense update, or its sparse update "
                    "at --topk (default: dense)")
@@ -36,19 +35,15 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-duration", type=float, default=20.0, metavar="S",
                    help="--overload: seconds measured per capacity phase (default: 20)")
     g.add_argument("--pacing", choices=["random", "synchronised"], default="random",
-                   help="how the devices start their periods: at random phases, or all at the "
-                   "same instant (then only their own send delay spreads them) "
-                   "(default: random)")
+                   help="the devices' first updates fall due at random phases or all at "
+                   "once (then only their send delay spreads them) (default: random)")
     g.add_argument("--ignoring", type=float, default=0.0, metavar="F",
-                   help="fraction of the devices that ignore the backpressure factor; the "
-                   "report compares their folded updates with the others' (default: 0)")
+                   help="fraction of the devices that ignore the backpressure factor "
+                   "(default: 0)")
     g.add_argument("--globals", choices=GLOBALS, default="none",
-                   help="what the devices receive: none (one connection per process follows "
-                   "the version), every (each device subscribes to the global and its deltas, "
-                   "as DeviceRunner does) or pull (each device subscribes to the global after "
-                   "each update it sends, until a global lists it); the report adds the "
-                   "downlink the devices received (MB/s) and the broker's memory "
-                   "(default: none)")
+                   help="what each device receives: every global (as DeviceRunner), pull "
+                   "(after each send, until a global lists it) or none; adds the downlink "
+                   "MB/s and the broker's memory (default: none)")
     g.add_argument("--device-procs", type=int, default=0, metavar="P",
                    help=f"device processes (default 0: one per {DEVICES_PER_PROC} devices, "
                    "at least 2)")
