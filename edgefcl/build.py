@@ -19,16 +19,16 @@ from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.registry import get_encoding
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import make_monitor
-from edgefcl.learn.export import make_client_onnx
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.learner import Clock, StreamLearner, resolve_device
 from edgefcl.learn.memory import ClassBalanced, MemorySpec
 from edgefcl.learn.memory_policies import get_policy
 from edgefcl.learn.methods import get_method, load
 from edgefcl.learn.models import build_model
-from edgefcl.learn.perturb import make_perturber
 from edgefcl.learn.proto_net import ProtoNet, proto_model, resolve_head
 from edgefcl.learn.proto_train import PrototypeHead
+from edgefcl.learn.scoring.perturb import make_perturber
+from edgefcl.learn.scoring.snapshot import make_client_onnx
 from edgefcl.learn.selection import get_selection
 from edgefcl.learn.variational import client_hooks
 

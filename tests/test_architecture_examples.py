@@ -18,7 +18,7 @@ from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Update
 from edgefcl.federation.rules import DENSE_RULES
 from edgefcl.learn import methods
-from edgefcl.learn.scores import uncertainty
+from edgefcl.learn.scoring.scores import uncertainty
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC, flags=re.S)

@@ -19,8 +19,8 @@ from edgefcl.learn.export import export_onnx
 from edgefcl.learn.learner import resolve_device
 from edgefcl.learn.methods import get_method
 from edgefcl.learn.models import build_model
-from edgefcl.learn.perturb import IMAGE_VIEWS, make_perturber, tta_logits, tta_logits_looped
-from edgefcl.learn.scores import uncertainty
+from edgefcl.learn.scoring.perturb import IMAGE_VIEWS, make_perturber, tta_logits, tta_logits_looped
+from edgefcl.learn.scoring.scores import uncertainty
 from edgefcl.ondevice import OnnxModel
 from edgefcl.sim.runs import simulate
 

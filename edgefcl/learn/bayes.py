@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edgefcl.config import ConfigError
-from edgefcl.learn.models import model_device
-from edgefcl.learn.perturb import Perturber, eval_mode, tta_logits
+from edgefcl.learn.models import eval_mode, model_device
+from edgefcl.learn.scoring.perturb import Perturber, tta_logits
 
 MODES = ("auto", "mean", "sample")
 LOG_2PI = math.log(2.0 * math.pi)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from edgefcl.config import ConfigError, LearnConfig
 from edgefcl.data.types import Batch
-from edgefcl.learn.perturb import eval_mode
+from edgefcl.learn.models import eval_mode
 from edgefcl.learn.views import ClientView, LearnerView
 
 SIGNALS = ("loss", "features")

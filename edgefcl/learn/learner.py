@@ -22,12 +22,12 @@ from edgefcl.data.types import Batch
 from edgefcl.learn.bayes import predict_logits, score_logits
 from edgefcl.learn.checkpoint import data_attrs, load_data_attrs, load_module_state, module_state
 from edgefcl.learn.drift import StreamMonitor
-from edgefcl.learn.export import ClientOnnx, WorkerScores
 from edgefcl.learn.memory import MemorySpec, ReplayMemory, Scoring
-from edgefcl.learn.models import penultimate
-from edgefcl.learn.perturb import Perturber, augment_batch, eval_mode
+from edgefcl.learn.models import eval_mode, penultimate
 from edgefcl.learn.proto_train import PrototypeHead
-from edgefcl.learn.scores import uncertainty
+from edgefcl.learn.scoring.perturb import Perturber, augment_batch
+from edgefcl.learn.scoring.scores import uncertainty
+from edgefcl.learn.scoring.snapshot import ClientOnnx, WorkerScores
 
 LEARNER_COUNTERS = ("score_version", "task", "batch_in_task", "samples_in_task", "scored",
                     "batches")

@@ -60,12 +60,13 @@ class Method:
 
 
 SCORES: dict[str, Score] = {s.name: s for s in (
-    Score("bi", "edgefcl.learn.scores:bregman_information", "Bregman information"),
-    Score("lc", "edgefcl.learn.scores:least_confidence", "least confidence"),
-    Score("ms", "edgefcl.learn.scores:one_minus_margin", "1 - margin of the top two classes"),
-    Score("rc", "edgefcl.learn.scores:ratio", "ratio of the top two classes"),
-    Score("en", "edgefcl.learn.scores:entropy", "entropy of the mean prediction"),
-    Score("ag", "edgefcl.learn.scores:agreement", "1 - agreement of the views' argmax"),
+    Score("bi", "edgefcl.learn.scoring.scores:bregman_information", "Bregman information"),
+    Score("lc", "edgefcl.learn.scoring.scores:least_confidence", "least confidence"),
+    Score("ms", "edgefcl.learn.scoring.scores:one_minus_margin",
+          "1 - margin of the top two classes"),
+    Score("rc", "edgefcl.learn.scoring.scores:ratio", "ratio of the top two classes"),
+    Score("en", "edgefcl.learn.scoring.scores:entropy", "entropy of the mean prediction"),
+    Score("ag", "edgefcl.learn.scoring.scores:agreement", "1 - agreement of the views' argmax"),
 )}
 
 

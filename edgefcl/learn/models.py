@@ -7,7 +7,9 @@ smaller than 32 px -> small CNN, images of 32 px and more -> slim ResNet-18 (nf 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +183,18 @@ def model_device(model: nn.Module) -> torch.device:
     """Device of the model's first parameter (CPU for a model without parameters)."""
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Put every submodule in eval mode and restore each one's own mode on exit."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def penultimate(model: nn.Module, x: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from edgefcl.data.labels import check_names, label_id, label_names
 from edgefcl.federation.prototype_library import PrototypeTable
-from edgefcl.learn.perturb import eval_mode
+from edgefcl.learn.models import eval_mode
 from edgefcl.learn.proto_net import ProtoNet, PrototypeLibrary
 
 

@@ -1,6 +1,6 @@
 """What a client's collaborators read of it, as protocols: the scoring snapshot
-(`export.ClientOnnx`) and the stream monitor (`drift.StreamMonitor`) see the learner through
-`LearnerView`, the method hooks (`objectives`, `variational`) and the run's reports see the
+(`scoring.snapshot.ClientOnnx`) and the stream monitor (`drift.StreamMonitor`) see the learner
+through `LearnerView`, the method hooks (`objectives`, `variational`) and the run's reports see the
 federated client through `ClientView`. They name what each needs, so that none imports the
 learner or the client it serves (imports only go down: learner and client import them)."""
 

@@ -31,7 +31,7 @@ from edgefcl.learn.bayes import (
 )
 from edgefcl.learn.client import Client
 from edgefcl.learn.models import MLP, SlimResNet18, SmallCNN
-from edgefcl.learn.perturb import make_perturber
+from edgefcl.learn.scoring.perturb import make_perturber
 from edgefcl.learn.variational import VFCLHooks, kl_to, posterior_of
 
 

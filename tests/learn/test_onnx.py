@@ -25,18 +25,12 @@ from edgefcl.config import (
 from edgefcl.data.types import Batch, DataError
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.client import Client
-from edgefcl.learn.export import (
-    EXAMPLE_BATCH,
-    SHARED_TEMPLATES,
-    OnnxTemplate,
-    export_onnx,
-    export_run,
-    max_logit_diff,
-)
+from edgefcl.learn.export import EXAMPLE_BATCH, export_onnx, export_run, max_logit_diff
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
-from edgefcl.learn.perturb import tta_logits
-from edgefcl.learn.scores import uncertainty
+from edgefcl.learn.scoring.perturb import tta_logits
+from edgefcl.learn.scoring.scores import uncertainty
+from edgefcl.learn.scoring.snapshot import SHARED_TEMPLATES, OnnxTemplate
 from edgefcl.ondevice import OnnxModel, predict_file
 
 PARITY = 1e-4
@@ -416,12 +410,12 @@ def test_a_template_that_bakes_in_tensors_outside_the_state_is_not_refilled():
 
 @pytest.mark.parametrize("backend", ["auto", "onnxruntime"])
 def test_a_model_onnxruntime_cannot_run_falls_back_to_torch_under_auto(monkeypatch, backend):
-    import edgefcl.learn.export as export
+    import edgefcl.learn.scoring.snapshot as snapshot
 
     def refuse(*args, **kwargs):
         raise RuntimeError("unsupported operator")
 
-    monkeypatch.setattr(export, "OnnxTemplate", refuse)
+    monkeypatch.setattr(snapshot, "OnnxTemplate", refuse)
     c = _client(LearnConfig(method="bi", memory_size=12, score_backend=backend), seed=5)
     for b in _batches(3):
         c.step(b)

@@ -8,7 +8,7 @@ import torch
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
 from edgefcl.learn.models import build_model
-from edgefcl.learn.perturb import (
+from edgefcl.learn.scoring.perturb import (
     _SEED_SPACE,
     IMAGE_VIEWS,
     MILD_IMAGE_AUGS,
@@ -23,7 +23,7 @@ from edgefcl.learn.perturb import (
     tta_logits,
     tta_logits_looped,
 )
-from edgefcl.learn.warp import uniforms
+from edgefcl.learn.scoring.warp import uniforms
 
 
 def _images(n: int, c: int, h: int, w: int, seed: int = 0) -> torch.Tensor:

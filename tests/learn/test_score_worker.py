@@ -16,10 +16,10 @@ from edgefcl.config import FedConfig, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.learn.client import Client
-from edgefcl.learn.export import OnnxTemplate
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
-from edgefcl.learn.score_worker import ScoreWorker, WorkerError, shared_worker
+from edgefcl.learn.scoring.snapshot import OnnxTemplate
+from edgefcl.learn.scoring.worker import ScoreWorker, WorkerError, shared_worker
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,8 +13,8 @@ from hypothesis.extra.numpy import arrays
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn import scores
 from edgefcl.learn.methods import SCORES
+from edgefcl.learn.scoring import scores
 
 LN2 = math.log(2.0)
 

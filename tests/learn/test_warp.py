@@ -1,4 +1,4 @@
-"""Batched geometric image warps (edgefcl.learn.warp): maps, samplers and the grid_sample."""
+"""Batched geometric image warps (edgefcl.learn.scoring.warp): maps, samplers, grid_sample."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgefcl.learn import warp as W
+from edgefcl.learn.scoring import warp as W
 
 F64 = torch.float64
 

@@ -4,7 +4,7 @@ interpreter.
 On a scoring thread, onnxruntime releases the GIL, but building a call's 12 views (numpy
 draws, maps, one grid_sample) still holds it 1.2-1.4 ms per training step of the demo, time
 the training thread waits. A `ScoreWorker` is a child process (`python -m
-edgefcl.learn.score_worker THREADS`) that builds the views and runs the scoring snapshot's
+edgefcl.learn.scoring.worker THREADS`) that builds the views and runs the scoring snapshot's
 session itself: the client's process only sends the candidates and the view seed, and the
 graph once per snapshot. The views depend on the seed and the candidates alone, so the
 logits are the ones scoring in the client's process gives, bit for bit.
@@ -110,7 +110,7 @@ class ScoreWorker:
         self.broken: str | None = None  # why the worker is unusable, once it is
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "edgefcl.learn.score_worker", str(threads)],
+            [sys.executable, "-m", "edgefcl.learn.scoring.worker", str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         for pipe in (self._proc.stdin, self._proc.stdout):
             _widen(pipe)
@@ -217,8 +217,8 @@ class _Scorer:
               x: np.ndarray, seed: int, chunk: int) -> tuple:
         import torch
 
-        from edgefcl.learn.perturb import make_perturber
-        from edgefcl.learn.scores import uncertainty
+        from edgefcl.learn.scoring.perturb import make_perturber
+        from edgefcl.learn.scoring.scores import uncertainty
         from edgefcl.ondevice import OnnxModel
 
         if graph is not None:

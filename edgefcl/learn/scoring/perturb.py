@@ -8,7 +8,7 @@ same views). View i of a call is made from the seed mix(call_seed, i) alone, so 
 rebuilt on its own (`Perturber.view`), which `tta_logits_looped` uses.
 
 Image views: flips, invert, cutout and brightness are tensor ops, and the geometric views
-(rotations, perspective, affine, resized crop; `edgefcl.learn.warp`) of a call are warped
+(rotations, perspective, affine, resized crop; `edgefcl.learn.scoring.warp`) of a call are warped
 together in one `grid_sample`. Every random parameter (one draw per image) comes from
 `warp.uniforms`, a counter-based generator keyed by the view's seed: the draws of all views of
 a call are one vectorized numpy pass, perturbers never touch the global torch RNG, and view i
@@ -18,9 +18,8 @@ views are built on the scoring thread while the training thread waits for the GI
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,8 +28,8 @@ from torch import Tensor, nn
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.models import model_device
-from edgefcl.learn.warp import is_geometric, random_map, uniforms, warp
+from edgefcl.learn.models import eval_mode, model_device
+from edgefcl.learn.scoring.warp import is_geometric, random_map, uniforms, warp
 
 IMAGE_VIEWS = (
     "cutout10",
@@ -291,18 +290,6 @@ def augment_batch(
     if kind == "vector":
         return add_noise(x, noise_std, seed)
     raise ConfigError(f"unknown augmentation kind '{kind}'; choose image or vector")
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Put every submodule in eval mode and restore each one's own mode on exit."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def _forward_chunked(model: Callable[[Tensor], Tensor], x: Tensor, chunk: int) -> Tensor:
