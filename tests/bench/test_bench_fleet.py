@@ -171,7 +171,8 @@ def test_fairness_compares_the_median_folded_updates():
 def test_overload_options_are_checked():
     FleetOptions([10], overload=2.0).check()
     FleetOptions([10], overload=2.0, workers=2).check()
-    for bad in (FleetOptions([10], overload=0.5), FleetOptions([10], overload=1.0),
+    FleetOptions([10], overload=1.0).check()  # the capacity offered, backpressure on and off
+    for bad in (FleetOptions([10], overload=0.5), FleetOptions([10], overload=0.99),
                 FleetOptions([10], overload=2, capacity_duration=0),
                 FleetOptions([10], ignoring=1.0), FleetOptions([10], ignoring=-0.1)):
         with pytest.raises(ConfigError):

@@ -88,8 +88,8 @@ class FleetOptions:
             raise ConfigError(f"--globals must be one of {', '.join(GLOBALS)}")
         if not 0 <= self.ignoring < 1:
             raise ConfigError(f"--ignoring must be in [0, 1), got {self.ignoring}")
-        if self.overload and (self.overload <= 1 or not self.capacity_duration > 0):
-            raise ConfigError("--overload must be > 1 (times the capacity), with "
+        if self.overload and (self.overload < 1 or not self.capacity_duration > 0):
+            raise ConfigError("--overload must be >= 1 (times the capacity), with "
                               "--capacity-duration > 0")
 
     def procs(self, n: int) -> int:
