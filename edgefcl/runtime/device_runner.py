@@ -120,7 +120,7 @@ class DeviceRunner:
         """Async, whole globals: the aggregator asks its fleet to pull (`pull_globals`): the
         device listens for globals only while an update of its may still be counted, or while
         it waits for one (`_wants_global`)."""
-        self.listening = True  # subscribed to the whole global
+        self.listening = True  # not left by pulling (a delta-downlink device never pulls)
         self.waiting_global = False  # at the task gate or the end of the stream
         self.last_update: tuple[int, int, bytes, str | None] | None = None
         """async: the last update sent (seq, base version, payload, the incarnation of the
@@ -302,8 +302,7 @@ class DeviceRunner:
     def _waiting_global(self, waiting: bool) -> None:
         """The device starts or stops waiting for a global (it listens meanwhile)."""
         self.waiting_global = waiting
-        if self.tracker is None:
-            self._listen()
+        self._listen()
 
     def _stream(self) -> Iterator[Batch]:
         if not self.before_stream():
@@ -354,8 +353,7 @@ class DeviceRunner:
             (self.send_last if last else self.send_update)(msg.seq, payload)
             self.unanswered += 1
             self.last_update = (msg.seq, msg.base_version, payload, self._aggregator())
-            if self.tracker is None:
-                self._listen()
+            self._listen()
         else:
             self.link.publish(self.topics.update(self.cid), payload, qos=1)
         return payload
@@ -598,8 +596,7 @@ class DeviceRunner:
             self.unanswered = 0
         elif done == CAUGHT_UP:
             self.catch_ups += 1
-        if self.tracker is None:
-            self._listen()
+        self._listen()
 
     def _aggregator(self) -> str | None:
         """The incarnation of the aggregator process now serving (its retained config)."""

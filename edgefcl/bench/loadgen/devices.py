@@ -21,6 +21,10 @@ powered on at once, and only the devices' own send delay (`Pacer.delay`, once th
 advertises `spread_sends`) spreads them; without it each device starts at a random phase of
 its period. A fraction `ignoring` of the devices (`ignores`) never consult their pacer: they
 send every due update whatever the factor, as a device that does not follow the protocol.
+
+Downlink (`globals`): with `every` each device subscribes to the global and its deltas as
+DeviceRunner does; with `pull` it subscribes after each update it sends and leaves once a global
+lists it (DeviceRunner under `--downlink pull`); the bytes received are counted.
 """
 
 from __future__ import annotations
