@@ -23,6 +23,7 @@ from numpy.typing import ArrayLike
 from edgefcl.build import new_client
 from edgefcl.config import ConfigError, FedConfig, LearnConfig, resolve_head
 from edgefcl.data.types import Batch
+from edgefcl.federation.heads import HEADS
 from edgefcl.learn.bayes import predict_logits
 from edgefcl.learn.client import Client
 from edgefcl.learn.models import build_model
@@ -67,8 +68,8 @@ class Learner:
 
     def _build(self, x: np.ndarray) -> None:
         torch.manual_seed(self.seed)
-        head = "fixed" if self.classes is not None else "prototypes"
-        if self.classes is not None and resolve_head(self.learn.head, self.learn.method) != head:
+        if self.classes is not None and HEADS[resolve_head(self.learn.head,
+                                                          self.learn.method)].library:
             raise ConfigError(f"method {self.learn.method} uses the prototype head: leave "
                               "classes out")
         le = self.learn

@@ -14,6 +14,7 @@ from threadpoolctl import threadpool_limits
 from edgefcl.config import FedConfig, LearnConfig, RunConfig, resolve_current_share, resolve_fed
 from edgefcl.data.types import Dataset, TaskData
 from edgefcl.data.workload import client_id, load_workload
+from edgefcl.federation.heads import library_head
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.registry import get_encoding
@@ -25,7 +26,7 @@ from edgefcl.learn.memory import ClassBalanced, MemorySpec
 from edgefcl.learn.memory_policies import get_policy
 from edgefcl.learn.methods import get_method, load
 from edgefcl.learn.models import build_model
-from edgefcl.learn.proto_net import ProtoNet, proto_model, resolve_head
+from edgefcl.learn.proto_net import ProtoNet, proto_model
 from edgefcl.learn.proto_train import PrototypeHead
 from edgefcl.learn.scoring.perturb import make_perturber
 from edgefcl.learn.scoring.snapshot import make_client_onnx
@@ -58,7 +59,7 @@ def prepare(cfg: RunConfig, seed: int) -> Setup:
     torch.manual_seed(seed)
     model = build_model(cfg.learn.model, ds.sample_shape, ds.n_classes, cfg.learn.hidden,
                         cfg.learn.bn_momentum)
-    if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
+    if library_head(cfg):
         model = proto_model(model)  # the output layer becomes the label-keyed library
     model = client_hooks(cfg.learn.method, cfg.learn, cfg.fed).prepare_model(model)
     return Setup(ds, tasks, model)

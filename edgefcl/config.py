@@ -427,9 +427,9 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
 
 NAMES: dict[str, Mapping[str, Any]] = {}
 """The registries a config's names are checked against, put here by their own modules when
-they are imported: `learn.methods` ("methods"), `federation.registry` ("encodings"). The
-package imports both (`edgefcl/__init__.py`), so they are here before any config is checked,
-and this module imports nothing above it."""
+they are imported: `learn.methods` ("methods"), `federation.registry` ("encodings"),
+`federation.heads` ("heads"). The package imports them (`edgefcl/__init__.py`), so they are
+here before any config is checked, and this module imports nothing above it."""
 
 
 def _registries() -> tuple[Mapping[str, Any], Mapping[str, Any]]:
@@ -458,11 +458,12 @@ def resolve_fed(method: str, fed: FedConfig, encoding: str | None = None,
     methods, encodings = _registries()
     m = methods.get(method)
     enc = encoding or fed.encoding
-    if encoding is None and m is not None and m.encoding and enc == "dense":
+    if encoding is None and m is not None and m.encoding and enc == FedConfig.encoding:
         enc = m.encoding
     agg = aggregation or fed.aggregation
     e = encodings.get(enc)
-    if aggregation is None and e is not None and agg == "fedavg" and agg not in e.rules:
+    if (aggregation is None and e is not None and agg == FedConfig.aggregation
+            and agg not in e.rules):
         agg = m.aggregation if m is not None and m.aggregation else e.default_rule
     if (enc, agg) == (fed.encoding, fed.aggregation):
         return fed
@@ -515,9 +516,10 @@ def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
     if fed.downlink == "sparse" and not e.sparse_downlink:
         ok = ", ".join(n for n, x in encodings.items() if x.sparse_downlink)
         raise ConfigError(f"downlink sparse works with the {ok} encodings")
-    if learn.head not in ("auto", "fixed", "prototypes"):
-        raise ConfigError(f"unknown head '{learn.head}'; choose from auto, fixed, prototypes")
-    if learn.task_free and resolve_head(learn.head, method) == "prototypes":
+    heads = NAMES["heads"]
+    if learn.head != "auto" and learn.head not in heads:
+        raise ConfigError(f"unknown head '{learn.head}'; choose from auto, {', '.join(heads)}")
+    if learn.task_free and heads[resolve_head(learn.head, method)].library:
         raise ConfigError("task_free does not work with head prototypes yet (its loss signal "
                           "needs a fixed class set)")
     if learn.warmup_steps < 0:

@@ -59,17 +59,14 @@ def demo_tensors(cfg: RunConfig) -> dict[str, np.ndarray]:
 
 def update_tensors(initial: dict[str, np.ndarray], payload: str, cfg: RunConfig,
                    seed: int = 0) -> dict[str, np.ndarray]:
-    """A valid update: the global plus noise, dense or sparse-encoded (as a client sends)."""
-    from edgefcl.federation.sparse import SparseEncoder
+    """A valid update: the global plus noise, encoded as a client of encoding `payload` (dense
+    or sparse) sends it."""
+    from edgefcl.federation.registry import get_encoding
 
     rng = np.random.default_rng(seed)
     moved = {k: (v + rng.normal(0, 0.01, v.shape)).astype(np.float32) for k, v in
              initial.items()}
-    if payload == "dense":
-        return moved
-    enc = SparseEncoder(topk=cfg.fed.topk, value_dtype=cfg.fed.value_dtype,
-                        index_format=cfg.fed.index_format)
-    return enc.encode(moved, initial)
+    return get_encoding(payload).make_encoder(cfg.fed).encode(moved, initial)
 
 
 # -- measuring helpers ----------------------------------------------------------------------
@@ -379,7 +376,7 @@ def fleet_on_broker(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, w
     name, encoding, go) and stops the devices and the broker after."""
     from edgefcl.transport.broker import start_mosquitto
 
-    encoding = "sparse" if opts.payload == "sparse" else "dense"
+    encoding = opts.payload  # an encoding's name (--payload dense | sparse)
     fleet_name = f"bench-{secrets.token_hex(3)}"
     ctx = mp.get_context("spawn")
     broker = start_mosquitto(allow_anonymous=True, config_dir=workdir / f"mosquitto-{n}")

@@ -40,6 +40,8 @@ DEFAULT_RULES = ("er", "cbr", "bi", "bi:bottom@on_change", "bi:top", "bi:step@on
                  "bi:mix", "bi:kcenter", "bi:herding", "bi:step+past")
 """The rules of the default grid (`bi` is the default memory; `bi:bottom@on_change` the
 paper's)."""
+BASELINES = tuple(sorted(name for name, m in METHODS.items() if m.baseline))
+"""The rules the bar measures the others against (`Method.baseline`: cbr, er)."""
 DIGITS28 = "digits28"
 """scikit-learn's 8x8 digits upscaled (bilinear) to 28x28 images: a small image workload."""
 
@@ -131,18 +133,18 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def bar_check(rows: list[dict]) -> list[dict]:
     """Per (dataset, per_class) and BI rule: does it meet F <= min(F_er, F_cbr) and
-    A >= max(A_er, A_cbr) - 1 (on the means)?"""
+    A >= max(A_er, A_cbr) - 1 (on the means; er and cbr: the BASELINES)?"""
     out = []
     cells: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         cells.setdefault((r["dataset"], r["per_class"]), {})[r["rule"]] = r
     for (ds, pc), by_rule in cells.items():
-        if "er" not in by_rule or "cbr" not in by_rule:
+        if any(b not in by_rule for b in BASELINES):
             continue
-        f_ref = min(by_rule["er"]["forgetting"], by_rule["cbr"]["forgetting"])
-        a_ref = max(by_rule["er"]["accuracy"], by_rule["cbr"]["accuracy"])
+        f_ref = min(by_rule[b]["forgetting"] for b in BASELINES)
+        a_ref = max(by_rule[b]["accuracy"] for b in BASELINES)
         for rule, r in by_rule.items():
-            if rule in ("er", "cbr"):
+            if rule in BASELINES:
                 continue
             out.append({"dataset": ds, "per_class": pc, "rule": rule,
                         "f_ok": r["forgetting"] <= f_ref, "a_ok": r["accuracy"] >= a_ref - 1,
@@ -150,7 +152,7 @@ def bar_check(rows: list[dict]) -> list[dict]:
     return out
 
 
-def paired(runs: list[dict], baselines: tuple[str, ...] = ("cbr", "er")) -> list[dict]:
+def paired(runs: list[dict], baselines: tuple[str, ...] = BASELINES) -> list[dict]:
     """Per (dataset, per_class), rule and baseline: rule - baseline of A and F seed by seed
     (both ran the same streams), mean ± sample std over the seeds both ran: the spread of
     the comparison itself, in which the luck of a seed partly cancels."""
@@ -223,7 +225,7 @@ def plot(rows: list[dict], path: Path) -> None:
             # one slot per memory size, rules side by side inside it
             x = [sizes.index(r["per_class"]) + 0.6 * (ri / max(len(rules) - 1, 1) - 0.5)
                  for r in rs]
-            style = "--" if rule in ("er", "cbr") else "-"
+            style = "--" if rule in BASELINES else "-"
             for i, k in enumerate(("accuracy", "forgetting")):
                 sd = [0.0 if math.isnan(r[k + "_std"]) else r[k + "_std"] for r in rs]
                 h = axes[i][j].errorbar(x, [r[k] for r in rs], yerr=sd, label=rule, ls=style,
@@ -346,7 +348,7 @@ def bench_memory(cfg: RunConfig, out: Path, datasets: list[str], per_class: list
         miss = [f"{b['dataset']}/{b['per_class']}" for b in misses if b["rule"] == rule]
         print(f"  {rule:<18} {len(mine) - len(miss)}/{len(mine)} cells"
               + (f"  (missed: {', '.join(miss)})" if miss else ""))
-    pairs = [format_paired(report["paired"], b) for b in ("cbr", "er")
+    pairs = [format_paired(report["paired"], b) for b in BASELINES
              if any(p["baseline"] == b for p in report["paired"])]
     if pairs:
         print("\npaired by seed (same streams), rule - baseline: A ± sd / F ± sd (ddof=1)")

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from edgefcl.config import RunConfig, resolve_head
+from edgefcl.config import RunConfig
 from edgefcl.data.labels import name_tasks
 from edgefcl.data.loaders import load_dataset
 from edgefcl.data.splits import split_tasks
 from edgefcl.data.streams import stream_batches
 from edgefcl.data.types import Batch, Dataset, TaskData
+from edgefcl.federation.heads import library_head
 
 
 def client_id(k: int) -> str:
@@ -33,7 +34,7 @@ def load_workload(cfg: RunConfig, seed: int) -> Workload:
     numbers its output layer is indexed by."""
     ds = load_dataset(cfg.data.dataset, cfg.data, seed)
     tasks = split_tasks(ds, cfg.data, cfg.fed.clients, seed)
-    if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
+    if library_head(cfg):
         tasks = name_tasks(tasks, ds.labels)
     return Workload(ds, tasks)
 

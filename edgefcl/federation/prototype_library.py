@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgefcl.config import RunConfig, resolve_head
+from edgefcl.config import RunConfig
 from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS, valid_name  # noqa: F401
+from edgefcl.federation.heads import library_head
 from edgefcl.federation.row_clip import clip_rows
 from edgefcl.federation.share_cap import capped_groups
 from edgefcl.federation.sigma_bounds import LIK_FLOOR, LIK_SIGMA_MAX, median_floor  # noqa: F401
@@ -95,7 +96,7 @@ def initial_library(cfg: RunConfig, initial: dict[str, np.ndarray],
                     gaussian: bool) -> PrototypeTable | None:
     """The first global library of a run (empty; Gaussian rows when `gaussian`: a Bayesian
     encoding), or None for a fixed head."""
-    if resolve_head(cfg.learn.head, cfg.learn.method) != "prototypes":
+    if not library_head(cfg):
         return None
     return PrototypeTable.empty(feature_width(initial), gaussian)
 
@@ -185,12 +186,12 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     gaussian = previous.sigmas is not None
     if gaussian and any(t.sigmas is None for t in sent):
         raise ValueError("a point prototype table in a Gaussian library's round")
-    rule = "conflation"
+    product = average = False  # fedbnn's two phases (likelihood given); else conflation
     if likelihood is not None:
         if not gaussian:
             raise ValueError("likelihood rows in a point library's round")
-        rule = "product" if any(sent_flags) else "average"
-        if rule == "product":
+        product, average = any(sent_flags), not any(sent_flags)
+        if product:
             if prior_sigma is None or not prior_sigma > 0:
                 raise ValueError("the fedbnn rows need the prior sigma of a new label")
             if counters is not None and not all(sent_flags):
@@ -203,7 +204,7 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     at_name = {n: i for i, n in enumerate(names)}
     inverse = np.array([at_name[s] for s in labels], dtype=np.int64)
     old = previous.row_of()
-    if rule != "product":  # likelihood rows are not rows of the label: the sigma rules bound them
+    if not product:  # likelihood rows are not rows of the label: the sigma rules bound them
         base = np.zeros_like(rows)
         prev_at = np.array([old.get(s, -1) for s in labels], dtype=np.int64)
         base[prev_at >= 0] = previous.rows[prev_at[prev_at >= 0]]
@@ -216,7 +217,7 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
     weight = np.bincount(inverse, weights=counts, minlength=len(names))
     equal = weight[inverse] <= 0  # a label nobody counted: plain mean of its rows
     w = np.where(equal, 1.0, counts)
-    if rule == "product":
+    if product:
         sigmas = np.concatenate([t.sigmas for t in sent]).astype(np.float64)  # type: ignore
         prior_mu = np.zeros((len(names), rows.shape[1]))
         prior_s = np.full_like(prior_mu, float(prior_sigma))  # type: ignore[arg-type]
@@ -229,7 +230,7 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
                                        sigma_floor, counters)
     elif gaussian:
         sigmas = np.concatenate([t.sigmas for t in sent]).astype(np.float64)  # type: ignore
-        if rule == "average":
+        if average:
             mean, sigma = _weighted_mean(rows, w, inverse, len(names)), _weighted_mean(
                 sigmas, w, inverse, len(names))
         else:

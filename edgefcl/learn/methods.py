@@ -56,6 +56,9 @@ class Method:
     """The aggregation it implies with that encoding; empty: the encoding's default."""
     head: str = "fixed"
     """The head `--head auto` gives it: fixed (an output layer) or prototypes (a library)."""
+    baseline: bool = False
+    """A baseline of the memory study's bar (`bench/memory.py`): every other rule is measured
+    against the baselines' forgetting and accuracy."""
     help: str = ""
 
 
@@ -81,8 +84,8 @@ def scored_methods(scores: dict[str, Score]) -> dict[str, Method]:
 METHODS: dict[str, Method] = {
     **scored_methods(SCORES),
     **{m.name: m for m in (
-        Method("er", "reservoir", help="reservoir memory"),
-        Method("cbr", "balanced-random", help="class-balanced random memory"),
+        Method("er", "reservoir", baseline=True, help="reservoir memory"),
+        Method("cbr", "balanced-random", baseline=True, help="class-balanced random memory"),
         Method("fedavg", None, help="no memory"),
         Method("fedprox", None, hooks="edgefcl.learn.objectives:FedProx",
                help="no memory, proximal term to the last global"),

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edgefcl.config import resolve_head  # noqa: F401  (re-exported)
 from edgefcl.federation.gaussian import LIK_SIGMA_MAX, likelihood
 from edgefcl.federation.prototype_library import (
     MAX_LABEL_CHARS,

@@ -7,8 +7,9 @@ import logging
 
 import numpy as np
 
-from edgefcl.config import ConfigError, RunConfig, resolve_head
+from edgefcl.config import ConfigError, RunConfig
 from edgefcl.data.labels import as_names
+from edgefcl.federation.heads import library_head
 from edgefcl.federation.messages import GlobalModel
 
 log = logging.getLogger("edgefcl.aggregator")
@@ -47,7 +48,7 @@ class GlobalEvaluator:
                 raise ConfigError(f"--eval-data {spec}: samples of shape {ds.sample_shape}, "
                                   f"the fleet's model takes {setup.dataset.sample_shape}")
             x, y = ds.x_test, ds.y_test
-        if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
+        if library_head(cfg):
             y = as_names(y, ds.labels)  # the library is keyed by names
         log.info("evaluating every global on %d held-out samples (%s)", len(y), spec)
         return cls(dataclasses.replace(cfg), setup, x, y)

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgefcl.config import MqttConfig, RunConfig, resolve_head
+from edgefcl.config import MqttConfig, RunConfig
+from edgefcl.federation.heads import library_head
 from edgefcl.federation.prototype_library import MAX_LABEL_CHARS, MAX_LABELS, feature_width
 from edgefcl.federation.registry import get_encoding
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError
@@ -35,7 +36,7 @@ def payload_limit(cfg: RunConfig, tensors: dict[str, np.ndarray]) -> int:
     model = sum(4 * int(np.size(t)) for t in tensors.values())
     kb = cfg.fed.apc_kb_size * model if get_encoding(cfg.fed.encoding).knowledge_base else 0
     library = 0
-    if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
+    if library_head(cfg):
         library = MAX_LABELS * (2 * 4 * feature_width(tensors) + 4 * MAX_LABEL_CHARS + 16)
     return 4 * model + kb + library + (1 << 20)
 

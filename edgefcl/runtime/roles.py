@@ -95,12 +95,12 @@ def check_round_memory(cfg: RunConfig, initial: dict) -> None:
     when `min_clients` updates cannot fit in `round_max_mib` (one line, exit 2)."""
     import math
 
-    from edgefcl.config import resolve_head
     from edgefcl.federation.aggregator import round_spills
+    from edgefcl.federation.heads import library_head
     from edgefcl.federation.registry import get_encoding
 
     fed = cfg.fed
-    library = resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes"
+    library = library_head(cfg)
     if fed.mode != "async" or not fed.round_max_mib or round_spills(fed, library):
         return
     per = sum(4 * int(t.size) for t in initial.values())
@@ -116,13 +116,13 @@ def check_round_memory(cfg: RunConfig, initial: dict) -> None:
 
 def check_shard_role(cfg: RunConfig, args: argparse.Namespace) -> None:
     """Refuse a sharded role the configuration cannot run (one line, exit 2)."""
-    from edgefcl.config import resolve_head
     from edgefcl.federation.admission import parse_roster
+    from edgefcl.federation.heads import library_head
     from edgefcl.federation.shard import ShardError, check_shardable
     from edgefcl.transport.topics import validate_id
 
     try:
-        if resolve_head(cfg.learn.head, cfg.learn.method) == "prototypes":
+        if library_head(cfg):
             raise ShardError("head prototypes does not shard yet (partials carry no prototype "
                              "library); run it with --role single")
         check_shardable(cfg.fed)
