@@ -176,6 +176,12 @@ class LearnConfig:
     device: str = opt("cpu", "torch device: cpu | cuda | cuda:N")
     threads: int = opt(1, "CPU threads of torch and numpy's BLAS per client process (1 keeps runs "
                        "bit-reproducible)")
+    batch_clients: str = opt(
+        "auto", "in-process runs: the clients that learn a mini-batch in the same lock-step "
+        "tick train as one stacked computation (same draws; equal to training one after "
+        "another within float tolerance): on | off | auto (on with CUDA, where a step is "
+        "launch-bound; off on CPU, which keeps runs bit-identical to the networked runtime)"
+    )
     prequential: bool = opt(
         True, "count test-then-train accuracy on the stream (one eval forward per batch "
         "before training on it)"
@@ -561,6 +567,7 @@ def check_learn(le: LearnConfig) -> None:
         (le.local_epochs >= 1, "local_epochs must be >= 1"),
         (0 < le.bn_momentum <= 1, "bn_momentum must be in (0, 1]"),
         (le.score_chunk >= 0, "score_chunk must be >= 0 (0: auto)"),
+        (le.batch_clients in ("auto", "on", "off"), "batch_clients must be auto, on or off"),
         (le.optimizer in ("adam", "sgd"),
          f"optimizer must be adam or sgd, got {le.optimizer!r}"),
         (le.model in ("auto", "mlp", "cnn", "resnet18"),

@@ -10,11 +10,10 @@ timed after a warm-up:
   torch has none for the device);
 - `compiled`: `torch.compile` of the step's forward and backward (mode reduce-overhead, CUDA
   graphs on CUDA); its compile time is reported apart;
-- `stacked`: `clients` copies of the model stepped as one computation: parameters stacked,
-  `torch.func.vmap` over `grad` of `functional_call`, and one optimizer over the stacked
-  tensors (Adam and SGD are elementwise, so each client keeps its own optimizer state); the
-  time per client is reported. Models with BatchNorm are skipped (their running statistics
-  are per-client buffers that vmap cannot update in place).
+- `stacked`: `clients` copies of the model stepped as one computation, as `--batch-clients`
+  steps them (`learn/batched.FleetTrainer.train_stacked`: parameters, BatchNorm statistics
+  and Adam moments stacked, `torch.func.vmap` over `grad` of `functional_call`); the time per
+  client is reported.
 """
 
 from __future__ import annotations
@@ -25,10 +24,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, stack_module_state, vmap
 
 from edgefcl.build import Setup, make_optimizer
 from edgefcl.config import RunConfig
+from edgefcl.learn.batched import FleetTrainer
 from edgefcl.learn.learner import resolve_device
 
 
@@ -108,39 +107,13 @@ def bare_step_refs(cfg: RunConfig, setup: Setup, seconds: float = 2.0, clients: 
             out["compiled_skipped"] = str(e).splitlines()[0][:200]
     k = clients or cfg.fed.clients
     out["stacked_clients"] = k
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in setup.initial.modules()):
-        out["stacked_skipped"] = "BatchNorm buffers"
-        return out
-    step, _ = stacked_trainer([fresh() for _ in range(k)], cfg)
-    xs, ys = x.expand(k, *x.shape).contiguous(), y.expand(k, *y.shape).contiguous()
-    out["stacked_ms_per_client"] = _timed(lambda: step(xs, ys), seconds, sync) / k
+    models = [fresh() for _ in range(k)]
+    opts = [make_optimizer(m, cfg.learn) for m in models]
+    trainer = FleetTrainer()
+    inputs = [[(x, y)] * steps for _ in range(k)]
+    out["stacked_ms_per_client"] = _timed(lambda: trainer.train_stacked(models, opts, inputs),
+                                          seconds, sync) / k
     return out
-
-
-def stacked_trainer(models: list[nn.Module], cfg: RunConfig
-                    ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None],
-                               dict[str, torch.Tensor]]:
-    """(step, params): `step(xs, ys)` runs `local_epochs` optimizer steps of every model at
-    once on its own mini-batch (xs (k, n, ...), ys (k, n)); `params` are the stacked
-    parameters it updates (name -> (k, ...)). Each model keeps its own optimizer state: the
-    optimizer's update is elementwise. Models without BatchNorm only."""
-    params, buffers = stack_module_state(models)
-    stacked = {name: p.detach() for name, p in params.items()}
-    base = copy.deepcopy(models[0]).to("meta")
-    opt = _optimizer(list(stacked.values()), cfg)
-
-    def loss(p: dict, b: dict, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(functional_call(base, (p, b), (xs,)), ys)
-
-    grads = vmap(grad(loss))
-
-    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
-        for _ in range(cfg.learn.local_epochs):
-            g = grads(stacked, buffers, xs, ys)
-            for name, p in stacked.items():
-                p.grad = g[name]
-            opt.step()
-    return step, stacked
 
 
 def print_refs(refs: dict) -> None:
@@ -154,9 +127,6 @@ def print_refs(refs: dict) -> None:
             print(f"  {label} {refs[f'{key}_ms']:.2f}{extra}")
         elif f"{key}_skipped" in refs:
             print(f"  {label}: skipped ({refs[f'{key}_skipped']})")
-    if "stacked_ms_per_client" in refs:
-        print(f"  {refs['stacked_clients']} clients stacked (vmap) "
-              f"{refs['stacked_ms_per_client']:.2f} per client "
-              f"({refs['eager_ms'] / refs['stacked_ms_per_client']:.2f}x eager)")
-    elif "stacked_skipped" in refs:
-        print(f"  stacked: skipped ({refs['stacked_skipped']})")
+    print(f"  {refs['stacked_clients']} clients stacked (--batch-clients) "
+          f"{refs['stacked_ms_per_client']:.2f} per client "
+          f"({refs['eager_ms'] / refs['stacked_ms_per_client']:.2f}x eager)")

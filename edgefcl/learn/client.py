@@ -121,8 +121,13 @@ class Client:
     # -- the online step --------------------------------------------------------------------
     def step(self, batch: Batch) -> Update | None:
         """Process one mini-batch once; an Update when this client takes part now."""
+        self.learner.learn_one(batch)
+        return self.after_learning()
+
+    def after_learning(self) -> Update | None:
+        """The schedule's part of `step`, once the learner has learned the batch: an Update
+        when this client takes part now (None when it does not, or `pace` holds it back)."""
         learner = self.learner
-        learner.learn_one(batch)
         if not self.schedule.due(learner.batch_in_task):
             return None
         self.seq += 1

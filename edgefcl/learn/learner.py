@@ -9,8 +9,9 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,21 @@ class Clock:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+@dataclass
+class PendingBatch:
+    """A mini-batch between `StreamLearner.begin` and `finish`: on the device, its label ids,
+    its size, what gives the scores asked ahead (or None), and when it began."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    y_ids: np.ndarray
+    samples: int
+    ahead: Callable[[], torch.Tensor] | None
+    started: float
+    trained: float | None = None
+    """Seconds of training to count (stacked steps: this client's share); None: until now."""
 
 
 class StreamLearner:
@@ -114,6 +130,13 @@ class StreamLearner:
         """Train on one mini-batch once (plus replay), then offer it to the memory. With the
         prototype head the labels are names (or integers, named by their number), used as
         their ids; a fixed head takes class numbers only."""
+        pending = self.begin(batch)
+        self._train(pending.x, pending.y)
+        self.finish(pending)
+
+    def begin(self, batch: Batch) -> PendingBatch:
+        """The first part of `learn_one`, before training: the labels' ids, the task (a new
+        one starts here), scoring started ahead, new prototype rows warmed up."""
         if self.protos is not None:
             y_ids = self.protos.ids(batch.y)
         elif batch.y.dtype.kind not in "iu":
@@ -128,32 +151,37 @@ class StreamLearner:
         task = batch.task if self.monitor is None else self.monitor.observe(self, batch, x, y)
         if task != self.task:
             self._start_task(task)
-        clock = self.clock.now
-        t0 = clock()
+        t0 = self.clock.now()
         ahead = self._score_ahead(x, y)
         if self.protos is not None:
             self.protos.warmup(x, y)  # new labels: fit their rows with the extractor frozen
-        self._train(x, y)
+        return PendingBatch(x, y, y_ids, len(batch.y), ahead, t0)
+
+    def finish(self, pending: PendingBatch) -> None:
+        """The last part of `learn_one`, after training: the memory update (with the scores
+        asked ahead) and the counters."""
+        clock = self.clock.now
         t1 = clock()
         scores = None
-        if ahead is not None:
-            scores = ahead()
+        if pending.ahead is not None:
+            scores = pending.ahead()
             self.scored_ahead += 1
         t_mem = clock()
         score_before = self.timings["score"]
-        self._update_memory(x, y, scores)
+        self._update_memory(pending.x, pending.y, scores)
         t2 = clock()
-        self.timings["train"] += t1 - t0
+        self.timings["train"] += (t1 - pending.started if pending.trained is None
+                                  else pending.trained)
         self.timings["score_wait"] += t_mem - t1
         self.timings["memory"] += (t2 - t_mem) - (self.timings["score"] - score_before)
         self.batches += 1
         self.batch_in_task += 1
-        self.samples_in_task += len(batch.y)
-        labels, counts = np.unique(y_ids, return_counts=True)
+        self.samples_in_task += pending.samples
+        labels, counts = np.unique(pending.y_ids, return_counts=True)
         for c, n in zip(labels.tolist(), counts.tolist(), strict=True):
             self.class_counts[c] = self.class_counts.get(c, 0) + n
         if self.protos is not None:
-            self.protos.count(y_ids)
+            self.protos.count(pending.y_ids)
 
     def _start_task(self, task: int) -> None:
         self.task = task
@@ -163,15 +191,12 @@ class StreamLearner:
         self.on_task_start(task)
 
     def _train(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.train_on(self.epoch_inputs(x, y))
+
+    def train_on(self, inputs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One optimizer step on each (x, y) of `inputs` (`epoch_inputs`), in train mode."""
         self.model.train()
-        for epoch in range(self.learn.local_epochs):
-            xb = x if epoch == 0 else augment_batch(x, self.data_kind, self.gen)
-            yb = y
-            if self.memory is not None:
-                replay = self.memory.sample(len(y), exclude_task=self.task)
-                if replay is not None:
-                    xb = torch.cat([xb, replay[0]])
-                    yb = torch.cat([yb, replay[1]])
+        for xb, yb in inputs:
             if self.protos is not None:  # the classifier assembled from xb's labels' rows
                 self.protos.train_step(xb, yb, self.opt, self.penalty)
                 continue
@@ -182,6 +207,21 @@ class StreamLearner:
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
+
+    def epoch_inputs(self, x: torch.Tensor, y: torch.Tensor
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """What each of the `local_epochs` steps trains on: the batch (a mild augmentation of
+        it after the first step) and a replay draw of the same size, drawn as it is asked
+        for (the draws come from this learner's generators, in this order)."""
+        for epoch in range(self.learn.local_epochs):
+            xb = x if epoch == 0 else augment_batch(x, self.data_kind, self.gen)
+            yb = y
+            if self.memory is not None:
+                replay = self.memory.sample(len(y), exclude_task=self.task)
+                if replay is not None:
+                    xb = torch.cat([xb, replay[0]])
+                    yb = torch.cat([yb, replay[1]])
+            yield xb, yb
 
     # -- memory ---------------------------------------------------------------------------
     def _score_ahead(self, x: torch.Tensor, y: torch.Tensor

@@ -38,6 +38,12 @@ class MethodHooks:
     def on_global(self, client: ClientView, g: GlobalModel) -> None:
         """Called after the client merged a global model."""
 
+    def plain_training(self) -> bool:
+        """Whether a training step is the plain loss of the unchanged model (no penalty, no
+        transformed model), so that clients' steps may be stacked (`learn/batched.py`)."""
+        cls = type(self)
+        return cls.penalty is MethodHooks.penalty and cls.prepare_model is MethodHooks.prepare_model
+
 
 class FedProx(MethodHooks):
     """FedProx: (mu / 2) * ||w - w_global||^2 against the last global merged."""

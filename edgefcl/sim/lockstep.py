@@ -23,6 +23,7 @@ from edgefcl.data.workload import client_stream
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_message
+from edgefcl.learn.batched import FleetTrainer, batch_clients
 from edgefcl.learn.client import Client
 from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult
@@ -54,19 +55,26 @@ def simulate_lockstep(cfg: RunConfig, method: str, seed: int,
     total = max(sum(count_batches(t, cfg.data.batch_size)) for t in setup.tasks)
     active = list(range(K))
     tick = 0
+    trainer = FleetTrainer() if batch_clients(cfg.learn) else None
     while active:
         tick += 1
         finished_tasks: list[tuple[int, int]] = []
         closed = None
         tick_up = 0
+        batches = {k: next(streams[clients[k].cid], None) for k in active}
+        stepping = [k for k in active if batches[k] is not None]
+        if trainer is not None:  # one stacked step; the aggregator hears them in order below
+            updates = dict(zip(stepping, trainer.step([clients[k] for k in stepping],
+                                                      [batches[k] for k in stepping]),
+                               strict=True))
         for k in list(active):
             c = clients[k]
-            batch = next(streams[c.cid], None)
+            batch = batches[k]
             if batch is None:
                 active.remove(k)
                 closed = agg.leave(c.cid) or closed
                 continue
-            upd = c.step(batch)
+            upd = c.step(batch) if trainer is None else updates[k]
             if upd is not None:
                 size = encoded_size(upd, cfg)
                 tick_up += size
@@ -84,7 +92,9 @@ def simulate_lockstep(cfg: RunConfig, method: str, seed: int,
                     [task.y_test for task in setup.tasks[k]])
         if progress is not None:
             progress(min(tick, total), total, f"rounds {agg.rounds}")
-    return run_result(cfg, method, seed, setup, clients, agg, acc, coverage, comm, start)
+    stacked = {} if trainer is None else {"stacked_steps": trainer.stacked_steps}
+    return run_result(cfg, method, seed, setup, clients, agg, acc, coverage, comm, start,
+                      **stacked)
 
 
 def _deliver(g: GlobalModel, clients: list[Client], comm: CommStats, cfg: RunConfig,

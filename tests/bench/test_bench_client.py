@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
@@ -127,40 +126,11 @@ except ImportError as e:
     assert "transport: amqtt" in done.stdout or "transport: paho" in done.stdout
 
 
-def test_stacked_clients_step_as_each_client_alone():
-    """The stacked (vmap) bare step of three clients, each with its own mini-batch and its own
-    Adam state, gives the parameters of three eager steps one after another (float32
-    tolerance), over two calls (the optimizer state carries on)."""
-    from edgefcl.bench.bare_step import stacked_trainer
-    from edgefcl.build import make_optimizer
-    from edgefcl.learn.models import build_model
-
-    cfg = RunConfig()
-    torch.manual_seed(0)
-    models = [build_model("mlp", (40,), 10) for _ in range(3)]
-    twins = [copy.deepcopy(m) for m in models]
-    step, stacked = stacked_trainer(models, cfg)
-    opts = [make_optimizer(twin, cfg.learn) for twin in twins]
-    xs, ys = torch.randn(2, 3, 20, 40), torch.randint(0, 10, (2, 3, 20))
-    for call in range(2):
-        step(xs[call], ys[call])
-        for i, (twin, opt) in enumerate(zip(twins, opts, strict=True)):
-            for _ in range(cfg.learn.local_epochs):
-                loss = torch.nn.functional.cross_entropy(twin(xs[call, i]), ys[call, i])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-    for i, twin in enumerate(twins):
-        for name, p in twin.named_parameters():
-            torch.testing.assert_close(stacked[name][i], p.detach(), rtol=1e-4, atol=1e-5)
-
-
 def test_bare_step_references_report_each_variant():
     from edgefcl.bench.bare_step import bare_step_refs
 
     cfg = RunConfig()
     refs = bare_step_refs(cfg, prepare(cfg, 0), seconds=0.2, clients=3, compile_step=False)
     assert refs["eager_ms"] > 0 and refs["stacked_clients"] == 3
-    stacked = refs.get("stacked_ms_per_client", 0)
-    assert stacked > 0 or refs["stacked_skipped"] == "BatchNorm buffers"
+    assert refs["stacked_ms_per_client"] > 0  # BatchNorm models too (the default is a CNN)
     assert "fused_ms" in refs or "fused_skipped" in refs

@@ -1,0 +1,201 @@
+"""Fleet-batched training: the clients that learn a mini-batch in the same tick train as one
+computation (`--batch-clients`).
+
+Each client first draws what its `local_epochs` steps train on (`StreamLearner.epoch_inputs`:
+its own generators, in its own order, so the draws are the ones it makes alone). Clients whose
+steps have the same shapes and whose models have the same architecture then step together:
+their parameters, BatchNorm statistics and optimizer moments are stacked along a new first
+axis, `torch.func.vmap` runs `grad` of `functional_call` over that axis, and Adam (or SGD) is
+applied to the stacked tensors with each client's own step count. The results are written back
+to every client's model and optimizer, so a client may step alone in the next tick (a
+different shape, a prototype head, a penalty) and checkpoints are unchanged.
+
+Each client's step matches its sequential step within float tolerance (tests/learn/
+test_batched.py); the stacked path is not bit-identical to it, so the golden hashes and the
+lock-step MQTT runtime (one process per client) are compared with `--batch-clients off`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from edgefcl.config import LearnConfig
+from edgefcl.data.types import Batch
+from edgefcl.federation.messages import Update
+from edgefcl.learn.client import Client
+from edgefcl.learn.learner import PendingBatch, StreamLearner
+
+Key = tuple[object, ...]
+
+
+def _adam_defaults(opt: torch.optim.Optimizer) -> dict | None:
+    """lr, betas and eps of a plain Adam (one group; no decay, amsgrad, maximize), else None."""
+    if type(opt) is not torch.optim.Adam or len(opt.param_groups) != 1:
+        return None
+    g = opt.param_groups[0]
+    if g["weight_decay"] or g["amsgrad"] or g["maximize"] or torch.is_tensor(g["lr"]):
+        return None
+    return {"lr": g["lr"], "beta1": g["betas"][0], "beta2": g["betas"][1], "eps": g["eps"]}
+
+
+def _sgd_defaults(opt: torch.optim.Optimizer) -> dict | None:
+    """lr of a plain SGD (one group; no momentum, decay, nesterov, maximize), else None."""
+    if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
+        return None
+    g = opt.param_groups[0]
+    if g["momentum"] or g["weight_decay"] or g["nesterov"] or g["maximize"]:
+        return None
+    return {"lr": g["lr"]}
+
+
+def batch_clients(learn: LearnConfig) -> bool:
+    """Whether a run stacks its clients' steps: `learn.batch_clients`, where auto means on
+    with CUDA (a client's step is launch-bound there) and off on CPU (see docs/speed.md)."""
+    if learn.batch_clients == "auto":
+        return torch.device(learn.device).type == "cuda"
+    return learn.batch_clients == "on"
+
+
+def stackable(client: Client) -> bool:
+    """Whether `client`'s training step can be stacked with others': the plain loss of a
+    fixed-head model (no penalty, no transformed model, no prototype head) under a plain Adam
+    or SGD."""
+    learner = client.learner
+    return (learner.protos is None and client.hooks.plain_training()
+            and (_adam_defaults(learner.opt) or _sgd_defaults(learner.opt)) is not None)
+
+
+class FleetTrainer:
+    """Steps many clients' mini-batches: stacked where they can be (see the module docstring),
+    one after another where they cannot. `stacked_steps` and `alone_steps` count client
+    mini-batches of each kind."""
+
+    def __init__(self) -> None:
+        self._grads: dict[Key, Callable] = {}  # architecture -> stacked gradient function
+        self.stacked_steps = 0
+        self.alone_steps = 0
+
+    def step(self, clients: Sequence[Client], batches: Sequence[Batch]) -> list[Update | None]:
+        """Each client learns its batch (as `Client.step` does); returns their updates."""
+        if not clients:
+            return []
+        now = clients[0].learner.clock.now  # on CUDA: after the queued kernels
+        pending = []
+        for c, b in zip(clients, batches, strict=True):
+            t0 = now()
+            pending.append(c.learner.begin(b))
+            pending[-1].trained = now() - t0
+        groups: dict[Key, list[tuple[int, list]]] = {}
+        for i, (c, p) in enumerate(zip(clients, pending, strict=True)):
+            t0 = now()
+            if not stackable(c):
+                self._alone(c.learner, c.learner.epoch_inputs(p.x, p.y))
+                p.trained += now() - t0  # type: ignore[operator]
+                continue
+            inputs = list(c.learner.epoch_inputs(p.x, p.y))
+            p.trained += now() - t0  # type: ignore[operator]
+            groups.setdefault(self._key(c.learner, inputs), []).append((i, inputs))
+        for key, members in groups.items():
+            t0 = now()
+            if len(members) == 1:
+                self._alone(clients[members[0][0]].learner, members[0][1])
+            else:
+                self._stacked(key, [(clients[i].learner, inputs) for i, inputs in members])
+            share = (now() - t0) / len(members)
+            for i, _ in members:
+                pending[i].trained += share  # type: ignore[operator]
+        return [self._finish(c, p) for c, p in zip(clients, pending, strict=True)]
+
+    @staticmethod
+    def _finish(client: Client, pending: PendingBatch) -> Update | None:
+        client.learner.finish(pending)
+        return client.after_learning()
+
+    @staticmethod
+    def _key(learner: StreamLearner, inputs: list) -> Key:
+        model = learner.model
+        opt = learner.opt
+        return (type(model), repr(_adam_defaults(opt) or _sgd_defaults(opt)), learner.device,
+                tuple((n, tuple(t.shape)) for n, t in model.state_dict().items()),
+                tuple((tuple(x.shape), tuple(y.shape)) for x, y in inputs))
+
+    def _alone(self, learner: StreamLearner, inputs: Iterable) -> None:
+        learner.train_on(inputs)
+        self.alone_steps += 1
+
+    def _stacked(self, key: Key, members: list[tuple[StreamLearner, list]]) -> None:
+        self.train_stacked([m[0].model for m in members], [m[0].opt for m in members],
+                           [m[1] for m in members], key[:4])
+        self.stacked_steps += len(members)
+
+    def train_stacked(self, models: Sequence[nn.Module],
+                      optimizers: Sequence[torch.optim.Optimizer],
+                      inputs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+                      architecture: Key | None = None) -> None:
+        """One optimizer step of every model per (x, y) of its `inputs` (the same shapes for
+        all; a plain Adam or SGD, see `stackable`), all models at once, in train mode: models
+        and optimizers end as if each had stepped alone. `architecture` names the models'
+        shared layout, to reuse its gradient function (default: read from the first model)."""
+        first = models[0]
+        if architecture is None:
+            architecture = (type(first), tuple((n, tuple(t.shape))
+                                               for n, t in first.state_dict().items()))
+        if architecture not in self._grads:
+            meta = copy.deepcopy(first).to("meta").train()
+
+            def loss(params: dict, buffers: dict, x: torch.Tensor, y: torch.Tensor
+                     ) -> torch.Tensor:
+                return F.cross_entropy(functional_call(meta, (params, buffers), (x,)), y)
+            self._grads[architecture] = vmap(grad(loss))
+        grads = self._grads[architecture]
+        names = [n for n, _ in first.named_parameters()]
+        per_model = [[dict(m.named_parameters())[n] for n in names] for m in models]
+        params = {n: torch.stack([p[i].detach() for p in per_model]) for i, n in enumerate(names)}
+        bufs = [dict(m.named_buffers()) for m in models]
+        buffers = {n: torch.stack([b[n] for b in bufs]) for n in bufs[0]}
+        # the optimizer steps each client's rows of the stacked parameters (views) with that
+        # client's own state, all in one call
+        views = [params[n][k] for k in range(len(models)) for n in names]
+        adam = _adam_defaults(optimizers[0])
+        if adam is not None:
+            states = [_adam_state(opt, p) for opt, p in zip(optimizers, per_model, strict=True)]
+            moments, squares, counts = (
+                [s[key] for client in states for s in client]
+                for key in ("exp_avg", "exp_avg_sq", "step"))
+        for epoch in range(len(inputs[0])):
+            xs = torch.stack([own[epoch][0] for own in inputs])
+            ys = torch.stack([own[epoch][1] for own in inputs])
+            g = grads(params, buffers, xs, ys)
+            g_views = [g[n][k] for k in range(len(models)) for n in names]
+            if adam is None:
+                torch._foreach_add_(views, g_views,
+                                    alpha=-_sgd_defaults(optimizers[0])["lr"])  # type: ignore[index]
+                continue
+            torch._foreach_add_(counts, 1)
+            torch._fused_adam_(views, g_views, moments, squares, [], counts, amsgrad=False,
+                               weight_decay=0.0, maximize=False, **adam)
+        with torch.no_grad():
+            for k, (model, p) in enumerate(zip(models, per_model, strict=True)):
+                model.train()
+                torch._foreach_copy_(p, [params[n][k] for n in names])
+                for n, b in bufs[k].items():
+                    b.copy_(buffers[n][k])
+
+
+def _adam_state(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict]:
+    """`opt`'s state of each of `params`, created as torch's fused Adam creates it where the
+    parameter has not stepped yet."""
+    for p in params:
+        if not opt.state[p]:
+            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                            "exp_avg_sq": torch.zeros_like(p,
+                                                           memory_format=torch.preserve_format)}
+    return [opt.state[p] for p in params]
+

@@ -1,0 +1,101 @@
+"""Fleet-batched training: a stacked step of many clients matches each client's own step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edgefcl.build import new_client
+from edgefcl.config import FedConfig, LearnConfig
+from edgefcl.data.types import Batch
+from edgefcl.learn.batched import FleetTrainer, stackable
+from edgefcl.learn.models import build_model
+from edgefcl.learn.params import get_tensors
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def clients(model="mlp", method="bi", optimizer="adam", k=3, device="cpu"):
+    out = []
+    for i in range(k):
+        torch.manual_seed(i)
+        net = (build_model("mlp", (6,), 4, hidden=16) if model == "mlp"
+               else build_model("cnn", (1, 8, 8), 4))
+        kind = "vector" if model == "mlp" else "image"
+        out.append(new_client(f"c{i}", net, LearnConfig(method=method, memory_size=20,
+                                                        local_epochs=3, optimizer=optimizer,
+                                                        device=device),
+                              FedConfig(burn_in=2, jump=2), kind, seed=i))
+    return out
+
+
+def batch(model, task, index, classes, k, n=5):
+    rng = np.random.default_rng(1000 * k + 100 * task + index)
+    y = rng.choice(classes, n).astype(np.int64)
+    shape = (n, 6) if model == "mlp" else (n, 1, 8, 8)
+    x = (rng.standard_normal(shape) + y.reshape(-1, *([1] * (len(shape) - 1)))).astype(np.float32)
+    return Batch(x, y, task, index, False)
+
+
+def close(actual, expected, what):
+    """Relative distance of two tensors at most 1e-4: elementwise bounds do not hold for Adam,
+    whose first step on a near-zero gradient is +-lr whatever the gradient's float noise."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    gap = np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-12)
+    assert gap < 1e-4, (what, gap)
+
+
+def assert_same_clients(alone, together):
+    for a, b in zip(alone, together, strict=True):
+        ta, tb = get_tensors(a.model), get_tensors(b.model)  # parameters and BN statistics
+        for name in ta:
+            close(tb[name], ta[name], name)
+        sa, sb = a.opt.state_dict()["state"], b.opt.state_dict()["state"]
+        assert sa.keys() == sb.keys()
+        for i in sa:
+            for key in sa[i]:
+                close(sb[i][key].cpu().numpy(), sa[i][key].cpu().numpy(), key)
+        assert a.learner.batches == b.learner.batches and a.seq == b.seq
+        assert a.memory.size == b.memory.size
+
+
+@pytest.mark.parametrize("model,optimizer,device", [
+    ("mlp", "adam", "cpu"), ("mlp", "sgd", "cpu"), ("cnn", "adam", "cpu"),
+    pytest.param("cnn", "adam", "cuda", marks=CUDA)])
+def test_stacked_steps_match_each_clients_own_steps(model, optimizer, device):
+    """The first tick (no optimizer state yet) and a tick with replay in the second task: the
+    stacked step matches each client's own within float tolerance. (Over many ticks the two
+    drift apart as any two float orders do: Adam magnifies the noise of near-zero gradients.)"""
+    alone = clients(model, optimizer=optimizer, device=device)
+    together = clients(model, optimizer=optimizer, device=device)
+    trainer = FleetTrainer()
+    ticks = [(0, i, [0, 1]) for i in range(1, 7)] + [(1, i, [2, 3]) for i in range(1, 5)]
+    for n, (task, i, classes) in enumerate(ticks):
+        batches = [batch(model, task, i, classes, k) for k in range(3)]
+        sent = [c.step(b) is not None for c, b in zip(alone, batches, strict=True)]
+        if n in (0, len(ticks) - 1):
+            sent_together = [u is not None for u in trainer.step(together, batches)]
+            assert sent_together == sent
+            assert_same_clients(alone, together)
+        else:  # one after another, as the sequential path: both stay bit for bit the same
+            for c, b in zip(together, batches, strict=True):
+                c.step(b)
+    assert trainer.stacked_steps == 6 and trainer.alone_steps == 0
+    assert together[0].memory.size > 0 and together[0].seq > 0
+
+
+def test_a_client_that_cannot_be_stacked_steps_alone():
+    fedprox = clients(method="fedprox", k=2)
+    assert not any(stackable(c) for c in fedprox)
+    trainer = FleetTrainer()
+    trainer.step(fedprox, [batch("mlp", 0, 1, [0, 1], k) for k in range(2)])
+    assert trainer.alone_steps == 2 and trainer.stacked_steps == 0
+
+
+def test_clients_with_different_shapes_are_grouped_by_shape():
+    cs = clients()
+    trainer = FleetTrainer()
+    batches = [batch("mlp", 0, 1, [0, 1], k, n=5 if k < 2 else 3) for k in range(3)]
+    trainer.step(cs, batches)
+    assert trainer.stacked_steps == 2 and trainer.alone_steps == 1
