@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, vmap
 
 from edgefcl.config import LearnConfig
 from edgefcl.data.types import Batch
@@ -77,7 +77,7 @@ class FleetTrainer:
     mini-batches of each kind."""
 
     def __init__(self) -> None:
-        self._grads: dict[Key, Callable] = {}  # architecture -> stacked gradient function
+        self._forwards: dict[Key, Callable] = {}  # architecture -> stacked forward
         self.stacked_steps = 0
         self.alone_steps = 0
 
@@ -141,27 +141,26 @@ class FleetTrainer:
         """One optimizer step of every model per (x, y) of its `inputs` (the same shapes for
         all; a plain Adam or SGD, see `stackable`), all models at once, in train mode: models
         and optimizers end as if each had stepped alone. `architecture` names the models'
-        shared layout, to reuse its gradient function (default: read from the first model)."""
+        shared layout, to reuse its stacked forward (default: read from the first model)."""
         first = models[0]
         if architecture is None:
             architecture = (type(first), tuple((n, tuple(t.shape))
                                                for n, t in first.state_dict().items()))
-        if architecture not in self._grads:
+        if architecture not in self._forwards:
             meta = copy.deepcopy(first).to("meta").train()
-
-            def loss(params: dict, buffers: dict, x: torch.Tensor, y: torch.Tensor
-                     ) -> torch.Tensor:
-                return F.cross_entropy(functional_call(meta, (params, buffers), (x,)), y)
-            self._grads[architecture] = vmap(grad(loss))
-        grads = self._grads[architecture]
+            self._forwards[architecture] = vmap(
+                lambda params, buffers, x: functional_call(meta, (params, buffers), (x,)))
+        forward = self._forwards[architecture]
         names = [n for n, _ in first.named_parameters()]
-        per_model = [[dict(m.named_parameters())[n] for n in names] for m in models]
-        params = {n: torch.stack([p[i].detach() for p in per_model]) for i, n in enumerate(names)}
+        per_model = [list(m.parameters()) for m in models]  # in the order of `names`
+        params = {n: torch.stack([p[i].detach() for p in per_model]).requires_grad_()
+                  for i, n in enumerate(names)}
         bufs = [dict(m.named_buffers()) for m in models]
         buffers = {n: torch.stack([b[n] for b in bufs]) for n in bufs[0]}
         # the optimizer steps each client's rows of the stacked parameters (views) with that
         # client's own state, all in one call
-        views = [params[n][k] for k in range(len(models)) for n in names]
+        with torch.no_grad():
+            views = [params[n][k] for k in range(len(models)) for n in names]
         adam = _adam_defaults(optimizers[0])
         if adam is not None:
             states = [_adam_state(opt, p) for opt, p in zip(optimizers, per_model, strict=True)]
@@ -171,22 +170,28 @@ class FleetTrainer:
         for epoch in range(len(inputs[0])):
             xs = torch.stack([own[epoch][0] for own in inputs])
             ys = torch.stack([own[epoch][1] for own in inputs])
-            g = grads(params, buffers, xs, ys)
-            g_views = [g[n][k] for k in range(len(models)) for n in names]
-            if adam is None:
-                torch._foreach_add_(views, g_views,
-                                    alpha=-_sgd_defaults(optimizers[0])["lr"])  # type: ignore[index]
-                continue
-            torch._foreach_add_(counts, 1)
-            torch._fused_adam_(views, g_views, moments, squares, [], counts, amsgrad=False,
-                               weight_decay=0.0, maximize=False, **adam)
+            logits = forward(params, buffers, xs)
+            # the sum of the clients' mean losses: each client's gradient is its own
+            loss = F.cross_entropy(logits.flatten(0, 1), ys.flatten(), reduction="sum")
+            g = torch.autograd.grad(loss / ys.shape[1], [params[n] for n in names])
+            with torch.no_grad():
+                # contiguous, as the fused kernel reads each view's memory in the parameter's
+                # layout (a stacked Linear's gradient comes transposed)
+                g = [t.contiguous() for t in g]
+                g_views = [g[i][k] for k in range(len(models)) for i in range(len(names))]
+                if adam is None:
+                    lr = _sgd_defaults(optimizers[0])["lr"]  # type: ignore[index]
+                    torch._foreach_add_(views, g_views, alpha=-lr)
+                    continue
+                torch._foreach_add_(counts, 1)
+                torch._fused_adam_(views, g_views, moments, squares, [], counts, amsgrad=False,
+                                   weight_decay=0.0, maximize=False, **adam)
         with torch.no_grad():
             for k, (model, p) in enumerate(zip(models, per_model, strict=True)):
                 model.train()
                 torch._foreach_copy_(p, [params[n][k] for n in names])
                 for n, b in bufs[k].items():
                     b.copy_(buffers[n][k])
-
 
 def _adam_state(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict]:
     """`opt`'s state of each of `params`, created as torch's fused Adam creates it where the
