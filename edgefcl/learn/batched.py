@@ -62,13 +62,22 @@ def batch_clients(learn: LearnConfig) -> bool:
     return learn.batch_clients == "on"
 
 
-def stackable(client: Client) -> bool:
-    """Whether `client`'s training step can be stacked with others': the plain loss of a
-    fixed-head model (no penalty, no transformed model, no prototype head) under a plain Adam
-    or SGD."""
+def why_alone(client: Client) -> str | None:
+    """Why `client`'s training step cannot be stacked with others' (None: it can; stacked
+    steps are the plain loss of a fixed-head model under a plain Adam or SGD)."""
     learner = client.learner
-    return (learner.protos is None and client.hooks.plain_training()
-            and (_adam_defaults(learner.opt) or _sgd_defaults(learner.opt)) is not None)
+    if learner.protos is not None:
+        return "the prototype head assembles its classifier per batch"
+    if not client.hooks.plain_training():
+        return f"method {learner.learn.method} adds a loss term or transforms the model"
+    if (_adam_defaults(learner.opt) or _sgd_defaults(learner.opt)) is None:
+        return "its optimizer is not a plain Adam or SGD"
+    return None
+
+
+def stackable(client: Client) -> bool:
+    """Whether `client`'s training step can be stacked with others' (`why_alone`)."""
+    return why_alone(client) is None
 
 
 class FleetTrainer:

@@ -18,6 +18,7 @@ daemon does between inbox reads.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -48,6 +49,8 @@ from edgefcl.sim.profiles import DeviceClock, timings
 
 POLL_S = 0.1
 """How often the aggregator checks its round timeout and silent clients (virtual seconds)."""
+
+log = logging.getLogger(__name__)
 
 
 class SimDevice:
@@ -268,6 +271,9 @@ def simulate_async(cfg: RunConfig, method: str, seed: int,
     seed and profile give the same run, bit for bit."""
     cfg = for_method(cfg, method)
     use_cpu_threads(cfg.learn.threads)
+    if cfg.learn.batch_clients == "on":
+        log.warning("batch-clients: async devices learn at their own virtual times, so they "
+                    "train one after another (it stacks lock-step ticks only)")
     start = time.perf_counter()
     per_device = timings(cfg.profile, cfg.fed.clients, seed)
     setup = prepare(cfg, seed)

@@ -4,6 +4,7 @@ one; the networked runtime (`edgefcl.runtime`) drives the same objects over MQTT
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -23,11 +24,13 @@ from edgefcl.data.workload import client_stream
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_message
-from edgefcl.learn.batched import FleetTrainer, batch_clients
+from edgefcl.learn.batched import FleetTrainer, batch_clients, why_alone
 from edgefcl.learn.client import Client
 from edgefcl.metrics import CommStats
 from edgefcl.results import RunResult
 from edgefcl.sim.outcome import encoded_size, evaluate_all, run_result
+
+log = logging.getLogger(__name__)
 
 
 def simulate_lockstep(cfg: RunConfig, method: str, seed: int,
@@ -56,6 +59,8 @@ def simulate_lockstep(cfg: RunConfig, method: str, seed: int,
     active = list(range(K))
     tick = 0
     trainer = FleetTrainer() if batch_clients(cfg.learn) else None
+    if trainer is not None and (why := why_alone(clients[0])) is not None:
+        log.warning("batch-clients: %s, so its clients train one after another", why)
     while active:
         tick += 1
         finished_tasks: list[tuple[int, int]] = []

@@ -22,3 +22,14 @@ def test_stacked_clients_run_the_same_schedule_and_learn_alike():
     assert on.rounds == off.rounds and on.extra["batches"] == off.extra["batches"]
     # float-order differences only: the same draws, the same schedule, close accuracies
     assert np.abs(on.acc - off.acc).max() < 0.1, (on.acc, off.acc)
+
+
+def test_a_method_that_cannot_be_stacked_falls_back_and_says_so(caplog):
+    cfg = apply(RunConfig(), {"data": {"tasks": 1, "classes_per_task": 2},
+                              "learn": {"method": "fedprox", "memory_size": 20,
+                                        "local_epochs": 1, "batch_clients": "on"},
+                              "fed": {"clients": 2, "burn_in": 2, "jump": 2}, "quiet": True})
+    with caplog.at_level("WARNING", logger="edgefcl.sim.lockstep"):
+        result = simulate(cfg)
+    assert result.extra["stacked_steps"] == 0 and result.rounds > 0
+    assert "method fedprox adds a loss term" in caplog.text
