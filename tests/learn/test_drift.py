@@ -116,7 +116,19 @@ def test_prequential_counts_match_hand_count():
     p.update(np.array([3, 3, 0]), np.array([0, 3, 1]))  # 1 of 3 right
     assert p.samples == 8
     assert p.accuracy == pytest.approx(5 / 8)
-    assert p.metric.cm.total_true_positives == 5
+    assert p.correct == 5
+
+
+def test_prequential_restores_the_counts_of_a_river_metric():
+    """A checkpoint written when the counts lived in a river `metrics.Accuracy`."""
+    from river import metrics
+
+    old = metrics.Accuracy()
+    for t, y in ((0, 0), (1, 2), (2, 2), (2, 2), (1, 1)):
+        old.update(t, y)
+    p = Prequential.__new__(Prequential)
+    p.__setstate__({"metric": old})
+    assert (p.correct, p.samples, p.accuracy) == (4, 5, 0.8)
 
 
 # -- the client --------------------------------------------------------------------------
