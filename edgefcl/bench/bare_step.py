@@ -5,15 +5,16 @@ Each variant runs `local_epochs` optimizer steps of the run's initial model on 2
 samples of the first task (the batch and a replay draw of the same size), on the run's device,
 timed after a warm-up:
 
-- `eager`: the model and optimizer as the client builds them;
-- `fused`: the same with the optimizer's fused implementation (Adam and AdamW; skipped where
-  torch has none for the device);
+- `eager`: the model with torch.optim's optimizer of the client's kind, its default
+  implementation;
+- `fused`: the model and optimizer as the client builds them (`learn/optimizers.py`: Adam by
+  torch's fused kernel; skipped where torch has none for the device);
 - `compiled`: `torch.compile` of the step's forward and backward (mode reduce-overhead, CUDA
-  graphs on CUDA); its compile time is reported apart;
+  graphs on CUDA) with torch.optim's optimizer; its compile time is reported apart;
 - `stacked`: `clients` copies of the model stepped as one computation, as `--batch-clients`
-  steps them (`learn/batched.FleetTrainer.train_stacked`: parameters, BatchNorm statistics
-  and Adam moments stacked, `torch.func.vmap` over `grad` of `functional_call`); the time per
-  client is reported.
+  steps them (`learn/batched.FleetTrainer.train_stacked`: parameters and BatchNorm
+  statistics stacked, one `torch.func.vmap` forward and one backward, the fused Adam kernel
+  over every client's state); the time per client is reported.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def _stepper(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: t
     return step
 
 
-def _optimizer(params, cfg: RunConfig, **extra) -> torch.optim.Optimizer:
-    """The client's optimizer kind and learning rate over `params` (a list of tensors)."""
-    probe = make_optimizer(nn.Linear(1, 1), cfg.learn)
-    return type(probe)(params, **{**probe.defaults, **extra})
+def _torch_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """torch.optim's own optimizer of the client's kind and learning rate, its default
+    implementation."""
+    kinds = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    return kinds[cfg.learn.optimizer](model.parameters(), lr=cfg.learn.lr)
 
 
 def bare_step_refs(cfg: RunConfig, setup: Setup, seconds: float = 2.0, clients: int = 0,
@@ -84,11 +86,11 @@ def bare_step_refs(cfg: RunConfig, setup: Setup, seconds: float = 2.0, clients: 
         return copy.deepcopy(setup.initial).to(device).train()
 
     model = fresh()
-    out["eager_ms"] = _timed(_stepper(model, make_optimizer(model, cfg.learn), x, y, steps),
+    out["eager_ms"] = _timed(_stepper(model, _torch_optimizer(model, cfg), x, y, steps),
                              seconds, sync)
     model = fresh()
     try:
-        opt = _optimizer(list(model.parameters()), cfg, fused=True)
+        opt = make_optimizer(model, cfg.learn)
         out["fused_ms"] = _timed(_stepper(model, opt, x, y, steps), seconds, sync)
     except (RuntimeError, TypeError, ValueError) as e:  # no fused kernel for this device
         out["fused_skipped"] = str(e).splitlines()[0][:200]
@@ -96,7 +98,7 @@ def bare_step_refs(cfg: RunConfig, setup: Setup, seconds: float = 2.0, clients: 
         model = fresh()
         mode = "reduce-overhead" if device.type == "cuda" else "default"
         forward = torch.compile(model, mode=mode)
-        step = _stepper(model, make_optimizer(model, cfg.learn), x, y, steps, forward)
+        step = _stepper(model, _torch_optimizer(model, cfg), x, y, steps, forward)
         t0 = time.perf_counter()
         try:
             step()

@@ -30,13 +30,14 @@ from edgefcl.data.types import Batch
 from edgefcl.federation.messages import Update
 from edgefcl.learn.client import Client
 from edgefcl.learn.learner import PendingBatch, StreamLearner
+from edgefcl.learn.optimizers import SGD, Adam, LocalOptimizer
 
 Key = tuple[object, ...]
 
 
-def _adam_defaults(opt: torch.optim.Optimizer) -> dict | None:
+def _adam_defaults(opt: LocalOptimizer) -> dict | None:
     """lr, betas and eps of a plain Adam (one group; no decay, amsgrad, maximize), else None."""
-    if type(opt) is not torch.optim.Adam or len(opt.param_groups) != 1:
+    if type(opt) is not Adam or len(opt.param_groups) != 1:
         return None
     g = opt.param_groups[0]
     if g["weight_decay"] or g["amsgrad"] or g["maximize"] or torch.is_tensor(g["lr"]):
@@ -44,9 +45,9 @@ def _adam_defaults(opt: torch.optim.Optimizer) -> dict | None:
     return {"lr": g["lr"], "beta1": g["betas"][0], "beta2": g["betas"][1], "eps": g["eps"]}
 
 
-def _sgd_defaults(opt: torch.optim.Optimizer) -> dict | None:
+def _sgd_defaults(opt: LocalOptimizer) -> dict | None:
     """lr of a plain SGD (one group; no momentum, decay, nesterov, maximize), else None."""
-    if type(opt) is not torch.optim.SGD or len(opt.param_groups) != 1:
+    if type(opt) is not SGD or len(opt.param_groups) != 1:
         return None
     g = opt.param_groups[0]
     if g["momentum"] or g["weight_decay"] or g["nesterov"] or g["maximize"]:
@@ -144,7 +145,7 @@ class FleetTrainer:
         self.stacked_steps += len(members)
 
     def train_stacked(self, models: Sequence[nn.Module],
-                      optimizers: Sequence[torch.optim.Optimizer],
+                      optimizers: Sequence[LocalOptimizer],
                       inputs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
                       architecture: Key | None = None) -> None:
         """One optimizer step of every model per (x, y) of its `inputs` (the same shapes for
@@ -172,7 +173,8 @@ class FleetTrainer:
             views = [params[n][k] for k in range(len(models)) for n in names]
         adam = _adam_defaults(optimizers[0])
         if adam is not None:
-            states = [_adam_state(opt, p) for opt, p in zip(optimizers, per_model, strict=True)]
+            states = [[opt.state_of(q) for q in p]  # type: ignore[attr-defined]
+                      for opt, p in zip(optimizers, per_model, strict=True)]
             moments, squares, counts = (
                 [s[key] for client in states for s in client]
                 for key in ("exp_avg", "exp_avg_sq", "step"))
@@ -201,15 +203,3 @@ class FleetTrainer:
                 torch._foreach_copy_(p, [params[n][k] for n in names])
                 for n, b in bufs[k].items():
                     b.copy_(buffers[n][k])
-
-def _adam_state(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict]:
-    """`opt`'s state of each of `params`, created as torch's fused Adam creates it where the
-    parameter has not stepped yet."""
-    for p in params:
-        if not opt.state[p]:
-            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                            "exp_avg_sq": torch.zeros_like(p,
-                                                           memory_format=torch.preserve_format)}
-    return [opt.state[p] for p in params]
-

@@ -25,6 +25,7 @@ from edgefcl.learn.checkpoint import data_attrs, load_data_attrs, load_module_st
 from edgefcl.learn.drift import StreamMonitor
 from edgefcl.learn.memory import MemorySpec, ReplayMemory, Scoring
 from edgefcl.learn.models import eval_mode, penultimate
+from edgefcl.learn.optimizers import LocalOptimizer
 from edgefcl.learn.proto_train import PrototypeHead
 from edgefcl.learn.scoring.perturb import Perturber, augment_batch
 from edgefcl.learn.scoring.scores import uncertainty
@@ -81,7 +82,7 @@ class StreamLearner:
     """
 
     def __init__(self, cid: str, model: torch.nn.Module, learn: LearnConfig, data_kind: str,
-                 device: torch.device, optimizer: torch.optim.Optimizer,
+                 device: torch.device, optimizer: LocalOptimizer,
                  generator: torch.Generator, memory: MemorySpec | None, score_method: str,
                  perturber: Perturber | None, monitor: StreamMonitor | None,
                  onnx: ClientOnnx | None, protos: PrototypeHead | None, clock: Clock) -> None:

@@ -15,6 +15,7 @@ from torch import Tensor
 from edgefcl.data.labels import check_names, label_id, label_names
 from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.learn.models import eval_mode
+from edgefcl.learn.optimizers import LocalOptimizer
 from edgefcl.learn.proto_net import ProtoNet, PrototypeLibrary
 
 
@@ -81,7 +82,7 @@ class PrototypeHead:
             (grad,) = torch.autograd.grad(loss, w)
             self.library.step(idx, grad)
 
-    def train_step(self, xb: Tensor, yb: Tensor, opt: torch.optim.Optimizer,
+    def train_step(self, xb: Tensor, yb: Tensor, opt: LocalOptimizer,
                    penalty: Callable[[], Tensor | None]) -> None:
         """One step of extractor + assembled classifier (classes of `yb`: batch and replay).
         Gaussian rows: the classifier is a draw mu + sigma * eps when the extractor samples

@@ -2,7 +2,6 @@
 before it can start work."""
 
 import torch  # noqa: F401
-import torch._dynamo  # noqa: F401  (the first torch.optim optimizer imports it: ~2 s)
 
 import edgefcl.build  # noqa: F401
 import edgefcl.data.workload  # noqa: F401
