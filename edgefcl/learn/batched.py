@@ -30,29 +30,20 @@ from edgefcl.data.types import Batch
 from edgefcl.federation.messages import Update
 from edgefcl.learn.client import Client
 from edgefcl.learn.learner import PendingBatch, StreamLearner
-from edgefcl.learn.optimizers import SGD, Adam, LocalOptimizer
+from edgefcl.learn.optimizers import LocalOptimizer
 
 Key = tuple[object, ...]
 
 
-def _adam_defaults(opt: LocalOptimizer) -> dict | None:
-    """lr, betas and eps of a plain Adam (one group; no decay, amsgrad, maximize), else None."""
-    if type(opt) is not Adam or len(opt.param_groups) != 1:
+def _plain_group(opt: LocalOptimizer) -> dict | None:
+    """The settings of `opt`'s one parameter group when a stacked step can apply them (a local
+    optimizer with one group, without weight decay or momentum), else None."""
+    if not isinstance(opt, LocalOptimizer) or len(opt.param_groups) != 1:
         return None
-    g = opt.param_groups[0]
-    if g["weight_decay"] or g["amsgrad"] or g["maximize"] or torch.is_tensor(g["lr"]):
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    if group.get("weight_decay") or group.get("momentum") or group.get("maximize"):
         return None
-    return {"lr": g["lr"], "beta1": g["betas"][0], "beta2": g["betas"][1], "eps": g["eps"]}
-
-
-def _sgd_defaults(opt: LocalOptimizer) -> dict | None:
-    """lr of a plain SGD (one group; no momentum, decay, nesterov, maximize), else None."""
-    if type(opt) is not SGD or len(opt.param_groups) != 1:
-        return None
-    g = opt.param_groups[0]
-    if g["momentum"] or g["weight_decay"] or g["nesterov"] or g["maximize"]:
-        return None
-    return {"lr": g["lr"]}
+    return group
 
 
 def batch_clients(learn: LearnConfig) -> bool:
@@ -71,8 +62,8 @@ def why_alone(client: Client) -> str | None:
         return "the prototype head assembles its classifier per batch"
     if not client.hooks.plain_training():
         return f"method {learner.learn.method} adds a loss term or transforms the model"
-    if (_adam_defaults(learner.opt) or _sgd_defaults(learner.opt)) is None:
-        return "its optimizer is not a plain Adam or SGD"
+    if _plain_group(learner.opt) is None:
+        return "its optimizer has weight decay, momentum or several parameter groups"
     return None
 
 
@@ -131,7 +122,7 @@ class FleetTrainer:
     def _key(learner: StreamLearner, inputs: list) -> Key:
         model = learner.model
         opt = learner.opt
-        return (type(model), repr(_adam_defaults(opt) or _sgd_defaults(opt)), learner.device,
+        return (type(model), type(opt), repr(_plain_group(opt)), learner.device,
                 tuple((n, tuple(t.shape)) for n, t in model.state_dict().items()),
                 tuple((tuple(x.shape), tuple(y.shape)) for x, y in inputs))
 
@@ -141,15 +132,15 @@ class FleetTrainer:
 
     def _stacked(self, key: Key, members: list[tuple[StreamLearner, list]]) -> None:
         self.train_stacked([m[0].model for m in members], [m[0].opt for m in members],
-                           [m[1] for m in members], key[:4])
+                           [m[1] for m in members], key[:5])
         self.stacked_steps += len(members)
 
     def train_stacked(self, models: Sequence[nn.Module],
                       optimizers: Sequence[LocalOptimizer],
                       inputs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
                       architecture: Key | None = None) -> None:
-        """One optimizer step of every model per (x, y) of its `inputs` (the same shapes for
-        all; a plain Adam or SGD, see `stackable`), all models at once, in train mode: models
+        """One optimizer step of every model per (x, y) of its `inputs` (the same shapes and
+        optimizer settings for all, see `stackable`), all models at once, in train mode: models
         and optimizers end as if each had stepped alone. `architecture` names the models'
         shared layout, to reuse its stacked forward (default: read from the first model)."""
         first = models[0]
@@ -171,13 +162,10 @@ class FleetTrainer:
         # client's own state, all in one call
         with torch.no_grad():
             views = [params[n][k] for k in range(len(models)) for n in names]
-        adam = _adam_defaults(optimizers[0])
-        if adam is not None:
-            states = [[opt.state_of(q) for q in p]  # type: ignore[attr-defined]
-                      for opt, p in zip(optimizers, per_model, strict=True)]
-            moments, squares, counts = (
-                [s[key] for client in states for s in client]
-                for key in ("exp_avg", "exp_avg_sq", "step"))
+        opt = optimizers[0]
+        group = _plain_group(opt)
+        states = [opt_k.state_of(q) for opt_k, p in zip(optimizers, per_model, strict=True)
+                  for q in p]
         for epoch in range(len(inputs[0])):
             xs = torch.stack([own[epoch][0] for own in inputs])
             ys = torch.stack([own[epoch][1] for own in inputs])
@@ -190,13 +178,7 @@ class FleetTrainer:
                 # layout (a stacked Linear's gradient comes transposed)
                 g = [t.contiguous() for t in g]
                 g_views = [g[i][k] for k in range(len(models)) for i in range(len(names))]
-                if adam is None:
-                    lr = _sgd_defaults(optimizers[0])["lr"]  # type: ignore[index]
-                    torch._foreach_add_(views, g_views, alpha=-lr)
-                    continue
-                torch._foreach_add_(counts, 1)
-                torch._fused_adam_(views, g_views, moments, squares, [], counts, amsgrad=False,
-                                   weight_decay=0.0, maximize=False, **adam)
+                type(opt).apply(views, g_views, states, group)  # type: ignore[arg-type]
         with torch.no_grad():
             for k, (model, p) in enumerate(zip(models, per_model, strict=True)):
                 model.train()

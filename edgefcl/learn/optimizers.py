@@ -82,34 +82,34 @@ class LocalOptimizer:
             return value.to(device=p.device, dtype=torch.float32)
         return value.to(device=p.device, dtype=p.dtype)
 
-    def _with_grads(self, group: dict[str, Any]) -> list[Tensor]:
-        return [p for p in group["params"] if p.grad is not None]
-
-
-class Adam(LocalOptimizer):
-    """Adam (no weight decay, no amsgrad) with torch's fused kernel: the same update as
-    `torch.optim.Adam(params, lr, fused=True)`, bit for bit."""
-
-    defaults = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
-                "maximize": False, "foreach": None, "capturable": False,
-                "differentiable": False, "fused": True, "decoupled_weight_decay": False}
+    def state_of(self, p: Tensor) -> dict[str, Any]:
+        """`p`'s state, created as torch.optim creates it."""
+        return self.state[p]
 
     @torch.no_grad()
     def step(self) -> None:
         """One update of every parameter that has a gradient."""
         for group in self.param_groups:
-            params = self._with_grads(group)
-            if not params:
-                continue
-            states = [self.state_of(p) for p in params]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1)
-            beta1, beta2 = group["betas"]
-            torch._fused_adam_(params, [p.grad for p in params],
-                               [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                               [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
-                               beta2=beta2, weight_decay=group["weight_decay"],
-                               eps=group["eps"], maximize=False)
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self.apply(params, [p.grad for p in params], [self.state_of(p) for p in params],
+                           group)
+
+    @staticmethod
+    def apply(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]],
+              group: dict[str, Any]) -> None:
+        """Update `params` in place from `grads` and their `states` with `group`'s settings,
+        all in one call (the parameters may be rows of stacked tensors: `learn/batched.py`)."""
+        raise NotImplementedError
+
+
+class Adam(LocalOptimizer):
+    """Adam (no amsgrad) with torch's fused kernel: the same update as
+    `torch.optim.Adam(params, lr, fused=True)`, bit for bit."""
+
+    defaults = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+                "maximize": False, "foreach": None, "capturable": False,
+                "differentiable": False, "fused": True, "decoupled_weight_decay": False}
 
     def state_of(self, p: Tensor) -> dict[str, Any]:
         """`p`'s state (step, moments), created as torch's fused Adam creates it."""
@@ -120,19 +120,29 @@ class Adam(LocalOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
+    @staticmethod
+    def apply(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]],
+              group: dict[str, Any]) -> None:
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        torch._fused_adam_(params, grads, [s["exp_avg"] for s in states],
+                           [s["exp_avg_sq"] for s in states], [], steps, amsgrad=False,
+                           lr=group["lr"], beta1=beta1, beta2=beta2,
+                           weight_decay=group["weight_decay"], eps=group["eps"],
+                           maximize=group["maximize"])
+
 
 class SGD(LocalOptimizer):
-    """Plain SGD (no momentum, no weight decay): `p -= lr * grad`, as torch.optim.SGD."""
+    """Plain SGD (no momentum): `p -= lr * grad`, as torch.optim.SGD."""
 
     defaults = {"momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
                 "maximize": False, "foreach": None, "differentiable": False, "fused": None}
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """One update of every parameter that has a gradient."""
-        for group in self.param_groups:
-            for p in self._with_grads(group):
-                p.add_(p.grad, alpha=-group["lr"])
+    @staticmethod
+    def apply(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]],
+              group: dict[str, Any]) -> None:
+        torch._foreach_add_(params, grads, alpha=-group["lr"])
 
 
 OPTIMIZERS: dict[str, type[LocalOptimizer]] = {"adam": Adam, "sgd": SGD}
