@@ -337,6 +337,9 @@ class AggregatorDaemon:
     def _serve_rounds(self, now: float) -> None:
         """Close what is due (async timeouts, silent clients)."""
         if self.cfg.fed.mode == "async":
+            superseded = self.inbox.take_superseded()
+            if superseded:  # dropped unread: counted where state.json keeps them
+                self.agg.counters["superseded_in_inbox"] += superseded
             lost = self.inbox.take_lost()
             if lost:
                 self._close_safely(lambda: self.agg.lost(lost, now))

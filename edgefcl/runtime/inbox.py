@@ -68,6 +68,7 @@ class Inbox:
         self.supersede = supersede and is_report is not None  # a newer report replaces one
         # of the same sender still waiting (async: a device's newest model is what counts)
         self.superseded = 0
+        self._superseded_taken = 0
         self._lost: set[str] = set()  # senders of such messages refused since `take_lost`
         self.over_limit = over_limit  # senders over their fair share (see the docstring)
         self.refused: Counter[str] = Counter()  # their messages refused or shed since
@@ -177,6 +178,12 @@ class Inbox:
         if (self.is_report is not None and len(self._lost) < MAX_LOST
                 and self.is_report(topic)):
             self._lost.add(sender)
+
+    def take_superseded(self) -> int:
+        """Reports superseded unread (`supersede`) since the last call."""
+        with self._cond:
+            out, self._superseded_taken = self.superseded - self._superseded_taken, self.superseded
+            return out
 
     def take_lost(self) -> set[str]:
         """Senders of reports (`is_report` topics) refused since the last call: the open round
@@ -305,12 +312,11 @@ def sender_of(topics: Topics) -> Callable[[str], str]:
 
 def shed_counters(inbox: Inbox) -> dict[str, Any]:
     """What a daemon's status says of its inbox's sheds: counters, and the senders with the
-    most messages shed over their share (who is flooding)."""
+    most messages shed over their share (who is flooding). (Superseded reports go into the
+    aggregator's own counters, which state.json keeps: `take_superseded`.)"""
     out: dict[str, Any] = {}
     if inbox.shed:
         out["rejected_inbox_full"] = inbox.shed
     if inbox.over_share:
         out["rejected_over_share"] = inbox.over_share
-    if inbox.superseded:
-        out["superseded_in_inbox"] = inbox.superseded
     return out

@@ -118,6 +118,7 @@ def test_a_newer_update_supersedes_the_one_of_its_sender_still_waiting():
     assert box.put("update/a", b"1" * 10) and box.put("status/a", b"s" * 10)
     assert box.put("update/b", b"1" * 10) and box.put("update/a", b"2" * 20)
     assert box.superseded == 1 and len(box) == 3 and box.bytes == 40
+    assert box.take_superseded() == 1 and box.take_superseded() == 0  # since the last take
     got = [box.get(0.1) for _ in range(3)]  # a keeps its turn: first, its newest update
     assert got == [("update/a", b"2" * 20), ("update/b", b"1" * 10), ("status/a", b"s" * 10)]
     load = box.load()
