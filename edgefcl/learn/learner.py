@@ -16,17 +16,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from edgefcl.config import ConfigError, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.learn.bayes import predict_logits, score_logits
 from edgefcl.learn.checkpoint import data_attrs, load_data_attrs, load_module_state, module_state
+from edgefcl.learn.classifier_head import ClassifierHead, FixedHead
 from edgefcl.learn.drift import StreamMonitor
 from edgefcl.learn.memory import MemorySpec, ReplayMemory, Scoring
 from edgefcl.learn.models import eval_mode, penultimate
 from edgefcl.learn.optimizers import LocalOptimizer
-from edgefcl.learn.proto_train import PrototypeHead
 from edgefcl.learn.scoring.perturb import Perturber, augment_batch
 from edgefcl.learn.scoring.scores import uncertainty
 from edgefcl.learn.scoring.snapshot import ClientOnnx, WorkerScores
@@ -85,7 +84,7 @@ class StreamLearner:
                  device: torch.device, optimizer: LocalOptimizer,
                  generator: torch.Generator, memory: MemorySpec | None, score_method: str,
                  perturber: Perturber | None, monitor: StreamMonitor | None,
-                 onnx: ClientOnnx | None, protos: PrototypeHead | None, clock: Clock) -> None:
+                 onnx: ClientOnnx | None, protos: ClassifierHead | None, clock: Clock) -> None:
         self.cid = cid
         self.model = model
         self.learn = learn
@@ -99,7 +98,8 @@ class StreamLearner:
         self.perturber = perturber  # set: balanced-score memory, scored by a frozen snapshot
         self.monitor = monitor  # prequential accuracy, task-free segments
         self.onnx = onnx  # export_onnx, score_backend onnxruntime
-        self.protos = protos  # prototype library (head prototypes)
+        self.protos = protos  # the prototype library's head (--head prototypes), else None
+        self.head: ClassifierHead = protos if protos is not None else FixedHead(model)
         self.clock = clock
         self.penalty: Callable[[], torch.Tensor | None] = lambda: None
         self.on_task_start: Callable[[int], None] = lambda task: None
@@ -138,13 +138,7 @@ class StreamLearner:
     def begin(self, batch: Batch) -> PendingBatch:
         """The first part of `learn_one`, before training: the labels' ids, the task (a new
         one starts here), scoring started ahead, new prototype rows warmed up."""
-        if self.protos is not None:
-            y_ids = self.protos.ids(batch.y)
-        elif batch.y.dtype.kind not in "iu":
-            raise ValueError(f"labels of dtype {batch.y.dtype} (names) need the prototype "
-                             "head: use --head prototypes")
-        else:
-            y_ids = batch.y
+        y_ids = self.head.ids(batch.y)
         x = torch.from_numpy(batch.x).to(self.device)
         y = torch.from_numpy(y_ids).to(self.device)
         self.sample_shape = tuple(batch.x.shape[1:])
@@ -154,8 +148,7 @@ class StreamLearner:
             self._start_task(task)
         t0 = self.clock.now()
         ahead = self._score_ahead(x, y)
-        if self.protos is not None:
-            self.protos.warmup(x, y)  # new labels: fit their rows with the extractor frozen
+        self.head.warmup(x, y)  # prototypes: new labels' rows, with the extractor frozen
         return PendingBatch(x, y, y_ids, len(batch.y), ahead, t0)
 
     def finish(self, pending: PendingBatch) -> None:
@@ -181,8 +174,7 @@ class StreamLearner:
         labels, counts = np.unique(pending.y_ids, return_counts=True)
         for c, n in zip(labels.tolist(), counts.tolist(), strict=True):
             self.class_counts[c] = self.class_counts.get(c, 0) + n
-        if self.protos is not None:
-            self.protos.count(pending.y_ids)
+        self.head.count(pending.y_ids)
 
     def _start_task(self, task: int) -> None:
         self.task = task
@@ -198,16 +190,7 @@ class StreamLearner:
         """One optimizer step on each (x, y) of `inputs` (`epoch_inputs`), in train mode."""
         self.model.train()
         for xb, yb in inputs:
-            if self.protos is not None:  # the classifier assembled from xb's labels' rows
-                self.protos.train_step(xb, yb, self.opt, self.penalty)
-                continue
-            loss = F.cross_entropy(self.model(xb), yb)
-            extra = self.penalty()
-            if extra is not None:
-                loss = loss + extra
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
+            self.head.train_step(xb, yb, self.opt, self.penalty)
 
     def epoch_inputs(self, x: torch.Tensor, y: torch.Tensor
                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -316,8 +299,7 @@ class StreamLearner:
             self.score_model = copy.deepcopy(self.model)
         else:
             self.score_model.load_state_dict(self.model.state_dict())
-        if self.protos is not None:
-            self.protos.snapshot_into(self.score_model)
+        self.head.snapshot_into(self.score_model)
         self.score_version += 1
 
     # -- persistence ----------------------------------------------------------------------
@@ -338,7 +320,7 @@ class StreamLearner:
             "sample_shape": self.sample_shape,
             "monitor": copy.deepcopy(self.monitor),
             "onnx": data_attrs(self.onnx),
-            "prototypes": None if self.protos is None else self.protos.state(score_model),
+            "prototypes": self.head.state(score_model),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -373,8 +355,8 @@ class StreamLearner:
         self.sample_shape = state["sample_shape"]
         self.monitor = copy.deepcopy(state["monitor"])
         load_data_attrs(self.onnx, state["onnx"], dev)
-        if self.protos is not None and state.get("prototypes") is not None:
-            self.protos.load(state["prototypes"], self.score_model)
+        if state.get("prototypes") is not None:
+            self.head.load(state["prototypes"], self.score_model)
 
     # -- evaluation -----------------------------------------------------------------------
     @torch.no_grad()
@@ -382,10 +364,10 @@ class StreamLearner:
         """Accuracy (fraction) of the current model on (x, y), in eval mode."""
         if len(y) == 0:
             return float("nan")
-        if self.protos is not None and len(self.protos.library) == 0:
+        if self.head.empty:
             return 0.0
         # prototypes: the library's row of each label (-1, never right: a label it lacks)
-        target = y if self.protos is None else self.protos.targets(y)
+        target = self.head.targets(y)
         was_training = self.model.training
         self.model.eval()
         correct = 0

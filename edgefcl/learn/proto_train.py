@@ -42,6 +42,11 @@ class PrototypeHead:
     def library(self) -> PrototypeLibrary:
         return self.model.library
 
+    @property
+    def empty(self) -> bool:
+        """Whether the library holds no label yet."""
+        return len(self.library) == 0
+
     def ids(self, y: np.ndarray) -> np.ndarray:
         """int64 ids of labels `y` (names or integers), registering new names. Raises
         ValueError for a name out of bounds or an id two names share."""
