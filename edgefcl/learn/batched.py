@@ -3,12 +3,13 @@ computation (`--batch-clients`).
 
 Each client first draws what its `local_epochs` steps train on (`StreamLearner.epoch_inputs`:
 its own generators, in its own order, so the draws are the ones it makes alone). Clients whose
-steps have the same shapes and whose models have the same architecture then step together:
-their parameters, BatchNorm statistics and optimizer moments are stacked along a new first
-axis, `torch.func.vmap` runs `grad` of `functional_call` over that axis, and Adam (or SGD) is
-applied to the stacked tensors with each client's own step count. The results are written back
-to every client's model and optimizer, so a client may step alone in the next tick (a
-different shape, a prototype head, a penalty) and checkpoints are unchanged.
+steps have the same shapes, architecture and optimizer settings then step together: their
+parameters and BatchNorm statistics are stacked along a new first axis, one `torch.func.vmap`
+of `functional_call` runs the forward, one backward of the sum of the clients' mean losses
+gives each client its own gradient, and the optimizer's kernel (`LocalOptimizer.apply`: fused
+Adam, or SGD) updates every client's rows with that client's own state in one call. The
+results are written back to every client's model, so a client may step alone in the next tick
+(a different shape, a prototype head, a penalty) and checkpoints are unchanged.
 
 Each client's step matches its sequential step within float tolerance (tests/learn/
 test_batched.py); the stacked path is not bit-identical to it, so the golden hashes and the
