@@ -527,7 +527,9 @@ def test_fleet_of_20_survives_kills_broker_restart_and_corruption(tmp_path, mosq
     tap, u = run["corruptor"], run["updates"]
     assert tap.get("undetected", 0) == 0
     assert 0.02 <= tap["injected"] / tap["updates_seen"] <= 0.09
-    assert tap["injected"] <= u["corrupted_rejected"] <= tap["injected"] + 2
+    # each refused, or dropped unread when the device's next update superseded it (async)
+    assert tap["injected"] <= u["corrupted_rejected"] + u["superseded"]
+    assert u["corrupted_rejected"] <= tap["injected"] + 2
     assert max(abs(d["clock_skew_s"]) for d in run["per_device"].values()) > 60
     assert abs(run["A"] - base["A"]) <= 5.0, (run["A"], base["A"])
 
