@@ -47,6 +47,11 @@ def _plain_group(opt: LocalOptimizer) -> dict | None:
     return group
 
 
+def _architecture(model: nn.Module) -> Key:
+    """The model's class and the names and shapes of its state."""
+    return type(model), tuple((n, tuple(t.shape)) for n, t in model.state_dict().items())
+
+
 def batch_clients(learn: LearnConfig) -> bool:
     """Whether a run stacks its clients' steps: `learn.batch_clients`, where auto means on
     with CUDA (a client's step is launch-bound there) and off on CPU (see docs/speed.md)."""
@@ -80,6 +85,7 @@ class FleetTrainer:
 
     def __init__(self) -> None:
         self._forwards: dict[Key, Callable] = {}  # architecture -> stacked forward
+        self._layouts: dict[StreamLearner, Key | None] = {}  # None: steps alone
         self.stacked_steps = 0
         self.alone_steps = 0
 
@@ -96,13 +102,15 @@ class FleetTrainer:
         groups: dict[Key, list[tuple[int, list]]] = {}
         for i, (c, p) in enumerate(zip(clients, pending, strict=True)):
             t0 = now()
-            if not stackable(c):
+            layout = self._layout(c)
+            if layout is None:
                 self._alone(c.learner, c.learner.epoch_inputs(p.x, p.y))
                 p.trained += now() - t0  # type: ignore[operator]
                 continue
             inputs = list(c.learner.epoch_inputs(p.x, p.y))
             p.trained += now() - t0  # type: ignore[operator]
-            groups.setdefault(self._key(c.learner, inputs), []).append((i, inputs))
+            key = (*layout, tuple((tuple(x.shape), tuple(y.shape)) for x, y in inputs))
+            groups.setdefault(key, []).append((i, inputs))
         for key, members in groups.items():
             t0 = now()
             if len(members) == 1:
@@ -119,13 +127,14 @@ class FleetTrainer:
         client.learner.finish(pending)
         return client.after_learning()
 
-    @staticmethod
-    def _key(learner: StreamLearner, inputs: list) -> Key:
-        model = learner.model
-        opt = learner.opt
-        return (type(model), type(opt), repr(_plain_group(opt)), learner.device,
-                tuple((n, tuple(t.shape)) for n, t in model.state_dict().items()),
-                tuple((tuple(x.shape), tuple(y.shape)) for x, y in inputs))
+    def _layout(self, client: Client) -> Key | None:
+        """What must match for `client` to step with others (model architecture, optimizer
+        settings, device), worked out once per client; None when it steps alone."""
+        learner = client.learner
+        if learner not in self._layouts:
+            self._layouts[learner] = None if not stackable(client) else (
+                *_architecture(learner.model), repr(_plain_group(learner.opt)), learner.device)
+        return self._layouts[learner]
 
     def _alone(self, learner: StreamLearner, inputs: Iterable) -> None:
         learner.train_on(inputs)
@@ -133,7 +142,7 @@ class FleetTrainer:
 
     def _stacked(self, key: Key, members: list[tuple[StreamLearner, list]]) -> None:
         self.train_stacked([m[0].model for m in members], [m[0].opt for m in members],
-                           [m[1] for m in members], key[:5])
+                           [m[1] for m in members], key[:2])
         self.stacked_steps += len(members)
 
     def train_stacked(self, models: Sequence[nn.Module],
@@ -145,9 +154,7 @@ class FleetTrainer:
         and optimizers end as if each had stepped alone. `architecture` names the models'
         shared layout, to reuse its stacked forward (default: read from the first model)."""
         first = models[0]
-        if architecture is None:
-            architecture = (type(first), tuple((n, tuple(t.shape))
-                                               for n, t in first.state_dict().items()))
+        architecture = architecture or _architecture(first)
         if architecture not in self._forwards:
             meta = copy.deepcopy(first).to("meta").train()
             self._forwards[architecture] = vmap(
