@@ -26,8 +26,8 @@ from edgefcl.data.types import Batch
 from edgefcl.federation.heads import HEADS
 from edgefcl.learn.bayes import predict_logits
 from edgefcl.learn.client import Client
+from edgefcl.learn.heads import head_of, library_model_head
 from edgefcl.learn.models import build_model
-from edgefcl.learn.proto_net import ProtoNet, proto_model
 from edgefcl.learn.variational import client_hooks
 from edgefcl.results import RunResult
 from edgefcl.sim.runs import simulate
@@ -76,7 +76,7 @@ class Learner:
         model = build_model(le.model, tuple(x.shape[1:]), self.classes or 1, le.hidden,
                             le.bn_momentum)
         if self.classes is None:
-            model = proto_model(model)
+            model = library_model_head().wrap(model)
         model = client_hooks(le.method, le, self.fed).prepare_model(model)
         kind = "image" if x.ndim == 4 else "vector"
         self._client = new_client("local", model, le, self.fed, kind, self.seed)
@@ -144,8 +144,9 @@ class Learner:
         if self._client is None:
             return []
         model = self._client.learner.model
-        assert isinstance(model, ProtoNet)
-        return [self._labels[name] for name in model.library.labels]
+        names = head_of(model).labels(model)
+        assert names is not None
+        return [self._labels[name] for name in names]
 
     def predict_many(self, X: ArrayLike) -> np.ndarray:
         """The most likely label of each sample."""

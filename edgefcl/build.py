@@ -14,21 +14,19 @@ from threadpoolctl import threadpool_limits
 from edgefcl.config import FedConfig, LearnConfig, RunConfig, resolve_current_share, resolve_fed
 from edgefcl.data.types import Dataset, TaskData
 from edgefcl.data.workload import client_id, load_workload
-from edgefcl.federation.heads import library_head
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.registry import get_encoding
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import make_monitor
 from edgefcl.learn.global_format import global_tensors
+from edgefcl.learn.heads import head_for, head_of
 from edgefcl.learn.learner import Clock, StreamLearner, resolve_device
 from edgefcl.learn.memory import ClassBalanced, MemorySpec
 from edgefcl.learn.memory_policies import get_policy
 from edgefcl.learn.methods import get_method, load
 from edgefcl.learn.models import build_model
 from edgefcl.learn.optimizers import OPTIMIZERS, LocalOptimizer
-from edgefcl.learn.proto_net import ProtoNet, proto_model
-from edgefcl.learn.proto_train import PrototypeHead
 from edgefcl.learn.scoring.perturb import make_perturber
 from edgefcl.learn.scoring.snapshot import make_client_onnx
 from edgefcl.learn.selection import get_selection
@@ -60,8 +58,7 @@ def prepare(cfg: RunConfig, seed: int) -> Setup:
     torch.manual_seed(seed)
     model = build_model(cfg.learn.model, ds.sample_shape, ds.n_classes, cfg.learn.hidden,
                         cfg.learn.bn_momentum)
-    if library_head(cfg):
-        model = proto_model(model)  # the output layer becomes the label-keyed library
+    model = head_for(cfg).wrap(model)  # prototypes: the output layer becomes the library
     model = client_hooks(cfg.learn.method, cfg.learn, cfg.fed).prepare_model(model)
     return Setup(ds, tasks, model)
 
@@ -76,9 +73,7 @@ def initial_prototypes(setup: Setup, encoding: str = "dense") -> PrototypeTable 
     """The first global prototype library (empty, of the run's row width; Gaussian rows with
     the gaussian encoding), or None for a fixed head."""
     model = setup.initial
-    if not isinstance(model, ProtoNet):
-        return None
-    return PrototypeTable.empty(model.dim + 1, get_encoding(encoding).bayesian)
+    return head_of(model).empty_table(model, get_encoding(encoding).bayesian)
 
 
 def for_method(cfg: RunConfig, method: str) -> RunConfig:
@@ -113,10 +108,8 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
     perturber = (make_perturber(data_kind, learn.perturbations, learn.noise_std, seed)
                  if policy is not None and policy.scored else None)
     encoder = get_encoding(fed.encoding).make_encoder(fed)
-    protos = (PrototypeHead(model, learn.optimizer, learn.lr, device, learn.warmup_steps,
-                            not learn.prototypes_local,
-                            learn.bayes_sigma if get_encoding(fed.encoding).bayesian else None)
-              if isinstance(model, ProtoNet) else None)
+    sigma = learn.bayes_sigma if get_encoding(fed.encoding).bayesian else None
+    protos = head_of(model).trainer(model, learn, device, sigma)
     learner = StreamLearner(cid, model, learn, data_kind, device, opt,
                       torch.Generator().manual_seed(seed), memory, spec.score, perturber,
                       make_monitor(learn), make_client_onnx(learn), protos, Clock(device))

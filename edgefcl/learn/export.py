@@ -28,9 +28,9 @@ from torch import nn
 from edgefcl.config import ConfigError, FedConfig, LearnConfig
 from edgefcl.data.types import DataError
 from edgefcl.federation.prototype_library import ROWS_KEY
+from edgefcl.learn.heads import head_of, library_model_head
 from edgefcl.learn.models import build_model, eval_mode, model_device, resolve_model_name
 from edgefcl.learn.params import get_tensors, set_tensors
-from edgefcl.learn.proto_net import ProtoNet, proto_model
 from edgefcl.learn.variational import client_hooks
 from edgefcl.learn.views import ClientView
 from edgefcl.ondevice import OnnxModel
@@ -160,7 +160,7 @@ def load_run_model(run: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     tensors = load_tensors(global_path)
     rows = tensors.pop(PROTOTYPE_ROWS, None)
     if rows is not None:  # head prototypes: extractor + the global library as classifier
-        model = proto_model(model)
+        model = library_model_head().wrap(model)
     model = client_hooks(learn.method, learn, fed).prepare_model(model)  # e.g. Bayesian layers
     state = model.state_dict()
     bad = sorted(set(tensors) - set(state)) + [
@@ -169,9 +169,9 @@ def load_run_model(run: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         raise DataError(f"{global_path} does not fit the {spec['model']} model of the run "
                         f"(unknown or mis-shaped tensors: {bad[:5]})")
     set_tensors(model, tensors)
-    if isinstance(model, ProtoNet) and rows is not None:
-        model.library.ensure([str(n) for n in results.get("labels") or range(len(rows))])
-        model.library.rows = torch.from_numpy(np.asarray(rows, np.float32))
+    if rows is not None:
+        head_of(model).load_rows(model, [str(n) for n in results.get("labels") or
+                                         range(len(rows))], rows)
     return model.eval(), spec
 
 
