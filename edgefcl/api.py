@@ -26,7 +26,7 @@ from edgefcl.data.types import Batch
 from edgefcl.federation.heads import HEADS
 from edgefcl.learn.bayes import predict_logits
 from edgefcl.learn.client import Client
-from edgefcl.learn.heads import head_of, library_model_head
+from edgefcl.learn.model_heads import head_of, library_model_head
 from edgefcl.learn.models import build_model
 from edgefcl.learn.variational import client_hooks
 from edgefcl.results import RunResult

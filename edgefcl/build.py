@@ -20,11 +20,11 @@ from edgefcl.federation.registry import get_encoding
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import make_monitor
 from edgefcl.learn.global_format import global_tensors
-from edgefcl.learn.heads import head_for, head_of
 from edgefcl.learn.learner import Clock, StreamLearner, resolve_device
 from edgefcl.learn.memory import ClassBalanced, MemorySpec
 from edgefcl.learn.memory_policies import get_policy
 from edgefcl.learn.methods import get_method, load
+from edgefcl.learn.model_heads import head_for, head_of
 from edgefcl.learn.models import build_model
 from edgefcl.learn.optimizers import OPTIMIZERS, LocalOptimizer
 from edgefcl.learn.scoring.perturb import make_perturber

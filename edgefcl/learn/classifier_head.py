@@ -1,8 +1,8 @@
 """The learner's classifier head, as the learner sees it (`ClassifierHead`), and the fixed
 output layer (`FixedHead`). The prototype library's head (`learn/proto_train.PrototypeHead`,
-`--head prototypes`) is the other implementation, built by its `learn/heads.py` entry
+`--head prototypes`) is the other implementation, built by its `learn/model_heads.py` entry
 (`ModelHead.trainer`); the learner holds one or the other and never asks which (the registry of
-heads: `federation/heads.py`, its learning side `learn/heads.py`)."""
+heads: `federation/heads.py`, its learning side `learn/model_heads.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The learning side's head registry (`learn/heads.py`): one `ModelHead` per federation head,
-and the hooks that build, train and read each head's model."""
+"""The learning side's head registry (`learn/model_heads.py`): one `ModelHead` per federation
+head, and the hooks that build, train and read each head's model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from edgefcl.config import LearnConfig, RunConfig
 from edgefcl.federation.heads import HEADS
-from edgefcl.learn.heads import MODEL_HEADS, head_for, head_of, library_model_head
+from edgefcl.learn.model_heads import MODEL_HEADS, head_for, head_of, library_model_head
 from edgefcl.learn.models import build_model
 from edgefcl.learn.proto_net import ProtoNet
 from edgefcl.learn.proto_train import PrototypeHead
