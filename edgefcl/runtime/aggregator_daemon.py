@@ -324,8 +324,6 @@ class AggregatorDaemon:
                 raise
             self.round_bytes_in = 0
             self._publish_global(closed.global_, payload)
-            if pull_downlink(self.cfg.fed):  # for the devices waiting for their update's
-                self._publish(self.topics.global_live, payload)
             if delta_downlink(self.cfg.fed):  # devices at the previous version take the change
                 delta = downlink_message(closed.global_, self.agg.history,
                                          closed.global_.version - 1)

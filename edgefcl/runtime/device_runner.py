@@ -119,10 +119,8 @@ class DeviceRunner:
         self.pull = False
         """Async, whole globals: the aggregator asks its fleet to pull (`pull_globals`): the
         device listens for globals only while an update of its may still be counted, or while
-        it waits for one (`_global_topic`)."""
-        self.listening: str | None = self.topics.global_
-        """The global topic the device is subscribed to now (a delta-downlink device never
-        pulls: it stays on this one)."""
+        it waits for one (`_wants_global`)."""
+        self.listening = True  # not left by pulling (a delta-downlink device never pulls)
         self.waiting_global = False  # at the task gate or the end of the stream
         self.last_update: tuple[int, int, bytes, str | None] | None = None
         """async: the last update sent (seq, base version, payload, the incarnation of the
@@ -190,9 +188,9 @@ class DeviceRunner:
 
     def _handle(self, topic: str, payload: bytes) -> None:
         tp = self.topics
-        allowed = {tp.global_: "global", tp.global_live: "global", tp.global_delta: "global",
-                   tp.tick: "answer", tp.control: "control", tp.stream(self.cid): "stream",
-                   tp.config: "config", tp.aggregator_status: "status"}.get(topic)
+        allowed = {tp.global_: "global", tp.global_delta: "global", tp.tick: "answer",
+                   tp.control: "control", tp.stream(self.cid): "stream", tp.config: "config",
+                   tp.aggregator_status: "status"}.get(topic)
         if allowed is None:
             raise CodecError("topic", f"no message is accepted on {topic}")
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
@@ -280,31 +278,26 @@ class DeviceRunner:
         self.link.unsubscribe(self.topics.global_)
         self.link.subscribe(self.topics.global_, self._on_message, qos=0, wait=False)
 
-    def _global_topic(self) -> str | None:
-        """The global topic the device listens on now: the retained whole global, unless it
-        pulls. A pulling device listens to the retained one while it waits for a global (task
-        gate, end of stream: the newest arrives at once), to the live copy while its last
-        update may still be counted (not answered, and not staler than `max_staleness`
-        against the newest global: only the globals published since, not the retained one it
-        already holds), else to none."""
+    def _wants_global(self) -> bool:
+        """Whether the device listens for globals now: always, unless it pulls; then while
+        it waits for one (task gate, end of stream) or its last update may still be counted
+        (not answered, and not staler than `max_staleness` against the newest global)."""
         if not self.pull or self.waiting_global:
-            return self.topics.global_
+            return True
         if not self.unanswered or self.last_update is None:
-            return None
+            return False
         latest = self.latest
-        if latest is None or latest.version - self.last_update[1] <= self.cfg.fed.max_staleness:
-            return self.topics.global_live
-        return None
+        return latest is None or latest.version - self.last_update[1] <= self.cfg.fed.max_staleness
 
     def _listen(self) -> None:
-        """Move the subscription to the topic `_global_topic` names (or leave it)."""
-        want = self._global_topic()
+        """Subscribe to the whole global, or leave it, as `_wants_global` says."""
+        want = self._wants_global()
         if want != self.listening:
-            if self.listening is not None:
-                self.link.unsubscribe(self.listening)
-            if want is not None:  # then every new global (on `global`, first the retained)
-                self.link.subscribe(want, self._on_message, qos=0, wait=False)
             self.listening = want
+            if want:  # the retained global arrives at once, then every new one
+                self.link.subscribe(self.topics.global_, self._on_message, qos=0, wait=False)
+            else:
+                self.link.unsubscribe(self.topics.global_)
 
     def _waiting_global(self, waiting: bool) -> None:
         """The device starts or stops waiting for a global (it listens meanwhile)."""

@@ -4,7 +4,6 @@ All topics live under `<root>/<fleet>/`:
 
     config              aggregator -> all       QoS 1, retained
     global              aggregator -> clients   QoS 1, retained
-    global/live         aggregator -> clients   QoS 1, the same globals not retained (pull)
     tick                aggregator -> clients   QoS 1 (lock-step answers)
     update/<client>     client -> aggregator    QoS 1
     status/<client>     client -> all           QoS 1, retained (last will: offline)
@@ -73,13 +72,6 @@ class Topics:
     def global_(self) -> str:
         """The current global model; retained."""
         return f"{self.base}/global"
-
-    @property
-    def global_live(self) -> str:
-        """Each new global again, not retained (async pull downlink): a device that listens
-        while its update waits to be counted receives only the globals published after it
-        subscribed, not the retained one it already holds."""
-        return f"{self.base}/global/live"
 
     @property
     def global_delta(self) -> str:

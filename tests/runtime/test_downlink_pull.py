@@ -53,26 +53,26 @@ def send_update(r: DeviceRunner, seq: int, base: int) -> None:
 
 def deliver(r: DeviceRunner, version: int, participants: tuple[str, ...]) -> None:
     g = GlobalModel(version, global_tensors(r.client.model, r.cfg.fed.encoding), participants)
-    r._on_message(r.listening or topics(r.cfg.mqtt).global_, encode(g, fleet="g"))
+    r._on_message(topics(r.cfg.mqtt).global_, encode(g, fleet="g"))
     r._merge_async()
 
 
 def test_a_pulling_device_listens_while_its_update_waits_to_be_counted(setup) -> None:
     r, link = runner(setup, pull=True)
-    glob, live = topics(r.cfg.mqtt).global_, topics(r.cfg.mqtt).global_live
+    glob = topics(r.cfg.mqtt).global_
     deliver(r, 1, ())  # the retained global at start; nothing sent yet: it stops listening
     assert link.calls == [("unsubscribe", glob)] and not r.listening
-    send_update(r, 1, base=1)  # the live copy: not the retained global it already holds
-    assert link.calls[-1] == ("subscribe", live) and r.listening == live
+    send_update(r, 1, base=1)
+    assert link.calls[-1] == ("subscribe", glob) and r.listening
     deliver(r, 2, ("someone",))  # a round without it: it goes on listening
-    assert r.listening == live
+    assert r.listening
     deliver(r, 3, (r.cid,))  # counted: it leaves
-    assert link.calls[-1] == ("unsubscribe", live) and r.unanswered == 0
+    assert link.calls[-1] == ("unsubscribe", glob) and r.unanswered == 0
     send_update(r, 2, base=3)
     stale = 3 + r.cfg.fed.max_staleness + 1
     deliver(r, stale, ("someone",))  # its update is too stale to be counted now: it leaves
     assert r.unanswered == 1 and not r.listening
-    r._waiting_global(True)  # the task gate: the retained global (the newest, at once)
+    r._waiting_global(True)  # the task gate: it listens until the gate's global came
     assert link.calls[-1] == ("subscribe", glob)
     r._waiting_global(False)
     assert link.calls[-1] == ("unsubscribe", glob)

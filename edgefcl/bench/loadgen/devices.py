@@ -23,9 +23,8 @@ its period. A fraction `ignoring` of the devices (`ignores`) never consult their
 send every due update whatever the factor, as a device that does not follow the protocol.
 
 Downlink (`globals`): with `every` each device subscribes to the global and its deltas as
-DeviceRunner does; with `pull` it subscribes to the live copy (`global/live`, not retained) after
-each update it sends and leaves once a global lists it (DeviceRunner under `--downlink pull`); the
-bytes received are counted.
+DeviceRunner does; with `pull` it subscribes after each update it sends and leaves once a global
+lists it (DeviceRunner under `--downlink pull`); the bytes received are counted.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
 from edgefcl.bench.loadgen.template import UpdateTemplate
 from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
-from edgefcl.transport.topics import Topics
 
 log = logging.getLogger("edgefcl.bench.loadgen")
 
@@ -169,8 +167,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
                 counters["connected"].value += 1
 
     received = [0]  # downlink payload bytes not yet added to the shared counter
-    tp = Topics(spec.fleet, spec.topic_root)
-    downlink = [(tp.global_, 0), (tp.global_delta, 1)]
+    downlink = [(f"{base}/global", 0), (f"{base}/global/delta", 1)]
 
     def on_device_connect(client, userdata, flags, reason, properties) -> None:
         on_connect(client, userdata, flags, reason, properties)
@@ -184,7 +181,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
                 parts = msgpack.unpackb(msg.payload, raw=False).get("participants") or ()
                 if userdata.cid in parts:
                     userdata.pulling = False
-                    client.unsubscribe(tp.global_live)
+                    client.unsubscribe(downlink[0][0])
 
     def on_publish(client, userdata, mid, reason, properties) -> None:
         with counters["acked"].get_lock():
@@ -231,7 +228,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
                         published += 1
                         if spec.globals == "pull" and not d.pulling:
                             d.pulling = True
-                            d.client.subscribe(tp.global_live, 0)
+                            d.client.subscribe(downlink[0][0], 0)
                     else:
                         skipped += 1
                 if d.due > now:
