@@ -278,6 +278,10 @@ class FedConfig:
                            "seconds for every active device to finish that task too, so that "
                            "devices of different speeds stay on one task (0: off; "
                            "docs/async.md)")
+    gate_carry_mib: float = opt(16.0, "async, task gate: MiB of each device's newest update "
+                                "kept so that the gate's round holds every device's end-of-task "
+                                "model, those an earlier round counted too (0: off; "
+                                "docs/async.md)")
     device_merge: str = opt("replace", "async: how a device merges a global it took part in: "
                             "replace (theta_global; the default from docs/async.md) | delta "
                             "(theta_global + theta_now - theta_sent) | staleness (theta_global "
@@ -369,7 +373,8 @@ class RunConfig:
     profile: str = opt(
         "homogeneous", "async in process: the devices' timing on the virtual clock: "
         "homogeneous | heterogeneous (10x spread of speeds, lognormal delays, 3 %% dropouts) | "
-        "trace:PATH (a JSON trace; an MQTT run writes its matched trace, timing_trace.json)"
+        "congested (answers slower than a tiny task) | trace:PATH (a JSON trace; an MQTT "
+        "run writes its matched trace, timing_trace.json)"
     )
     transport: str = opt(
         "inprocess", "inprocess (one process) | mqtt (aggregator, clients and replayer as "
@@ -631,6 +636,7 @@ def check_fed(f: FedConfig) -> None:
         (f.staleness_a >= 0 and f.staleness_b >= 0, "staleness_a and staleness_b must be >= 0"),
         (0 < f.task_decay <= 1, "task_decay must be in (0, 1] (1: off)"),
         (f.task_gate >= 0, "task_gate must be >= 0 seconds (0: off)"),
+        (f.gate_carry_mib >= 0, "gate_carry_mib must be >= 0 (0: off)"),
     ])
 
 

@@ -99,7 +99,8 @@ SHORT_HELP = {
     "aggregation": "fedavg | class-weighted | median | trimmed-mean (dense); conflation | "
                    "fedbnn | moments (gaussian)",
     "roster": "comma-separated client ids allowed (empty: learned from the first seen)",
-    "profile": "async timing on the virtual clock: homogeneous | heterogeneous | trace:PATH",
+    "profile": "async timing on the virtual clock: homogeneous | heterogeneous | congested | "
+               "trace:PATH",
     "transport": "inprocess | mqtt (every role a process, over a broker)",
     "connect_timeout": "seconds to wait for the broker at start-up",
 }

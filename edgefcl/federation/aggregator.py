@@ -22,7 +22,8 @@ from edgefcl.federation.robust import check_variances, label_room, prepare_round
 from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.strategy import RoundInput, Strategy
-from edgefcl.federation.task_gate import TaskGate
+from edgefcl.federation.task_ends import TaskEnds, update_bytes
+from edgefcl.federation.task_gate import OPEN, TaskGate
 from edgefcl.federation.versions import GlobalHistory
 
 log = logging.getLogger("edgefcl.aggregator")
@@ -41,6 +42,9 @@ class RoundClosed:
     participants: tuple[str, ...] = ()
     seqs: dict[str, int] = field(default_factory=dict)
     """Sequence number of each participant's update (what the round counted)."""
+    carried: dict[str, int] = field(default_factory=dict)
+    """The task gate's round: sequence number of each end-of-task update an earlier round
+    counted, held again so that every device's end-of-task model is in it (`task_ends.py`)."""
 
 
 @dataclass
@@ -53,6 +57,9 @@ class _Round:
     """Bytes of the tensors of `updates` (async rounds close at `round_max_mib`)."""
     arrived: int = 0
     """Updates accepted into the round, replaced ones included (`buffer` counts them)."""
+    carried: dict[str, int] = field(default_factory=dict)
+    """client -> seq of an end-of-task update a past round counted, held for the task gate's
+    round (`TaskEnds`); not counted again."""
     spilled: dict[str, int] = field(default_factory=dict)
     """client -> seq of its update already folded into the strategy (`Aggregator._spill`);
     a newer update of such a client in `updates` waits for the next round."""
@@ -60,10 +67,6 @@ class _Round:
     def clients(self) -> int:
         """Distinct clients in the round, folded or held."""
         return len(self.spilled) + sum(c not in self.spilled for c in self.updates)
-
-
-def _nbytes(update: Update) -> int:
-    return sum(np.asarray(t).nbytes for t in update.tensors.values())
 
 
 def round_spills(fed: FedConfig, library: bool) -> bool:
@@ -119,8 +122,9 @@ def note_round(updates: list[Update], version: int, counters: Counter,
 
 def async_stats(counters: dict) -> dict:
     """Rounds, updates per round and staleness of the folded updates (mean and histogram),
-    what was dropped, and rounds closed by the buffer and by the task gate, from an
-    aggregator's counters."""
+    what was dropped, rounds closed by the buffer and by the task gate, and end-of-task
+    updates the gate's rounds carried (counted in the staleness too), from an aggregator's
+    counters."""
     def hist(prefix: str) -> dict[int, int]:
         return {int(k[len(prefix):]): int(v) for k, v in sorted(counters.items())
                 if k.startswith(prefix) and k[len(prefix):].isdigit()}
@@ -136,7 +140,8 @@ def async_stats(counters: dict) -> dict:
             "staleness": stale, "dropped_stale": int(counters.get("rejected_stale", 0)),
             "replaced": int(counters.get("replaced", 0)),
             "closed_buffer": int(counters.get("closed_buffer", 0)),
-            "closed_gate": int(counters.get("closed_gate", 0))}
+            "closed_gate": int(counters.get("closed_gate", 0)),
+            "carried": int(counters.get("carried", 0))}
 
 
 class Aggregator:
@@ -200,9 +205,18 @@ class Aggregator:
         """`tasks_passed`, kept until a claim or the active set changes (the daemon asks after
         every message)."""
         self._round = _Round()
+        self.task_ends = TaskEnds(int(fed.gate_carry_mib * (1 << 20)))
+        """Async, task gate: each client's newest update, for the gate's round."""
         self.encoding = get_encoding(fed.encoding)
         self.fold = get_fold(fed.fold)
         self.strategy = self._new_strategy()
+
+    @property
+    def carries(self) -> bool:
+        """Whether the task gate's round holds end-of-task updates an earlier round counted
+        (`task_ends.py`): async with the gate and `gate_carry_mib` on."""
+        return (self.fed.mode == "async" and self.fed.task_gate > 0
+                and self.fed.gate_carry_mib > 0)
 
     @property
     def spills(self) -> bool:
@@ -247,6 +261,7 @@ class Aggregator:
                   if now - self.last_seen.setdefault(c, now) > self.fed.client_timeout]
         for c in silent:
             self.active.discard(c)
+            self.task_ends.drop(c)
             self._passed = None
             self.silent.add(c)
             self.counters["silent_left"] += 1
@@ -268,16 +283,47 @@ class Aggregator:
         return self._gate_round(before, now)
 
     def _gate_round(self, before: int, now: float | None) -> RoundClosed | None:
-        """The round a moved gate closes: `min_clients` updates and the `quorum` share of the
-        active clients, as a timed-out round needs (a device that leaves and comes back to
-        move the gate cannot close rounds that a few clients own)."""
+        """The round a moved gate closes: the open round and the carried end-of-task updates
+        (`_carry_task_ends`), with `min_clients` updates and the `quorum` share of the active
+        clients, as a timed-out round needs (a device that leaves and comes back to move the
+        gate cannot close rounds that a few clients own)."""
+        if self.fed.mode != "async" or self.tasks_passed <= before:
+            return None
+        carried = self._carry_task_ends()
         n = self._round_clients()
-        if (self.fed.mode != "async" or self.tasks_passed <= before
-                or n < self.fed.min_clients
-                or n < math.ceil(self.fed.quorum * len(self.active))):
+        if n < self.fed.min_clients or n < math.ceil(self.fed.quorum * len(self.active)):
+            self._uncarry(carried)
             return None
         self.counters["closed_gate"] += 1
-        return self._close_now(now)
+        closed = self._close_now(now)
+        self._uncarry(carried)  # the round did not close
+        self.task_ends.forget_tasks(self.tasks_passed)
+        return closed
+
+    def _carry_task_ends(self) -> dict[str, Update]:
+        """Put into the open round the kept end-of-task updates of the task the gate passed
+        whose clients have none in it (an earlier round counted them: `task_ends.py`); none
+        into a round that holds nothing new (the current global holds every end-of-task
+        model already)."""
+        rnd = self._round
+        if not self.carries or self.tasks_passed == OPEN or not rnd.clients():
+            return {}
+        carried = self.task_ends.carry(self.tasks_passed, set(rnd.updates) | set(rnd.spilled),
+                                       self.active)
+        for c, u in carried.items():
+            rnd.updates[c], rnd.carried[c] = u, u.seq
+            rnd.nbytes += update_bytes(u)
+        self.counters["carried"] += len(carried)
+        return carried
+
+    def _uncarry(self, carried: dict[str, Update]) -> None:
+        """Take carried updates out of a round that did not close."""
+        rnd = self._round
+        for c, u in carried.items():
+            rnd.carried.pop(c, None)
+            if rnd.updates.get(c) is u:
+                rnd.nbytes -= update_bytes(rnd.updates.pop(c))
+                self.counters["carried"] -= 1
 
     def _round_clients(self) -> int:
         """Clients in the open round."""
@@ -298,6 +344,7 @@ class Aggregator:
         """Remove a client (stream finished or went offline); may close the pending tick."""
         before = self.tasks_passed
         self.active.discard(client)
+        self.task_ends.drop(client)
         self._passed = None
         return self._maybe_close(now) or self._gate_round(before, now)
 
@@ -352,9 +399,11 @@ class Aggregator:
                 return self._maybe_close(now)
             if msg.client in rnd.updates:
                 self.counters["replaced"] += 1  # one update per client and round: the newest
-                rnd.nbytes -= _nbytes(rnd.updates[msg.client])
+                rnd.nbytes -= update_bytes(rnd.updates[msg.client])
             rnd.updates[msg.client] = msg
-            rnd.nbytes += _nbytes(msg)
+            rnd.nbytes += update_bytes(msg)
+            if self.carries:
+                self.task_ends.keep(msg)
             rnd.arrived += 1
             if self._round_full() and rnd.clients() < self.fed.min_clients and self.spills:
                 self._spill()
@@ -382,7 +431,7 @@ class Aggregator:
         decoded = self.folded(decode_updates(self.encoding, [rnd.updates[c] for c in take],
                                              self.counters))
         for c in take:
-            rnd.nbytes -= _nbytes(rnd.updates.pop(c))
+            rnd.nbytes -= update_bytes(rnd.updates.pop(c))
         if not decoded:
             return
         if not rnd.spilled:
@@ -477,12 +526,14 @@ class Aggregator:
             if tick is None and (decoded or rnd.spilled):
                 kept = {u.client for u in decoded} | set(later)
                 for c in [c for c in rnd.updates if c not in kept]:
-                    rnd.nbytes -= _nbytes(rnd.updates.pop(c))
+                    rnd.nbytes -= update_bytes(rnd.updates.pop(c))
                 return None
             self._round = _Round()
             return RoundClosed(tick, None)
-        seqs = dict(sorted((rnd.spilled | {u.client: u.seq for u in decoded}).items()))
-        participants = tuple(seqs)
+        seqs = dict(sorted((rnd.spilled | {u.client: u.seq for u in decoded
+                                           if u.client not in rnd.carried}).items()))
+        carried = {u.client: u.seq for u in decoded if u.client in rnd.carried}
+        participants = tuple(sorted(seqs | carried))
         if not rnd.spilled:
             self.strategy.configure_round(RoundInput(self.global_.version,
                                                      self.global_.tensors, self.history.get,
@@ -504,10 +555,11 @@ class Aggregator:
         self.global_, self.label_owners = candidate, owners
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
-        self._round = _Round(later, arrived=len(later), nbytes=sum(map(_nbytes, later.values())))
+        self._round = _Round(later, arrived=len(later),
+                             nbytes=sum(map(update_bytes, later.values())))
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
-        return RoundClosed(tick, self.global_, participants, seqs)
+        return RoundClosed(tick, self.global_, participants, seqs, carried)
 
     def folded(self, decoded: list[Update]) -> list[Update]:
         """The round's decoded updates as the fold rule (`fed.fold`) has them averaged (an

@@ -47,7 +47,6 @@ from edgefcl.config import FedConfig
 from edgefcl.federation.aggregator import (
     Aggregator,
     RoundClosed,
-    _nbytes,
     _Round,
     decode_updates,
     note_round,
@@ -57,6 +56,7 @@ from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import prepare_round
 from edgefcl.federation.strategy import RoundInput
+from edgefcl.federation.task_ends import update_bytes
 
 log = logging.getLogger("edgefcl.shard")
 
@@ -114,6 +114,7 @@ class ShardWorker(Aggregator):
         self.worker = worker
 
     spills = False  # a full worker flushes instead
+    carries = False  # the root closes the task gate's round
 
     def _maybe_close(self, now: float | None) -> RoundClosed | None:
         return None  # the root closes rounds
@@ -160,7 +161,7 @@ class ShardWorker(Aggregator):
             kept = {c: u for c, u in rnd.updates.items() if c not in take}
             self._round = _Round(kept, opened_at=rnd.opened_at if now is None else now,
                                  arrived=len(kept),
-                                 nbytes=sum(map(_nbytes, kept.values())))
+                                 nbytes=sum(map(update_bytes, kept.values())))
             self.counters["held_for_later_round"] += len(self._round.updates)
         if not take:
             return None

@@ -142,7 +142,7 @@ class AggregatorDaemon:
         if closed is not None and closed.global_ is not None:
             line = {"round": self.agg.rounds, "version": closed.global_.version,
                     "tick": closed.tick, "participants": list(closed.participants),
-                    "seqs": closed.seqs,
+                    "seqs": closed.seqs, "carried": closed.carried,
                     "bytes_in": self.round_bytes_in, "global_bytes": global_bytes,
                     "time": round(time.time(), 3)}
             if self.results is not None:

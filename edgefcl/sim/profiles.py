@@ -6,6 +6,9 @@ its dropouts and reconnects, all drawn from the seed.
 - heterogeneous: device speeds spread 10x (log-uniform, 30-300 ms per mini-batch, +-25 %
   jitter), lognormal delays (median 30 ms, sigma 0.8), and 3 % of mini-batches end with a
   dropout of 2 s on average (exponential) after which the device reconnects.
+- congested: devices train a mini-batch in 20 ms (+-50 %), and answers are slow: lognormal
+  delays, median 0.3 s, sigma 1 (a replayed stream on a busy machine, or a slow link): a
+  global comes back 15-30 mini-batches after the update it answers, longer than a tiny task.
 - trace:PATH: a JSON file, {"devices": [{...}, ...]}, one object per device in client order
   (the last one repeats for more clients), with the fields of `DeviceTiming`; any field left
   out keeps the homogeneous value. An async `edgefcl simulate --transport mqtt` run keeps the
@@ -99,7 +102,7 @@ class DeviceClock:
         return None
 
 
-PROFILES = ("homogeneous", "heterogeneous", "trace:PATH")
+PROFILES = ("homogeneous", "heterogeneous", "congested", "trace:PATH")
 HETEROGENEOUS_SPREAD = 10.0
 """The heterogeneous profile's ratio of the slowest device's time per mini-batch to the
 fastest's."""
@@ -124,6 +127,8 @@ def timings(spec: str, n: int, seed: int) -> list[DeviceTiming]:
         return [DeviceTiming(compute_s=0.03 * float(f), compute_jitter=0.25, delay_s=0.03,
                              delay_sigma=0.8, dropout=0.03, offline_s=2.0)
                 for f in slowdowns(n, seed, HETEROGENEOUS_SPREAD)]
+    if spec == "congested":
+        return [DeviceTiming(compute_s=0.02, compute_jitter=0.5, delay_s=0.3, delay_sigma=1.0)] * n
     if spec.startswith("trace:"):
         return read_trace(Path(spec[len("trace:"):]), n)
     raise ProfileError(f"unknown timing profile '{spec}'; choose from {', '.join(PROFILES)}")
