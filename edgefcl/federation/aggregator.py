@@ -548,7 +548,8 @@ class Aggregator:
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
         library, owners = self._next_prototypes(updates)
-        candidate = GlobalModel(self.global_.version + 1, tensors, participants, library)
+        candidate = GlobalModel(self.global_.version + 1, tensors, participants, library,
+                                counted=dict(sorted((seqs | carried).items())))
         if self._rejects_global(candidate):
             self._round = _Round()
             return RoundClosed(tick, None)

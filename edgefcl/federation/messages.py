@@ -62,3 +62,7 @@ class GlobalModel:
     participants: tuple[str, ...] = field(default_factory=tuple)
     prototypes: PrototypeTable | None = None
     """The global prototype library (head `prototypes`, library shared)."""
+    counted: dict[str, int] = field(default_factory=dict)
+    """Async: the sequence number of each participant's update this global holds (counted or
+    carried by the task gate's round); a device merges it by what it holds of it
+    (`learn/merges.py`). Empty from an aggregator that does not say."""

@@ -317,7 +317,8 @@ class ShardRoot(Aggregator):
         seqs = dict(sorted(self.in_round.items()))
         tensors = self.strategy.result(self.global_.tensors)
         self.counters.update(self.strategy.counters())
-        candidate = GlobalModel(self.global_.version + 1, tensors, participants)
+        candidate = GlobalModel(self.global_.version + 1, tensors, participants,
+                                counted={c: s for c, s in seqs.items() if s >= 1})
         if self._rejects_global(candidate):  # as a single aggregator
             closed = RoundClosed(None, None)
         else:

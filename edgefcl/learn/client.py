@@ -25,9 +25,12 @@ from edgefcl.learn.checkpoint import (
     load_data_attrs,
 )
 from edgefcl.learn.learner import StreamLearner
-from edgefcl.learn.merges import REPLACE, MergeRule
+from edgefcl.learn.merges import MERGES, REPLACE, MergeRule
 from edgefcl.learn.objectives import MethodHooks
 from edgefcl.learn.params import get_tensors, set_tensors
+
+IN_FLIGHT = 4
+"""Updates sent whose states a client keeps until a global holds them (async)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class Client:
         self.sent: dict[str, np.ndarray] | None = None
         self.sent_base = 0
         """The version of the global the last update sent was trained from."""
+        self.in_flight: dict[int, dict[str, np.ndarray]] = {}
+        """Async: the state each of the last `IN_FLIGHT` updates sent had (seq -> state), so
+        that a global holding an older one is merged by what it holds (`apply_global`)."""
         self.pace: Callable[[], bool] | None = None
         """Asked at every due update whether to send it (None: always); a held update keeps
         its sequence number and is not encoded, unless it is the last of the stream
@@ -151,6 +157,9 @@ class Client:
                 class_counts: dict[int, int]) -> Update:
         self.sent = get_tensors(self.learner.model)
         self.sent_base = self.version
+        self.in_flight[self.seq] = self.sent
+        for old in sorted(self.in_flight)[:-IN_FLIGHT]:
+            del self.in_flight[old]
         payload = self.encoder.encode(self.sent, self.base)
         protos = self.learner.protos
         return Update(self.cid, self.version, self.seq, task, batch, samples, payload,
@@ -198,28 +207,55 @@ class Client:
         load_data_attrs(self.hooks, state["hooks"], dev)
 
     # -- federation -----------------------------------------------------------------------
-    def apply_global(self, g: GlobalModel, rule: MergeRule = REPLACE) -> None:
+    def apply_global(self, g: GlobalModel, rule: MergeRule = REPLACE,
+                     counted: int | None = None) -> None:
         """Merge a global model this client took part in, by `rule` (`learn/merges.py`):
         replace (lock-step, Algorithm 1), or an async rule that keeps the progress made since
         the update was sent. The model as it was just before the merge becomes the scoring
         snapshot. `g` may be a delta from the version this client holds (sparse downlink).
+
+        `counted` (async) is the sequence number of this client's update that `g` holds. When
+        the client has sent a newer one since, every rule keeps the progress made since the
+        counted update's state (theta_g + s * (theta_now - theta_counted), s = 1 but for the
+        staleness rule): replacing would throw away updates already on their way.
         """
         g = self.downlink.resolve(g)
         self.learner.snapshot()
         now = get_tensors(self.model)
         merged = self.encoder.decode_global(g.tensors, now)
         self.base = merged
-        if rule is not REPLACE:
+        since = self._in_flight_since(counted)
+        keeps_local = rule.keeps_local or since is not None
+        if rule is not REPLACE or since is not None:
             params = {k for k, _ in self.model.named_parameters()}
             weight = rule.local_weight(self.fed, g.version - self.sent_base)
-            merged = rule.apply(merged, now, self.sent, params, weight)
+            merged = MERGES["delta"].apply(merged, now, since if since is not None else self.sent,
+                                           params, weight)
+            if since is not None:  # the updates still in flight, as from the merged model
+                self._shift_in_flight(counted, {k: self.base[k] - since[k] for k in params})
         set_tensors(self.model, merged)
         if self.protos is not None:
-            self.protos.merge(g.prototypes, rule.keeps_local)
+            self.protos.merge(g.prototypes, keeps_local)
         self.version = g.version
         self.hooks.on_global(self, g)
         if self.onnx is not None:
             self.onnx.on_global(self.learner)
+
+    def _in_flight_since(self, counted: int | None) -> dict[str, np.ndarray] | None:
+        """The state of the update `counted` when a newer one was sent since (else None)."""
+        if counted is None:
+            return None
+        if counted >= max(self.in_flight, default=0):
+            self.in_flight.clear()  # the global holds the newest update sent
+            return None
+        return self.in_flight.get(counted)
+
+    def _shift_in_flight(self, counted: int, shift: dict[str, np.ndarray]) -> None:
+        """Forget the updates up to `counted`; move the later ones by `shift` (global minus
+        the counted state), so that a later global holding one of them merges the same way."""
+        self.in_flight = {s: {k: v + shift[k] if k in shift else v for k, v in state.items()}
+                          for s, state in self.in_flight.items() if s > counted}
+        self.sent = self.in_flight.get(max(self.in_flight), self.sent)
 
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 1024) -> float:

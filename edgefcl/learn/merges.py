@@ -82,14 +82,16 @@ def get_merge(name: str) -> MergeRule:
 
 def merge_global(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
     """Async: what a device does with the newest global `g` before its next mini-batch.
-    "merged" when it took part (the run's `device_merge` rule), "caught_up" when it did not
+    "merged" when it took part (the run's `device_merge` rule; where `g` holds an older
+    update than the device's newest sent, it keeps its progress since that one:
+    `Client.apply_global`), "caught_up" when it did not
     but is more than half of `max_staleness` versions behind (back from a reboot or a long
     outage: its updates would soon all be rejected as stale, so it catches up with the
     delta rule), None when it keeps training on its own model."""
     if g.version <= client.version:
         return None
     if client.cid in g.participants:
-        client.apply_global(g, get_merge(fed.device_merge))
+        client.apply_global(g, get_merge(fed.device_merge), g.counted.get(client.cid))
         return MERGED
     if g.version - client.version > fed.max_staleness // 2:
         client.apply_global(g, MERGES["delta"])
@@ -102,8 +104,9 @@ def merge_at_gate(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
     the newest global by the run's `device_merge` rule whether or not it lists the device. It
     holds the fleet's end-of-task models, and the device's own last update was folded into it
     or into a global before it (the device has not trained since it sent it, so the delta and
-    replace rules agree)."""
+    replace rules agree), or it waits in the next round: where `g` holds an older update of the
+    device, the device keeps its progress since that one."""
     if g.version <= client.version:
         return None
-    client.apply_global(g, get_merge(fed.device_merge))
+    client.apply_global(g, get_merge(fed.device_merge), g.counted.get(client.cid))
     return MERGED

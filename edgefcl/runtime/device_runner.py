@@ -242,7 +242,7 @@ class DeviceRunner:
                     whole = apply_global_delta(g.tensors, self.tracker.tensors)
                 except SparseError as e:
                     raise CodecError("delta", str(e)) from None
-                g = GlobalModel(g.version, whole, g.participants, g.prototypes)
+                g = GlobalModel(g.version, whole, g.participants, g.prototypes, g.counted)
                 self._check(g)
                 self.tracker = DownlinkState(g.tensors, g.version)
                 self._adopt(g)

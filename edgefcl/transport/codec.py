@@ -301,6 +301,8 @@ def to_map(
             version=int(msg.version), tensors=_encode_tensors(msg.tensors, wire_dtype),
             participants=[str(p) for p in msg.participants],
         )
+        if msg.counted:
+            m["counted"] = {str(c): int(s) for c, s in msg.counted.items()}
         if msg.prototypes is not None:
             m["prototypes"] = _encode_prototypes(msg.prototypes, wire_dtype)
     elif isinstance(msg, Message):
@@ -433,9 +435,14 @@ def _decode_global(kind: str, m: dict[str, Any], limits: Limits) -> GlobalModel:
     parts = m.get("participants")
     if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
         raise CodecError("malformed", "participants must be a list of strings")
+    counted = m.get("counted", {})
+    if (not isinstance(counted, dict) or not set(counted) <= set(parts)
+            or any(type(s) is not int or s < 1 for s in counted.values())):
+        raise CodecError("malformed", "counted must map participants to positive ints")
     return GlobalModel(
         version=_get(m, "version", int), tensors=_decode_tensors(m.get("tensors"), limits),
         participants=tuple(parts), prototypes=_decode_prototypes(m.get("prototypes")),
+        counted=dict(counted),
     )
 
 

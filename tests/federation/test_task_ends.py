@@ -54,6 +54,7 @@ def test_the_gate_round_carries_an_end_of_task_update_an_earlier_round_counted()
     assert gate is not None and gate.global_ is not None
     assert np.allclose(gate.global_.tensors["w"], 3.25)
     assert gate.seqs == {"a": 2} and gate.carried == {"b": 1}
+    assert gate.global_.counted == {"a": 2, "b": 1}  # what each device's merge goes by
     assert gate.participants == ("a", "b") and a.counters["carried"] == 1
     assert a.task_ends.kept == {}  # the task is passed
 

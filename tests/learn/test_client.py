@@ -95,6 +95,45 @@ def test_apply_global_replace_and_delta_merge():
         np.testing.assert_allclose(merged[k], 1 + now[k] - u2.tensors[k], atol=1e-6)
 
 
+def test_a_global_holding_an_older_update_keeps_the_progress_since_that_one():
+    """Async: u1 (seq 1) and u2 (seq 2) went out; a global that holds u1 is merged as
+    theta_g + theta_now - theta_u1 even by the replace rule (u2 is on its way), and a later
+    global holding u2 replaces, as u2 itself was moved by the same shift: theta_g2."""
+    c = make_client(burn_in=2, jump=2)
+    c.step(batch(0, 1, [0, 1]))
+    u1 = c.step(batch(0, 2, [0, 1]))
+    c.step(batch(0, 3, [0, 1]))
+    u2 = c.step(batch(0, 4, [0, 1]))
+    c.step(batch(0, 5, [0, 1]))
+    now = get_tensors(c.model)
+    ones = {k: np.ones_like(v) for k, v in u1.tensors.items()}
+    c.apply_global(GlobalModel(1, ones, ("c0",), counted={"c0": 1}), counted=1)
+    merged = get_tensors(c.model)
+    for k in merged:
+        np.testing.assert_allclose(merged[k], 1 + now[k] - u1.tensors[k], atol=1e-6)
+    assert list(c.in_flight) == [2]
+    for k in merged:  # u2 as from the merged model
+        np.testing.assert_allclose(c.in_flight[2][k], u2.tensors[k] + 1 - u1.tensors[k],
+                                   atol=1e-6)
+    twos = {k: np.full_like(v, 2.0) for k, v in u1.tensors.items()}
+    c.apply_global(GlobalModel(2, twos, ("c0",), counted={"c0": 2}), counted=2)
+    assert all(np.all(v == 2.0) for v in get_tensors(c.model).values())
+    assert c.in_flight == {}
+
+
+def test_the_newest_update_held_or_no_count_given_the_replace_rule_replaces():
+    c = make_client(burn_in=2, jump=2)
+    c.step(batch(0, 1, [0, 1]))
+    u1 = c.step(batch(0, 2, [0, 1]))
+    c.step(batch(0, 3, [0, 1]))
+    zeros = {k: np.zeros_like(v) for k, v in u1.tensors.items()}
+    c.apply_global(GlobalModel(1, zeros, ("c0",)), counted=None)  # lock-step, or no count
+    assert all(np.all(v == 0) for v in get_tensors(c.model).values())
+    c.step(batch(0, 4, [0, 1]))
+    c.apply_global(GlobalModel(2, zeros, ("c0",), counted={"c0": 2}), counted=2)
+    assert all(np.all(v == 0) for v in get_tensors(c.model).values())
+
+
 def test_scoring_snapshot_changes_only_at_a_merge():
     c = make_client(burn_in=1, jump=1)
     c.step(batch(0, 1, [0, 1]))

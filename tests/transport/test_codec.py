@@ -112,6 +112,16 @@ def test_float16_wire_overflow_is_refused_on_encode() -> None:
     assert e.value.reason == "range"
 
 
+@pytest.mark.parametrize("counted", [{"c3": 1}, {"c1": 0}, {"c1": True}, {"c1": "2"}, [1]])
+def test_a_global_whose_counted_updates_do_not_fit_its_participants_is_refused(counted):
+    m = msgpack.unpackb(codec.encode(GlobalModel(7, {"w": np.eye(2, dtype=np.float32)},
+                                                 ("c1", "c2")), fleet=FLEET))
+    m["counted"] = counted
+    with pytest.raises(CodecError) as e:
+        codec.decode(msgpack.packb(m), FLEET)
+    assert e.value.reason == "malformed"
+
+
 def test_tick_global_and_dict_messages_round_trip() -> None:
     tick = codec.decode(codec.encode(Tick("c1", 4, 1, 9), fleet=FLEET), FLEET)
     assert tick == Tick("c1", 4, 1, 9)
@@ -119,7 +129,9 @@ def test_tick_global_and_dict_messages_round_trip() -> None:
     payload = codec.encode(g, fleet=FLEET)
     assert msgpack.unpackb(payload)["sender"] == "aggregator"
     dg = codec.decode(payload, FLEET)
-    assert dg.version == 7 and dg.participants == ("c1", "c2")
+    assert dg.version == 7 and dg.participants == ("c1", "c2") and dg.counted == {}
+    counted = GlobalModel(8, g.tensors, ("c1", "c2"), counted={"c1": 3, "c2": 5})
+    assert codec.decode(codec.encode(counted, fleet=FLEET), FLEET).counted == {"c1": 3, "c2": 5}
     _same_tensors(dg.tensors, g.tensors)
     cfg = Message("config", {"burn_in": 4, "q": 2, "mode": "sync", "spec": "abc"}, sender="agg")
     dc = codec.decode(codec.encode(cfg, fleet=FLEET), FLEET)
