@@ -157,9 +157,10 @@ class Client:
                 class_counts: dict[int, int]) -> Update:
         self.sent = get_tensors(self.learner.model)
         self.sent_base = self.version
-        self.in_flight[self.seq] = self.sent
-        for old in sorted(self.in_flight)[:-IN_FLIGHT]:
-            del self.in_flight[old]
+        if self.fed.mode == "async":
+            self.in_flight[self.seq] = self.sent
+            for old in sorted(self.in_flight)[:-IN_FLIGHT]:
+                del self.in_flight[old]
         payload = self.encoder.encode(self.sent, self.base)
         protos = self.learner.protos
         return Update(self.cid, self.version, self.seq, task, batch, samples, payload,
@@ -229,8 +230,9 @@ class Client:
         if rule is not REPLACE or since is not None:
             params = {k for k, _ in self.model.named_parameters()}
             weight = rule.local_weight(self.fed, g.version - self.sent_base)
-            merged = MERGES["delta"].apply(merged, now, since if since is not None else self.sent,
-                                           params, weight)
+            keeping = MERGES["delta"] if rule is REPLACE else rule
+            merged = keeping.apply(merged, now, self.sent if since is None else since, params,
+                                   weight)
             if since is not None:  # the updates still in flight, as from the merged model
                 self._shift_in_flight(counted, {k: self.base[k] - since[k] for k in params})
         set_tensors(self.model, merged)

@@ -16,12 +16,12 @@ from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 
 
-def make_client(method="bi", burn_in=2, jump=2, memory=20, device="cpu"):
+def make_client(method="bi", burn_in=2, jump=2, memory=20, device="cpu", mode="sync"):
     torch.manual_seed(0)
     model = build_model("mlp", (6,), 4, hidden=16)
     return new_client("c0", model, LearnConfig(method=method, memory_size=memory, local_epochs=2,
                                                device=device),
-                      FedConfig(burn_in=burn_in, jump=jump), "vector", seed=0)
+                      FedConfig(burn_in=burn_in, jump=jump, mode=mode), "vector", seed=0)
 
 
 def batch(task, index, classes, n=5, seed=0):
@@ -99,7 +99,7 @@ def test_a_global_holding_an_older_update_keeps_the_progress_since_that_one():
     """Async: u1 (seq 1) and u2 (seq 2) went out; a global that holds u1 is merged as
     theta_g + theta_now - theta_u1 even by the replace rule (u2 is on its way), and a later
     global holding u2 replaces, as u2 itself was moved by the same shift: theta_g2."""
-    c = make_client(burn_in=2, jump=2)
+    c = make_client(burn_in=2, jump=2, mode="async")
     c.step(batch(0, 1, [0, 1]))
     u1 = c.step(batch(0, 2, [0, 1]))
     c.step(batch(0, 3, [0, 1]))
@@ -122,7 +122,7 @@ def test_a_global_holding_an_older_update_keeps_the_progress_since_that_one():
 
 
 def test_the_newest_update_held_or_no_count_given_the_replace_rule_replaces():
-    c = make_client(burn_in=2, jump=2)
+    c = make_client(burn_in=2, jump=2, mode="async")
     c.step(batch(0, 1, [0, 1]))
     u1 = c.step(batch(0, 2, [0, 1]))
     c.step(batch(0, 3, [0, 1]))
@@ -132,6 +132,20 @@ def test_the_newest_update_held_or_no_count_given_the_replace_rule_replaces():
     c.step(batch(0, 4, [0, 1]))
     c.apply_global(GlobalModel(2, zeros, ("c0",), counted={"c0": 2}), counted=2)
     assert all(np.all(v == 0) for v in get_tensors(c.model).values())
+    assert make_client().in_flight == {}  # lock-step keeps no sent states
+
+
+def test_the_delta_rule_keeps_the_progress_since_the_counted_update_too():
+    c = make_client(burn_in=2, jump=2, mode="async")
+    c.step(batch(0, 1, [0, 1]))
+    u1 = c.step(batch(0, 2, [0, 1]))
+    c.step(batch(0, 3, [0, 1]))
+    c.step(batch(0, 4, [0, 1]))  # u2 goes out
+    now = get_tensors(c.model)
+    ones = {k: np.ones_like(v) for k, v in u1.tensors.items()}
+    c.apply_global(GlobalModel(1, ones, ("c0",)), MERGES["delta"], counted=1)
+    for k, v in get_tensors(c.model).items():
+        np.testing.assert_allclose(v, 1 + now[k] - u1.tensors[k], atol=1e-6)
 
 
 def test_scoring_snapshot_changes_only_at_a_merge():
