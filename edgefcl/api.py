@@ -29,7 +29,7 @@ from edgefcl.learn.client import Client
 from edgefcl.learn.model_heads import head_of, library_model_head
 from edgefcl.learn.models import build_model
 from edgefcl.learn.variational import client_hooks
-from edgefcl.results import RunResult
+from edgefcl.outcomes.results import RunResult
 from edgefcl.sim.runs import simulate
 
 __all__ = ["Learner", "RunResult", "simulate"]

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from edgefcl.config import ConfigError
-from edgefcl.logs import setup_logging
 from edgefcl.options import (
     BROKER_VARIABLE,
     DAEMON_HELP,
@@ -26,11 +25,12 @@ from edgefcl.options import (
     show_all_help,
 )
 from edgefcl.runtime.roles import add_role_commands
+from edgefcl.support.logs import setup_logging
 from edgefcl.version import __version__
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from edgefcl.report import (
+    from edgefcl.outcomes.report import (
         compare_table,
         finished_runs,
         run_dir,
@@ -49,7 +49,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--resume needs --out DIR (the run directory to resume)")
     several = total_runs(cfg) > 1 or bool(cfg.compare)  # --compare: the comparison layout
     if out is not None:
-        from edgefcl.statefiles import make_dir
+        from edgefcl.support.statefiles import make_dir
 
         make_dir(out)
 
@@ -211,7 +211,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from edgefcl.report import report_dir
+    from edgefcl.outcomes.report import report_dir
 
     print(report_dir(Path(args.dir)))
     return 0

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from edgefcl.federation.staleness import STALENESS
-from edgefcl.tomlfields import apply_table, coerce_field
+from edgefcl.support.tomlfields import apply_table, coerce_field
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:

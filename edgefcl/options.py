@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml, validate
-from edgefcl.errors import UserError
+from edgefcl.support.errors import UserError
 
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
 EXTRAS = {module: extra for extra, modules in {

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edgefcl.config import RunConfig, run_entries
-from edgefcl.environment import environment
-from edgefcl.results import RunResult
+from edgefcl.outcomes.environment import environment
+from edgefcl.outcomes.results import RunResult
 from edgefcl.sim.runs import simulate
 
 Progress = Callable[[int, int, str], None]

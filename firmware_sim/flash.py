@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from edgefcl.statefiles import atomic_write
+from edgefcl.support.statefiles import atomic_write
 
 log = logging.getLogger("firmware_sim.flash")
 

@@ -17,7 +17,7 @@ from edgefcl.config import ConfigError, RunConfig, dump_toml, load_toml
 from edgefcl.data.streams import stream_batches
 from edgefcl.data.workload import client_id
 from edgefcl.sim.profiles import slowdowns
-from edgefcl.statefiles import save_tensors
+from edgefcl.support.statefiles import save_tensors
 from firmware_sim.byzantine import ATTACKS
 from firmware_sim.device import expected_digest
 from firmware_sim.faults import clock_skews

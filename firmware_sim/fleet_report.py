@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from edgefcl.metrics import forgetting
-from edgefcl.statefiles import load_json
+from edgefcl.outcomes.metrics import forgetting
+from edgefcl.support.statefiles import load_json
 from firmware_sim.byzantine import Byzantine
 from firmware_sim.faults import CORRUPTION_REASONS, Corruptor, FaultPlan
 from firmware_sim.fleet_prepare import FleetLayout, FleetOptions

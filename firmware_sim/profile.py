@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgefcl.config import ConfigError, read_toml
 from edgefcl.learn.methods import get_method
-from edgefcl.tomlfields import apply_table
+from edgefcl.support.tomlfields import apply_table
 
 if TYPE_CHECKING:
     from edgefcl.learn.client import Client

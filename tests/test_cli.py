@@ -137,7 +137,7 @@ def test_missing_broker_is_a_clear_error(capsys):
 def test_aggregator_daemon_stops_gracefully_on_sigterm(embedded_broker, tmp_path):
     import numpy as np
 
-    from edgefcl.statefiles import save_tensors
+    from edgefcl.support.statefiles import save_tensors
 
     save_tensors(tmp_path / "init.npz", {"w": np.zeros(3, np.float32)})
     p = subprocess.Popen([sys.executable, "-m", "edgefcl", "aggregator", "--broker",
@@ -185,7 +185,7 @@ def test_a_round_that_cannot_fit_its_memory_bound_is_refused(tmp_path, capsys):
     `round_max_mib`: one line naming both options, before any broker is reached."""
     import numpy as np
 
-    from edgefcl.statefiles import save_tensors
+    from edgefcl.support.statefiles import save_tensors
 
     save_tensors(tmp_path / "init.npz", {"w": np.zeros(10_000, np.float32)})
     argv = ["aggregator", "--broker", "mqtt://127.0.0.1:9", "--initial",

@@ -237,9 +237,9 @@ def test_report_renders_run_and_compare_directories(tmp_path, capsys):
 
 
 def test_printed_plus_minus_is_the_sample_std():
-    from edgefcl.metrics import CommStats, sample_std
-    from edgefcl.report import summarize
-    from edgefcl.results import RunResult
+    from edgefcl.outcomes.metrics import CommStats, sample_std
+    from edgefcl.outcomes.report import summarize
+    from edgefcl.outcomes.results import RunResult
 
     assert sample_std([1.0, 3.0]) == pytest.approx(math.sqrt(2.0))
     assert sample_std([5.0]) == 0.0
@@ -252,7 +252,7 @@ def test_printed_plus_minus_is_the_sample_std():
 
 
 def test_unseen_tasks_are_blank():
-    from edgefcl.report import _seen
+    from edgefcl.outcomes.report import _seen
 
     m = _seen(np.arange(9.0).reshape(3, 3))
     assert np.isnan(m[0, 1]) and np.isnan(m[0, 2]) and np.isnan(m[1, 2])

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from edgefcl.config import ConfigError, FedConfig, RunConfig, validate
-from edgefcl.metrics import sample_std
-from edgefcl.report import pyplot
-from edgefcl.tomlfields import coerce_field
+from edgefcl.outcomes.metrics import sample_std
+from edgefcl.outcomes.report import pyplot
+from edgefcl.support.tomlfields import coerce_field
 
 BASE: dict[str, object] = {"mode": "async", "fold": "model", "staleness": "constant",
                            "staleness_a": 0.5, "staleness_b": 4.0, "buffer": 0, "mix": 0.5,

@@ -567,7 +567,7 @@ def overload_table(phases: list[dict]) -> str:
 
 def plot(runs: list[dict], path: Path) -> None:
     """Ingest rate (offered, raw broker, aggregator) and round interval against devices."""
-    from edgefcl.report import pyplot
+    from edgefcl.outcomes.report import pyplot
 
     plt = pyplot()
     n = [r["devices"] for r in runs]
@@ -596,7 +596,7 @@ def bench_fleet(opts: FleetOptions, cfg: RunConfig, out: Path) -> dict:
     """Run every device count; write DIR/bench_fleet.json and DIR/bench_fleet.png."""
     import json
 
-    from edgefcl.statefiles import save_tensors
+    from edgefcl.support.statefiles import save_tensors
 
     if not (shutil.which("mosquitto") or Path("/usr/sbin/mosquitto").exists()):
         raise ConfigError("bench fleet needs the mosquitto binary (apt-get install mosquitto)")

@@ -180,7 +180,7 @@ def _status_flood(links: dict, tp: Topics, seconds: float = 10.0, rate: float = 
 def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
     """`edgefcl bench flood`: `count` MiB offered per flood (default 1024)."""
     from edgefcl.runtime.links import payload_limit
-    from edgefcl.statefiles import save_tensors
+    from edgefcl.support.statefiles import save_tensors
     from edgefcl.transport.broker import EmbeddedBroker, start_mosquitto
     from edgefcl.transport.mqtt import MqttLink
 

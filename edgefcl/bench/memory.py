@@ -207,7 +207,7 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """A and F per rule, one panel pair per dataset, x = memory per class."""
-    from edgefcl.report import pyplot
+    from edgefcl.outcomes.report import pyplot
 
     plt = pyplot()
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))

@@ -34,7 +34,7 @@ from edgefcl.learn.params import get_tensors, set_tensors
 from edgefcl.learn.variational import client_hooks
 from edgefcl.learn.views import ClientView
 from edgefcl.ondevice import OnnxModel
-from edgefcl.statefiles import atomic_write, load_json, load_tensors
+from edgefcl.support.statefiles import atomic_write, load_json, load_tensors
 
 if TYPE_CHECKING:
     from edgefcl.federation.messages import GlobalModel, Tensors

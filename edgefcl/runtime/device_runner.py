@@ -30,12 +30,12 @@ from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.merges import CAUGHT_UP, MERGED, merge_at_gate, merge_global
-from edgefcl.metrics import forgetting
+from edgefcl.outcomes.metrics import forgetting
 from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
 from edgefcl.runtime.bodies import body_fault
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, size_payload_limit, topics, wire_dtype
-from edgefcl.statefiles import save_json
+from edgefcl.support.statefiles import save_json
 from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode, tensor_spec
 
 log = logging.getLogger("edgefcl.client")

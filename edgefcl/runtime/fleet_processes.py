@@ -27,13 +27,13 @@ from edgefcl.federation.prototype_library import split_table
 from edgefcl.learn.drift import summarize_drift
 from edgefcl.learn.export import architecture_spec, global_state
 from edgefcl.learn.params import global_sha256
-from edgefcl.metrics import CommStats
-from edgefcl.results import RunResult, cfg_dict
+from edgefcl.outcomes.metrics import CommStats
+from edgefcl.outcomes.results import RunResult, cfg_dict
 from edgefcl.runtime.launcher import start_role, warm_up
 from edgefcl.runtime.links import open_link
 from edgefcl.runtime.supervisor import Deadline, FleetError, FleetProgress, Supervisor
 from edgefcl.sim.profiles import matched_trace
-from edgefcl.statefiles import load_json, load_tensors, save_tensors
+from edgefcl.support.statefiles import load_json, load_tensors, save_tensors
 from edgefcl.transport.broker import EmbeddedBroker
 
 

@@ -17,8 +17,8 @@ from edgefcl.config import RunConfig, public_dict
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.prototype_library import ROWS_KEY
 from edgefcl.federation.registry import get_encoding
-from edgefcl.metrics import forgetting, last_accuracy, sample_std
-from edgefcl.statefiles import save_json, save_tensors
+from edgefcl.outcomes.metrics import forgetting, last_accuracy, sample_std
+from edgefcl.support.statefiles import save_json, save_tensors
 from edgefcl.transport.codec import CodecError
 
 log = logging.getLogger("edgefcl.aggregator")

@@ -8,8 +8,8 @@ from typing import Any
 
 from edgefcl.config import RunConfig
 from edgefcl.data.types import Dataset
-from edgefcl.errors import UserError
 from edgefcl.federation.messages import Tensors
+from edgefcl.support.errors import UserError
 from edgefcl.transport.codec import spec_hash, tensor_spec
 
 KEYS = ("mode", "model", "sample_shape", "n_classes", "method", "encoding", "aggregation",

@@ -12,8 +12,8 @@ import numpy as np
 
 from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch
-from edgefcl.errors import UserError
 from edgefcl.runtime.links import open_link, topics
+from edgefcl.support.errors import UserError
 from edgefcl.transport.bounds import STATUS_LIMITS
 from edgefcl.transport.codec import CodecError, Message, decode, encode, encode_batch
 

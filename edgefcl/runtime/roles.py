@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 
 from edgefcl.config import ConfigError, RunConfig
-from edgefcl.logs import setup_logging
 from edgefcl.options import (
     DAEMON_HELP,
     RUN_ONLY,
@@ -26,13 +25,14 @@ from edgefcl.options import (
     run_command,
     show_all_help,
 )
+from edgefcl.support.logs import setup_logging
 
 log = logging.getLogger("edgefcl")
 
 
 def cmd_aggregator(args: argparse.Namespace) -> int:
     from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
-    from edgefcl.statefiles import load_tensors
+    from edgefcl.support.statefiles import load_tensors
 
     cfg = daemon_config(args)
     check_runs(cfg)
@@ -48,7 +48,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
         return WorkerDaemon(cfg, args.id, share_group=group, upstream=args.upstream,
                             flush_every=args.flush_every).run()
     state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
-    from edgefcl.statefiles import make_dir
+    from edgefcl.support.statefiles import make_dir
 
     make_dir(state_dir, "--state-dir")
     setup = None
@@ -156,7 +156,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     fleet = preflight(cfg, cid, fleet_profile(cfg))
     check_runs(cfg)
     if args.results:
-        from edgefcl.statefiles import make_dir
+        from edgefcl.support.statefiles import make_dir
 
         make_dir(Path(args.results), "--results")
     logging.getLogger("edgefcl.client").info("starting: loading data and model")

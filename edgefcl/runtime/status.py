@@ -16,9 +16,9 @@ import time
 from typing import Any, TextIO
 
 from edgefcl.config import RunConfig
-from edgefcl.logs import one_line
 from edgefcl.runtime.bodies import is_int, is_number
 from edgefcl.runtime.links import open_link, topics
+from edgefcl.support.logs import one_line
 from edgefcl.transport.codec import CodecError, Message, decode
 from edgefcl.transport.mqtt import MqttLink
 

@@ -39,7 +39,7 @@ import numpy as np
 from edgefcl.config import ConfigError
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.prototype_library import PrototypeTable, split_table, table_arrays
-from edgefcl.statefiles import atomic_write
+from edgefcl.support.statefiles import atomic_write
 from edgefcl.transport.codec import CodecError, TensorSpec, check_tensors, spec_hash, tensor_spec
 
 DB_NAME = "state.db"

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from edgefcl.config import RunConfig
-from edgefcl.errors import UserError
 from edgefcl.runtime.links import open_link, topics
+from edgefcl.support.errors import UserError
 from edgefcl.transport.bounds import STATUS_LIMITS
 from edgefcl.transport.codec import CodecError, Message, decode
 

@@ -41,8 +41,8 @@ from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.task_gate import gate_open
 from edgefcl.learn.client import Client
 from edgefcl.learn.merges import MERGED, merge_at_gate, merge_global
-from edgefcl.metrics import CommStats
-from edgefcl.results import RunResult
+from edgefcl.outcomes.metrics import CommStats
+from edgefcl.outcomes.results import RunResult
 from edgefcl.sim.clock import VirtualClock
 from edgefcl.sim.outcome import encoded_size, evaluate_all, run_result
 from edgefcl.sim.profiles import DeviceClock, timings

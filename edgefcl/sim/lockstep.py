@@ -26,8 +26,8 @@ from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.versions import GlobalHistory, delta_downlink, downlink_message
 from edgefcl.learn.batched import FleetTrainer, batch_clients, why_alone
 from edgefcl.learn.client import Client
-from edgefcl.metrics import CommStats
-from edgefcl.results import RunResult
+from edgefcl.outcomes.metrics import CommStats
+from edgefcl.outcomes.results import RunResult
 from edgefcl.sim.outcome import encoded_size, evaluate_all, run_result
 
 log = logging.getLogger(__name__)

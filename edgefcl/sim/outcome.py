@@ -17,8 +17,8 @@ from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.export import architecture_spec, global_state
 from edgefcl.learn.params import global_sha256
-from edgefcl.metrics import CommStats, label_coverage
-from edgefcl.results import RunResult, cfg_dict
+from edgefcl.outcomes.metrics import CommStats, label_coverage
+from edgefcl.outcomes.results import RunResult, cfg_dict
 from edgefcl.transport import codec
 
 

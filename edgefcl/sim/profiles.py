@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefcl.errors import UserError
+from edgefcl.support.errors import UserError
 
 
 class ProfileError(UserError):

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from edgefcl.config import RunConfig
 from edgefcl.learn.client import Client
-from edgefcl.results import RunResult
+from edgefcl.outcomes.results import RunResult
 from edgefcl.sim.asynchronous import simulate_async
 from edgefcl.sim.lockstep import simulate_lockstep
 

@@ -521,7 +521,7 @@ def test_export_carries_the_library_and_its_labels(tmp_path):
     import onnx
 
     from edgefcl.learn.export import export_run, load_run_model, max_logit_diff
-    from edgefcl.report import write_run
+    from edgefcl.outcomes.report import write_run
     from edgefcl.sim.runs import simulate
 
     result = simulate(small())

@@ -177,7 +177,7 @@ def test_predict_cli_does_not_import_torch(tmp_path, digits):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A small simulated run written like `edgefcl simulate --out DIR`."""
-    from edgefcl.report import write_run
+    from edgefcl.outcomes.report import write_run
     from edgefcl.sim.runs import simulate
 
     cfg = apply(RunConfig(), {"data": {"tasks": 2}, "fed": {"clients": 2},

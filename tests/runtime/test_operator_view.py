@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from edgefcl.config import RunConfig, apply
-from edgefcl.logs import PlainFormatter
 from edgefcl.runtime.links import topics
 from edgefcl.runtime.status import FleetView, render
+from edgefcl.support.logs import PlainFormatter
 from edgefcl.transport.codec import Message, encode
 
 FLEET = "ops"

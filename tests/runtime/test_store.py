@@ -145,7 +145,7 @@ def test_cli_refuses_a_finished_state_in_one_line(tmp_path) -> None:
     import subprocess
     import sys
 
-    from edgefcl.statefiles import save_tensors
+    from edgefcl.support.statefiles import save_tensors
 
     save_tensors(tmp_path / "init.npz", T)
     s = StateStore.open(tmp_path / "st", fleet="f", spec=SPEC)

@@ -1,5 +1,5 @@
 """The shared process supervisor (runtime/supervisor.py), the TOML-to-dataclass helper
-(tomlfields.py) and the DeviceRunner hooks that firmware_sim uses."""
+(support/tomlfields.py) and the DeviceRunner hooks that firmware_sim uses."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from edgefcl.runtime.supervisor import Deadline, FleetError, Supervisor
-from edgefcl.tomlfields import apply_table, coerce_field
+from edgefcl.support.tomlfields import apply_table, coerce_field
 
 
 def _python(code: str):

@@ -191,7 +191,7 @@ def test_retained_attacks_survive_aggregator_restarts(production_broker, tmp_pat
     each under its own reason, and still aggregates the honest devices' updates at once (well
     within one round timeout). Restarts: SIGTERM, SIGKILL, then the operator's stop."""
     from edgefcl.federation.messages import GlobalModel, Update
-    from edgefcl.statefiles import save_tensors
+    from edgefcl.support.statefiles import save_tensors
     from edgefcl.transport.codec import decode
 
     url, pw, _ = production_broker

@@ -27,7 +27,7 @@ from edgefcl.learn.scoring.scores import uncertainty
 from edgefcl.learn.scoring.worker import PerturberSpec, WorkerError, shared_worker
 from edgefcl.learn.views import LearnerView
 from edgefcl.ondevice import OnnxModel
-from edgefcl.statefiles import atomic_write
+from edgefcl.support.statefiles import atomic_write
 
 log = logging.getLogger(__name__)
 

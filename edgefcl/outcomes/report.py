@@ -16,9 +16,9 @@ from edgefcl.config import ConfigError, RunConfig, apply, dump_toml, load_toml
 from edgefcl.data.types import DataError
 from edgefcl.learn.drift import stream_lines
 from edgefcl.learn.export import GLOBAL_FILE
-from edgefcl.metrics import CommStats, per_task_final, sample_std
-from edgefcl.results import RunResult
-from edgefcl.statefiles import make_dir, save_tensors
+from edgefcl.outcomes.metrics import CommStats, per_task_final, sample_std
+from edgefcl.outcomes.results import RunResult
+from edgefcl.support.statefiles import make_dir, save_tensors
 
 RESULTS, CONFIG, ROUNDS = "results.json", "config.toml", "rounds.jsonl"
 
@@ -192,7 +192,7 @@ def _expected(cfg: RunConfig, label: str, seed: int) -> dict[str, Any]:
 
     from edgefcl.build import for_method
     from edgefcl.config import run_entries
-    from edgefcl.results import cfg_dict
+    from edgefcl.outcomes.results import cfg_dict
 
     fed = next(f for lbl, _, f in run_entries(cfg) if lbl == label)
     method = next(m for lbl, m, _ in run_entries(cfg) if lbl == label)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from edgefcl.metrics import CommStats, forgetting, last_accuracy, per_task_final
+from edgefcl.outcomes.metrics import CommStats, forgetting, last_accuracy, per_task_final
 
 
 def test_accuracy_and_forgetting_by_hand():

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgefcl.config import RunConfig, to_dict
-from edgefcl.metrics import CommStats, forgetting, last_accuracy
+from edgefcl.outcomes.metrics import CommStats, forgetting, last_accuracy
 
 
 @dataclass
