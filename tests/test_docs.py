@@ -98,3 +98,14 @@ def test_the_docs_build_strict(tmp_path: Path) -> None:
                        text=True, timeout=240, env=os.environ | {"NO_MKDOCS_2_WARNING": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "api" / "index.html").is_file()
+
+
+def test_the_layout_table_lists_every_root_module_and_folder() -> None:
+    """docs/architecture.md's layout table stays true: every module at the package root and
+    every folder of the package is a row (and no row names one that is gone)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    rows = set(re.findall(r"^\| `(edgefcl/[\w/.]+)` \|", text, re.M))
+    pkg = REPO / "edgefcl"
+    present = {f"edgefcl/{p.name}" for p in pkg.glob("*.py")} | {
+        f"edgefcl/{p.name}/" for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rows == present
