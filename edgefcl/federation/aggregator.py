@@ -22,7 +22,7 @@ from edgefcl.federation.robust import check_variances, label_room, prepare_round
 from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.strategy import RoundInput, Strategy
-from edgefcl.federation.task_ends import TaskEnds, update_bytes
+from edgefcl.federation.task_ends import TaskEnds
 from edgefcl.federation.task_gate import OPEN, TaskGate
 from edgefcl.federation.versions import GlobalHistory
 
@@ -312,7 +312,7 @@ class Aggregator:
                                        self.active)
         for c, u in carried.items():
             rnd.updates[c], rnd.carried[c] = u, u.seq
-            rnd.nbytes += update_bytes(u)
+            rnd.nbytes += u.nbytes
         self.counters["carried"] += len(carried)
         return carried
 
@@ -322,7 +322,7 @@ class Aggregator:
         for c, u in carried.items():
             rnd.carried.pop(c, None)
             if rnd.updates.get(c) is u:
-                rnd.nbytes -= update_bytes(rnd.updates.pop(c))
+                rnd.nbytes -= rnd.updates.pop(c).nbytes
                 self.counters["carried"] -= 1
 
     def _round_clients(self) -> int:
@@ -399,9 +399,9 @@ class Aggregator:
                 return self._maybe_close(now)
             if msg.client in rnd.updates:
                 self.counters["replaced"] += 1  # one update per client and round: the newest
-                rnd.nbytes -= update_bytes(rnd.updates[msg.client])
+                rnd.nbytes -= rnd.updates[msg.client].nbytes
             rnd.updates[msg.client] = msg
-            rnd.nbytes += update_bytes(msg)
+            rnd.nbytes += msg.nbytes
             if self.carries:
                 self.task_ends.keep(msg)
             rnd.arrived += 1
@@ -431,7 +431,7 @@ class Aggregator:
         decoded = self.folded(decode_updates(self.encoding, [rnd.updates[c] for c in take],
                                              self.counters))
         for c in take:
-            rnd.nbytes -= update_bytes(rnd.updates.pop(c))
+            rnd.nbytes -= rnd.updates.pop(c).nbytes
         if not decoded:
             return
         if not rnd.spilled:
@@ -526,7 +526,7 @@ class Aggregator:
             if tick is None and (decoded or rnd.spilled):
                 kept = {u.client for u in decoded} | set(later)
                 for c in [c for c in rnd.updates if c not in kept]:
-                    rnd.nbytes -= update_bytes(rnd.updates.pop(c))
+                    rnd.nbytes -= rnd.updates.pop(c).nbytes
                 return None
             self._round = _Round()
             return RoundClosed(tick, None)
@@ -557,7 +557,7 @@ class Aggregator:
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self._round = _Round(later, arrived=len(later),
-                             nbytes=sum(map(update_bytes, later.values())))
+                             nbytes=sum(u.nbytes for u in later.values()))
         log.info("round %d closed: version %d, participants %s", self.rounds,
                  self.global_.version, ",".join(participants))
         return RoundClosed(tick, self.global_, participants, seqs, carried)

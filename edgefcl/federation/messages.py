@@ -42,6 +42,11 @@ class Update:
         """Identity used for de-duplication."""
         return (self.client, self.seq)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors as held in memory (what a round's memory bound counts)."""
+        return sum(np.asarray(t).nbytes for t in self.tensors.values())
+
 
 @dataclass
 class Tick:

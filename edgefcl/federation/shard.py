@@ -56,7 +56,6 @@ from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import prepare_round
 from edgefcl.federation.strategy import RoundInput
-from edgefcl.federation.task_ends import update_bytes
 
 log = logging.getLogger("edgefcl.shard")
 
@@ -161,7 +160,7 @@ class ShardWorker(Aggregator):
             kept = {c: u for c, u in rnd.updates.items() if c not in take}
             self._round = _Round(kept, opened_at=rnd.opened_at if now is None else now,
                                  arrived=len(kept),
-                                 nbytes=sum(map(update_bytes, kept.values())))
+                                 nbytes=sum(u.nbytes for u in kept.values()))
             self.counters["held_for_later_round"] += len(self._round.updates)
         if not take:
             return None

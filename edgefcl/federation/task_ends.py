@@ -19,14 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-import numpy as np
-
 from edgefcl.federation.messages import Update
-
-
-def update_bytes(update: Update) -> int:
-    """Bytes of an update's tensors as held in memory."""
-    return sum(np.asarray(t).nbytes for t in update.tensors.values())
 
 
 class TaskEnds:
@@ -41,7 +34,7 @@ class TaskEnds:
         """Keep `update` as its client's newest (dropping the older one); False when it does
         not fit the budget (the client then has none kept)."""
         self.drop(update.client)
-        size = update_bytes(update)
+        size = update.nbytes
         if self.budget and self.nbytes + size > self.budget:
             return False
         self.kept[update.client] = (update, size)

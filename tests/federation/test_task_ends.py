@@ -10,7 +10,7 @@ import numpy as np
 from edgefcl.config import FedConfig, RunConfig, apply
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Update
-from edgefcl.federation.task_ends import TaskEnds, update_bytes
+from edgefcl.federation.task_ends import TaskEnds
 from edgefcl.sim.runs import simulate
 
 
@@ -19,7 +19,7 @@ def upd(client: str, seq: int, value: float, task: int = 0, base: int = 0) -> Up
 
 
 def test_task_ends_keep_the_newest_update_per_client_within_the_budget():
-    ends = TaskEnds(budget=2 * update_bytes(upd("a", 1, 0.0)))
+    ends = TaskEnds(budget=2 * upd("a", 1, 0.0).nbytes)
     assert ends.keep(upd("a", 1, 1.0)) and ends.keep(upd("a", 2, 2.0))  # the newer replaces
     assert ends.keep(upd("b", 1, 3.0))
     assert not ends.keep(upd("c", 1, 4.0))  # over the budget: not kept
