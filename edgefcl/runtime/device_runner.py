@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -207,27 +208,45 @@ class DeviceRunner:
             if isinstance(msg, GlobalModel):
                 self.bytes_down += len(payload)
                 self._on_global(topic, msg)
-            elif isinstance(msg, Message) and msg.kind == "config":
-                self.fleet_config = msg.body
-                self.pull = (msg.body.get("pull_globals") is True and self.tracker is None
-                             and self.cfg.fed.mode == "async")
-                self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
-                self.pacer.spreading = spread_advertised(msg.body)
-            elif isinstance(msg, Message) and msg.kind == "status":
-                self.aggregator_state = msg.body
-                if "backpressure" in msg.body:
-                    self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
-                    self.pacer.spreading = spread_advertised(msg.body)
-            elif isinstance(msg, Message) and msg.kind == "answer":
-                self.answers[msg.body["tick"]] = msg.body
-            elif isinstance(msg, Message) and msg.kind == "control":
-                cmd = msg.body["command"]
-                self.paused = cmd == "pause"
-                if cmd == "stop":
-                    self.stop.set()
-            elif isinstance(msg, Message) and msg.kind == "stream":
-                self.batches.put(END if msg.body.get("end_of_stream") else as_batch(msg))
+            else:  # a map kind its topic admits (checked above)
+                getattr(self, self._ON_MESSAGE[msg.kind])(msg)
             self.cond.notify_all()
+
+    # -- what each map kind does (under self.cond) ---------------------------------------------
+    def _on_config(self, msg: Message) -> None:
+        """The aggregator's retained config: the fleet's settings, the gate, the pacing."""
+        self.fleet_config = msg.body
+        self.pull = (msg.body.get("pull_globals") is True and self.tracker is None
+                     and self.cfg.fed.mode == "async")
+        self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
+        self.pacer.spreading = spread_advertised(msg.body)
+
+    def _on_aggregator_status(self, msg: Message) -> None:
+        """The aggregator's status: its state and, under load, the backpressure factor."""
+        self.aggregator_state = msg.body
+        if "backpressure" in msg.body:
+            self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
+            self.pacer.spreading = spread_advertised(msg.body)
+
+    def _on_answer(self, msg: Message) -> None:
+        """A lock-step tick's answer."""
+        self.answers[msg.body["tick"]] = msg.body
+
+    def _on_control(self, msg: Message) -> None:
+        """The operator's pause, resume or stop."""
+        cmd = msg.body["command"]
+        self.paused = cmd == "pause"
+        if cmd == "stop":
+            self.stop.set()
+
+    def _on_stream(self, msg: Message) -> None:
+        """A mini-batch of this device's replayed stream, or its end."""
+        self.batches.put(END if msg.body.get("end_of_stream") else as_batch(msg))
+
+    _ON_MESSAGE: ClassVar[dict[str, str]] = {
+        "config": "_on_config", "status": "_on_aggregator_status", "answer": "_on_answer",
+        "control": "_on_control", "stream": "_on_stream"}
+    """Map kind -> the method that handles it; `_on_message`'s topics admit no other."""
 
     def _on_global(self, topic: str, g: GlobalModel) -> None:
         """A whole global (the retained one) or, with a sparse downlink, the change from the
