@@ -172,9 +172,9 @@ def test_an_async_fleet_that_pulls_its_globals_learns(embedded_broker, tmp_path)
 
     On a busy machine this tiny fleet's last task now and then ends near 0 on a device,
     with or without pull ("Tiny tasks on a slow link" in docs/async.md: the carried
-    end-of-task updates made it rarer, not impossible): that outcome is reported as an
-    expected failure, so that it stays visible without failing the run; any other outcome
-    must have learned."""
+    end-of-task updates and the merge by what a global counted made it rare, not
+    impossible): that outcome is reported as an expected failure, so that it stays visible
+    without failing the run; any other outcome must have learned."""
     cfg = small_config(mqtt={"broker": embedded_broker},
                        fed={"mode": "async", "downlink": "pull", "min_clients": 1})
     remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=tmp_path / "fleet")
