@@ -278,6 +278,10 @@ class FedConfig:
                            "seconds for every active device to finish that task too, so that "
                            "devices of different speeds stay on one task (0: off; "
                            "docs/async.md)")
+    in_flight: int = opt(4, "async: states of its last updates sent that a device keeps until "
+                         "a global holds them, so that a global holding an older one keeps the "
+                         "progress made since it (each costs a copy of the model; 0: off, such "
+                         "a global is merged by device_merge; docs/async.md)")
     gate_carry_mib: float = opt(16.0, "async, task gate: MiB of each device's newest update "
                                 "kept so that the gate's round holds every device's end-of-task "
                                 "model, those an earlier round counted too (0: off; "
@@ -637,6 +641,7 @@ def check_fed(f: FedConfig) -> None:
         (0 < f.task_decay <= 1, "task_decay must be in (0, 1] (1: off)"),
         (f.task_gate >= 0, "task_gate must be >= 0 seconds (0: off)"),
         (f.gate_carry_mib >= 0, "gate_carry_mib must be >= 0 (0: off)"),
+        (f.in_flight >= 0, "in_flight must be >= 0 (0: off)"),
     ])
 
 

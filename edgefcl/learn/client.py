@@ -29,9 +29,6 @@ from edgefcl.learn.merges import MERGES, REPLACE, MergeRule
 from edgefcl.learn.objectives import MethodHooks
 from edgefcl.learn.params import get_tensors, set_tensors
 
-IN_FLIGHT = 4
-"""Updates sent whose states a client keeps until a global holds them (async)."""
-
 
 @dataclass(frozen=True)
 class Schedule:
@@ -70,8 +67,8 @@ class Client:
         self.sent_base = 0
         """The version of the global the last update sent was trained from."""
         self.in_flight: dict[int, dict[str, np.ndarray]] = {}
-        """Async: the state each of the last `IN_FLIGHT` updates sent had (seq -> state), so
-        that a global holding an older one is merged by what it holds (`apply_global`)."""
+        """Async: the state each of the last `fed.in_flight` updates sent had (seq -> state),
+        so that a global holding an older one is merged by what it holds (`apply_global`)."""
         self.pace: Callable[[], bool] | None = None
         """Asked at every due update whether to send it (None: always); a held update keeps
         its sequence number and is not encoded, unless it is the last of the stream
@@ -157,9 +154,9 @@ class Client:
                 class_counts: dict[int, int]) -> Update:
         self.sent = get_tensors(self.learner.model)
         self.sent_base = self.version
-        if self.fed.mode == "async":
+        if self.fed.mode == "async" and self.fed.in_flight > 0:
             self.in_flight[self.seq] = self.sent
-            for old in sorted(self.in_flight)[:-IN_FLIGHT]:
+            for old in sorted(self.in_flight)[:-self.fed.in_flight]:
                 del self.in_flight[old]
         payload = self.encoder.encode(self.sent, self.base)
         protos = self.learner.protos

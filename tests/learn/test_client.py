@@ -16,12 +16,14 @@ from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 
 
-def make_client(method="bi", burn_in=2, jump=2, memory=20, device="cpu", mode="sync"):
+def make_client(method="bi", burn_in=2, jump=2, memory=20, device="cpu", mode="sync",
+                in_flight=4):
     torch.manual_seed(0)
     model = build_model("mlp", (6,), 4, hidden=16)
     return new_client("c0", model, LearnConfig(method=method, memory_size=memory, local_epochs=2,
                                                device=device),
-                      FedConfig(burn_in=burn_in, jump=jump, mode=mode), "vector", seed=0)
+                      FedConfig(burn_in=burn_in, jump=jump, mode=mode, in_flight=in_flight),
+                      "vector", seed=0)
 
 
 def batch(task, index, classes, n=5, seed=0):
@@ -133,6 +135,18 @@ def test_the_newest_update_held_or_no_count_given_the_replace_rule_replaces():
     c.apply_global(GlobalModel(2, zeros, ("c0",), counted={"c0": 2}), counted=2)
     assert all(np.all(v == 0) for v in get_tensors(c.model).values())
     assert make_client().in_flight == {}  # lock-step keeps no sent states
+
+
+def test_with_in_flight_off_a_global_holding_an_older_update_replaces():
+    c = make_client(burn_in=2, jump=2, mode="async", in_flight=0)
+    c.step(batch(0, 1, [0, 1]))
+    u1 = c.step(batch(0, 2, [0, 1]))
+    c.step(batch(0, 3, [0, 1]))
+    c.step(batch(0, 4, [0, 1]))  # u2 goes out
+    assert c.in_flight == {}
+    zeros = {k: np.zeros_like(v) for k, v in u1.tensors.items()}
+    c.apply_global(GlobalModel(1, zeros, ("c0",), counted={"c0": 1}), counted=1)
+    assert all(np.all(v == 0) for v in get_tensors(c.model).values())
 
 
 def test_the_delta_rule_keeps_the_progress_since_the_counted_update_too():
