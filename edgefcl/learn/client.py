@@ -241,13 +241,14 @@ class Client:
             self.onnx.on_global(self.learner)
 
     def _in_flight_since(self, counted: int | None) -> dict[str, np.ndarray] | None:
-        """The state of the update `counted` when a newer one was sent since (else None)."""
-        if counted is None:
-            return None
-        if counted >= max(self.in_flight, default=0):
-            self.in_flight.clear()  # the global holds the newest update sent
-            return None
-        return self.in_flight.get(counted)
+        """The state of the update `counted` when a newer one was sent since (else None).
+        The kept states are dropped when the merge will not move them with the model: `g`
+        holds the newest update, none of this client's (a catch-up, or the gate's global not
+        listing it), or one no longer kept."""
+        if counted is not None and counted in self.in_flight and counted < max(self.in_flight):
+            return self.in_flight[counted]
+        self.in_flight.clear()
+        return None
 
     def _shift_in_flight(self, counted: int, shift: dict[str, np.ndarray]) -> None:
         """Forget the updates up to `counted`; move the later ones by `shift` (global minus
