@@ -12,6 +12,7 @@ version that drops a name is sent whole.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy as np
 
@@ -141,7 +142,7 @@ def downlink_message(g: GlobalModel, history: GlobalHistory, held_version: int) 
     if old is None or held_version >= g.version:
         return g
     delta = global_delta(g.tensors, old, held_version)
-    return g if delta is None else GlobalModel(g.version, delta, g.participants, g.prototypes)
+    return g if delta is None else replace(g, tensors=delta)
 
 
 class DownlinkState:
@@ -158,8 +159,7 @@ class DownlinkState:
             if frm != self.version:
                 raise ValueError(f"global v{g.version} is a delta from v{frm}, but this client "
                                  f"holds v{self.version}; the aggregator must send it whole")
-            g = GlobalModel(g.version, apply_global_delta(g.tensors, self.tensors),
-                            g.participants, g.prototypes)
+            g = replace(g, tensors=apply_global_delta(g.tensors, self.tensors))
         self.tensors = dict(g.tensors)
         self.version = g.version
         return g

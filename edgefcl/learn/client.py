@@ -205,23 +205,23 @@ class Client:
         load_data_attrs(self.hooks, state["hooks"], dev)
 
     # -- federation -----------------------------------------------------------------------
-    def apply_global(self, g: GlobalModel, rule: MergeRule = REPLACE,
-                     counted: int | None = None) -> None:
+    def apply_global(self, g: GlobalModel, rule: MergeRule = REPLACE) -> None:
         """Merge a global model this client took part in, by `rule` (`learn/merges.py`):
         replace (lock-step, Algorithm 1), or an async rule that keeps the progress made since
         the update was sent. The model as it was just before the merge becomes the scoring
         snapshot. `g` may be a delta from the version this client holds (sparse downlink).
 
-        `counted` (async) is the sequence number of this client's update that `g` holds. When
-        the client has sent a newer one since, every rule keeps the progress made since the
-        counted update's state (theta_g + s * (theta_now - theta_counted), s = 1 but for the
-        staleness rule): replacing would throw away updates already on their way.
+        Async: where `g` holds (`g.counted`) an older update of this client than the newest it
+        sent, every rule keeps the progress made since the counted update's state (theta_g +
+        s * (theta_now - theta_counted), s = 1 but for the staleness rule): replacing would
+        throw away updates already on their way.
         """
         g = self.downlink.resolve(g)
         self.learner.snapshot()
         now = get_tensors(self.model)
         merged = self.encoder.decode_global(g.tensors, now)
         self.base = merged
+        counted = g.counted.get(self.cid)
         since = self._in_flight_since(counted)
         keeps_local = rule.keeps_local or since is not None
         if rule is not REPLACE or since is not None:
@@ -230,7 +230,7 @@ class Client:
             keeping = MERGES["delta"] if rule is REPLACE else rule
             merged = keeping.apply(merged, now, self.sent if since is None else since, params,
                                    weight)
-            if since is not None:  # the updates still in flight, as from the merged model
+            if counted is not None and since is not None:  # the later ones, as from the merge
                 self._shift_in_flight(counted, {k: self.base[k] - since[k] for k in params})
         set_tensors(self.model, merged)
         if self.protos is not None:

@@ -91,7 +91,7 @@ def merge_global(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
     if g.version <= client.version:
         return None
     if client.cid in g.participants:
-        client.apply_global(g, get_merge(fed.device_merge), g.counted.get(client.cid))
+        client.apply_global(g, get_merge(fed.device_merge))
         return MERGED
     if g.version - client.version > fed.max_staleness // 2:
         client.apply_global(g, MERGES["delta"])
@@ -108,5 +108,5 @@ def merge_at_gate(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
     device, the device keeps its progress since that one."""
     if g.version <= client.version:
         return None
-    client.apply_global(g, get_merge(fed.device_merge), g.counted.get(client.cid))
+    client.apply_global(g, get_merge(fed.device_merge))
     return MERGED

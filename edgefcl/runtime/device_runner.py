@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -261,7 +262,7 @@ class DeviceRunner:
                     whole = apply_global_delta(g.tensors, self.tracker.tensors)
                 except SparseError as e:
                     raise CodecError("delta", str(e)) from None
-                g = GlobalModel(g.version, whole, g.participants, g.prototypes, g.counted)
+                g = replace(g, tensors=whole)
                 self._check(g)
                 self.tracker = DownlinkState(g.tensors, g.version)
                 self._adopt(g)

@@ -350,14 +350,15 @@ def test_downlink_through_the_codec_and_the_client_state():
     g1["w"][[3, 599]] = [-1.0, 7.5]
     hist.push(0, g0)
     hist.push(1, g1)
-    msg = downlink_message(GlobalModel(1, g1, ("a",)), hist, held_version=0)
-    assert DELTA_FROM in msg.tensors
+    msg = downlink_message(GlobalModel(1, g1, ("a",), counted={"a": 4}), hist, held_version=0)
+    assert DELTA_FROM in msg.tensors and msg.counted == {"a": 4}
     back = codec.decode(codec.encode(msg, fleet="f"))
     assert len(codec.encode(msg, fleet="f")) < 0.1 * len(codec.encode(GlobalModel(1, g1),
                                                                      fleet="f"))
     state = DownlinkState(g0, 0)
     got = state.resolve(back)
     assert got.version == 1 and got.tensors["w"].tobytes() == g1["w"].tobytes()
+    assert got.participants == ("a",) and got.counted == {"a": 4}  # what a device merges by
     with pytest.raises(ValueError, match="holds v1"):
         state.resolve(back)  # a delta from v0 to a client that holds v1
     assert downlink_message(GlobalModel(2, g1), hist, held_version=-5).tensors is g1

@@ -109,7 +109,7 @@ def test_a_global_holding_an_older_update_keeps_the_progress_since_that_one():
     c.step(batch(0, 5, [0, 1]))
     now = get_tensors(c.model)
     ones = {k: np.ones_like(v) for k, v in u1.tensors.items()}
-    c.apply_global(GlobalModel(1, ones, ("c0",), counted={"c0": 1}), counted=1)
+    c.apply_global(GlobalModel(1, ones, ("c0",), counted={"c0": 1}))
     merged = get_tensors(c.model)
     for k in merged:
         np.testing.assert_allclose(merged[k], 1 + now[k] - u1.tensors[k], atol=1e-6)
@@ -118,7 +118,7 @@ def test_a_global_holding_an_older_update_keeps_the_progress_since_that_one():
         np.testing.assert_allclose(c.in_flight[2][k], u2.tensors[k] + 1 - u1.tensors[k],
                                    atol=1e-6)
     twos = {k: np.full_like(v, 2.0) for k, v in u1.tensors.items()}
-    c.apply_global(GlobalModel(2, twos, ("c0",), counted={"c0": 2}), counted=2)
+    c.apply_global(GlobalModel(2, twos, ("c0",), counted={"c0": 2}))
     assert all(np.all(v == 2.0) for v in get_tensors(c.model).values())
     assert c.in_flight == {}
 
@@ -129,10 +129,10 @@ def test_the_newest_update_held_or_no_count_given_the_replace_rule_replaces():
     u1 = c.step(batch(0, 2, [0, 1]))
     c.step(batch(0, 3, [0, 1]))
     zeros = {k: np.zeros_like(v) for k, v in u1.tensors.items()}
-    c.apply_global(GlobalModel(1, zeros, ("c0",)), counted=None)  # lock-step, or no count
+    c.apply_global(GlobalModel(1, zeros, ("c0",)))  # lock-step, or no count
     assert all(np.all(v == 0) for v in get_tensors(c.model).values())
     c.step(batch(0, 4, [0, 1]))
-    c.apply_global(GlobalModel(2, zeros, ("c0",), counted={"c0": 2}), counted=2)
+    c.apply_global(GlobalModel(2, zeros, ("c0",), counted={"c0": 2}))
     assert all(np.all(v == 0) for v in get_tensors(c.model).values())
     assert make_client().in_flight == {}  # lock-step keeps no sent states
 
@@ -145,7 +145,7 @@ def test_with_in_flight_off_a_global_holding_an_older_update_replaces():
     c.step(batch(0, 4, [0, 1]))  # u2 goes out
     assert c.in_flight == {}
     zeros = {k: np.zeros_like(v) for k, v in u1.tensors.items()}
-    c.apply_global(GlobalModel(1, zeros, ("c0",), counted={"c0": 1}), counted=1)
+    c.apply_global(GlobalModel(1, zeros, ("c0",), counted={"c0": 1}))
     assert all(np.all(v == 0) for v in get_tensors(c.model).values())
 
 
@@ -157,7 +157,7 @@ def test_the_delta_rule_keeps_the_progress_since_the_counted_update_too():
     c.step(batch(0, 4, [0, 1]))  # u2 goes out
     now = get_tensors(c.model)
     ones = {k: np.ones_like(v) for k, v in u1.tensors.items()}
-    c.apply_global(GlobalModel(1, ones, ("c0",)), MERGES["delta"], counted=1)
+    c.apply_global(GlobalModel(1, ones, ("c0",), counted={"c0": 1}), MERGES["delta"])
     for k, v in get_tensors(c.model).items():
         np.testing.assert_allclose(v, 1 + now[k] - u1.tensors[k], atol=1e-6)
 
