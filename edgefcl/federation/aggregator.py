@@ -313,7 +313,6 @@ class Aggregator:
         for c, u in carried.items():
             rnd.updates[c], rnd.carried[c] = u, u.seq
             rnd.nbytes += u.nbytes
-        self.counters["carried"] += len(carried)
         return carried
 
     def _uncarry(self, carried: dict[str, Update]) -> None:
@@ -323,7 +322,6 @@ class Aggregator:
             rnd.carried.pop(c, None)
             if rnd.updates.get(c) is u:
                 rnd.nbytes -= rnd.updates.pop(c).nbytes
-                self.counters["carried"] -= 1
 
     def _round_clients(self) -> int:
         """Clients in the open round."""
@@ -556,6 +554,7 @@ class Aggregator:
         self.global_, self.label_owners = candidate, owners
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
+        self.counters["carried"] += len(carried)
         self._round = _Round(later, arrived=len(later),
                              nbytes=sum(u.nbytes for u in later.values()))
         log.info("round %d closed: version %d, participants %s", self.rounds,
