@@ -219,15 +219,18 @@ class DeviceRunner:
         self.fleet_config = msg.body
         self.pull = (msg.body.get("pull_globals") is True and self.tracker is None
                      and self.cfg.fed.mode == "async")
-        self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
-        self.pacer.spreading = spread_advertised(msg.body)
+        self._follow_pacing(msg.body)
 
     def _on_aggregator_status(self, msg: Message) -> None:
         """The aggregator's status: its state and, under load, the backpressure factor."""
         self.aggregator_state = msg.body
         if "backpressure" in msg.body:
-            self.pacer.factor = advertised(msg.body, self.cfg.fed.max_backpressure)
-            self.pacer.spreading = spread_advertised(msg.body)
+            self._follow_pacing(msg.body)
+
+    def _follow_pacing(self, body: dict) -> None:
+        """Take the backpressure factor and spreading the aggregator advertises."""
+        self.pacer.factor = advertised(body, self.cfg.fed.max_backpressure)
+        self.pacer.spreading = spread_advertised(body)
 
     def _on_answer(self, msg: Message) -> None:
         """A lock-step tick's answer."""
