@@ -14,8 +14,8 @@ from threadpoolctl import threadpool_limits
 from edgefcl.config import FedConfig, LearnConfig, RunConfig, resolve_current_share, resolve_fed
 from edgefcl.data.types import Dataset, TaskData
 from edgefcl.data.workload import client_id, load_workload
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import Tensors
-from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.registry import get_encoding
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import make_monitor
@@ -69,7 +69,7 @@ def initial_global(cfg: RunConfig, setup: Setup) -> Tensors:
     return global_tensors(setup.initial, cfg.fed.encoding)
 
 
-def initial_prototypes(setup: Setup, encoding: str = "dense") -> PrototypeTable | None:
+def initial_prototypes(setup: Setup, encoding: str = "dense") -> LabelRows | None:
     """The first global prototype library (empty, of the run's row width; Gaussian rows with
     the gaussian encoding), or None for a fixed head."""
     model = setup.initial

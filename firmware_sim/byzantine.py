@@ -37,8 +37,8 @@ import msgpack
 import numpy as np
 
 from edgefcl.config import RunConfig
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.schedule import nth_eligible
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.transport.chunks import split
@@ -181,18 +181,18 @@ class Byzantine:
         return builders[self.attack]()
 
     @staticmethod
-    def _biased(g: GlobalModel, label: int = 0) -> PrototypeTable:
+    def _biased(g: GlobalModel, label: int = 0) -> LabelRows:
         """The global's library (four labels of width 4 without one) with every row's last
         entry (its bias) +1e6 for `label` and -1e6 for the others, and counts of 10^9."""
         lib = g.prototypes
         if lib is None or not lib.labels:
-            lib = PrototypeTable(("0", "1", "2", "3"), np.zeros((4, 4), np.float32),
+            lib = LabelRows(("0", "1", "2", "3"), np.zeros((4, 4), np.float32),
                                  np.ones(4, np.int64))
         rows = np.array(lib.rows, np.float32, copy=True)
         rows[:, -1] = -1e6
         rows[min(label, len(rows) - 1), -1] = 1e6
         sigmas = None if lib.sigmas is None else np.array(lib.sigmas, np.float32)
-        return PrototypeTable(lib.labels, rows, np.full(len(rows), 10**9, np.int64), sigmas)
+        return LabelRows(lib.labels, rows, np.full(len(rows), 10**9, np.int64), sigmas)
 
     def _near(self, t: Tensors) -> Tensors:
         return {k: (v + self.rng.normal(0, 1e-3, v.shape)).astype(np.float32) for k, v in t.items()}

@@ -1,9 +1,12 @@
 """The worked examples of docs/architecture.md work as written: the score file plus its one
 SCORES line makes a method; the dense rule file plus its one DENSE_RULES line makes an
-aggregation the config accepts and the aggregator runs."""
+aggregation the config accepts and the aggregator runs; the q8 encoding is the real file; a
+message kind's line makes a kind the codec carries and a device handles; a head's two lines
+make a head the config accepts and the model builder wraps."""
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import types
@@ -72,3 +75,61 @@ def test_encoding_example_is_the_real_q8_file() -> None:
     source = (Path(__file__).resolve().parent.parent / "edgefcl" / "federation" / "q8.py")
     code = source.read_text()
     assert code[code.index("from __future__"):] in BLOCKS
+
+
+def test_message_kind_example(monkeypatch: pytest.MonkeyPatch,
+                              caplog: pytest.LogCaptureFixture) -> None:
+    from typing import Any
+
+    from edgefcl.runtime.device_runner import DeviceRunner
+    from edgefcl.transport import codec, kinds
+
+    ns: dict[str, Any] = {"Any": Any, "field": kinds.field, "CodecError": codec.CodecError,
+                          "Kind": kinds.Kind, "Message": codec.Message,
+                          "log": logging.getLogger("edgefcl.client")}
+    exec(next(b for b in BLOCKS if "def _notice" in b), ns)  # noqa: S102
+    kind = eval(registry_line('Kind("notice"').rstrip(","), ns)  # noqa: S307
+    monkeypatch.setitem(kinds.KINDS, "notice", kind)
+    monkeypatch.setattr(codec, "MAP_KINDS", codec.MAP_KINDS | {"notice"})
+    assert "notice" in kinds.kinds_on("control")
+    wire = codec.encode(codec.Message("notice", {"text": "rebooting at noon"}), fleet="f",
+                        sender="operator")
+    msg = codec.decode(wire, "f")
+    assert isinstance(msg, codec.Message) and msg.body["text"] == "rebooting at noon"
+    with pytest.raises(codec.CodecError) as e:
+        codec.decode(codec.encode(codec.Message("notice", {"text": "x" * 201}), fleet="f",
+                                  sender="operator"))
+    assert e.value.reason == "limits"
+    handlers = eval("{" + registry_line('"notice": "_on_notice"') + "}")  # noqa: S307
+    monkeypatch.setattr(DeviceRunner, "_ON_MESSAGE", {**DeviceRunner._ON_MESSAGE, **handlers})
+    exec(next(b for b in BLOCKS if "def _on_notice" in b).replace("\n    ", "\n").strip(),
+         ns)  # noqa: S102
+    monkeypatch.setattr(DeviceRunner, "_on_notice", ns["_on_notice"], raising=False)
+    with caplog.at_level(logging.INFO, logger="edgefcl.client"):
+        getattr(DeviceRunner, DeviceRunner._ON_MESSAGE["notice"])(None, msg)
+    assert "rebooting at noon" in caplog.text
+
+
+def test_head_example(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from edgefcl.build import prepare
+    from edgefcl.federation import heads
+    from edgefcl.learn import model_heads
+
+    mod = module_from_doc("edgefcl.learn.cosine_head", "class CosineLinear")
+    monkeypatch.setitem(sys.modules, "edgefcl.learn.cosine_head", mod)
+    head = eval(registry_line('Head("cosine"').rstrip(","), {"Head": heads.Head})  # noqa: S307
+    model_head = eval(registry_line('name="cosine"').rstrip(","), {  # noqa: S307
+        "dataclasses": dataclasses, "FIXED": model_heads.FIXED, **vars(mod)})
+    monkeypatch.setitem(heads.HEADS, "cosine", head)
+    monkeypatch.setitem(model_heads.MODEL_HEADS, "cosine", model_head)
+    cfg = apply(RunConfig(), {"quiet": True, "learn": {"head": "cosine"}})
+    fixed = prepare(apply(RunConfig(), {"quiet": True}), 0).initial
+    setup = prepare(cfg, 0)
+    model = setup.initial
+    assert model_heads.head_of(model) is model_head and not heads.library_head(cfg)
+    assert model.state_dict().keys() == fixed.state_dict().keys()  # the same global tensors
+    x = torch.from_numpy(setup.tasks[0][0].x_test[:5])
+    logits = model(x)
+    assert logits.shape == fixed(x).shape and logits.abs().max() <= mod.SCALE + 1e-4

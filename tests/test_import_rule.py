@@ -155,6 +155,25 @@ def test_the_library_never_imports_the_benchmarks() -> None:
     assert not bad, bad
 
 
+PLUGINS: dict[str, set[str]] = {
+    # the prototype head: its learning side registers in model_heads, its federation side in
+    # heads; nothing else reaches its files (the data of label rows is `label_rows`)
+    "edgefcl.learn.proto_net": {"edgefcl.learn.model_heads", "edgefcl.learn.proto_train"},
+    "edgefcl.learn.proto_train": {"edgefcl.learn.model_heads"},
+    "edgefcl.federation.prototype_library": {"edgefcl.federation.heads"},
+}
+"""A plugin's modules -> the modules allowed to import them (its registry, its own files)."""
+
+
+@pytest.mark.parametrize("plugin", sorted(PLUGINS))
+def test_a_plugin_is_imported_only_through_its_registry(plugin: str) -> None:
+    assert plugin in SOURCES, f"{plugin} is gone: update PLUGINS"
+    bad = sorted(module for module, path in SOURCES.items()
+                 if module != plugin and module not in PLUGINS[plugin]
+                 and any(_under(i, plugin) for i in _imports(path, module, False)))
+    assert not bad, f"{plugin} imported outside its registry by {bad}"
+
+
 REGISTRIES: dict[str, str] = {
     "edgefcl.learn.methods": "defines METHODS and SCORES",
     "edgefcl.learn.memory_policies": "defines POLICIES (memory policies)",

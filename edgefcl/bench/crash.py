@@ -102,8 +102,8 @@ def read_publish_log(path: Path) -> tuple[list[tuple[int, str]], int]:
 
 def child(state_dir: Path) -> None:
     """Serve deterministic updates forever (until killed)."""
+    from edgefcl.federation.label_rows import LabelRows
     from edgefcl.federation.messages import Update
-    from edgefcl.federation.prototype_library import PrototypeTable
     from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
     from edgefcl.transport.codec import encode
 
@@ -120,7 +120,7 @@ def child(state_dir: Path) -> None:
         value = np.random.default_rng(zlib.crc32(f"{c}:{seq}".encode()))
         tensors = {k: value.normal(size=v.shape).astype(np.float32) for k, v in INITIAL.items()}
         labels = tuple(sorted(value.choice(LABELS, size=2, replace=False)))
-        table = PrototypeTable(labels, value.normal(size=(2, 65)).astype(np.float32),
+        table = LabelRows(labels, value.normal(size=(2, 65)).astype(np.float32),
                                value.integers(0, 5, size=2))
         payload = encode(Update(c, d.agg.global_.version, seq, 0, seq, 8, tensors,
                                 class_counts={0: 8}, prototypes=table), fleet=cfg.mqtt.fleet)

@@ -36,15 +36,10 @@ import msgpack
 import numpy as np
 
 from edgefcl.config import RunConfig, apply
+from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS
 from edgefcl.data.types import Batch
+from edgefcl.federation.label_rows import MAX_COUNT, LabelRows, check_rows
 from edgefcl.federation.messages import GlobalModel, Tick, Update
-from edgefcl.federation.prototype_library import (
-    MAX_COUNT,
-    MAX_LABEL_CHARS,
-    MAX_LABELS,
-    PrototypeTable,
-    check_table,
-)
 from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.links import NullLink
 from edgefcl.transport import integrity
@@ -190,10 +185,10 @@ def _byte_mutation(payload: bytes, rng: np.random.Generator) -> bytes:
 
 
 def library(width: int, labels: tuple[str, ...] = ("cat", "dog"), seed: int = 0
-            ) -> PrototypeTable:
+            ) -> LabelRows:
     """A valid prototype library of `labels` with rows of `width`."""
     rng = np.random.default_rng(seed)
-    return PrototypeTable(labels, rng.normal(size=(len(labels), width)).astype(np.float32),
+    return LabelRows(labels, rng.normal(size=(len(labels), width)).astype(np.float32),
                           np.full(len(labels), 4, np.int64))
 
 
@@ -202,16 +197,16 @@ def table_attacks(tensors: dict[str, np.ndarray], width: int) -> list[bytes]:
     so that admission lets it reach the library checks)."""
     good = library(width)
     hostile = [
-        PrototypeTable(tuple(f"l{k}" for k in range(MAX_LABELS)),
+        LabelRows(tuple(f"l{k}" for k in range(MAX_LABELS)),
                        np.zeros((MAX_LABELS, width), np.float32),
                        np.full(MAX_LABELS, MAX_COUNT, np.int64)),  # valid, at every bound
-        PrototypeTable(("cat",), good.rows[:1], np.array([MAX_COUNT], np.int64)),  # repeated:
-        PrototypeTable(("cat",), good.rows[:1], np.array([MAX_COUNT], np.int64)),  # saturates
-        PrototypeTable(("x" * MAX_LABEL_CHARS,), np.full((1, width), 1e30, np.float32),
+        LabelRows(("cat",), good.rows[:1], np.array([MAX_COUNT], np.int64)),  # repeated:
+        LabelRows(("cat",), good.rows[:1], np.array([MAX_COUNT], np.int64)),  # saturates
+        LabelRows(("x" * MAX_LABEL_CHARS,), np.full((1, width), 1e30, np.float32),
                        np.ones(1, np.int64)),
-        PrototypeTable(good.labels, np.zeros((2, width + 1), np.float32), good.counts),
-        PrototypeTable(good.labels, good.rows, np.array([-1, 2**63 - 1], np.int64)),
-        PrototypeTable(good.labels, good.rows, np.array([MAX_COUNT + 1, 1], np.int64)),
+        LabelRows(good.labels, np.zeros((2, width + 1), np.float32), good.counts),
+        LabelRows(good.labels, good.rows, np.array([-1, 2**63 - 1], np.int64)),
+        LabelRows(good.labels, good.rows, np.array([MAX_COUNT + 1, 1], np.int64)),
     ]
     return [encode(Update(CLIENTS[i % len(CLIENTS)], 0, 100 + i, 0, 100 + i, 8, tensors,
                           class_counts={0: 8}, prototypes=t), fleet=FLEET)
@@ -378,7 +373,7 @@ def _model(size: int = 64) -> dict[str, np.ndarray]:
 def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = False) -> dict:
     """`n` payloads through `AggregatorDaemon.handle` (async rounds, robust rules on, head
     prototypes: the updates carry prototype libraries)."""
-    from edgefcl.federation.prototype_library import feature_width
+    from edgefcl.federation.heads import library_width
     from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
 
     cfg = apply(RunConfig(), {"quiet": True, "mqtt": {"fleet": FLEET, "max_payload": 4 << 20},
@@ -390,7 +385,7 @@ def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = Fal
     d = AggregatorDaemon(cfg, tensors, state_dir, fresh=True)
     d.link = NullLink()
     tp = d.topics
-    width = feature_width(tensors)
+    width = library_width(cfg, tensors)
     corpus = [encode(Update(c, 0, s, 0, s, 8, tensors, class_counts={0: 8},
                             prototypes=library(width, ("cat", f"{c}-{s}"), seed=s)), fleet=FLEET)
               for c in CLIENTS for s in (1, 2)]
@@ -416,7 +411,7 @@ def fuzz_aggregator(n: int, state_dir: Path, seed: int = 0, progress: bool = Fal
     report["rounds"] = d.agg.rounds
     lib = d.agg.global_.prototypes  # what every device must still accept
     report["library_labels"] = len(lib.labels)
-    report["library_valid"] = check_table(lib, width) is None and bool(
+    report["library_valid"] = check_rows(lib, width) is None and bool(
         lib.rows.size == 0 or np.abs(lib.rows).max() <= 1e6)
     report["global_finite"] = bool(all(np.isfinite(t).all()
                                        for t in d.agg.global_.tensors.values()))

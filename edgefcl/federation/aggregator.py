@@ -15,10 +15,11 @@ from edgefcl.federation.admission import Admission
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.folds import FOLDS, Fold
 from edgefcl.federation.global_check import published_fault
+from edgefcl.federation.heads import RowsRule, rows_rule
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.prototype_library import PrototypeTable, average_tables, check_table
 from edgefcl.federation.registry import get_encoding, get_rule
-from edgefcl.federation.robust import check_variances, label_room, prepare_round
+from edgefcl.federation.robust import check_variances, prepare_round
 from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.strategy import RoundInput, Strategy
@@ -169,7 +170,7 @@ class Aggregator:
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
                  batch_size: int | None = None,
-                 prototypes: PrototypeTable | None = None,
+                 prototypes: LabelRows | None = None,
                  row_prior_sigma: float | None = None,
                  wire_dtype: str | None = None) -> None:
         self.fed = fed
@@ -177,6 +178,8 @@ class Aggregator:
         """The dtype globals travel in (None: as they are): a global it cannot carry, as
         devices would decode it, is never made a version."""
         self.row_prior_sigma = row_prior_sigma
+        self._rows: RowsRule = rows_rule()
+        """The library head's rule: checks a device's rows, folds the round's library."""
         """The prior sigma of a new label's Gaussian row (the devices' `bayes_sigma`): the
         fedbnn rule multiplies it by the row's likelihoods."""
         if self._rows_by_likelihood(prototypes) and row_prior_sigma is None:
@@ -359,7 +362,7 @@ class Aggregator:
         reason = self.encoding.validate(msg.tensors, self.spec) or check_variances(msg.tensors)
         if reason is not None:
             return reason
-        reason = self._check_prototypes(msg)
+        reason = self._rows.check(msg.prototypes, self.global_.prototypes)
         if reason is not None:
             return reason
         if not eligible(msg.batch, self.fed.burn_in, self.fed.jump):
@@ -574,42 +577,21 @@ class Aggregator:
         (`round_weights.py`), for the robust rules; after `strategy.configure_round`."""
         return weigh(updates, self.global_.version, self.fed, self.strategy)
 
-    # -- prototype library (head prototypes; federation/prototype_library.py) -------------
-    def _check_prototypes(self, msg: Update) -> str | None:
-        """An update's library must match the global's row width and kind (Gaussian rows,
-        with sigmas, exactly where the global's are); none where the run has no library."""
-        table = self.global_.prototypes
-        if msg.prototypes is None:
-            return None
-        if table is None:
-            return "prototypes"
-        reason = check_table(msg.prototypes, table.width)
-        if reason is None and msg.prototypes.gaussian != table.gaussian:
-            return "prototype_sigma"
-        return reason
-
-    def _rows_by_likelihood(self, table: PrototypeTable | None) -> bool:
+    # -- library of label rows (a library head's rule: federation/heads.py) ---------------
+    def _rows_by_likelihood(self, table: LabelRows | None) -> bool:
         """Whether Gaussian rows follow the fedbnn rule (likelihoods times the prior)."""
         return table is not None and table.gaussian and get_rule(self.fed).multiplies_likelihoods
 
     def _next_prototypes(self, updates: list[Update]
-                         ) -> tuple[PrototypeTable | None, dict[str, str]]:
-        """The round's library and label owners (the new labels admitted by `label_room`)."""
+                         ) -> tuple[LabelRows | None, dict[str, str]]:
+        """The round's library and label owners (the head's rule, `heads.RowsRule.fold`)."""
         previous = self.global_.prototypes
         if previous is None:
             return None, self.label_owners
-        sent = [u for u in updates if u.prototypes is not None]
-        tables, owners = label_room.admit(
-            [u.prototypes for u in sent], [u.client for u in sent],  # type: ignore[misc]
-            previous, self.label_owners, label_room.quota(self.fed, self.admission.cap),
-            self.counters)
-        likelihood = None
-        if self._rows_by_likelihood(previous):  # as FedBNNProduct: SNN-phase updates averaged
-            likelihood = [u.base_version >= self.fed.bnn_init_rounds for u in sent]
-        return average_tables(tables, previous, self.fed.mix, self.fed.max_share,
-                              self.counters, self.fed.sigma_floor, likelihood,
-                              self.row_prior_sigma, self.fed.clip_factor,
-                              self.strategy.row_combiner()), owners
+        return self._rows.fold(updates, previous, self.label_owners, self.fed,
+                               self.admission.cap, self.counters,
+                               self._rows_by_likelihood(previous), self.row_prior_sigma,
+                               self.strategy.row_combiner())
 
     # -- persistence ----------------------------------------------------------------------
     def state(self) -> dict:

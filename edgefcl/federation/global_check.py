@@ -3,10 +3,10 @@
 The aggregator is trusted, the path to it is not (a stolen credential with a broken ACL, a
 retained message left by a test, a buggy gateway). A device adopts a global only when every
 tensor has exactly the name, shape and dtype of its own model's global (`expected`), all values
-are finite and at most MAX_ABS in magnitude, BatchNorm variances and Gaussian sigmas are
+are finite and at most MAX_VALUE in magnitude, BatchNorm variances and Gaussian sigmas are
 positive, and the version moves forward by at most `max_step`. APC globals may also carry the
 knowledge base (`<name>::kb`, shape (K, *shape)) and its ring position (`apc::kb_next`, an
-int64 scalar). A prototype library must pass `federation.prototypes.check_table` and MAX_ABS,
+int64 scalar). A prototype library must pass `label_rows.check_rows` (MAX_VALUE too),
 and have the device's row width and kind (Gaussian rows with sigmas, or point rows) where the
 device merges it (`library_width`, `library_gaussian`). Its rows are bounded by the previous
 global the device adopted, as the aggregator bounds senders' rows (`row_clip`): per version,
@@ -20,15 +20,13 @@ from dataclasses import replace
 
 import numpy as np
 
+from edgefcl.federation.label_rows import LabelRows, check_rows
 from edgefcl.federation.messages import GlobalModel
-from edgefcl.federation.prototype_library import MAX_ROW_ABS, PrototypeTable, check_table
 from edgefcl.federation.robust.variance import check_variances
 from edgefcl.federation.sparse import KB
+from edgefcl.federation.value_bound import MAX_VALUE
 
 KB_NEXT = "apc::kb_next"
-MAX_ABS = MAX_ROW_ABS
-"""Largest magnitude of a float in a global (weights and statistics of a trained model are
-far below; 3e38 is finite but poisons every prediction)."""
 MAX_VERSION_STEP = 1_000_000
 """Largest version step a device accepts (an honest aggregator publishes one per round)."""
 
@@ -51,11 +49,11 @@ def _optional(name: str, t: np.ndarray, expected: Spec) -> bool:
 
 
 def value_fault(name: str, t: np.ndarray) -> str | None:
-    """Why a device rejects the values of global tensor `name`: not finite, beyond MAX_ABS
+    """Why a device rejects the values of global tensor `name`: not finite, beyond MAX_VALUE
     in magnitude, or a Gaussian sigma <= 0 (None: they pass)."""
     if t.dtype.kind == "f" and not np.isfinite(t).all():
         return "nonfinite"
-    if t.dtype.kind == "f" and t.size and np.abs(t).max() > MAX_ABS:
+    if t.dtype.kind == "f" and t.size and np.abs(t).max() > MAX_VALUE:
         return "range"
     if name.endswith("::sigma") and not (t > 0).all():
         return "sigma"
@@ -86,20 +84,20 @@ def as_received(t: np.ndarray, wire_dtype: str | None) -> np.ndarray:
 
 def published_fault(g: GlobalModel, wire_dtype: str | None = None) -> str | None:
     """Why devices would reject global `g` for its values (`global_fault`) or its prototype
-    library (`check_table`), as they receive it over a wire of `wire_dtype`: a fault only the
+    library (`check_rows`), as they receive it over a wire of `wire_dtype`: a fault only the
     wire makes is `wire_<fault>`. None when they would take it."""
     for wire in (None, wire_dtype) if wire_dtype is not None else (None,):
         fault = global_fault({k: as_received(t, wire) for k, t in g.tensors.items()})
         table = g.prototypes
         if fault is None and table is not None:
-            fault = check_table(replace(table, rows=as_received(table.rows, wire), sigmas=(
+            fault = check_rows(replace(table, rows=as_received(table.rows, wire), sigmas=(
                 None if table.sigmas is None else as_received(table.sigmas, wire))), None)
         if fault is not None:
             return fault if wire is None else f"wire_{fault}"
     return None
 
 
-def library_fault(table: PrototypeTable, previous: PrototypeTable | None, steps: int,
+def library_fault(table: LabelRows, previous: LabelRows | None, steps: int,
                   clip_factor: float = 3.0) -> str | None:
     """"prototype_norm" when a row of the global's library `table` lies further from the
     `previous` global's row of its label (the zero row for a new label) than `steps` (the
@@ -150,7 +148,7 @@ def check_global(g: GlobalModel, expected: Spec, held_version: int,
         if reason is not None:
             return reason
     if g.prototypes is not None:  # the prototype library
-        reason = check_table(g.prototypes, library_width)  # MAX_ROW_ABS = MAX_ABS
+        reason = check_rows(g.prototypes, library_width)
         if reason is not None:
             return reason
         if library_width is not None and g.prototypes.gaussian != library_gaussian:

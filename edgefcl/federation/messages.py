@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgefcl.federation.prototype_library import PrototypeTable
+from edgefcl.federation.label_rows import LabelRows
 
 Tensors = dict[str, np.ndarray]
 """Named parameter tensors, float32 numpy arrays in a fixed (state_dict) order."""
@@ -34,7 +34,7 @@ class Update:
     tensors: Tensors
     encoding: str = "dense"
     class_counts: dict[int, int] | None = None
-    prototypes: PrototypeTable | None = None
+    prototypes: LabelRows | None = None
     """Rows of the labels this client trained on (head `prototypes`, library shared)."""
 
     @property
@@ -65,7 +65,7 @@ class GlobalModel:
     version: int
     tensors: Tensors
     participants: tuple[str, ...] = field(default_factory=tuple)
-    prototypes: PrototypeTable | None = None
+    prototypes: LabelRows | None = None
     """The global prototype library (head `prototypes`, library shared)."""
     counted: dict[str, int] = field(default_factory=dict)
     """Async: the sequence number of each participant's update this global holds (counted or

@@ -1,11 +1,12 @@
-"""Prototype libraries on the wire and at the aggregator (FedBNN §IV-B, Algorithm 1 line 11).
+"""The prototype head at the aggregator (FedBNN §IV-B, Algorithm 1 line 11): its federation
+rule, `PrototypeRows`, registered as the `prototypes` head's `rows` in `federation/heads.py`
+(nothing else imports this module).
 
-A library maps label NAMES to classifier rows (weight and bias of the class's output unit,
-width d + 1) with the number of samples of that label behind the row. Devices send the rows of
-the labels they trained on; the aggregator averages the rows per label, weighted by that
-label's samples, mixes each with the previous global's row of the same label (the same
-smoothing as the other tensors) and publishes the whole library with the global, so a device
-learns of labels it has never met.
+A library (`label_rows.LabelRows`) maps label NAMES to classifier rows with the number of
+samples of that label behind the row. Devices send the rows of the labels they trained on; the
+aggregator averages the rows per label, weighted by that label's samples, mixes each with the
+previous global's row of the same label (the same smoothing as the other tensors) and
+publishes the whole library with the global, so a device learns of labels it has never met.
 
 Gaussian libraries (encoding gaussian): every row also has a sigma row (`sigmas`, > 0, the
 rows' shape; the device keeps rho = softplus^-1(sigma), as the Bayesian layers do). A label's
@@ -23,62 +24,20 @@ Point libraries have `sigmas` None and are unchanged.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from edgefcl.config import RunConfig
-from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS, valid_name  # noqa: F401
-from edgefcl.federation.heads import library_head
+from edgefcl.config import FedConfig
+from edgefcl.data.labels import MAX_LABELS
+from edgefcl.federation.label_rows import MAX_COUNT, SIGMA_MIN, LabelRows, check_rows
+from edgefcl.federation.messages import Update
+from edgefcl.federation.robust import label_room
 from edgefcl.federation.row_clip import clip_rows
 from edgefcl.federation.share_cap import capped_groups
-from edgefcl.federation.sigma_bounds import LIK_FLOOR, LIK_SIGMA_MAX, median_floor  # noqa: F401
-
-MAX_ROW_ABS = 1e6
-"""Largest magnitude of a row value (the bound of `global_check.MAX_ABS`: a weighted mean of
-accepted rows stays within it, so the global library is never one every device rejects)."""
-MAX_COUNT = 1 << 40
-"""Samples one label's row may claim (an update's) and the most a global row counts (sums
-saturate there, so that no int64 overflows: a wrapped count would be negative, and every
-device would reject the global)."""
-LABELS_KEY, ROWS_KEY, COUNTS_KEY = "prototypes::labels", "prototypes::rows", "prototypes::counts"
-"""Names of the library's arrays where it is saved next to a global's tensors (the aggregator's
-state, global.npz): labels as UTF-8 JSON bytes (exact round trip of any name), rows, counts."""
-SIGMAS_KEY = "prototypes::sigmas"
-"""The sigma rows of a Gaussian library (absent for point libraries)."""
-SIGMA_MIN = 1e-5
-"""Smallest sigma published (`federation.gaussian.SIGMA_MIN`)."""
-
-
-@dataclass(frozen=True)
-class PrototypeTable:
-    """Label names, their rows (n, width) float32 and their sample counts (n,) int64; a
-    Gaussian library also has the rows' sigmas (n, width) float32 > 0 (None: point rows)."""
-
-    labels: tuple[str, ...]
-    rows: np.ndarray
-    counts: np.ndarray
-    sigmas: np.ndarray | None = None
-
-    @property
-    def width(self) -> int:
-        return int(self.rows.shape[1])
-
-    @property
-    def gaussian(self) -> bool:
-        return self.sigmas is not None
-
-    @classmethod
-    def empty(cls, width: int, gaussian: bool = False) -> PrototypeTable:
-        return cls((), np.zeros((0, width), np.float32), np.zeros(0, np.int64),
-                   np.zeros((0, width), np.float32) if gaussian else None)
-
-    def row_of(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.labels)}
+from edgefcl.federation.sigma_bounds import LIK_FLOOR, median_floor
+from edgefcl.federation.value_bound import MAX_VALUE
 
 
 def feature_width(tensors: dict[str, np.ndarray]) -> int:
@@ -92,60 +51,57 @@ def feature_width(tensors: dict[str, np.ndarray]) -> int:
     return int(np.shape(mats[-1])[0]) + 1
 
 
-def initial_library(cfg: RunConfig, initial: dict[str, np.ndarray],
-                    gaussian: bool) -> PrototypeTable | None:
-    """The first global library of a run (empty; Gaussian rows when `gaussian`: a Bayesian
-    encoding), or None for a fixed head."""
-    if not library_head(cfg):
-        return None
-    return PrototypeTable.empty(feature_width(initial), gaussian)
+class PrototypeRows:
+    """The federation rule of the prototype head's library: its first library, the check of
+    a device's library against the global's, and each round's library."""
+
+    @staticmethod
+    def width(tensors: dict[str, np.ndarray]) -> int:
+        """Row width of an extractor's library, read from its tensors (`feature_width`)."""
+        return feature_width(tensors)
+
+    @staticmethod
+    def initial(tensors: dict[str, np.ndarray], gaussian: bool) -> LabelRows:
+        """The first global library of a run: empty, of the extractor's row width (Gaussian
+        rows for a Bayesian encoding)."""
+        return LabelRows.empty(feature_width(tensors), gaussian)
+
+    @staticmethod
+    def check(sent: LabelRows | None, held: LabelRows | None) -> str | None:
+        """Why an update's library is refused (None: accepted): it must pass `check_rows` at
+        the global's row width and be Gaussian exactly where the global's is; none where the
+        run holds no library."""
+        if sent is None:
+            return None
+        if held is None:
+            return "prototypes"
+        reason = check_rows(sent, held.width)
+        if reason is None and sent.gaussian != held.gaussian:
+            return "prototype_sigma"
+        return reason
+
+    @staticmethod
+    def fold(updates: Sequence[Update], previous: LabelRows, owners: dict[str, str],
+             fed: FedConfig, label_cap: int, counters: Counter,
+             by_likelihood: bool = False, prior_sigma: float | None = None,
+             combine: Callable[[np.ndarray], np.ndarray] | None = None
+             ) -> tuple[LabelRows, dict[str, str]]:
+        """The round's library and label owners: the new labels admitted by `label_room`
+        (`label_cap` devices share its slots), then `average_tables` of the rows sent.
+        `by_likelihood` (Gaussian rows under the fedbnn rule): updates of the standard-network
+        phase (base version below `fed.bnn_init_rounds`) average, later ones multiply."""
+        sent = [u for u in updates if u.prototypes is not None]
+        tables, owners = label_room.admit(
+            [u.prototypes for u in sent], [u.client for u in sent],  # type: ignore[misc]
+            previous, owners, label_room.quota(fed, label_cap), counters)
+        likelihood = ([u.base_version >= fed.bnn_init_rounds for u in sent]
+                      if by_likelihood else None)
+        return average_tables(tables, previous, fed.mix, fed.max_share, counters,
+                              fed.sigma_floor, likelihood, prior_sigma, fed.clip_factor,
+                              combine), owners
 
 
-def check_table(table: object, width: int | None) -> str | None:
-    """Reason to reject a library from a device (None: acceptable). Bounds first (count, name
-    length), then types, shapes, duplicates, finiteness, magnitude (MAX_ROW_ABS), counts
-    (0..MAX_COUNT) and sigmas when present (float32 of the rows' shape, finite, in
-    (0, MAX_ROW_ABS]); `width` None skips the width check."""
-    if not isinstance(table, PrototypeTable):
-        return "prototypes"
-    labels, rows, counts = table.labels, table.rows, table.counts
-    if not isinstance(labels, tuple) or len(labels) > MAX_LABELS:
-        return "prototype_count"
-    if not all(valid_name(s) for s in labels):
-        return "prototype_label"
-    if len(set(labels)) != len(labels):
-        return "prototype_duplicate"
-    if not isinstance(rows, np.ndarray) or not isinstance(counts, np.ndarray):
-        return "prototype_shape"
-    if rows.ndim != 2 or rows.shape[0] != len(labels) or counts.shape != (len(labels),):
-        return "prototype_shape"
-    if width is not None and rows.shape[1] != width:
-        return "prototype_shape"
-    if rows.dtype != np.float32 or counts.dtype.kind not in "iu":
-        return "prototype_dtype"
-    if not np.isfinite(rows).all():
-        return "nonfinite"
-    if rows.size and np.abs(rows).max() > MAX_ROW_ABS:
-        return "range"
-    if (counts < 0).any() or (counts > MAX_COUNT).any():
-        return "prototype_count"
-    sigmas = table.sigmas
-    if sigmas is None:
-        return None
-    if not isinstance(sigmas, np.ndarray) or sigmas.shape != rows.shape:
-        return "prototype_shape"
-    if sigmas.dtype != np.float32:
-        return "prototype_dtype"
-    if not np.isfinite(sigmas).all():
-        return "nonfinite"
-    if not (sigmas > 0).all():
-        return "sigma"
-    if sigmas.size and sigmas.max() > MAX_ROW_ABS:
-        return "range"
-    return None
-
-
-def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
+def average_tables(tables: Sequence[LabelRows], previous: LabelRows,
                    mix_weight: float, max_share: float = 1.0,
                    counters: Counter | None = None,
                    sigma_floor: float = 0.0,
@@ -153,7 +109,7 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
                    prior_sigma: float | None = None,
                    clip_factor: float = 0.0,
                    combine: Callable[[np.ndarray], np.ndarray] | None = None
-                   ) -> PrototypeTable:
+                   ) -> LabelRows:
     """The next global library: per label, the sample-weighted mean of the rows sent (labels
     with zero samples in this round weigh equally), mixed `mix_weight : 1 - mix_weight` with the
     previous global's row where the label already had one; labels nobody sent keep their row.
@@ -257,14 +213,14 @@ def average_tables(tables: Sequence[PrototypeTable], previous: PrototypeTable,
         mu_mix, s_mix = _mix_gaussian(mean, sigma, out_rows[at], out_sigmas[at], mix_weight)
         out_rows[at] = np.where(had[:, None], mu_mix, mean)
         # within what devices accept: a mixture of rows 2e6 apart has a sigma above 1e6
-        out_sigmas[at] = np.clip(np.where(had[:, None], s_mix, sigma), SIGMA_MIN, MAX_ROW_ABS)
+        out_sigmas[at] = np.clip(np.where(had[:, None], s_mix, sigma), SIGMA_MIN, MAX_VALUE)
     else:
         out_rows[at] = np.where(had[:, None],
                                 mix_weight * mean + (1 - mix_weight) * out_rows[at], mean)
     added = np.rint(np.minimum(weight, MAX_COUNT))  # capped weights need not be whole
     out_counts[at] = np.minimum(out_counts[at] + added, MAX_COUNT).astype(np.int64)
     keep = min(len(out_labels), MAX_LABELS)  # the global stays within what devices accept
-    return PrototypeTable(tuple(out_labels[:keep]), out_rows[:keep].astype(np.float32),
+    return LabelRows(tuple(out_labels[:keep]), out_rows[:keep].astype(np.float32),
                           out_counts[:keep],
                           None if out_sigmas is None else out_sigmas[:keep].astype(np.float32))
 
@@ -356,56 +312,3 @@ def _mix_gaussian(mu_new: np.ndarray, s_new: np.ndarray, mu_prev: np.ndarray,
     var = (weight * np.square(s_new) + (1.0 - weight) * np.square(s_prev)
            + weight * (1.0 - weight) * np.square(mu_new - mu_prev))
     return mu, np.sqrt(var)
-
-
-def table_arrays(table: PrototypeTable | None) -> dict[str, np.ndarray]:
-    """The library as named arrays (LABELS_KEY, ROWS_KEY, COUNTS_KEY and, for a Gaussian
-    library, SIGMAS_KEY); empty for None."""
-    if table is None:
-        return {}
-    names = json.dumps(list(table.labels), ensure_ascii=False).encode()
-    out = {LABELS_KEY: np.frombuffer(names, np.uint8).copy(),
-           ROWS_KEY: np.asarray(table.rows, np.float32),
-           COUNTS_KEY: np.asarray(table.counts, np.int64)}
-    if table.sigmas is not None:
-        out[SIGMAS_KEY] = np.asarray(table.sigmas, np.float32)
-    return out
-
-
-def split_table(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
-                                                           PrototypeTable | None]:
-    """(the arrays other than the library's, the library or None): the inverse of
-    `table_arrays` merged into tensors. Raises ValueError for a partial or invalid library
-    (`check_table`, width not checked)."""
-    keys = {k for k in arrays if k.startswith("prototypes::")}
-    rest = {k: v for k, v in arrays.items() if k not in keys}
-    if not keys:
-        return rest, None
-    if keys - {SIGMAS_KEY} != {LABELS_KEY, ROWS_KEY, COUNTS_KEY}:
-        raise ValueError(f"a partial prototype library ({sorted(keys)})")
-    raw = arrays[LABELS_KEY]
-    if raw.dtype != np.uint8 or raw.ndim != 1:
-        raise ValueError("prototype labels are not UTF-8 JSON bytes")
-    try:
-        labels = json.loads(raw.tobytes().decode())
-    except (UnicodeDecodeError, ValueError):
-        raise ValueError("prototype labels are not UTF-8 JSON") from None
-    if not isinstance(labels, list):
-        raise ValueError("prototype labels are not a list")
-    table = PrototypeTable(tuple(labels), arrays[ROWS_KEY], arrays[COUNTS_KEY],
-                           arrays.get(SIGMAS_KEY))
-    reason = check_table(table, None)
-    if reason is not None:
-        raise ValueError(f"invalid prototype library ({reason})")
-    return rest, table
-
-
-def table_digest(table: PrototypeTable) -> str:
-    """sha256 over the library's names, dtypes, shapes and bytes (labels in library order;
-    a Gaussian library's sigmas included)."""
-    h = hashlib.sha256()
-    for k, v in sorted(table_arrays(table).items()):
-        v = np.ascontiguousarray(v)
-        h.update(f"{k}|{v.dtype.str}|{v.shape}".encode())
-        h.update(v.tobytes())
-    return h.hexdigest()

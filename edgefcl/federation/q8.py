@@ -16,7 +16,8 @@ import numpy as np
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.rules import DENSE_RULES
-from edgefcl.federation.strategy import MAX_VALUE, Spec, check_tensor
+from edgefcl.federation.strategy import Spec, check_tensor
+from edgefcl.federation.value_bound import MAX_VALUE
 
 CODES, RANGE = "::q8", "::q8range"
 LEVELS = 255

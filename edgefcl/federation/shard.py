@@ -51,8 +51,8 @@ from edgefcl.federation.aggregator import (
     decode_updates,
     note_round,
 )
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import GlobalModel, Tensors
-from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import prepare_round
 from edgefcl.federation.strategy import RoundInput
@@ -67,7 +67,7 @@ class ShardError(ValueError):
     """A configuration that cannot be sharded (the message says why)."""
 
 
-def check_shardable(fed: FedConfig, prototypes: PrototypeTable | None = None) -> None:
+def check_shardable(fed: FedConfig, prototypes: LabelRows | None = None) -> None:
     """Raise ShardError unless rounds of `fed` (its encoding's rule `fed.aggregation`) can be
     split over workers; a run with a prototype library (`prototypes`) cannot yet (partials
     carry no library)."""
@@ -107,7 +107,7 @@ class ShardWorker(Aggregator):
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
                  batch_size: int | None = None, worker: str = "worker",
-                 prototypes: PrototypeTable | None = None) -> None:
+                 prototypes: LabelRows | None = None) -> None:
         check_shardable(fed, prototypes)
         super().__init__(initial, fed, version, batch_size)
         self.worker = worker
@@ -194,7 +194,7 @@ class ShardRoot(Aggregator):
     `result()` is called once when the round closes."""
 
     def __init__(self, initial: Tensors, fed: FedConfig, version: int = 0,
-                 batch_size: int | None = None, prototypes: PrototypeTable | None = None,
+                 batch_size: int | None = None, prototypes: LabelRows | None = None,
                  row_prior_sigma: float | None = None, wire_dtype: str | None = None) -> None:
         check_shardable(fed, prototypes)  # no library: `row_prior_sigma` is never needed
         super().__init__(initial, fed, version, batch_size, wire_dtype=wire_dtype)

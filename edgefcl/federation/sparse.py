@@ -44,12 +44,12 @@ from edgefcl.federation.indexing.gaps import (  # noqa: F401  (re-exported)
 )
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.strategy import (
-    MAX_VALUE,
     Spec,
     Strategy,
     check_tensor,
     sample_weight,
 )
+from edgefcl.federation.value_bound import MAX_VALUE
 
 IDX, ROWS, VAL, BF16 = "::idx", "::rows", "::val", "::bf16"
 VALUE_SUFFIXES = ("val", "bf16")

@@ -22,12 +22,7 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
-from edgefcl.federation.prototype_library import MAX_ROW_ABS
-
-MAX_VALUE = MAX_ROW_ABS
-"""Largest magnitude of a value in an update: the bound every device checks a global against
-(`global_check.MAX_ABS`). A value beyond it can only make a global that devices reject; in a
-sparse update, an entry no other client sends would set it alone."""
+from edgefcl.federation.value_bound import MAX_VALUE
 
 Spec = dict[str, tuple[int, ...]]
 """Global tensor name -> shape."""

@@ -27,7 +27,7 @@ from torch import nn
 
 from edgefcl.config import ConfigError, FedConfig, LearnConfig
 from edgefcl.data.types import DataError
-from edgefcl.federation.prototype_library import ROWS_KEY
+from edgefcl.federation.label_rows import ROWS_KEY
 from edgefcl.learn.model_heads import head_of, library_model_head
 from edgefcl.learn.models import build_model, eval_mode, model_device, resolve_model_name
 from edgefcl.learn.params import get_tensors, set_tensors

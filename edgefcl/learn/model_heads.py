@@ -15,7 +15,7 @@ from torch import nn
 
 from edgefcl.config import LearnConfig, RunConfig, resolve_head
 from edgefcl.federation.heads import HEADS
-from edgefcl.federation.prototype_library import PrototypeTable
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.learn.proto_net import ProtoNet, proto_model
 from edgefcl.learn.proto_train import PrototypeHead
 
@@ -33,7 +33,7 @@ class ModelHead:
                       PrototypeHead | None]
     """The client's side of the head for its model, optimiser settings, device and initial row
     sigma (None: point rows); None: the learner's own `FixedHead`."""
-    empty_table: Callable[[nn.Module, bool], PrototypeTable | None]
+    empty_table: Callable[[nn.Module, bool], LabelRows | None]
     """The first global prototype library for a model (Gaussian rows if the flag is set);
     None: the head keeps no library."""
     labels: Callable[[nn.Module], list[str] | None]
@@ -54,9 +54,9 @@ def _proto_trainer(model: nn.Module, learn: LearnConfig, device: torch.device,
                          not learn.prototypes_local, sigma)
 
 
-def _proto_table(model: nn.Module, bayesian: bool) -> PrototypeTable:
+def _proto_table(model: nn.Module, bayesian: bool) -> LabelRows:
     assert isinstance(model, ProtoNet)
-    return PrototypeTable.empty(model.dim + 1, bayesian)
+    return LabelRows.empty(model.dim + 1, bayesian)
 
 
 def _proto_labels(model: nn.Module) -> list[str]:

@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 import torch
 
+from edgefcl.federation.label_rows import LabelRows, rows_digest
 from edgefcl.federation.messages import Tensors
-from edgefcl.federation.prototype_library import PrototypeTable, table_digest
 
 
 def shared_names(model: torch.nn.Module) -> list[str]:
@@ -31,13 +31,13 @@ def set_tensors(model: torch.nn.Module, tensors: Tensors) -> None:
             state[k].copy_(torch.from_numpy(np.asarray(v)).to(state[k].device, state[k].dtype))
 
 
-def global_sha256(tensors: Tensors, prototypes: PrototypeTable | None = None) -> str:
+def global_sha256(tensors: Tensors, prototypes: LabelRows | None = None) -> str:
     """A global's sha256 (results' `global_sha256`): `tensors_sha256` of its tensors, and for
-    a run with a prototype library the sha256 of that and the library's `table_digest`."""
+    a run with a prototype library the sha256 of that and the library's `rows_digest`."""
     base = tensors_sha256(tensors)
     if prototypes is None:
         return base
-    return hashlib.sha256(f"{base}|{table_digest(prototypes)}".encode()).hexdigest()
+    return hashlib.sha256(f"{base}|{rows_digest(prototypes)}".encode()).hexdigest()
 
 
 def tensors_sha256(tensors: Tensors) -> str:

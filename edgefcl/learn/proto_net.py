@@ -25,15 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS, valid_name
 from edgefcl.federation.gaussian import LIK_SIGMA_MAX, likelihood
-from edgefcl.federation.prototype_library import (
-    MAX_LABEL_CHARS,
-    MAX_LABELS,
-    MAX_ROW_ABS,
-    SIGMA_MIN,
-    PrototypeTable,
-    valid_name,
-)
+from edgefcl.federation.label_rows import SIGMA_MIN, LabelRows
+from edgefcl.federation.value_bound import MAX_VALUE
 from edgefcl.learn.bayes import bayesian_layers, kl_normal, softplus_inv
 
 HEADS = ("auto", "fixed", "prototypes")
@@ -192,36 +187,36 @@ class PrototypeLibrary:
         rho = self.rho.detach().to("cpu", torch.float64).numpy()
         return np.maximum(np.logaddexp(0.0, rho), SIGMA_MIN).astype(np.float32)
 
-    def table(self, only_counted: bool = True) -> PrototypeTable:
+    def table(self, only_counted: bool = True) -> LabelRows:
         """The rows (of the labels this device trained on, by default) as a wire table."""
         names = [n for n in self.labels if not only_counted or self.counts.get(n, 0) > 0]
         idx = [self.index[n] for n in names]
         rows = self.rows[idx].detach().to("cpu", torch.float32).numpy().copy()
         counts = np.array([self.counts.get(n, 0) for n in names], np.int64)
         sigmas = self.sigmas()[idx].reshape(len(names), self.dim + 1) if self.gaussian else None
-        return PrototypeTable(tuple(names), rows.reshape(len(names), self.dim + 1), counts,
+        return LabelRows(tuple(names), rows.reshape(len(names), self.dim + 1), counts,
                               sigmas)
 
-    def likelihood_table(self, table: PrototypeTable) -> PrototypeTable:
+    def likelihood_table(self, table: LabelRows) -> LabelRows:
         """`table` (Gaussian rows of this library) as the rows' likelihoods, posterior / prior
         (FedBNN Eq. 9, the fedbnn aggregation rule): `federation.gaussian.likelihood` of each
         row against its prior (the last global's row, N(0, sigma0) for a label the global does
         not hold), as the Gaussian encoder does for the extractor's weights: entries whose
         posterior did not narrow are sent as sigma = LIK_SIGMA_MAX, m = the posterior mean,
-        and so is an entry whose likelihood mean would leave the rows' bound (MAX_ROW_ABS)."""
+        and so is an entry whose likelihood mean would leave the rows' bound (MAX_VALUE)."""
         idx = [self.index[n] for n in table.labels]
         prior_mu = self.prior_mu[idx].detach().to("cpu", torch.float64).numpy()
         prior_sigma = self.prior_sigma[idx].detach().to("cpu", torch.float64).numpy()
         mu_q = np.asarray(table.rows, np.float64)
         m, s, invalid = likelihood(mu_q, np.asarray(table.sigmas, np.float64),
                                    prior_mu.reshape(mu_q.shape), prior_sigma.reshape(mu_q.shape))
-        wild = ~invalid & ~(np.abs(m) <= MAX_ROW_ABS)
+        wild = ~invalid & ~(np.abs(m) <= MAX_VALUE)
         m = np.where(wild, mu_q, m)
         s = np.where(wild, LIK_SIGMA_MAX, s)
-        return PrototypeTable(table.labels, m.astype(np.float32), table.counts,
+        return LabelRows(table.labels, m.astype(np.float32), table.counts,
                               s.astype(np.float32))
 
-    def merge(self, table: PrototypeTable, sent: PrototypeTable | None = None) -> None:
+    def merge(self, table: LabelRows, sent: LabelRows | None = None) -> None:
         """Take the global library's rows; with `sent` (async delta merge) a row this device
         sent keeps the progress made since: row = global + (now - sent) (Gaussian rows: on the
         means and on rho). The global's Gaussian rows become the rows' prior."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from edgefcl.data.labels import check_names, label_id, label_names
-from edgefcl.federation.prototype_library import PrototypeTable
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.learn.models import eval_mode
 from edgefcl.learn.optimizers import LocalOptimizer
 from edgefcl.learn.proto_net import ProtoNet, PrototypeLibrary
@@ -33,7 +33,7 @@ class PrototypeHead:
         self.by_id: dict[int, str] = {}
         self.warmup_steps = warmup_steps
         self.share = share
-        self.sent: PrototypeTable | None = None
+        self.sent: LabelRows | None = None
         self.warmups = 0  # batches that began with a warm-up (a new label)
         self.live: tuple[Tensor, Tensor, Tensor] | None = None
         """Gaussian rows of the step in progress (idx, mu, rho leaves), for `row_kl`."""
@@ -128,7 +128,7 @@ class PrototypeHead:
         self.library.count([self.name(c) for c in labels.tolist()], counts.tolist())
 
     # -- federation ---------------------------------------------------------------------------
-    def outgoing(self, likelihood: bool = False) -> PrototypeTable | None:
+    def outgoing(self, likelihood: bool = False) -> LabelRows | None:
         """The rows this update carries (None when the library stays local): the posterior
         rows, or with `likelihood` (fedbnn aggregation, Gaussian rows) their likelihoods
         (`PrototypeLibrary.likelihood_table`). `sent` keeps the posterior rows (delta merge)."""
@@ -139,7 +139,7 @@ class PrototypeHead:
             return self.library.likelihood_table(self.sent)
         return self.sent
 
-    def merge(self, table: PrototypeTable | None, keeps_local: bool) -> None:
+    def merge(self, table: LabelRows | None, keeps_local: bool) -> None:
         """Take the global library; `keeps_local`: rows this device sent keep their progress
         since (the async delta merges)."""
         if table is None or not self.share:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from edgefcl.config import RunConfig
 from edgefcl.federation.aggregator import Aggregator, RoundClosed
+from edgefcl.federation.heads import initial_library
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.prototype_library import initial_library
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.versions import delta_downlink, downlink_message, pull_downlink
 from edgefcl.runtime.backpressure import Backpressure

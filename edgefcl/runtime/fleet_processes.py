@@ -22,8 +22,8 @@ from edgefcl.config import RunConfig, dump_toml
 from edgefcl.data.streams import count_batches
 from edgefcl.data.workload import client_id
 from edgefcl.federation.aggregator import async_stats
+from edgefcl.federation.label_rows import split_rows
 from edgefcl.federation.messages import GlobalModel
-from edgefcl.federation.prototype_library import split_table
 from edgefcl.learn.drift import summarize_drift
 from edgefcl.learn.export import architecture_spec, global_state
 from edgefcl.learn.params import global_sha256
@@ -153,7 +153,7 @@ def _collect(cfg: RunConfig, method: str, seed: int, state_dir: Path, results_di
         per_client = {cid: d["per_client"][cid] for cid, d in drift.items()}
         extra["drift"] = summarize_drift(per_client, next(iter(drift.values()))["signal"])
     state = load_json(state_dir / "state.json")
-    tensors, library = split_table(load_tensors(state_dir / "global.npz"))
+    tensors, library = split_rows(load_tensors(state_dir / "global.npz"))
     extra["aggregator"] = state.get("counters", {})
     rounds_log = state_dir / "rounds.jsonl"
     closed_at: dict[str, float] = {}

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from edgefcl.config import RunConfig, public_dict
+from edgefcl.federation.label_rows import ROWS_KEY
 from edgefcl.federation.messages import GlobalModel
-from edgefcl.federation.prototype_library import ROWS_KEY
 from edgefcl.federation.registry import get_encoding
 from edgefcl.outcomes.metrics import forgetting, last_accuracy, sample_std
 from edgefcl.support.statefiles import save_json, save_tensors

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import numpy as np
 
 from edgefcl.config import MqttConfig, RunConfig
-from edgefcl.federation.heads import library_head
-from edgefcl.federation.prototype_library import MAX_LABEL_CHARS, MAX_LABELS, feature_width
+from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS
+from edgefcl.federation.heads import library_width
 from edgefcl.federation.registry import get_encoding
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError
 from edgefcl.transport.mqtt import MqttLink
@@ -35,9 +35,8 @@ def payload_limit(cfg: RunConfig, tensors: dict[str, np.ndarray]) -> int:
         return cfg.mqtt.max_payload
     model = sum(4 * int(np.size(t)) for t in tensors.values())
     kb = cfg.fed.apc_kb_size * model if get_encoding(cfg.fed.encoding).knowledge_base else 0
-    library = 0
-    if library_head(cfg):
-        library = MAX_LABELS * (2 * 4 * feature_width(tensors) + 4 * MAX_LABEL_CHARS + 16)
+    width = library_width(cfg, tensors)
+    library = 0 if width is None else MAX_LABELS * (2 * 4 * width + 4 * MAX_LABEL_CHARS + 16)
     return 4 * model + kb + library + (1 << 20)
 
 

@@ -4,7 +4,7 @@
 
 - `meta`: the fleet run the directory belongs to (fleet, model spec hash, run id, finished);
 - `globals`: version -> tensors (npz bytes) and their sha256; with a prototype library (head
-  `prototypes`) the library's arrays (`federation.prototypes.table_arrays`) are saved in the
+  `prototypes`) the library's arrays (`federation.prototypes.rows_arrays`) are saved in the
   same npz and covered by the same sha256, so a version is never published with two libraries;
   the last `keep` versions keep their tensors, older ones only the hash (a version is never
   re-used with other tensors);
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from edgefcl.config import ConfigError
+from edgefcl.federation.label_rows import LabelRows, rows_arrays, split_rows
 from edgefcl.federation.messages import Tensors
-from edgefcl.federation.prototype_library import PrototypeTable, split_table, table_arrays
 from edgefcl.support.statefiles import atomic_write
 from edgefcl.transport.codec import CodecError, TensorSpec, check_tensors, spec_hash, tensor_spec
 
@@ -80,9 +80,9 @@ def tensors_digest(tensors: Tensors) -> str:
     return h.hexdigest()
 
 
-def global_digest(tensors: Tensors, prototypes: PrototypeTable | None = None) -> str:
+def global_digest(tensors: Tensors, prototypes: LabelRows | None = None) -> str:
     """The sha256 a version is saved under: its tensors and (head prototypes) its library."""
-    return tensors_digest(tensors | table_arrays(prototypes))
+    return tensors_digest(tensors | rows_arrays(prototypes))
 
 
 class StateStore:
@@ -171,7 +171,7 @@ class StateStore:
     # -- loading --------------------------------------------------------------------------
     def load(self, spec: TensorSpec, library_width: int | None = None,
              library_gaussian: bool = False
-             ) -> tuple[dict[str, Any], Tensors, PrototypeTable | None] | None:
+             ) -> tuple[dict[str, Any], Tensors, LabelRows | None] | None:
         """(state, tensors and prototype library of the current global), validated; None for
         a new run. `library_width`: the row width of the run's library (None: the run has no
         library, and a saved one is refused); `library_gaussian`: whether its rows are
@@ -199,7 +199,7 @@ class StateStore:
             raise StateError(f"{where}: the global of version {version} fails its sha256; "
                              f"{FRESH_HINT}")
         try:
-            tensors, library = split_table(tensors)
+            tensors, library = split_rows(tensors)
         except ValueError as e:
             raise StateError(f"{where}: the global of version {version} holds {e}; "
                              f"{FRESH_HINT}") from None
@@ -242,13 +242,13 @@ class StateStore:
 
     # -- saving ---------------------------------------------------------------------------
     def commit(self, state: dict[str, Any], tensors: Tensors | None,
-               line: dict | None = None, prototypes: PrototypeTable | None = None) -> None:
+               line: dict | None = None, prototypes: LabelRows | None = None) -> None:
         """Save `state`, and with `tensors` the global of `state["version"]` (with its
         prototype library, if any) and its round `line`, in one transaction. Refuses
         (StateError) to store a version again with other tensors or another library."""
         version = int(state["version"])
         if tensors is not None:
-            tensors = tensors | table_arrays(prototypes)
+            tensors = tensors | rows_arrays(prototypes)
         with self._txn():
             if tensors is not None:
                 digest = tensors_digest(tensors)
@@ -273,7 +273,7 @@ class StateStore:
 
     def write_views(self, state: dict[str, Any], tensors: Tensors | None = None,
                     line: dict | None = None, rewrite: bool = False,
-                    prototypes: PrototypeTable | None = None) -> None:
+                    prototypes: LabelRows | None = None) -> None:
         """state.json, global.npz (with `tensors`, and the library's arrays with `prototypes`)
         and rounds.jsonl (`line` appended, or all lines with `rewrite`) for tools; never read
         back."""
@@ -281,7 +281,7 @@ class StateStore:
         atomic_write(self.directory / "state.json", view.encode(), fsync=False)
         if tensors is not None:
             atomic_write(self.directory / "global.npz",
-                         tensors_to_bytes(tensors | table_arrays(prototypes)), fsync=False)
+                         tensors_to_bytes(tensors | rows_arrays(prototypes)), fsync=False)
         if rewrite:
             lines = "".join(json.dumps(x) + "\n" for x in self.round_lines())
             atomic_write(self.directory / "rounds.jsonl", lines.encode(), fsync=False)

@@ -29,9 +29,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from edgefcl.data.labels import MAX_LABELS
 from edgefcl.data.types import Batch
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
-from edgefcl.federation.prototype_library import MAX_LABELS, PrototypeTable
 from edgefcl.transport import integrity
 from edgefcl.transport.bounds import DEFAULT_LIMITS, Limits, scan
 from edgefcl.transport.errors import CodecError
@@ -154,7 +155,7 @@ def _decode_tensors(m: Any, limits: Limits = DEFAULT_LIMITS) -> Tensors:
     return {k: decode_tensor(v, k) for k, v in m.items()}
 
 
-def _encode_prototypes(table: PrototypeTable | None, wire_dtype: str | None) -> Any:
+def _encode_prototypes(table: LabelRows | None, wire_dtype: str | None) -> Any:
     """A prototype library as {labels: [str], rows: tensor, counts: tensor} plus sigmas:
     tensor for a Gaussian library (None: absent)."""
     if table is None:
@@ -167,10 +168,10 @@ def _encode_prototypes(table: PrototypeTable | None, wire_dtype: str | None) -> 
     return out
 
 
-def _decode_prototypes(m: Any) -> PrototypeTable | None:
+def _decode_prototypes(m: Any) -> LabelRows | None:
     """The library of a payload; bounds (label count and length) before the tensors, then
     the shapes (sigmas, when present: the rows' shape, float32, finite and > 0). Semantics
-    (width, duplicates) are the aggregator's `check_table`."""
+    (width, duplicates) are the aggregator's `check_rows`."""
     if m is None:
         return None
     if not isinstance(m, dict) or set(m) - {"sigmas"} != {"labels", "rows", "counts"}:
@@ -194,7 +195,7 @@ def _decode_prototypes(m: Any) -> PrototypeTable | None:
             raise CodecError("dtype", "prototype sigmas must be float32")
         if not (sigmas > 0).all():  # decode_tensor rejected NaN and Inf
             raise CodecError("sigma", "prototype sigmas must be > 0")
-    return PrototypeTable(tuple(labels), rows, counts.astype(np.int64), sigmas)
+    return LabelRows(tuple(labels), rows, counts.astype(np.int64), sigmas)
 
 
 # ---------------------------------------------------------------- model spec

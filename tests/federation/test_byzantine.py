@@ -84,13 +84,13 @@ def _library_fleet(aggregation: str, attackers: int, rounds: int = 20):
     and `attackers` run proto-bias (+-1e6 biases, 10^9 samples), the honest majority first;
     returns the global library's rows and the aggregator's counters."""
     from edgefcl.federation.aggregator import Aggregator
-    from edgefcl.federation.prototype_library import PrototypeTable
+    from edgefcl.federation.label_rows import LabelRows
 
     cfg = apply(RunConfig(), {"fed": {"clients": 6, "roster_cap": 8, "mode": "async",
                                       "min_clients": 2, "burn_in": 0, "jump": 1,
                                       "round_timeout": 1e6, "aggregation": aggregation}})
     agg = Aggregator(INITIAL, cfg.fed, batch_size=cfg.data.batch_size,
-                     prototypes=PrototypeTable.empty(4))
+                     prototypes=LabelRows.empty(4))
     byz = Byzantine(cfg, attackers, "proto-bias", seed=1)
     labels = ("0", "1", "2", "3")
     rng = np.random.default_rng(0)
@@ -100,7 +100,7 @@ def _library_fleet(aggregation: str, attackers: int, rounds: int = 20):
         byz.globals = [g]
         for c in HONEST[:4]:
             rows = (np.eye(4) + rng.normal(0, 0.01, (4, 4))).astype(np.float32)
-            table = PrototypeTable(labels, rows, np.full(4, 8, np.int64))
+            table = LabelRows(labels, rows, np.full(4, 8, np.int64))
             agg.submit(Update(c, g.version, step, 0, step, n * step, dict(g.tensors),
                               class_counts={0: n * step}, prototypes=table), 0.0)
         for a in byz.attackers:

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from edgefcl.config import FedConfig
 from edgefcl.data.labels import MAX_LABELS
-from edgefcl.federation.prototype_library import PrototypeTable
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.robust.label_room import admit, quota
 
 
-def table(labels) -> PrototypeTable:
+def table(labels) -> LabelRows:
     n = len(labels)
-    return PrototypeTable(tuple(labels), np.arange(2 * n, dtype=np.float32).reshape(n, 2),
+    return LabelRows(tuple(labels), np.arange(2 * n, dtype=np.float32).reshape(n, 2),
                           np.ones(n, np.int64))
 
 

@@ -17,15 +17,15 @@ from edgefcl.config import FedConfig, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.global_check import check_global
-from edgefcl.federation.messages import GlobalModel, Update
-from edgefcl.federation.prototype_library import (
-    PrototypeTable,
-    average_tables,
-    check_table,
-    split_table,
-    table_arrays,
-    table_digest,
+from edgefcl.federation.label_rows import (
+    LabelRows,
+    check_rows,
+    rows_arrays,
+    rows_digest,
+    split_rows,
 )
+from edgefcl.federation.messages import GlobalModel, Update
+from edgefcl.federation.prototype_library import average_tables
 from edgefcl.learn.bayes import predict_logits
 from edgefcl.learn.merges import MERGES
 from edgefcl.learn.models import build_model
@@ -37,7 +37,7 @@ from edgefcl.transport.codec import CodecError, decode, encode
 def gtable(labels, mu, sigma, counts):
     mu = np.asarray(mu, np.float32).reshape(len(labels), -1)
     sigma = np.asarray(sigma, np.float32).reshape(mu.shape)
-    return PrototypeTable(tuple(labels), mu, np.asarray(counts, np.int64), sigma)
+    return LabelRows(tuple(labels), mu, np.asarray(counts, np.int64), sigma)
 
 
 # -- the aggregator's rule, by hand ----------------------------------------------------------
@@ -46,7 +46,7 @@ def test_two_devices_conflate_a_label_row_by_hand():
     # precision (1 + 1, 1 + 4) = (2, 5); mu = (4 / 2, (0 + 2 * 4) / 5) = (2, 1.6)
     a = gtable(["x"], [1, 0], [1, 1], [10])
     b = gtable(["x"], [3, 2], [1, 0.5], [10])
-    empty = PrototypeTable.empty(2, gaussian=True)
+    empty = LabelRows.empty(2, gaussian=True)
     out = average_tables([a, b], empty, 0.5, max_share=1.0, sigma_floor=0.5)
     np.testing.assert_allclose(out.rows[0], [2.0, 1.6], rtol=1e-6)
     np.testing.assert_allclose(out.sigmas[0], [1 / math.sqrt(2), 1 / math.sqrt(5)], rtol=1e-6)
@@ -74,7 +74,7 @@ def test_the_share_cap_bounds_a_devices_sample_weight_in_the_precision():
     # = 8.82)
     sent = [gtable(["x"], [0], [1], [10]), gtable(["x"], [0], [1], [10]),
             gtable(["x"], [9], [1], [1000])]
-    empty = PrototypeTable.empty(1, gaussian=True)
+    empty = LabelRows.empty(1, gaussian=True)
     counters: Counter = Counter()
     out = average_tables(sent, empty, 0.5, max_share=0.0, counters=counters)
     np.testing.assert_allclose(out.rows[0], [4.5], rtol=1e-6)
@@ -91,7 +91,7 @@ def test_a_tiny_sigma_does_not_own_the_row():
     # the attacker's (10 to 1e-10)
     sent = [gtable(["x"], [0, 0], [1, 1], [10]), gtable(["x"], [0, 0], [1, 1], [10]),
             gtable(["x"], [10, 10], [1e-6, 1e-6], [10])]
-    empty = PrototypeTable.empty(2, gaussian=True)
+    empty = LabelRows.empty(2, gaussian=True)
     counters: Counter = Counter()
     out = average_tables(sent, empty, 0.5, max_share=0.0, counters=counters, sigma_floor=0.5)
     np.testing.assert_allclose(out.rows[0], [20 / 3, 20 / 3], rtol=1e-6)
@@ -104,10 +104,10 @@ def test_a_tiny_sigma_does_not_own_the_row():
 def test_the_aggregator_floors_a_tiny_sigma_and_checks_the_kind():
     fed = FedConfig(clients=3, min_clients=3, burn_in=1, jump=1, clip_factor=0)
     initial = {"w": np.zeros(2, np.float32)}
-    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(2, gaussian=True))
+    agg = Aggregator(initial, fed, prototypes=LabelRows.empty(2, gaussian=True))
     for c in ("c0", "c1", "c2"):
         agg.join(c)
-    point = PrototypeTable(("x",), np.zeros((1, 2), np.float32), np.array([10], np.int64))
+    point = LabelRows(("x",), np.zeros((1, 2), np.float32), np.array([10], np.int64))
     assert agg.submit(Update("c0", 0, 1, 0, 2, 10, initial, prototypes=point)) is None
     assert agg.counters["rejected_prototype_sigma"] == 1
     closed = None
@@ -120,7 +120,7 @@ def test_the_aggregator_floors_a_tiny_sigma_and_checks_the_kind():
     assert lib.labels == ("x",) and lib.sigmas is not None
     assert lib.rows[0, 0] <= 20 / 3 + 1e-4  # the attacker's 10 without the floor
     assert agg.counters["prototype_sigma_floored"] == 2
-    dense = Aggregator(initial, fed, prototypes=PrototypeTable.empty(2))  # point library
+    dense = Aggregator(initial, fed, prototypes=LabelRows.empty(2))  # point library
     dense.join("c0")
     assert dense.submit(Update("c0", 0, 1, 0, 2, 10, initial,
                                prototypes=gtable(["x"], [0, 0], [1, 1], [1]))) is None
@@ -129,17 +129,17 @@ def test_the_aggregator_floors_a_tiny_sigma_and_checks_the_kind():
 
 def test_the_global_library_stays_within_what_devices_accept():
     # a previous row at -1e6 mixed with a new one at +1e6, sigmas 1e5: the mixture's sigma
-    # would be sqrt(1e10 + 1e12) = 1.005e6 (above MAX_ROW_ABS, a global every device
+    # would be sqrt(1e10 + 1e12) = 1.005e6 (above MAX_VALUE, a global every device
     # refuses); it is clamped there
     prev = gtable(["x"], [-1e6], [1e5], [1])
     out = average_tables([gtable(["x"], [1e6], [1e5], [1])], prev, 0.5)
-    assert check_table(out, 1) is None and out.sigmas[0, 0] == np.float32(1e6)
+    assert check_rows(out, 1) is None and out.sigmas[0, 0] == np.float32(1e6)
     tiny = average_tables([gtable(["x"], [0.0], [1e-5], [1])] * 3,
-                          PrototypeTable.empty(1, gaussian=True), 0.5)
+                          LabelRows.empty(1, gaussian=True), 0.5)
     assert tiny.sigmas[0, 0] >= np.float32(1e-5)  # conflated below 1e-5: published at it
 
 
-# -- validation: codec, check_table, device, store -----------------------------------------
+# -- validation: codec, check_rows, device, store -----------------------------------------
 def test_codec_round_trips_and_bounds_sigmas():
     t = gtable(["a", "b"], np.arange(6), np.arange(1, 7), [4, 5])
     u = decode(encode(Update("c0", 0, 1, 0, 2, 10, {"w": np.zeros(2, np.float32)},
@@ -150,7 +150,7 @@ def test_codec_round_trips_and_bounds_sigmas():
     for sigmas, reason in ((np.zeros((2, 3), np.float32), "sigma"),
                            (np.ones((2, 2), np.float32), "shape"),
                            (np.full((2, 3), np.nan, np.float32), "nonfinite")):
-        bad = PrototypeTable(t.labels, t.rows, t.counts, sigmas)
+        bad = LabelRows(t.labels, t.rows, t.counts, sigmas)
         with pytest.raises(CodecError) as e:
             decode(encode(Update("c0", 0, 1, 0, 2, 10, {"w": np.zeros(2, np.float32)},
                                  prototypes=bad), fleet="f"))
@@ -159,43 +159,43 @@ def test_codec_round_trips_and_bounds_sigmas():
 
 def test_check_table_bounds_sigmas():
     t = gtable(["a"], [0, 0, 0], [1, 1, 1], [1])
-    assert check_table(t, 3) is None
+    assert check_rows(t, 3) is None
     for sigmas, reason in ((np.zeros((1, 3), np.float32), "sigma"),
                            (-np.ones((1, 3), np.float32), "sigma"),
                            (np.ones((1, 2), np.float32), "prototype_shape"),
                            (np.full((1, 3), np.inf, np.float32), "nonfinite"),
                            (np.full((1, 3), 2e6, np.float32), "range"),
                            (np.ones((1, 3), np.float64), "prototype_dtype")):
-        assert check_table(PrototypeTable(t.labels, t.rows, t.counts, sigmas), 3) == reason
+        assert check_rows(LabelRows(t.labels, t.rows, t.counts, sigmas), 3) == reason
 
 
 def test_the_device_checks_the_librarys_kind():
     t = gtable(["a"], [0, 0, 0], [1, 1, 1], [1])
-    point = PrototypeTable(t.labels, t.rows, t.counts)
+    point = LabelRows(t.labels, t.rows, t.counts)
     g = GlobalModel(1, {"w": np.zeros(2, np.float32)}, ("c0",), t)
     spec = {"w": ((2,), np.dtype(np.float32).str)}
     assert check_global(g, spec, 0, library_width=3, library_gaussian=True) is None
     assert check_global(g, spec, 0, library_width=3) == "prototype_sigma"
     gp = GlobalModel(1, g.tensors, ("c0",), point)
     assert check_global(gp, spec, 0, library_width=3, library_gaussian=True) == "prototype_sigma"
-    bad = GlobalModel(1, g.tensors, ("c0",), PrototypeTable(t.labels, t.rows, t.counts,
+    bad = GlobalModel(1, g.tensors, ("c0",), LabelRows(t.labels, t.rows, t.counts,
                                                               np.zeros((1, 3), np.float32)))
     assert check_global(bad, spec, 0, library_width=3, library_gaussian=True) == "sigma"
 
 
 def test_sigmas_are_in_the_digest_and_the_saved_arrays():
     t = gtable(["a"], [0, 0], [1, 1], [1])
-    point = PrototypeTable(t.labels, t.rows, t.counts)
-    assert table_digest(t) != table_digest(point)
-    other = PrototypeTable(t.labels, t.rows, t.counts, 2 * t.sigmas)
-    assert table_digest(t) != table_digest(other)
-    rest, back = split_table({"w": np.zeros(1, np.float32)} | table_arrays(t))
+    point = LabelRows(t.labels, t.rows, t.counts)
+    assert rows_digest(t) != rows_digest(point)
+    other = LabelRows(t.labels, t.rows, t.counts, 2 * t.sigmas)
+    assert rows_digest(t) != rows_digest(other)
+    rest, back = split_rows({"w": np.zeros(1, np.float32)} | rows_arrays(t))
     assert set(rest) == {"w"}
     np.testing.assert_array_equal(back.sigmas, t.sigmas)
-    _, back_point = split_table(table_arrays(point))
+    _, back_point = split_rows(rows_arrays(point))
     assert back_point.sigmas is None
     with pytest.raises(ValueError):
-        split_table(table_arrays(PrototypeTable(t.labels, t.rows, t.counts,
+        split_rows(rows_arrays(LabelRows(t.labels, t.rows, t.counts,
                                                 np.zeros((1, 2), np.float32))))
 
 
@@ -211,7 +211,7 @@ def test_gaussian_rows_start_at_bayes_sigma_and_train_both_moments():
     assert (lib.rows[0] < 0).all() and (lib.rows[1] == 0).all()
     lib.count(["a"], [3])
     t = lib.table()
-    assert t.labels == ("a",) and t.sigmas.shape == (1, 3) and check_table(t, 3) is None
+    assert t.labels == ("a",) and t.sigmas.shape == (1, 3) and check_rows(t, 3) is None
     # the global's row becomes the row and its prior
     g = gtable(["a", "c"], [[1, 2, 3], [4, 5, 6]], [[0.2] * 3, [0.3] * 3], [3, 1])
     lib.merge(g)
@@ -248,8 +248,8 @@ def drive(c, bs):
         upd = c.step(b)
         if upd is not None and upd.seq % 2 == 0:
             p = upd.prototypes
-            assert p.sigmas is not None and check_table(p, p.width) is None
-            shrunk = PrototypeTable(p.labels, 0.9 * p.rows, p.counts, 0.9 * p.sigmas)
+            assert p.sigmas is not None and check_rows(p, p.width) is None
+            shrunk = LabelRows(p.labels, 0.9 * p.rows, p.counts, 0.9 * p.sigmas)
             c.apply_global(GlobalModel(c.version + 1, {k: 0.9 * v for k, v in c.base.items()},
                                        (c.cid,), shrunk), MERGES["delta"])
 
@@ -363,7 +363,7 @@ def test_fedbnn_a_tiny_likelihood_sigma_does_not_own_the_row():
 def test_fedbnn_rows_of_the_standard_network_phase_are_averaged_or_left_out():
     # no likelihood in the round (bnn_init_rounds): sample-weighted means of mu and sigma,
     # 10 : 30 -> mu 0.25 * 1 + 0.75 * 3 = 2.5, sigma 0.25 * 1 + 0.75 * 0.5 = 0.625 (new label)
-    empty = PrototypeTable.empty(1, gaussian=True)
+    empty = LabelRows.empty(1, gaussian=True)
     a, b = gtable(["x"], [1], [1], [10]), gtable(["x"], [3], [0.5], [30])
     out = average_tables([a, b], empty, 0.5, likelihood=[False, False], prior_sigma=0.05)
     np.testing.assert_allclose(out.rows[0], [2.5], rtol=1e-6)
@@ -379,12 +379,11 @@ def test_fedbnn_rows_of_the_standard_network_phase_are_averaged_or_left_out():
 
 
 def test_the_row_constants_agree_with_the_gaussian_encoding():
-    from edgefcl.federation import gaussian
-    from edgefcl.federation import prototype_library as prototypes
+    from edgefcl.federation import gaussian, label_rows, sigma_bounds
 
-    assert prototypes.LIK_SIGMA_MAX == gaussian.LIK_SIGMA_MAX
-    assert prototypes.LIK_FLOOR == gaussian.LIK_FLOOR
-    assert prototypes.SIGMA_MIN == gaussian.SIGMA_MIN
+    assert sigma_bounds.LIK_SIGMA_MAX == gaussian.LIK_SIGMA_MAX
+    assert sigma_bounds.LIK_FLOOR == gaussian.LIK_FLOOR
+    assert label_rows.SIGMA_MIN == gaussian.SIGMA_MIN
 
 
 def test_a_device_sends_its_rows_likelihoods_under_fedbnn():
@@ -405,4 +404,4 @@ def test_a_device_sends_its_rows_likelihoods_under_fedbnn():
     np.testing.assert_allclose(out.rows, [[7 / 3, 1.0], [100 / lam_b, 0.5]], rtol=1e-5)
     np.testing.assert_allclose(out.sigmas, [[1 / math.sqrt(12), 1024],
                                             [1 / math.sqrt(lam_b), 1024]], rtol=1e-5)
-    assert out.counts.tolist() == [2, 3] and check_table(out, 2) is None
+    assert out.counts.tolist() == [2, 3] and check_rows(out, 2) is None

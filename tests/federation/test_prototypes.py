@@ -15,21 +15,14 @@ import torch
 
 from edgefcl.build import new_client
 from edgefcl.config import FedConfig, LearnConfig, RunConfig, apply
-from edgefcl.data.labels import check_names
+from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS, check_names
 from edgefcl.data.loaders import load_dataset
 from edgefcl.data.types import Batch
 from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.label_rows import MAX_COUNT, LabelRows, check_rows
 from edgefcl.federation.messages import GlobalModel, Update
-from edgefcl.federation.prototype_library import (
-    MAX_COUNT,
-    MAX_LABEL_CHARS,
-    MAX_LABELS,
-    MAX_ROW_ABS,
-    PrototypeTable,
-    average_tables,
-    check_table,
-    feature_width,
-)
+from edgefcl.federation.prototype_library import average_tables, feature_width
+from edgefcl.federation.value_bound import MAX_VALUE
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.merges import MERGES
 from edgefcl.learn.models import build_model
@@ -43,7 +36,7 @@ def table(labels, width=3, counts=None, value=0.0):
     n = len(labels)
     rows = np.full((n, width), value, np.float32)
     c = np.array(counts if counts is not None else [1] * n, np.int64)
-    return PrototypeTable(tuple(labels), rows, c)
+    return LabelRows(tuple(labels), rows, c)
 
 
 # -- the library ------------------------------------------------------------------------------
@@ -114,7 +107,7 @@ def test_a_label_row_is_share_capped_per_label():
     # third 2/3 of 20 / (1 - 2/3) = 60, i.e. 40: 90 * 40 / 60 = 60.
     # Label b is held by the third device alone: nothing to cap (as the share rule with
     # one update).
-    empty = PrototypeTable.empty(3)
+    empty = LabelRows.empty(3)
     sent = [table(["a"], counts=[10]), table(["a"], counts=[10]),
             table(["a", "b"], counts=[1000, 5], value=90.0)]
     plain = average_tables(sent, empty, 0.5, max_share=1.0)
@@ -134,16 +127,16 @@ def test_one_device_cannot_own_a_shared_label_row_through_the_aggregator():
     fed = FedConfig(clients=3, min_clients=3, burn_in=1, jump=1, clip_factor=0,
                     max_share=0.5)
     initial = {"w": np.zeros(2, np.float32)}
-    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    agg = Aggregator(initial, fed, prototypes=LabelRows.empty(3))
     for c in ("c0", "c1", "c2"):
         agg.join(c)
     closed = None
-    for c, value, count in (("c0", 1.0, 10), ("c1", 1.0, 10), ("c2", MAX_ROW_ABS, MAX_COUNT)):
+    for c, value, count in (("c0", 1.0, 10), ("c1", 1.0, 10), ("c2", MAX_VALUE, MAX_COUNT)):
         u = Update(c, 0, 1, 0, 2, 10, initial, prototypes=table(["a"], counts=[count],
                                                                 value=value))
         closed = agg.submit(u) or closed
     row = closed.global_.prototypes.rows[0, 0]
-    assert row <= 0.5 * MAX_ROW_ABS + 1  # uncapped: the attacker's 1e6 (to 1e-10)
+    assert row <= 0.5 * MAX_VALUE + 1  # uncapped: the attacker's 1e6 (to 1e-10)
     assert agg.counters["prototype_share_capped"] == 1
 
 
@@ -152,7 +145,7 @@ def test_one_device_cannot_fill_the_library_with_invented_labels():
     # in its first round (the honest label, sorting after them, was cut) and kept them
     fed = FedConfig(clients=3, min_clients=2, burn_in=1, jump=1, clip_factor=0)
     initial = {"w": np.zeros(2, np.float32)}
-    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    agg = Aggregator(initial, fed, prototypes=LabelRows.empty(3))
     invented = [f"a{i:04d}" for i in range(MAX_LABELS)]
     closed = None
     for c in ("c0", "c1", "evil"):
@@ -169,7 +162,7 @@ def test_one_device_cannot_fill_the_library_with_invented_labels():
     assert agg.counters["prototype_labels_left_out"] == 3 * (MAX_LABELS - quota)
     # a label another device sends too is shared: it no longer counts against the first
     assert agg.label_owners.get("dog") == "c1" and "cat" not in agg.label_owners
-    restored = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    restored = Aggregator(initial, fed, prototypes=LabelRows.empty(3))
     restored.load_state(agg.state() | {"prototypes": closed.global_.prototypes})
     assert restored.label_owners == agg.label_owners
 
@@ -180,7 +173,7 @@ def test_labels_with_control_characters_are_refused_everywhere(label):
     # became the empty label "" in the global library (every device refused every later
     # global; a restart refused the state) and "cat\0", "cat\0\0", ... each passed as a
     # distinct label and merged into "cat"'s row, one device owning it
-    assert check_table(table([label]), 3) == "prototype_label"
+    assert check_rows(table([label]), 3) == "prototype_label"
     assert check_names([label]) is not None
     with pytest.raises(CodecError):
         decode(encode(Update("c0", 0, 1, 0, 2, 10, {"w": np.zeros(2, np.float32)},
@@ -190,12 +183,12 @@ def test_labels_with_control_characters_are_refused_everywhere(label):
 def test_one_device_cannot_own_a_row_through_label_variants():
     fed = FedConfig(clients=3, min_clients=3, burn_in=1, jump=1, clip_factor=0)
     initial = {"w": np.zeros(2, np.float32)}
-    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    agg = Aggregator(initial, fed, prototypes=LabelRows.empty(3))
     for c in ("c0", "c1", "evil"):
         agg.join(c)
     variants = ["cat"] + [f"cat{chr(0) * i}" for i in range(1, 8)]
     for c, labels, value in (("c0", ["cat"], 0.1), ("c1", ["cat"], 0.1),
-                             ("evil", variants, MAX_ROW_ABS)):
+                             ("evil", variants, MAX_VALUE)):
         u = Update(c, 0, 1, 0, 2, 10, initial, prototypes=table(labels, value=value))
         assert agg.submit(u) is None or c == "evil"
     assert agg.counters["rejected_prototype_label"] == 1
@@ -215,7 +208,7 @@ def update_with(protos, tensors=None):
 
 
 def test_codec_round_trips_prototypes_of_updates_and_globals():
-    t = PrototypeTable(("zéro", "un"), np.arange(6, dtype=np.float32).reshape(2, 3),
+    t = LabelRows(("zéro", "un"), np.arange(6, dtype=np.float32).reshape(2, 3),
                        np.array([4, 5], np.int64))
     u = decode(encode(update_with(t), fleet="f"))
     assert u.prototypes.labels == t.labels
@@ -228,7 +221,7 @@ def test_codec_round_trips_prototypes_of_updates_and_globals():
 
 def test_codec_rejects_a_flood_of_labels_before_building_them():
     n = 100_000
-    t = PrototypeTable(tuple(f"l{i}" for i in range(n)), np.zeros((n, 1), np.float32),
+    t = LabelRows(tuple(f"l{i}" for i in range(n)), np.zeros((n, 1), np.float32),
                        np.zeros(n, np.int64))
     with pytest.raises(CodecError) as e:
         decode(encode(update_with(t), fleet="f"))
@@ -239,7 +232,7 @@ def test_codec_rejects_huge_names_and_mismatched_rows():
     huge = table(["x" * 10_000])
     with pytest.raises(CodecError):
         decode(encode(update_with(huge), fleet="f"))
-    wrong = PrototypeTable(("a", "b"), np.zeros((3, 3), np.float32), np.ones(2, np.int64))
+    wrong = LabelRows(("a", "b"), np.zeros((3, 3), np.float32), np.ones(2, np.int64))
     with pytest.raises(CodecError) as e:
         decode(encode(update_with(wrong), fleet="f"))
     assert e.value.reason == "shape"
@@ -250,21 +243,21 @@ def test_codec_rejects_huge_names_and_mismatched_rows():
 
 
 def test_check_table_reasons():
-    assert check_table(table(["a"]), 3) is None
-    assert check_table(table(["a"], width=4), 3) == "prototype_shape"
-    assert check_table(table(["a", "a"]), 3) == "prototype_duplicate"
-    assert check_table(table([""]), 3) == "prototype_label"
-    assert check_table(table(["a"], value=float("inf")), 3) == "nonfinite"
-    assert check_table(table(["a"], counts=[-1]), 3) == "prototype_count"
-    assert check_table(table(["a"], counts=[MAX_COUNT + 1]), 3) == "prototype_count"
-    assert check_table(table(["a"], value=2e6), 3) == "range"  # every device would refuse it
-    assert check_table("junk", 3) == "prototypes"
+    assert check_rows(table(["a"]), 3) is None
+    assert check_rows(table(["a"], width=4), 3) == "prototype_shape"
+    assert check_rows(table(["a", "a"]), 3) == "prototype_duplicate"
+    assert check_rows(table([""]), 3) == "prototype_label"
+    assert check_rows(table(["a"], value=float("inf")), 3) == "nonfinite"
+    assert check_rows(table(["a"], counts=[-1]), 3) == "prototype_count"
+    assert check_rows(table(["a"], counts=[MAX_COUNT + 1]), 3) == "prototype_count"
+    assert check_rows(table(["a"], value=2e6), 3) == "range"  # every device would refuse it
+    assert check_rows("junk", 3) == "prototypes"
 
 
 def test_aggregator_rejects_bad_libraries_and_counts_them():
     fed = FedConfig(clients=1, min_clients=1, burn_in=1, jump=1, clip_factor=0)
     initial = {"w": np.zeros(2, np.float32)}
-    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    agg = Aggregator(initial, fed, prototypes=LabelRows.empty(3))
     agg.join("c0")
     assert agg.submit(update_with(table(["a"], width=5))) is None
     assert agg.counters["rejected_prototype_shape"] == 1
@@ -306,7 +299,7 @@ def run_fleet(method="bi", encoding="dense", share=True):
     clients = [new_client(f"c{k}", copy.deepcopy(model), learn, fed, ds.kind, seed=k)
                for k in range(3)]
     agg = Aggregator(global_tensors(model, encoding), fed,
-                     prototypes=PrototypeTable.empty(model.dim + 1, encoding == "gaussian"),
+                     prototypes=LabelRows.empty(model.dim + 1, encoding == "gaussian"),
                      row_prior_sigma=learn.bayes_sigma)
     for c in clients:
         agg.join(c.cid)
@@ -504,7 +497,7 @@ def test_lockstep_mqtt_reproduces_inprocess_with_prototypes(embedded_broker, tmp
 
     cfg = small(mqtt={"broker": embedded_broker}, learn={"method": method})
     local = simulate(cfg)
-    if method == "fedbnn":  # the library's sigmas are in global_sha256 (table_digest)
+    if method == "fedbnn":  # the library's sigmas are in global_sha256 (rows_digest)
         from edgefcl.build import for_method
 
         assert for_method(cfg, method).fed.encoding == "gaussian"
@@ -560,7 +553,7 @@ def test_checkpoint_restores_a_prototype_client_bit_for_bit():
             upd = c.step(b)
             if upd is not None and upd.seq % 2 == 0:
                 p = upd.prototypes
-                shrunk = PrototypeTable(p.labels, 0.9 * p.rows, p.counts)
+                shrunk = LabelRows(p.labels, 0.9 * p.rows, p.counts)
                 c.apply_global(GlobalModel(c.version + 1, {k: 0.9 * v for k, v in
                                                            c.base.items()}, (c.cid,), shrunk),
                                MERGES["delta"])
@@ -609,10 +602,10 @@ def test_head_configuration_errors(learn, fed):
 def test_a_resumed_aggregator_still_takes_libraries():
     fed = FedConfig(clients=1, min_clients=1, burn_in=1, jump=1, clip_factor=0)
     initial = {"w": np.zeros(2, np.float32)}
-    agg = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    agg = Aggregator(initial, fed, prototypes=LabelRows.empty(3))
     agg.join("c0")
     agg.submit(Update("c0", 0, 1, 0, 2, 10, initial, prototypes=table(["a"])))
-    again = Aggregator(initial, fed, prototypes=PrototypeTable.empty(3))
+    again = Aggregator(initial, fed, prototypes=LabelRows.empty(3))
     again.load_state(agg.state() | {"prototypes": agg.global_.prototypes})  # as the daemon
     again.join("c0")
     closed = again.submit(Update("c0", 1, 2, 0, 3, 10, initial, prototypes=table(["b"])))
@@ -620,10 +613,10 @@ def test_a_resumed_aggregator_still_takes_libraries():
 
 
 def test_global_counts_saturate_instead_of_wrapping():
-    prev = PrototypeTable(("a",), np.zeros((1, 3), np.float32), np.array([MAX_COUNT], np.int64))
+    prev = LabelRows(("a",), np.zeros((1, 3), np.float32), np.array([MAX_COUNT], np.int64))
     sent = [table(["a"], counts=[MAX_COUNT]), table(["a"], counts=[MAX_COUNT])]
     out = average_tables(sent, prev, 0.5)
-    assert out.counts.tolist() == [MAX_COUNT] and check_table(out, 3) is None
+    assert out.counts.tolist() == [MAX_COUNT] and check_rows(out, 3) is None
 
 
 def _prototype_device():
@@ -693,22 +686,23 @@ def test_one_devices_rows_move_at_most_their_share_of_predictions(honest) -> Non
     # vectors went to '3' (0.13-0.16 with honest rows only)
     from collections import Counter
 
-    from edgefcl.federation.prototype_library import MAX_COUNT, average_tables
+    from edgefcl.federation.label_rows import MAX_COUNT
+    from edgefcl.federation.prototype_library import average_tables
 
     rng = np.random.default_rng(0)
     names = tuple(str(c) for c in range(10))
     d = 8
-    previous = PrototypeTable(names, rng.normal(0, 1, (10, d + 1)).astype(np.float32),
+    previous = LabelRows(names, rng.normal(0, 1, (10, d + 1)).astype(np.float32),
                               np.full(10, 100, np.int64))
 
-    def honest_table() -> PrototypeTable:
+    def honest_table() -> LabelRows:
         rows = previous.rows + rng.normal(0, 0.1, previous.rows.shape).astype(np.float32)
-        return PrototypeTable(names, rows, np.full(10, 20, np.int64))
+        return LabelRows(names, rows, np.full(10, 20, np.int64))
 
     evil = previous.rows.copy()
     evil[:, -1] = -1e6
     evil[3, -1] = 1e6
-    attacker = PrototypeTable(names, evil, np.full(10, MAX_COUNT, np.int64))
+    attacker = LabelRows(names, evil, np.full(10, MAX_COUNT, np.int64))
     feats = np.c_[rng.normal(0, 1, (20_000, d)), np.ones(20_000)]
 
     def to_3(tables) -> float:
@@ -731,12 +725,12 @@ def test_library_fault_bounds_rows_by_the_previous_global():
     # the previous global's rows have norms 1, 3 and 50 (median 3): one version on, a row may
     # lie up to 10 x 3 = 30 from its previous row, or from 0 for a new label; k versions on,
     # k x 30; a clip_factor of 20 widens the 10 to 40
-    prev = PrototypeTable(("a", "b", "c"), np.array([[1, 0], [0, 3], [50, 0]], np.float32),
+    prev = LabelRows(("a", "b", "c"), np.array([[1, 0], [0, 3], [50, 0]], np.float32),
                           np.array([4, 4, 0], np.int64))
     assert MAX_ROW_GROWTH == 10.0
 
-    def glob(rows) -> PrototypeTable:
-        return PrototypeTable(("a", "d"), np.array(rows, np.float32), np.ones(2, np.int64))
+    def glob(rows) -> LabelRows:
+        return LabelRows(("a", "d"), np.array(rows, np.float32), np.ones(2, np.int64))
 
     assert library_fault(glob([[31, 0], [0, 30]]), prev, 1) is None  # 30 from 'a', 30 from 0
     assert library_fault(glob([[31.5, 0], [0, 0]]), prev, 1) == "prototype_norm"
@@ -747,7 +741,7 @@ def test_library_fault_bounds_rows_by_the_previous_global():
     assert library_fault(glob([[1, 0], [0, 121]]), prev, 1, clip_factor=20) == "prototype_norm"
     assert library_fault(glob([[1e6, 0], [0, 0]]), None, 1) is None  # nothing to measure by
     assert library_fault(glob([[1e6, 0], [0, 0]]), prev, 1, clip_factor=0) is None  # no clip
-    zero = PrototypeTable(("a",), np.zeros((1, 2), np.float32), np.ones(1, np.int64))
+    zero = LabelRows(("a",), np.zeros((1, 2), np.float32), np.ones(1, np.int64))
     assert library_fault(glob([[1e6, 0], [0, 0]]), zero, 1) is None
 
 
@@ -756,14 +750,14 @@ def test_a_device_refuses_a_global_whose_rows_carry_a_huge_bias():
     # the previous global's rows bound them, as the aggregator's clip bounds a sender's
     runner, good = _prototype_device()
     rows = np.random.default_rng(0).normal(0, 1, (2, 17)).astype(np.float32)
-    first = GlobalModel(1, good, (), PrototypeTable(("0", "1"), rows, np.ones(2, np.int64)))
+    first = GlobalModel(1, good, (), LabelRows(("0", "1"), rows, np.ones(2, np.int64)))
     runner._check(first)  # nothing to measure the first library against
     runner._adopt(first)
     counts = first.prototypes.counts
-    runner._check(GlobalModel(2, good, (), PrototypeTable(("0", "1"), rows * 3, counts)))
+    runner._check(GlobalModel(2, good, (), LabelRows(("0", "1"), rows * 3, counts)))
     evil = rows.copy()
     evil[:, -1] = -1e6
     evil[1, -1] = 1e6
     with pytest.raises(CodecError, match="does not fit") as caught:
-        runner._check(GlobalModel(2, good, (), PrototypeTable(("0", "1"), evil, counts)))
+        runner._check(GlobalModel(2, good, (), LabelRows(("0", "1"), evil, counts)))
     assert caught.value.reason == "prototype_norm"

@@ -11,8 +11,8 @@ import pytest
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import Update
-from edgefcl.federation.prototype_library import PrototypeTable
 from edgefcl.federation.q8 import Q8Encoder
 from edgefcl.federation.shard import Partial, ShardError, ShardRoot, ShardWorker
 from edgefcl.federation.sparse import SparseEncoder
@@ -169,7 +169,7 @@ def test_rules_that_do_not_decompose_are_refused(encoding, aggregation):
 
 def test_a_prototype_library_is_refused_until_partials_carry_one():
     initial = initial_for("dense", np.random.default_rng(0))
-    library = PrototypeTable.empty(4)
+    library = LabelRows.empty(4)
     for kind in (ShardWorker, ShardRoot):
         with pytest.raises(ShardError, match="prototypes"):
             kind(initial, fed_for("dense", "fedavg"), prototypes=library)

@@ -182,10 +182,10 @@ def make_proto_daemon(tmp_path) -> AggregatorDaemon:
 
 
 def proto_update(client, seq, labels, value=1.0, counts=None, rows=None):
-    from edgefcl.federation.prototype_library import PrototypeTable
+    from edgefcl.federation.label_rows import LabelRows
 
     n = len(labels)
-    table = PrototypeTable(tuple(labels), rows if rows is not None else
+    table = LabelRows(tuple(labels), rows if rows is not None else
                            np.full((n, WIDTH), value, np.float32),
                            np.asarray(counts if counts is not None else [4] * n, np.int64))
     t = {k: np.full(v.shape, value, np.float32) for k, v in PROTO_INITIAL.items()}
@@ -198,9 +198,9 @@ _GOOD_PROTO = [proto_update("a", s, ["cat", f"a{s}"], value=s) for s in (1, 2, 3
 
 
 def _library_ok(d: AggregatorDaemon) -> bool:
-    from edgefcl.federation.prototype_library import check_table
+    from edgefcl.federation.label_rows import check_rows
 
-    return check_table(d.agg.global_.prototypes, WIDTH) is None
+    return check_rows(d.agg.global_.prototypes, WIDTH) is None
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -213,7 +213,7 @@ def test_any_sequence_of_mutated_prototype_libraries_never_escapes(tmp_path_fact
                                                                    msgs) -> None:
     """Updates whose library has mutated label names, counts or rows (sealed again, as an
     attacker's encoder would) never escape, and the global library stays one that every
-    device accepts (check_table with the run's width)."""
+    device accepts (check_rows with the run's width)."""
     from edgefcl.bench.fuzz import _field_mutation, _table_mutation
 
     d = make_proto_daemon(tmp_path_factory.mktemp("d"))
@@ -235,7 +235,8 @@ def test_any_sequence_of_mutated_prototype_libraries_never_escapes(tmp_path_fact
 
 
 def test_hostile_libraries_are_rejected_with_their_reason(tmp_path) -> None:
-    from edgefcl.federation.prototype_library import MAX_COUNT, MAX_LABEL_CHARS
+    from edgefcl.data.labels import MAX_LABEL_CHARS
+    from edgefcl.federation.label_rows import MAX_COUNT
 
     d = make_proto_daemon(tmp_path)
     tp = topics(d.cfg.mqtt)

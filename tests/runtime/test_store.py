@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgefcl.bench import crash as bench_crash
-from edgefcl.federation.prototype_library import PrototypeTable
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.runtime.store import (
     StateError,
     StateStore,
@@ -22,7 +22,7 @@ from edgefcl.transport.codec import tensor_spec
 
 T = {"w": np.ones((2, 3), np.float32)}
 SPEC = tensor_spec(T)
-CRASH_LIBRARY = PrototypeTable.empty(65)  # bench_crash runs head prototypes (rows of width 65)
+CRASH_LIBRARY = LabelRows.empty(65)  # bench_crash runs head prototypes (rows of width 65)
 
 
 def fresh_store(tmp_path, **kw) -> StateStore:
@@ -180,7 +180,7 @@ def test_the_crash_check_skips_publish_records_cut_by_a_kill(tmp_path) -> None:
                                     "torn_records": 1}
 
 
-LIB = PrototypeTable(("cat", "dög"), np.arange(8, dtype=np.float32).reshape(2, 4),
+LIB = LabelRows(("cat", "dög"), np.arange(8, dtype=np.float32).reshape(2, 4),
                      np.array([3, 5], np.int64))
 
 
@@ -191,7 +191,7 @@ def test_the_library_is_saved_with_its_global_under_one_sha256(tmp_path) -> None
     assert set(tensors) == {"w"} and library.labels == LIB.labels
     assert (library.rows == LIB.rows).all() and (library.counts == LIB.counts).all()
     assert s.published(0) == global_digest(T, LIB) != tensors_digest(T)
-    other = PrototypeTable(LIB.labels, LIB.rows + 1, LIB.counts)
+    other = LabelRows(LIB.labels, LIB.rows + 1, LIB.counts)
     with pytest.raises(StateError, match="other tensors"):  # same tensors, another library
         s.commit({"version": 0, "rounds": 0}, T, prototypes=other)
     with pytest.raises(StateError, match="head is fixed"):
@@ -202,16 +202,16 @@ def test_the_library_is_saved_with_its_global_under_one_sha256(tmp_path) -> None
 
 
 def test_a_damaged_library_is_refused(tmp_path) -> None:
-    from edgefcl.federation.prototype_library import table_arrays
+    from edgefcl.federation.label_rows import rows_arrays
 
     s = fresh_store(tmp_path)
     s.commit({"version": 0, "rounds": 0}, T)
     with pytest.raises(StateError, match="head is prototypes"):
         s.load(SPEC, library_width=4)
     for bad in ({"prototypes::rows": LIB.rows},  # partial
-                table_arrays(PrototypeTable(("a", "a"), LIB.rows, LIB.counts)),  # duplicate
-                table_arrays(LIB) | {"prototypes::labels": np.frombuffer(b"[1, 2]", np.uint8)},
-                table_arrays(PrototypeTable(LIB.labels, LIB.rows * np.nan, LIB.counts))):
+                rows_arrays(LabelRows(("a", "a"), LIB.rows, LIB.counts)),  # duplicate
+                rows_arrays(LIB) | {"prototypes::labels": np.frombuffer(b"[1, 2]", np.uint8)},
+                rows_arrays(LabelRows(LIB.labels, LIB.rows * np.nan, LIB.counts))):
         blob = T | bad
         s.conn.execute("UPDATE globals SET tensors = ?, sha256 = ? WHERE version = 0",
                        (tensors_to_bytes(blob), tensors_digest(blob)))
@@ -238,7 +238,7 @@ def test_a_restarted_aggregator_keeps_the_prototype_library(tmp_path) -> None:
 
     def send(d, client, seq, labels):
         rows = np.full((len(labels), 65), seq, np.float32)
-        table = PrototypeTable(labels, rows, np.full(len(labels), 4))
+        table = LabelRows(labels, rows, np.full(len(labels), 4))
         tensors = {k: np.full(v.shape, seq, np.float32) for k, v in bench_crash.INITIAL.items()}
         d.handle(d.topics.update(client), encode(
             Update(client, d.agg.global_.version, seq, 0, seq, 8, tensors, class_counts={0: 8},
@@ -280,13 +280,13 @@ def test_a_restarted_aggregator_keeps_the_prototype_library(tmp_path) -> None:
 
 
 def test_a_gaussian_library_is_saved_with_its_sigmas_under_one_sha256(tmp_path) -> None:
-    glib = PrototypeTable(LIB.labels, LIB.rows, LIB.counts, np.full((2, 4), 0.5, np.float32))
+    glib = LabelRows(LIB.labels, LIB.rows, LIB.counts, np.full((2, 4), 0.5, np.float32))
     s = fresh_store(tmp_path)
     s.commit({"version": 0, "rounds": 0}, T, prototypes=glib)
     state, tensors, library = s.load(SPEC, library_width=4, library_gaussian=True)
     assert (library.sigmas == glib.sigmas).all()
     assert s.published(0) == global_digest(T, glib) != global_digest(T, LIB)
-    other = PrototypeTable(LIB.labels, LIB.rows, LIB.counts, 2 * glib.sigmas)
+    other = LabelRows(LIB.labels, LIB.rows, LIB.counts, 2 * glib.sigmas)
     with pytest.raises(StateError, match="other tensors"):  # same rows, other sigmas
         s.commit({"version": 0, "rounds": 0}, T, prototypes=other)
     with pytest.raises(StateError, match="Gaussian rows, this run point rows"):

@@ -20,7 +20,7 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.data.labels import MAX_LABELS
-from edgefcl.federation.prototype_library import PrototypeTable
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.share_cap import default_cap
 
 
@@ -32,9 +32,9 @@ def quota(fed: FedConfig, roster: int) -> int:
     return max(1, int(cap * MAX_LABELS))
 
 
-def admit(tables: Sequence[PrototypeTable], senders: Sequence[str], library: PrototypeTable,
+def admit(tables: Sequence[LabelRows], senders: Sequence[str], library: LabelRows,
           owners: dict[str, str], limit: int, counters: Counter
-          ) -> tuple[list[PrototypeTable], dict[str, str]]:
+          ) -> tuple[list[LabelRows], dict[str, str]]:
     """`tables` (sent by `senders`, one each) without the rows of the new labels that do not
     enter the `library` this round, and the owners after the round (label -> the device that
     alone introduced it; a new dict, `owners` is left as it is)."""
@@ -77,7 +77,7 @@ def admit(tables: Sequence[PrototypeTable], senders: Sequence[str], library: Pro
             out.append(t)
             continue
         counters["prototype_labels_left_out"] += int((~mask).sum())
-        out.append(PrototypeTable(tuple(lb for lb, k in zip(t.labels, mask, strict=True) if k),
+        out.append(LabelRows(tuple(lb for lb, k in zip(t.labels, mask, strict=True) if k),
                                   t.rows[mask], t.counts[mask],
                                   None if t.sigmas is None else t.sigmas[mask]))
     return out, owners
