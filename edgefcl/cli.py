@@ -144,7 +144,7 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from edgefcl.bench.client import run_bench
+    from edgefcl.bench.client_speed import run_bench
 
     cfg = config_from_args(args)
     if args.what == "fleet":
@@ -156,7 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return run_async_study(args, cfg, Path(cfg.out or "runs/bench"))
     if args.what == "backpressure":
-        from edgefcl.bench.backpressure import Loop, bench_backpressure
+        from edgefcl.bench.backpressure_loop import Loop, bench_backpressure
 
         if args.devices < 1:
             raise ConfigError("--devices must be >= 1")
@@ -165,7 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                 seed=cfg.seed))
         return 0
     if args.what == "shard":
-        from edgefcl.bench.shard import bench_shard
+        from edgefcl.bench.shard_cost import bench_shard
 
         bench_shard(cfg, Path(cfg.out or "runs/bench"))
         return 0

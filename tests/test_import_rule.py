@@ -148,6 +148,18 @@ def test_no_import_cycles() -> None:
     assert not cycles, "\n".join(cycles)
 
 
+def test_module_names_are_unique() -> None:
+    """No two modules under edgefcl/ share a file name (`__init__.py` aside), so a file name
+    alone (in a traceback, a log line, the docs) says which module it is."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        if "__pycache__" not in path.parts and path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    bad = [f"{name}: {', '.join(paths)}" for name, paths in sorted(by_name.items())
+           if len(paths) > 1]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_library_never_imports_the_benchmarks() -> None:
     bad = sorted(module for module, path in SOURCES.items()
                  if not _under(module, "edgefcl.bench") and module != "edgefcl.cli"

@@ -34,7 +34,6 @@ import numpy as np
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.folds import FOLDS
 from edgefcl.federation.indexing import INDEX_FORMATS, decode_positions, encode_cheapest
-from edgefcl.federation.indexing.base import SparseError
 from edgefcl.federation.indexing.gaps import (  # noqa: F401  (re-exported)
     INDEX_DTYPES,
     decode_indices,
@@ -42,6 +41,7 @@ from edgefcl.federation.indexing.gaps import (  # noqa: F401  (re-exported)
     index_dtype,
     pad_gaps,
 )
+from edgefcl.federation.indexing.index_format import SparseError
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.strategy import (
     Spec,

@@ -57,7 +57,7 @@ class Method:
     head: str = "fixed"
     """The head `--head auto` gives it: fixed (an output layer) or prototypes (a library)."""
     baseline: bool = False
-    """A baseline of the memory study's bar (`bench/memory.py`): every other rule is measured
+    """A baseline of the memory study's bar (`bench/memory_study.py`): every other rule is measured
     against the baselines' forgetting and accuracy."""
     help: str = ""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgefcl.transport.errors import CodecError
+from edgefcl.transport.codec_error import CodecError
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.transport import integrity
 from edgefcl.transport.bounds import DEFAULT_LIMITS, Limits, scan
-from edgefcl.transport.errors import CodecError
+from edgefcl.transport.codec_error import CodecError
 from edgefcl.transport.kinds import KINDS, MAP_KINDS, label_list
 from edgefcl.transport.kinds import field as _get
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS, valid_name
-from edgefcl.transport.errors import CodecError
+from edgefcl.transport.codec_error import CodecError
 
 CONTROL_COMMANDS = frozenset(["pause", "resume", "stop"])
 

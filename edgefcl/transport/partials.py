@@ -23,7 +23,7 @@ import numpy as np
 
 from edgefcl.federation.shard import Partial
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, Message, decode, encode
-from edgefcl.transport.errors import CodecError
+from edgefcl.transport.codec_error import CodecError
 from edgefcl.transport.topics import validate_id
 
 SEP = "/"

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from edgefcl.bench.client import bare_train_ms, log_scores, spearman, view_stability
+from edgefcl.bench.client_speed import bare_train_ms, log_scores, spearman, view_stability
 from edgefcl.build import prepare
 from edgefcl.config import RunConfig
 from edgefcl.options import apply
@@ -62,7 +62,7 @@ def test_the_bare_training_step_trains_a_copy_of_the_initial_model():
 
 @pytest.mark.slow
 def test_cost_vs_cbr_reports_ratios_and_view_stability(tmp_path):
-    from edgefcl.bench.client import cost_vs_cbr
+    from edgefcl.bench.client_speed import cost_vs_cbr
 
     # two clients and two tasks of the demo data: the 28x28 configuration runs the same code
     # on another dataset (generated and tested in test_bench_memory), at 4x the time
@@ -106,8 +106,8 @@ def test_bench_client_and_the_memory_study_need_no_broker_packages(tmp_path):
 
     script = BLOCK_BROKER_PACKAGES + f"""
 from pathlib import Path
-import edgefcl.bench.client as bc
-import edgefcl.bench.memory as bm
+import edgefcl.bench.client_speed as bc
+import edgefcl.bench.memory_study as bm
 from edgefcl.config import RunConfig
 from edgefcl.options import apply
 bc.bench_client = lambda cfg, out, repeats: {{"stub": True}}

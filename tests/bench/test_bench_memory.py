@@ -1,4 +1,4 @@
-"""The memory study's rule specs, statistics and bar check (edgefcl.bench.memory)."""
+"""The memory study's rule specs, statistics and bar check (edgefcl.bench.memory_study)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from edgefcl.bench.memory import (
+from edgefcl.bench.memory_study import (
     _records,
     bar_check,
     bench_memory,
@@ -118,7 +118,7 @@ def test_a_run_that_fails_in_a_worker_is_named_and_its_error_raised(capsys):
 
 @pytest.mark.parametrize("value, message", [("5,x", "whole numbers"), ("5,-1", ">= 0")])
 def test_bad_memory_sizes_are_refused(tmp_path, value, message):
-    from edgefcl.bench.client import run_bench
+    from edgefcl.bench.client_speed import run_bench
 
     with pytest.raises(ConfigError, match=message):
         run_bench("memory", RunConfig(), tmp_path, 1, study={"per_class": value})

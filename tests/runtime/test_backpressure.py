@@ -452,12 +452,12 @@ def test_an_async_device_sends_after_its_delay_and_flushes_before_the_end(setup_
     assert len(out) == 1  # once
 
 
-# -- the closed loop on a virtual clock (edgefcl/bench/backpressure.py) ------------------------
+# -- the closed loop on a virtual clock (edgefcl/bench/backpressure_loop.py) -------------------
 def test_synchronised_devices_fold_at_capacity_only_with_send_delays():
     """1,000 devices due at the same instants, offered 1x: without the send delay each burst
     is shed and the factor locks at its cap (0.09 of capacity: the outside harness saw 0.13);
     with it the daemon folds at capacity and the factor stays near 1."""
-    from edgefcl.bench.backpressure import Loop, run_loop
+    from edgefcl.bench.backpressure_loop import Loop, run_loop
 
     stuck = run_loop(Loop(pacing="synchronised", offered=1.0, jitter="off"))
     assert stuck["folded_over_capacity"] < 0.2 and stuck["factor_steady_min"] == 8.0
@@ -466,7 +466,7 @@ def test_synchronised_devices_fold_at_capacity_only_with_send_delays():
 
 
 def test_the_factor_settles_at_twice_the_capacity_and_comes_back_down():
-    from edgefcl.bench.backpressure import Loop, run_loop
+    from edgefcl.bench.backpressure_loop import Loop, run_loop
 
     r = run_loop(Loop(pacing="synchronised", offered=2.0))
     assert r["folded_over_capacity"] >= 0.9 and r["settled_s"] <= 10
@@ -476,7 +476,7 @@ def test_the_factor_settles_at_twice_the_capacity_and_comes_back_down():
 
 
 def test_devices_that_ignore_the_factor_get_at_most_1_5x_the_compliant_share():
-    from edgefcl.bench.backpressure import Loop, run_loop
+    from edgefcl.bench.backpressure_loop import Loop, run_loop
 
     r = run_loop(Loop(offered=2.0, ignoring=0.2))
     assert r["ignoring_over_compliant"] <= 1.5 and r["folded_over_capacity"] >= 0.9

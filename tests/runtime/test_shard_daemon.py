@@ -141,7 +141,7 @@ def test_worker_checks_updates_like_the_aggregator(tmp_path):
 
 
 def test_bench_shard_measures_every_cost_through_the_handlers():
-    from edgefcl.bench.shard import measure
+    from edgefcl.bench.shard_cost import measure
 
     r = measure(INITIAL, {k: v + 1 for k, v in INITIAL.items()}, "dense", 6, 2, 2, RunConfig())
     assert r["rounds"] == 2 and r["workers"] == 2 and r["update_bytes"] > 0

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.federation.indexing.base import INDEX_FORMATS, IndexFormat, SparseError, register
 from edgefcl.federation.indexing.bitmap import BITMAP
 from edgefcl.federation.indexing.deflate import ZBITMAP, ZGAPS
 from edgefcl.federation.indexing.gaps import GAPS
+from edgefcl.federation.indexing.index_format import (
+    INDEX_FORMATS,
+    IndexFormat,
+    SparseError,
+    register,
+)
 
 for _fmt in (GAPS, BITMAP, ZGAPS, ZBITMAP):  # ties go to the earlier (cheaper to decode) one
     register(_fmt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.federation.indexing.base import SparseError, check_flat
+from edgefcl.federation.indexing.index_format import SparseError, check_flat
 
 
 class Bitmap:

@@ -11,9 +11,9 @@ import zlib
 
 import numpy as np
 
-from edgefcl.federation.indexing.base import IndexFormat, SparseError, check_flat
 from edgefcl.federation.indexing.bitmap import BITMAP
 from edgefcl.federation.indexing.gaps import GAPS
+from edgefcl.federation.indexing.index_format import IndexFormat, SparseError, check_flat
 
 LEVEL = 9
 _ITEMSIZES = (1, 2, 4, 8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefcl.federation.indexing.base import SparseError, check_flat
+from edgefcl.federation.indexing.index_format import SparseError, check_flat
 
 INDEX_DTYPES = (np.uint8, np.uint16, np.uint32, np.uint64)
 

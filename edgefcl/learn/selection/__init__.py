@@ -1,12 +1,12 @@
 """Memory selection rules, one per file; the registry `SELECTIONS` lists them (one line each)."""
 
 from edgefcl.config import ConfigError
-from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
 from edgefcl.learn.selection.bottom import Bottom
 from edgefcl.learn.selection.herding import Herding
 from edgefcl.learn.selection.kcenter import KCenter
 from edgefcl.learn.selection.mix import Mix
 from edgefcl.learn.selection.random import Random
+from edgefcl.learn.selection.selection_rule import Candidates, Selection, grouped_rank
 from edgefcl.learn.selection.step import Step
 from edgefcl.learn.selection.top import Top
 

@@ -2,7 +2,7 @@
 
 from torch import Tensor
 
-from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
+from edgefcl.learn.selection.selection_rule import Candidates, Selection, grouped_rank
 
 
 class Bottom(Selection):

@@ -5,7 +5,12 @@ representative allotment that still covers the class. Needs no uncertainty score
 import torch
 from torch import Tensor
 
-from edgefcl.learn.selection.base import Candidates, FeatureSelection, class_means, greedy_per_class
+from edgefcl.learn.selection.selection_rule import (
+    Candidates,
+    FeatureSelection,
+    class_means,
+    greedy_per_class,
+)
 
 
 class Herding(FeatureSelection):

@@ -5,7 +5,12 @@ starting from the candidate nearest the class mean. Needs no uncertainty scores.
 import torch
 from torch import Tensor
 
-from edgefcl.learn.selection.base import Candidates, FeatureSelection, class_means, greedy_per_class
+from edgefcl.learn.selection.selection_rule import (
+    Candidates,
+    FeatureSelection,
+    class_means,
+    greedy_per_class,
+)
 
 
 class KCenter(FeatureSelection):

@@ -4,7 +4,7 @@ rest is drawn uniformly from the other candidates."""
 import torch
 from torch import Tensor
 
-from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
+from edgefcl.learn.selection.selection_rule import Candidates, Selection, grouped_rank
 
 
 class Mix(Selection):

@@ -6,7 +6,7 @@ the same memory, in distribution, as class-balanced random replay (`cbr`)."""
 import torch
 from torch import Tensor
 
-from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
+from edgefcl.learn.selection.selection_rule import Candidates, Selection, grouped_rank
 
 
 class Random(Selection):

@@ -5,7 +5,7 @@ diversity-aware sampling)."""
 import torch
 from torch import Tensor
 
-from edgefcl.learn.selection.base import Candidates, Selection, grouped_rank
+from edgefcl.learn.selection.selection_rule import Candidates, Selection, grouped_rank
 
 
 class Step(Selection):

@@ -206,7 +206,7 @@ def cost_vs_cbr(cfg: RunConfig, out: Path, configs: tuple[str, ...] = ("demo", "
     one-time costs (torch's optimizer stack imported by the first run, the scoring graph's
     export, the scoring worker's start) would otherwise land in whichever run is first, as
     the bare step's own warm-up keeps them out of it. `configs`: which of the two to run."""
-    from edgefcl.bench.memory import dataset_spec
+    from edgefcl.bench.memory_study import dataset_spec
 
     specs = {"demo": lambda: cfg.data.dataset, "28x28": lambda: dataset_spec("digits28", out)}
     report: dict = {}
@@ -344,7 +344,7 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
     out/bench_<what>.json."""
     out.mkdir(parents=True, exist_ok=True)
     if what == "memory":
-        from edgefcl.bench.memory import (
+        from edgefcl.bench.memory_study import (
             DEFAULT_DATASETS,
             DEFAULT_PER_CLASS,
             DEFAULT_RULES,
