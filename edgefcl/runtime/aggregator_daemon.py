@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 from edgefcl.config import RunConfig
 from edgefcl.federation.aggregator import Aggregator, RoundClosed
@@ -233,35 +234,55 @@ class AggregatorDaemon:
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")
-        now = time.monotonic()
-        if isinstance(msg, (Update, Tick)):
-            if sender is not None and msg.client != sender:
-                self.agg.counters["rejected_sender"] += 1
-                log.warning("rejected %s: claims client %s on %s", type(msg).__name__, msg.client,
-                            topic)
-                return
-            self.round_bytes_in += len(payload)
-            if (self.cfg.fed.mode == "sync" and self.last_answer is not None
-                    and 1 <= msg.seq <= self.agg.last_seq.get(msg.client, 0)
-                    and self.reanswered.get(msg.client) != self.agg.tick):
-                # an admitted client retransmitted a report it sent (its answer was lost):
-                # answered again, once per client and tick, so a flood is not amplified
-                self.reanswered[msg.client] = self.agg.tick
-                self._publish(self.topics.tick, self.last_answer)
-            self._close_safely(lambda: self.agg.submit(msg, now))
-            if msg.client in self.agg.admission.roster:  # bounded: never a map of every id
-                self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + len(payload)
-            if msg.client in self.done and msg.client in self.agg.active:
-                # a queued update that arrived after the client's retained "done": it reports
-                # nothing more, so no round waits for it
-                self._close_safely(lambda: self.agg.leave(msg.client, now))
-        elif isinstance(msg, Message) and msg.kind == "status" and sender is not None:
-            self._on_status(sender, msg.body, now)
-        elif isinstance(msg, Message) and msg.kind == "control":
-            if msg.body.get("command") == "stop":
-                self.stop_event.set()
+        getattr(self, self._ON_MESSAGE.get(kind, "_on_other"))(msg, sender, len(payload),
+                                                               time.monotonic())
+
+    _ON_MESSAGE: ClassVar[dict[str, str]] = {
+        "update": "_on_report", "tick": "_on_report", "status": "_on_device_status",
+        "control": "_on_control"}
+    """Kind -> the method that handles it (`transport/kinds.py` names the kinds and their
+    topics; a kind a topic admits but the daemon does not handle is counted rejected_kind)."""
+
+    def _on_report(self, msg: Update | Tick, sender: str | None, size: int, now: float) -> None:
+        """A device's update or lock-step tick: submitted to the round (after its sender is
+        checked against the topic), with the lock-step answer resent to a retransmission."""
+        if sender is not None and msg.client != sender:
+            self.agg.counters["rejected_sender"] += 1
+            log.warning("rejected %s: claims client %s on the topic of %s",
+                        type(msg).__name__, msg.client, sender)
+            return
+        self.round_bytes_in += size
+        if (self.cfg.fed.mode == "sync" and self.last_answer is not None
+                and 1 <= msg.seq <= self.agg.last_seq.get(msg.client, 0)
+                and self.reanswered.get(msg.client) != self.agg.tick):
+            # an admitted client retransmitted a report it sent (its answer was lost):
+            # answered again, once per client and tick, so a flood is not amplified
+            self.reanswered[msg.client] = self.agg.tick
+            self._publish(self.topics.tick, self.last_answer)
+        self._close_safely(lambda: self.agg.submit(msg, now))
+        if msg.client in self.agg.admission.roster:  # bounded: never a map of every id
+            self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + size
+        if msg.client in self.done and msg.client in self.agg.active:
+            # a queued update that arrived after the client's retained "done": it reports
+            # nothing more, so no round waits for it
+            self._close_safely(lambda: self.agg.leave(msg.client, now))
+
+    def _on_device_status(self, msg: Message, sender: str | None, size: int,
+                          now: float) -> None:
+        """A device's status, from its own topic."""
+        if sender is None:
+            self._on_other(msg, sender, size, now)
         else:
-            self.agg.counters["rejected_kind"] += 1
+            self._on_status(sender, msg.body, now)
+
+    def _on_control(self, msg: Message, sender: str | None, size: int, now: float) -> None:
+        """The operator's command: stop ends the daemon (pause and resume are the devices')."""
+        if msg.body.get("command") == "stop":
+            self.stop_event.set()
+
+    def _on_other(self, msg: object, sender: str | None, size: int, now: float) -> None:
+        """A kind this daemon does not handle: counted."""
+        self.agg.counters["rejected_kind"] += 1
 
     def _on_status(self, client: str, body: dict, now: float) -> None:
         """A device's status. Only roster clients count: an id the roster does not admit

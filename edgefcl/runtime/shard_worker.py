@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import ClassVar
 
 from edgefcl.config import RunConfig
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
@@ -200,25 +201,43 @@ class WorkerDaemon:
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")
-        now = time.monotonic()
-        if isinstance(msg, (Update, Tick)):
-            if msg.client != t.client_from(topic):
-                agg.counters["rejected_sender"] += 1
-                return
-            if (isinstance(msg, Update)
-                    and 0 < msg.base_version - agg.global_.version <= AHEAD_VERSIONS
-                    and agg.admission.may_join(msg.client)):
-                self._hold_ahead(msg)
-                return
-            agg.submit(msg, now)
-        elif isinstance(msg, Message) and msg.kind == "status" and topic != t.control:
-            client, body = t.client_from(topic), msg.body
-            inc = body.get("incarnation")
-            if (body.get("state") == "online" and isinstance(inc, str) and 0 < len(inc) <= 64
-                    and agg.admission.admit(client)):  # bounded: roster clients only
-                agg.admission.session(client, inc)
-        elif isinstance(msg, Message) and msg.kind == "control" and \
-                msg.body.get("command") == "stop":
+        handler = self._ON_MESSAGE.get(kind)
+        if handler is not None:
+            getattr(self, handler)(msg, topic, time.monotonic())
+
+    _ON_MESSAGE: ClassVar[dict[str, str]] = {
+        "update": "_on_report", "tick": "_on_report", "status": "_on_status",
+        "control": "_on_control"}
+    """Kind -> the method that handles it (the global comes on its own topic, before)."""
+
+    def _on_report(self, msg: Update | Tick, topic: str, now: float) -> None:
+        """A device's update or tick, from its own topic: held when it is ahead of this
+        worker's global (the root's versions decide), else submitted."""
+        agg = self.agg
+        if msg.client != self.topics.client_from(topic):
+            agg.counters["rejected_sender"] += 1
+            return
+        if (isinstance(msg, Update)
+                and 0 < msg.base_version - agg.global_.version <= AHEAD_VERSIONS
+                and agg.admission.may_join(msg.client)):
+            self._hold_ahead(msg)
+            return
+        agg.submit(msg, now)
+
+    def _on_status(self, msg: Message, topic: str, now: float) -> None:
+        """A device's status: an online roster device's new incarnation restarts its
+        sequence numbers."""
+        if topic == self.topics.control:
+            return
+        client, body = self.topics.client_from(topic), msg.body
+        inc = body.get("incarnation")
+        if (body.get("state") == "online" and isinstance(inc, str) and 0 < len(inc) <= 64
+                and self.agg.admission.admit(client)):  # bounded: roster clients only
+            self.agg.admission.session(client, inc)
+
+    def _on_control(self, msg: Message, topic: str, now: float) -> None:
+        """The operator's stop ends the worker."""
+        if msg.body.get("command") == "stop":
             self.stop_event.set()
 
     def flush(self, granted: list[str] | None = None, now: float | None = None) -> None:
