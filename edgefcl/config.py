@@ -307,6 +307,10 @@ class FedConfig:
                         "and a device listens for globals only while an update of its waits "
                         "to be counted) | auto (sparse for the sparse and apc encodings, pull "
                         "for an async fleet of 100 clients or more, else dense)")
+    global_topk: float = opt(0.0, "fraction of each large tensor's entries a new global "
+                             "changes: the largest changes, the rest kept on the aggregator and "
+                             "sent in later versions; with a delta downlink a device receives "
+                             "about that share of the model per version (0: every entry)")
     apc_kb_size: int = opt(5, "apc: task-adaptive tensors in the knowledge base the server "
                            "broadcasts")
     roster: str = opt("", "comma-separated client ids allowed to take part (empty: learned from "
@@ -528,9 +532,10 @@ def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
     if fed.value_dtype not in e.value_dtypes:
         raise ConfigError(f"value_dtype {fed.value_dtype} does not work with the {e.name} "
                           f"encoding; choose from {', '.join(e.value_dtypes)}")
-    if fed.downlink == "sparse" and not e.sparse_downlink:
+    if (fed.downlink == "sparse" or fed.global_topk > 0) and not e.sparse_downlink:
         ok = ", ".join(n for n, x in encodings.items() if x.sparse_downlink)
-        raise ConfigError(f"downlink sparse works with the {ok} encodings")
+        what = "downlink sparse" if fed.downlink == "sparse" else "global_topk"
+        raise ConfigError(f"{what} works with the {ok} encodings")
     heads = NAMES["heads"]
     if learn.head != "auto" and learn.head not in heads:
         raise ConfigError(f"unknown head '{learn.head}'; choose from auto, {', '.join(heads)}")
@@ -625,6 +630,9 @@ def check_fed(f: FedConfig) -> None:
          "index_format must be auto, idx, bits, zidx or zbits"),
         (f.downlink in ("auto", "dense", "sparse", "pull"),
          "downlink must be auto, dense, sparse or pull"),
+        (0 <= f.global_topk < 1, "global_topk must be in [0, 1) (0: off)"),
+        (f.global_topk == 0 or f.downlink in ("auto", "sparse"),
+         "global_topk needs --downlink sparse (or auto): with whole globals it saves nothing"),
         (f.apc_kb_size >= 0, "apc_kb_size must be >= 0"),
         (f.roster_cap >= 0 and f.sample_cap >= 0, "roster_cap and sample_cap must be >= 0"),
         (f.client_timeout >= 0, "client_timeout must be >= 0"),

@@ -45,6 +45,7 @@ from edgefcl.bench.loadgen.devices import (
 )
 from edgefcl.bench.loadgen.fleet_options import FleetOptions
 from edgefcl.config import ConfigError, RunConfig
+from edgefcl.federation.versions import delta_downlink
 
 DRAIN_S = 2.0
 
@@ -163,7 +164,7 @@ class Fleet:
 
 def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: str, root: str,
                 encoding: str, tensors: dict, go, stop, burn_in: int = 4, jump: int = 2,
-                max_backpressure: float = 8.0) -> Fleet:
+                max_backpressure: float = 8.0, deltas: bool = False) -> Fleet:
     f = Fleet(ctx, ctx.Value("d", opts.rate), ctx.Value("b", False))
     procs = opts.procs(n)
     bounds = np.linspace(0, n, procs + 1).astype(int)
@@ -171,7 +172,7 @@ def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: st
         spec = DeviceSpec(host, port, fleet, root, int(bounds[j]), int(bounds[j + 1] - bounds[j]),
                           opts.rate, encoding, tensors, seed=j, burn_in=burn_in, jump=jump,
                           max_backpressure=max_backpressure, ignoring=opts.ignoring,
-                          globals=opts.globals)
+                          globals=opts.globals, deltas=deltas)
         counters = {name: ctx.Value("q", 0) for name in COUNTERS}
         p = ctx.Process(target=run_devices, args=(spec, counters, go, stop, f.rate,
                                                   f.synchronised), daemon=True,
@@ -284,7 +285,8 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
     base = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", broker.url,
             "--fleet", fleet_name, "--topic-root", root, "--mode", "async",
             "--encoding", encoding, "--clients", str(n), "--initial", str(initial_npz),
-            "--topk", str(cfg.fed.topk), *extra]
+            "--topk", str(cfg.fed.topk), "--downlink", cfg.fed.downlink,
+            "--global-topk", str(cfg.fed.global_topk), *extra]
     watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status",
                             f"{root}/{fleet_name}/workers/+" if opts.workers > 1 else "")
     daemons: dict[str, subprocess.Popen] = {}
@@ -386,7 +388,8 @@ def fleet_on_broker(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, w
         print(f"{n} devices: connecting ({opts.procs(n)} processes)...", flush=True)
         fleet = start_fleet(ctx, opts, n, broker.host, broker.port, fleet_name,
                             cfg.mqtt.topic_root, encoding, tensors, go, stop,
-                            cfg.fed.burn_in, cfg.fed.jump, cfg.fed.max_backpressure)
+                            cfg.fed.burn_in, cfg.fed.jump, cfg.fed.max_backpressure,
+                            delta_downlink(cfg.fed))
         wait_until(lambda: fleet.total("connected") >= n, 60 + n / 20, f"{n} connections")
         yield broker, fleet, fleet_name, encoding, go
     finally:

@@ -22,6 +22,7 @@ from edgefcl.federation.registry import get_encoding, get_rule
 from edgefcl.federation.robust import check_variances, prepare_round
 from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.schedule import eligible
+from edgefcl.federation.sparse_global import sparse_step
 from edgefcl.federation.strategy import RoundInput, Strategy
 from edgefcl.federation.task_ends import TaskEnds
 from edgefcl.federation.task_gate import OPEN, TaskGate
@@ -179,6 +180,9 @@ class Aggregator:
         devices would decode it, is never made a version."""
         self.row_prior_sigma = row_prior_sigma
         self._rows: RowsRule = rows_rule()
+        self._residual: Tensors = {}
+        """The change rounds made that sparse globals have not published yet
+        (`--global-topk`, `federation/sparse_global.py`)."""
         """The library head's rule: checks a device's rows, folds the round's library."""
         """The prior sigma of a new label's Gaussian row (the devices' `bayes_sigma`): the
         fedbnn rule multiplies it by the row's likelihoods."""
@@ -504,14 +508,22 @@ class Aggregator:
                     "check (%s)", len(g.participants), fault)
         return True
 
+    def published(self, result: Tensors) -> tuple[Tensors, Tensors]:
+        """A round's result as the global it publishes, and the residual that leaves: with
+        `--global-topk`, only the largest changes (`sparse_global.sparse_step`)."""
+        if self.fed.global_topk <= 0:
+            return result, self._residual
+        return sparse_step(self.global_.tensors, result, self._residual, self.fed.global_topk)
+
     def mark(self) -> tuple:
-        """What `restore` goes back to: the global, the round count and the label owners."""
-        return self.global_, self.rounds, self.label_owners
+        """What `restore` goes back to: the global, the round count, the label owners and the
+        sparse globals' residual."""
+        return self.global_, self.rounds, self.label_owners, self._residual
 
     def restore(self, mark: tuple) -> None:
         """Go back to `mark`: the rounds since made globals that were never saved nor
         announced (the daemon failed to), so they never happened."""
-        previous, self.rounds, self.label_owners = mark
+        previous, self.rounds, self.label_owners, self._residual = mark
         self.history.drop_after(previous.version)
         self.global_ = previous
 
@@ -546,7 +558,7 @@ class Aggregator:
             self.counters[f"round_size_{len(participants)}"] += 1
         for u in updates:
             self.strategy.add(u)
-        tensors = self.strategy.result(self.global_.tensors)
+        tensors, residual = self.published(self.strategy.result(self.global_.tensors))
         self.counters.update(self.strategy.counters())
         library, owners = self._next_prototypes(updates)
         candidate = GlobalModel(self.global_.version + 1, tensors, participants, library,
@@ -554,7 +566,7 @@ class Aggregator:
         if self._rejects_global(candidate):
             self._round = _Round()
             return RoundClosed(tick, None)
-        self.global_, self.label_owners = candidate, owners
+        self.global_, self.label_owners, self._residual = candidate, owners, residual
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self.counters["carried"] += len(carried)

@@ -114,10 +114,10 @@ def apply_global_delta(delta: Tensors, held: Tensors) -> Tensors:
 
 
 def delta_downlink(fed: FedConfig) -> bool:
-    """Whether globals go to clients as deltas (downlink sparse, or auto with an encoding
-    whose descriptor says sparse: sparse, apc)."""
-    return fed.downlink == "sparse" or (fed.downlink == "auto"
-                                        and get_encoding(fed.encoding).downlink == "sparse")
+    """Whether globals go to clients as deltas (downlink sparse, or auto with sparse globals,
+    `global_topk`, or with an encoding whose descriptor says sparse: sparse, apc)."""
+    return fed.downlink == "sparse" or (fed.downlink == "auto" and (
+        fed.global_topk > 0 or get_encoding(fed.encoding).downlink == "sparse"))
 
 
 PULL_FLEET = 100

@@ -39,6 +39,7 @@ from edgefcl.data.workload import client_stream
 from edgefcl.federation.aggregator import Aggregator, RoundClosed, async_stats
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.task_gate import gate_open
+from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.learn.client import Client
 from edgefcl.learn.merges import MERGED, merge_at_gate, merge_global
 from edgefcl.outcomes.metrics import CommStats
@@ -251,11 +252,15 @@ class AsyncFleet:
                           self.gate_passed, self.agg.global_.version)
 
     def closed(self, c: RoundClosed | None) -> None:
-        """Publish a new global: every device receives it after its downlink delay."""
+        """Publish a new global: every device receives it after its downlink delay (with a
+        delta downlink, the bytes counted are the change from the previous version, which a
+        device following the versions applies; it is given the whole global)."""
         if c is None or c.global_ is None:
             return
         g = c.global_
-        size = encoded_size(g, self.cfg)
+        sent = (downlink_message(g, self.agg.history, g.version - 1)
+                if delta_downlink(self.fed) else g)
+        size = encoded_size(sent, self.cfg)
         self.comm.per_round_up.append(self.round_up)
         self.comm.per_round_down.append(size * len(self.devices))
         self.round_up = 0

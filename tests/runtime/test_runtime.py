@@ -117,6 +117,19 @@ def test_sparse_downlink_over_mqtt_reproduces_inprocess_and_sends_less(embedded_
     assert remote.comm.bytes_down < 0.8 * whole * per_client_rounds * cfg.fed.clients
 
 
+def test_sparse_globals_over_mqtt_reproduce_inprocess_and_send_less(embedded_broker,
+                                                                    tmp_path):
+    """`--global-topk`: the daemon publishes each version's few changed entries as a delta,
+    the devices follow them and end on the in-process run's global."""
+    cfg = small_config(mqtt={"broker": embedded_broker}, fed={"global_topk": 0.05})
+    local = simulate(cfg)
+    remote = simulate_mqtt(cfg, cfg.learn.method, cfg.seed, workdir=tmp_path / "fleet")
+    assert local.rounds > 0 and remote.global_sha256 == local.global_sha256
+    np.testing.assert_array_equal(remote.acc, local.acc)
+    whole = len((tmp_path / "fleet" / "aggregator" / "global.npz").read_bytes())
+    assert remote.comm.bytes_down < 0.3 * whole * remote.rounds * cfg.fed.clients
+
+
 @pytest.mark.mqtt
 def test_another_devices_status_flood_never_reaches_the_replayer(mosquitto):
     """A roster device floods statuses of 16,000 numbers (300 a second): the replayer listens
