@@ -187,7 +187,7 @@ class Byzantine:
         lib = g.prototypes
         if lib is None or not lib.labels:
             lib = LabelRows(("0", "1", "2", "3"), np.zeros((4, 4), np.float32),
-                                 np.ones(4, np.int64))
+                            np.ones(4, np.int64))
         rows = np.array(lib.rows, np.float32, copy=True)
         rows[:, -1] = -1e6
         rows[min(label, len(rows) - 1), -1] = 1e6

@@ -121,7 +121,7 @@ def child(state_dir: Path) -> None:
         tensors = {k: value.normal(size=v.shape).astype(np.float32) for k, v in INITIAL.items()}
         labels = tuple(sorted(value.choice(LABELS, size=2, replace=False)))
         table = LabelRows(labels, value.normal(size=(2, 65)).astype(np.float32),
-                               value.integers(0, 5, size=2))
+                          value.integers(0, 5, size=2))
         payload = encode(Update(c, d.agg.global_.version, seq, 0, seq, 8, tensors,
                                 class_counts={0: 8}, prototypes=table), fleet=cfg.mqtt.fleet)
         d.handle(d.topics.update(c), payload)

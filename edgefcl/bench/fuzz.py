@@ -189,7 +189,7 @@ def library(width: int, labels: tuple[str, ...] = ("cat", "dog"), seed: int = 0
     """A valid prototype library of `labels` with rows of `width`."""
     rng = np.random.default_rng(seed)
     return LabelRows(labels, rng.normal(size=(len(labels), width)).astype(np.float32),
-                          np.full(len(labels), 4, np.int64))
+                     np.full(len(labels), 4, np.int64))
 
 
 def table_attacks(tensors: dict[str, np.ndarray], width: int) -> list[bytes]:
@@ -198,12 +198,12 @@ def table_attacks(tensors: dict[str, np.ndarray], width: int) -> list[bytes]:
     good = library(width)
     hostile = [
         LabelRows(tuple(f"l{k}" for k in range(MAX_LABELS)),
-                       np.zeros((MAX_LABELS, width), np.float32),
-                       np.full(MAX_LABELS, MAX_COUNT, np.int64)),  # valid, at every bound
+                  np.zeros((MAX_LABELS, width), np.float32),
+                  np.full(MAX_LABELS, MAX_COUNT, np.int64)),  # valid, at every bound
         LabelRows(("cat",), good.rows[:1], np.array([MAX_COUNT], np.int64)),  # repeated:
         LabelRows(("cat",), good.rows[:1], np.array([MAX_COUNT], np.int64)),  # saturates
         LabelRows(("x" * MAX_LABEL_CHARS,), np.full((1, width), 1e30, np.float32),
-                       np.ones(1, np.int64)),
+                  np.ones(1, np.int64)),
         LabelRows(good.labels, np.zeros((2, width + 1), np.float32), good.counts),
         LabelRows(good.labels, good.rows, np.array([-1, 2**63 - 1], np.int64)),
         LabelRows(good.labels, good.rows, np.array([MAX_COUNT + 1, 1], np.int64)),

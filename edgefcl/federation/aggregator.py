@@ -179,13 +179,13 @@ class Aggregator:
         """The dtype globals travel in (None: as they are): a global it cannot carry, as
         devices would decode it, is never made a version."""
         self.row_prior_sigma = row_prior_sigma
+        """The prior sigma of a new label's Gaussian row (the devices' `bayes_sigma`): the
+        fedbnn rule multiplies it by the row's likelihoods."""
         self._rows: RowsRule = rows_rule()
+        """The library head's rule: checks a device's rows, folds the round's library."""
         self._residual: Tensors = {}
         """The change rounds made that sparse globals have not published yet
         (`--global-topk`, `federation/sparse_global.py`)."""
-        """The library head's rule: checks a device's rows, folds the round's library."""
-        """The prior sigma of a new label's Gaussian row (the devices' `bayes_sigma`): the
-        fedbnn rule multiplies it by the row's likelihoods."""
         if self._rows_by_likelihood(prototypes) and row_prior_sigma is None:
             raise ValueError("fedbnn with Gaussian prototype rows needs row_prior_sigma")
         self.global_ = GlobalModel(version, {k: np.asarray(v, np.float32) for k, v in

@@ -32,6 +32,8 @@ SIGMAS_KEY = "prototypes::sigmas"
 """The sigma rows of a Gaussian library (absent for point libraries)."""
 SIGMA_MIN = 1e-5
 """Smallest sigma a library publishes (`federation.gaussian.SIGMA_MIN`)."""
+
+
 @dataclass(frozen=True)
 class LabelRows:
     """Label names, their rows (n, width) float32 and their sample counts (n,) int64; a
@@ -118,7 +120,7 @@ def rows_arrays(table: LabelRows | None) -> dict[str, np.ndarray]:
 
 
 def split_rows(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
-                                                           LabelRows | None]:
+                                                          LabelRows | None]:
     """(the arrays other than the library's, the library or None): the inverse of
     `rows_arrays` merged into tensors. Raises ValueError for a partial or invalid library
     (`check_rows`, width not checked)."""
@@ -138,7 +140,7 @@ def split_rows(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
     if not isinstance(labels, list):
         raise ValueError("prototype labels are not a list")
     table = LabelRows(tuple(labels), arrays[ROWS_KEY], arrays[COUNTS_KEY],
-                           arrays.get(SIGMAS_KEY))
+                      arrays.get(SIGMAS_KEY))
     reason = check_rows(table, None)
     if reason is not None:
         raise ValueError(f"invalid prototype library ({reason})")

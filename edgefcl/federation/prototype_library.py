@@ -221,8 +221,8 @@ def average_tables(tables: Sequence[LabelRows], previous: LabelRows,
     out_counts[at] = np.minimum(out_counts[at] + added, MAX_COUNT).astype(np.int64)
     keep = min(len(out_labels), MAX_LABELS)  # the global stays within what devices accept
     return LabelRows(tuple(out_labels[:keep]), out_rows[:keep].astype(np.float32),
-                          out_counts[:keep],
-                          None if out_sigmas is None else out_sigmas[:keep].astype(np.float32))
+                     out_counts[:keep],
+                     None if out_sigmas is None else out_sigmas[:keep].astype(np.float32))
 
 
 def combine_gaussian(mu: np.ndarray, sigma: np.ndarray, weight: np.ndarray,

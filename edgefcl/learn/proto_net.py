@@ -195,7 +195,7 @@ class PrototypeLibrary:
         counts = np.array([self.counts.get(n, 0) for n in names], np.int64)
         sigmas = self.sigmas()[idx].reshape(len(names), self.dim + 1) if self.gaussian else None
         return LabelRows(tuple(names), rows.reshape(len(names), self.dim + 1), counts,
-                              sigmas)
+                         sigmas)
 
     def likelihood_table(self, table: LabelRows) -> LabelRows:
         """`table` (Gaussian rows of this library) as the rows' likelihoods, posterior / prior
@@ -214,7 +214,7 @@ class PrototypeLibrary:
         m = np.where(wild, mu_q, m)
         s = np.where(wild, LIK_SIGMA_MAX, s)
         return LabelRows(table.labels, m.astype(np.float32), table.counts,
-                              s.astype(np.float32))
+                         s.astype(np.float32))
 
     def merge(self, table: LabelRows, sent: LabelRows | None = None) -> None:
         """Take the global library's rows; with `sent` (async delta merge) a row this device

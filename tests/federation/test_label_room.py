@@ -18,7 +18,7 @@ from edgefcl.federation.robust.label_room import admit, quota
 def table(labels) -> LabelRows:
     n = len(labels)
     return LabelRows(tuple(labels), np.arange(2 * n, dtype=np.float32).reshape(n, 2),
-                          np.ones(n, np.int64))
+                     np.ones(n, np.int64))
 
 
 def test_the_quota_is_the_share_caps_bound() -> None:

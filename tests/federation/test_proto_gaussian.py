@@ -179,7 +179,7 @@ def test_the_device_checks_the_librarys_kind():
     gp = GlobalModel(1, g.tensors, ("c0",), point)
     assert check_global(gp, spec, 0, library_width=3, library_gaussian=True) == "prototype_sigma"
     bad = GlobalModel(1, g.tensors, ("c0",), LabelRows(t.labels, t.rows, t.counts,
-                                                              np.zeros((1, 3), np.float32)))
+                                                       np.zeros((1, 3), np.float32)))
     assert check_global(bad, spec, 0, library_width=3, library_gaussian=True) == "sigma"
 
 
@@ -196,7 +196,7 @@ def test_sigmas_are_in_the_digest_and_the_saved_arrays():
     assert back_point.sigmas is None
     with pytest.raises(ValueError):
         split_rows(rows_arrays(LabelRows(t.labels, t.rows, t.counts,
-                                                np.zeros((1, 2), np.float32))))
+                                         np.zeros((1, 2), np.float32))))
 
 
 # -- the device's library ----------------------------------------------------------------------

@@ -209,7 +209,7 @@ def update_with(protos, tensors=None):
 
 def test_codec_round_trips_prototypes_of_updates_and_globals():
     t = LabelRows(("zéro", "un"), np.arange(6, dtype=np.float32).reshape(2, 3),
-                       np.array([4, 5], np.int64))
+                  np.array([4, 5], np.int64))
     u = decode(encode(update_with(t), fleet="f"))
     assert u.prototypes.labels == t.labels
     np.testing.assert_array_equal(u.prototypes.rows, t.rows)
@@ -222,7 +222,7 @@ def test_codec_round_trips_prototypes_of_updates_and_globals():
 def test_codec_rejects_a_flood_of_labels_before_building_them():
     n = 100_000
     t = LabelRows(tuple(f"l{i}" for i in range(n)), np.zeros((n, 1), np.float32),
-                       np.zeros(n, np.int64))
+                  np.zeros(n, np.int64))
     with pytest.raises(CodecError) as e:
         decode(encode(update_with(t), fleet="f"))
     assert e.value.reason == "limits"
@@ -693,7 +693,7 @@ def test_one_devices_rows_move_at_most_their_share_of_predictions(honest) -> Non
     names = tuple(str(c) for c in range(10))
     d = 8
     previous = LabelRows(names, rng.normal(0, 1, (10, d + 1)).astype(np.float32),
-                              np.full(10, 100, np.int64))
+                         np.full(10, 100, np.int64))
 
     def honest_table() -> LabelRows:
         rows = previous.rows + rng.normal(0, 0.1, previous.rows.shape).astype(np.float32)
@@ -726,7 +726,7 @@ def test_library_fault_bounds_rows_by_the_previous_global():
     # lie up to 10 x 3 = 30 from its previous row, or from 0 for a new label; k versions on,
     # k x 30; a clip_factor of 20 widens the 10 to 40
     prev = LabelRows(("a", "b", "c"), np.array([[1, 0], [0, 3], [50, 0]], np.float32),
-                          np.array([4, 4, 0], np.int64))
+                     np.array([4, 4, 0], np.int64))
     assert MAX_ROW_GROWTH == 10.0
 
     def glob(rows) -> LabelRows:

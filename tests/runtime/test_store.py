@@ -181,7 +181,7 @@ def test_the_crash_check_skips_publish_records_cut_by_a_kill(tmp_path) -> None:
 
 
 LIB = LabelRows(("cat", "dög"), np.arange(8, dtype=np.float32).reshape(2, 4),
-                     np.array([3, 5], np.int64))
+                np.array([3, 5], np.int64))
 
 
 def test_the_library_is_saved_with_its_global_under_one_sha256(tmp_path) -> None:

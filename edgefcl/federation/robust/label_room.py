@@ -78,6 +78,6 @@ def admit(tables: Sequence[LabelRows], senders: Sequence[str], library: LabelRow
             continue
         counters["prototype_labels_left_out"] += int((~mask).sum())
         out.append(LabelRows(tuple(lb for lb, k in zip(t.labels, mask, strict=True) if k),
-                                  t.rows[mask], t.counts[mask],
-                                  None if t.sigmas is None else t.sigmas[mask]))
+                             t.rows[mask], t.counts[mask],
+                             None if t.sigmas is None else t.sigmas[mask]))
     return out, owners
