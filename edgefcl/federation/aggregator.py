@@ -186,6 +186,9 @@ class Aggregator:
         self._residual: Tensors = {}
         """The change rounds made that sparse globals have not published yet
         (`--global-topk`, `federation/sparse_global.py`)."""
+        self._whole_global = False
+        """The round closing now publishes its result and the residual whole (the task
+        gate's round: the global every device evaluates the task on)."""
         if self._rows_by_likelihood(prototypes) and row_prior_sigma is None:
             raise ValueError("fedbnn with Gaussian prototype rows needs row_prior_sigma")
         self.global_ = GlobalModel(version, {k: np.asarray(v, np.float32) for k, v in
@@ -302,7 +305,11 @@ class Aggregator:
             self._uncarry(carried)
             return None
         self.counters["closed_gate"] += 1
-        closed = self._close_now(now)
+        self._whole_global = True  # every device evaluates the task on this global
+        try:
+            closed = self._close_now(now)
+        finally:
+            self._whole_global = False
         self._uncarry(carried)  # the round did not close
         self.task_ends.forget_tasks(self.tasks_passed)
         return closed
@@ -508,12 +515,22 @@ class Aggregator:
                     "check (%s)", len(g.participants), fault)
         return True
 
+    def server_global(self) -> Tensors:
+        """The model a round folds into: the published global plus what sparse globals have
+        not published yet (`--global-topk`; without it, the published global)."""
+        if not self._residual:
+            return self.global_.tensors
+        return {k: t + self._residual[k] if k in self._residual else t
+                for k, t in self.global_.tensors.items()}
+
     def published(self, result: Tensors) -> tuple[Tensors, Tensors]:
         """A round's result as the global it publishes, and the residual that leaves: with
-        `--global-topk`, only the largest changes (`sparse_global.sparse_step`)."""
+        `--global-topk`, only the largest changes (`sparse_global.sparse_step`), except in
+        the task gate's round, which publishes everything held back."""
         if self.fed.global_topk <= 0:
-            return result, self._residual
-        return sparse_step(self.global_.tensors, result, self._residual, self.fed.global_topk)
+            return result, {}
+        fraction = 1.0 if self._whole_global else self.fed.global_topk
+        return sparse_step(self.global_.tensors, result, fraction)
 
     def mark(self) -> tuple:
         """What `restore` goes back to: the global, the round count, the label owners and the
@@ -558,7 +575,7 @@ class Aggregator:
             self.counters[f"round_size_{len(participants)}"] += 1
         for u in updates:
             self.strategy.add(u)
-        tensors, residual = self.published(self.strategy.result(self.global_.tensors))
+        tensors, residual = self.published(self.strategy.result(self.server_global()))
         self.counters.update(self.strategy.counters())
         library, owners = self._next_prototypes(updates)
         candidate = GlobalModel(self.global_.version + 1, tensors, participants, library,
@@ -581,7 +598,7 @@ class Aggregator:
         update it drops takes no part in the round)."""
         if self.encoding.form != "dense":
             return decoded  # other forms carry their own base (folds.py)
-        return self.fold.apply(decoded, self.global_.tensors, self.global_.version,
+        return self.fold.apply(decoded, self.server_global(), self.global_.version,
                                self.history.get, self.counters)
 
     def weighed(self, updates: list[Update]) -> list[Update]:

@@ -314,7 +314,7 @@ class ShardRoot(Aggregator):
     def _close_merged(self, now: float | None) -> RoundClosed:
         participants = tuple(sorted(self.in_round))
         seqs = dict(sorted(self.in_round.items()))
-        tensors, residual = self.published(self.strategy.result(self.global_.tensors))
+        tensors, residual = self.published(self.strategy.result(self.server_global()))
         self.counters.update(self.strategy.counters())
         candidate = GlobalModel(self.global_.version + 1, tensors, participants,
                                 counted={c: s for c, s in seqs.items() if s >= 1})

@@ -2,10 +2,14 @@
 entries, the largest changes; the rest of the change stays on the aggregator as a residual that
 later versions send (error feedback on the downlink, as EF21-P).
 
-With `--global-topk F` the aggregator's round result R (the rule's new tensors) is not
-published as it is. Per float tensor of more than ALWAYS_WHOLE entries it keeps the target
-T = R + r (r: the residual so far), publishes P' = P + top_k(T - P), the previous global P
-changed in the k = ceil(F x size) entries where |T - P| is largest, and keeps r' = T - P'. Small
+With `--global-topk F` the aggregator keeps two models: the published global P, which every
+device holds and every base refers to (history, sparse decoding), and the model its rounds fold
+into, G = P + r (r: the residual). A round's rule turns G and the round's updates into the
+target T (`Aggregator.server_global`: the fold's current global and the rule's previous one);
+per float tensor of more than ALWAYS_WHOLE entries the aggregator then publishes
+P' = P + top_k(T - P), the previous global changed in the k = ceil(F x size) entries where
+|T - P| is largest, and keeps r' = T - P'. The task gate's round publishes T whole (the global
+every device evaluates the finished task on). Small
 tensors (biases, BatchNorm statistics) and integer ones change whole. P' is the global every
 device holds and every base refers to (history, folds, sparse decoding), so nothing downstream
 changes; a delta downlink (`--downlink sparse`, or `auto`) then carries about F of the model
@@ -26,28 +30,23 @@ ALWAYS_WHOLE = 1024
 """Tensors of at most this many entries change whole (their indices would cost as much)."""
 
 
-def sparse_step(held: Tensors, result: Tensors, residual: Tensors,
-                fraction: float) -> tuple[Tensors, Tensors]:
-    """(the global to publish, the new residual) from the global held by devices `held`, the
-    round's result and the residual so far, changing at most ceil(`fraction` x size) entries
-    of each large float tensor (deterministic: the same inputs give the same global)."""
+def sparse_step(held: Tensors, target: Tensors, fraction: float) -> tuple[Tensors, Tensors]:
+    """(the global to publish, the new residual: `target` minus it) from the global devices
+    hold and the round's target, changing at most ceil(`fraction` x size) entries of each
+    large float tensor (deterministic: the same inputs give the same global)."""
     out: Tensors = {}
-    kept: Tensors = {}
-    for name, r in result.items():
+    residual: Tensors = {}
+    for name, t in target.items():
         p = held.get(name)
-        if (p is None or p.shape != r.shape or r.dtype.kind != "f"
-                or r.size <= ALWAYS_WHOLE):
-            out[name] = r
+        k = math.ceil(fraction * t.size)
+        if (p is None or p.shape != t.shape or t.dtype.kind != "f"
+                or t.size <= ALWAYS_WHOLE or k >= t.size):
+            out[name] = t
             continue
-        target = r + residual[name] if name in residual else r
-        change = (target - p).ravel()
-        k = max(1, math.ceil(fraction * change.size))
-        if k >= change.size:
-            out[name] = target.astype(r.dtype, copy=False)
-            continue
-        top = np.argpartition(-np.abs(change), k - 1, kind="introselect")[:k]
+        change = (t - p).ravel()
+        top = np.argpartition(-np.abs(change), max(k, 1) - 1)[:max(k, 1)]
         new = p.copy().ravel()
-        new[top] = target.ravel()[top]
-        out[name] = new.reshape(r.shape).astype(r.dtype, copy=False)
-        kept[name] = (target - out[name]).astype(r.dtype, copy=False)
-    return out, kept
+        new[top] = t.ravel()[top]
+        out[name] = new.reshape(t.shape)
+        residual[name] = t - out[name]
+    return out, residual
