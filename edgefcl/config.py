@@ -305,8 +305,9 @@ class FedConfig:
     downlink: str = opt("auto", "globals to clients: dense (whole) | sparse (only the entries "
                         "changed since the version the client holds) | pull (async: whole, "
                         "and a device listens for globals only while an update of its waits "
-                        "to be counted) | auto (sparse for the sparse and apc encodings, pull "
-                        "for an async fleet of 100 clients or more, else dense)")
+                        "to be counted) | auto (sparse for the sparse and apc encodings and with "
+                        "global_topk, pull for an async fleet of 100 clients or more, else "
+                        "dense)")
     global_topk: float = opt(0.0, "fraction of each large tensor's entries a new global "
                              "changes: the largest changes, the rest kept on the aggregator and "
                              "sent in later versions; with a delta downlink a device receives "
