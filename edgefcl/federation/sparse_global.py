@@ -1,22 +1,19 @@
-"""Sparse globals: each new global version changes at most a fraction of every tensor's
+"""Sparse globals: each new global version changes at most a fraction of every large tensor's
 entries, the largest changes; the rest of the change stays on the aggregator as a residual that
 later versions send (error feedback on the downlink, as EF21-P).
 
 With `--global-topk F` the aggregator keeps two models: the published global P, which every
-device holds and every base refers to (history, sparse decoding), and the model its rounds fold
-into, G = P + r (r: the residual). A round's rule turns G and the round's updates into the
-target T (`Aggregator.server_global`: the fold's current global and the rule's previous one);
-per float tensor of more than ALWAYS_WHOLE entries the aggregator then publishes
-P' = P + top_k(T - P), the previous global changed in the k = ceil(F x size) entries where
-|T - P| is largest, and keeps r' = T - P'. The task gate's round publishes T whole (the global
-every device evaluates the finished task on). Small
-tensors (biases, BatchNorm statistics) and integer ones change whole. P' is the global every
-device holds and every base refers to (history, folds, sparse decoding), so nothing downstream
-changes; a delta downlink (`--downlink sparse`, or `auto`) then carries about F of the model
-per version instead of all of it. Without a residual the skipped change would be lost; with it,
-every entry's change arrives once it is among the largest. The residual is not saved: a
-restarted aggregator goes on from the published global (what its devices hold) and the unsent
-remainder of the change is dropped."""
+device holds and every base refers to (history, folds' bases, sparse decoding), and the model
+its rounds fold into, G = P + r (r: the residual; `Aggregator.server_global`). A round's rule
+turns G and the round's updates into the target T. Per float tensor of more than ALWAYS_WHOLE
+entries the aggregator then publishes P' = P + top_k(T - P), the previous global changed in the
+k = ceil(F x size) entries where |T - P| is largest, and keeps r' = T - P'; small tensors
+(biases, BatchNorm statistics) and integer ones change whole. The task gate's round publishes T
+whole, the global every device evaluates the finished task on. A delta downlink
+(`--downlink sparse`, or `auto`) then carries about F of the model per version instead of all
+of it, and every entry's change arrives once it is among the largest. The residual is not
+saved: a restarted aggregator goes on from the published global (what its devices hold) and
+the unsent remainder of the change is dropped."""
 
 from __future__ import annotations
 
@@ -38,13 +35,13 @@ def sparse_step(held: Tensors, target: Tensors, fraction: float) -> tuple[Tensor
     residual: Tensors = {}
     for name, t in target.items():
         p = held.get(name)
-        k = math.ceil(fraction * t.size)
+        k = max(1, math.ceil(fraction * t.size))
         if (p is None or p.shape != t.shape or t.dtype.kind != "f"
                 or t.size <= ALWAYS_WHOLE or k >= t.size):
             out[name] = t
             continue
         change = (t - p).ravel()
-        top = np.argpartition(-np.abs(change), max(k, 1) - 1)[:max(k, 1)]
+        top = np.argpartition(-np.abs(change), k - 1)[:k]
         new = p.copy().ravel()
         new[top] = t.ravel()[top]
         out[name] = new.reshape(t.shape)
