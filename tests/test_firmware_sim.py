@@ -523,7 +523,10 @@ def test_fleet_of_20_survives_kills_broker_restart_and_corruption(tmp_path, mosq
     killed = [c for e in kills for c in e["devices"]]
     assert len(killed) == 4 and all(run["per_device"][c]["boots"] == 2 for c in killed)
     assert any(e["what"] == "broker restart" for e in run["events"])
-    assert run["reconnects"] >= 20  # every device came back after the broker restart
+    # every device alive at the broker restart came back (a killed device may still have
+    # been down then; its return is its second boot, checked above)
+    back = {c: d["reconnects"] for c, d in run["per_device"].items() if c not in killed}
+    assert all(n >= 1 for n in back.values()), back
     tap, u = run["corruptor"], run["updates"]
     assert tap.get("undetected", 0) == 0
     assert 0.02 <= tap["injected"] / tap["updates_seen"] <= 0.09
