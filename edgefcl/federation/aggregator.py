@@ -183,11 +183,11 @@ class Aggregator:
         fedbnn rule multiplies it by the row's likelihoods."""
         self._rows: RowsRule = rows_rule()
         """The library head's rule: checks a device's rows, folds the round's library."""
-        self._residual: Tensors = {}
-        """The change rounds made that sparse globals have not published yet
-        (`--global-topk`, `federation/sparse_global.py`)."""
+        self._server: Tensors | None = None
+        """The model rounds fold into while sparse globals hold part of it back (`--global-topk`,
+        `federation/sparse_global.py`); None: the published global."""
         self._whole_global = False
-        """The round closing now publishes its result and the residual whole (the task
+        """The round closing now publishes its result whole, nothing held back (the task
         gate's round: the global every device evaluates the task on)."""
         if self._rows_by_likelihood(prototypes) and row_prior_sigma is None:
             raise ValueError("fedbnn with Gaussian prototype rows needs row_prior_sigma")
@@ -516,31 +516,30 @@ class Aggregator:
         return True
 
     def server_global(self) -> Tensors:
-        """The model a round folds into: the published global plus what sparse globals have
-        not published yet (`--global-topk`; without it, the published global)."""
-        if not self._residual:
-            return self.global_.tensors
-        return {k: t + self._residual[k] if k in self._residual else t
-                for k, t in self.global_.tensors.items()}
+        """The model a round folds into: the published global, or the fuller model sparse
+        globals have not published all of (`--global-topk`)."""
+        return self.global_.tensors if self._server is None else self._server
 
-    def published(self, result: Tensors) -> tuple[Tensors, Tensors]:
-        """A round's result as the global it publishes, and the residual that leaves: with
-        `--global-topk`, only the largest changes (`sparse_global.sparse_step`), except in
-        the task gate's round, which publishes everything held back."""
-        if self.fed.global_topk <= 0:
-            return result, {}
-        fraction = 1.0 if self._whole_global else self.fed.global_topk
-        return sparse_step(self.global_.tensors, result, fraction)
+    def published(self, result: Tensors) -> tuple[Tensors, Tensors | None]:
+        """A round's result as the global it publishes, and the model the next round folds
+        into (None: the published one): with `--global-topk`, only the largest changes are
+        published (`sparse_global.sparse_step`), except in the task gate's round, which
+        publishes everything held back."""
+        if self.fed.global_topk <= 0 or self._whole_global:
+            return result, None
+        out = sparse_step(self.global_.tensors, result, self.fed.global_topk)
+        held_back = any(out[k] is not t for k, t in result.items())
+        return out, result if held_back else None
 
     def mark(self) -> tuple:
         """What `restore` goes back to: the global, the round count, the label owners and the
-        sparse globals' residual."""
-        return self.global_, self.rounds, self.label_owners, self._residual
+        model sparse globals fold into."""
+        return self.global_, self.rounds, self.label_owners, self._server
 
     def restore(self, mark: tuple) -> None:
         """Go back to `mark`: the rounds since made globals that were never saved nor
         announced (the daemon failed to), so they never happened."""
-        previous, self.rounds, self.label_owners, self._residual = mark
+        previous, self.rounds, self.label_owners, self._server = mark
         self.history.drop_after(previous.version)
         self.global_ = previous
 
@@ -575,7 +574,7 @@ class Aggregator:
             self.counters[f"round_size_{len(participants)}"] += 1
         for u in updates:
             self.strategy.add(u)
-        tensors, residual = self.published(self.strategy.result(self.server_global()))
+        tensors, server = self.published(self.strategy.result(self.server_global()))
         self.counters.update(self.strategy.counters())
         library, owners = self._next_prototypes(updates)
         candidate = GlobalModel(self.global_.version + 1, tensors, participants, library,
@@ -583,7 +582,7 @@ class Aggregator:
         if self._rejects_global(candidate):
             self._round = _Round()
             return RoundClosed(tick, None)
-        self.global_, self.label_owners, self._residual = candidate, owners, residual
+        self.global_, self.label_owners, self._server = candidate, owners, server
         self.history.push(self.global_.version, tensors)
         self.rounds += 1
         self.counters["carried"] += len(carried)

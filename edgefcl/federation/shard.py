@@ -314,14 +314,14 @@ class ShardRoot(Aggregator):
     def _close_merged(self, now: float | None) -> RoundClosed:
         participants = tuple(sorted(self.in_round))
         seqs = dict(sorted(self.in_round.items()))
-        tensors, residual = self.published(self.strategy.result(self.server_global()))
+        tensors, server = self.published(self.strategy.result(self.server_global()))
         self.counters.update(self.strategy.counters())
         candidate = GlobalModel(self.global_.version + 1, tensors, participants,
                                 counted={c: s for c, s in seqs.items() if s >= 1})
         if self._rejects_global(candidate):  # as a single aggregator
             closed = RoundClosed(None, None)
         else:
-            self.global_, self._residual = candidate, residual
+            self.global_, self._server = candidate, server
             self.history.push(self.global_.version, tensors)
             self.rounds += 1
             log.info("round %d closed from partials: version %d, %d participants", self.rounds,

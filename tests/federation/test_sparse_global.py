@@ -20,13 +20,19 @@ from edgefcl.federation.versions import delta_downlink, global_delta
 N = 2000  # a tensor above ALWAYS_WHOLE: ceil(0.001 x 2000) = 2 entries change per version
 
 
+def step(held, target, fraction):
+    """(the published global, what it holds back: target - published, per tensor held back)."""
+    out = sparse_step(held, target, fraction)
+    return out, {k: t - out[k] for k, t in target.items() if out[k] is not t}
+
+
 def test_the_largest_changes_are_published_and_the_rest_kept():
     held = {"w": np.zeros(N, np.float32), "b": np.zeros(4, np.float32),
             "n": np.zeros((), np.int64)}
     result = {"w": np.zeros(N, np.float32), "b": np.array([1, 2, 3, 4], np.float32),
               "n": np.array(7, np.int64)}
     result["w"][[5, 9, 100]] = [3.0, -4.0, 1.0]
-    out, residual = sparse_step(held, result, 0.001)
+    out, residual = step(held, result, 0.001)
     expect = np.zeros(N, np.float32)
     expect[[5, 9]] = [3.0, -4.0]  # |-4| and |3| are the two largest changes
     np.testing.assert_array_equal(out["w"], expect)
@@ -40,17 +46,17 @@ def test_the_residual_arrives_in_later_versions():
     held = {"w": np.zeros(N, np.float32)}
     target = np.zeros(N, np.float32)
     target[:7] = [7, 6, 5, 4, 3, 2, 1]
-    out, residual = sparse_step(held, {"w": target}, 0.001)
+    out, residual = step(held, {"w": target}, 0.001)
     np.testing.assert_array_equal(out["w"][:7], [7, 6, 0, 0, 0, 0, 0])
     for _ in range(3):  # rounds that change nothing more: the residual drains, 2 at a time
-        out, residual = sparse_step(out, {"w": out["w"] + residual["w"]}, 0.001)
+        out, residual = step(out, {"w": out["w"] + residual["w"]}, 0.001)
     np.testing.assert_array_equal(out["w"], target)
     assert not residual["w"].any()
 
 
 def test_a_fraction_that_covers_the_tensor_publishes_it_whole():
     held = {"w": np.zeros(N, np.float32)}
-    out, residual = sparse_step(held, {"w": np.ones(N, np.float32)}, 0.9999)
+    out, residual = step(held, {"w": np.ones(N, np.float32)}, 0.9999)
     np.testing.assert_array_equal(out["w"], 1.0)
     assert "w" not in residual
 
@@ -60,7 +66,7 @@ def test_a_fraction_that_covers_the_tensor_publishes_it_whole():
        arrays(np.float32, ALWAYS_WHOLE + 40, elements=st.floats(-1e3, 1e3, width=32)),
        st.floats(0.001, 0.5))
 def test_published_plus_residual_is_the_target_and_few_entries_move(old, new, fraction):
-    out, residual = sparse_step({"w": old}, {"w": new}, fraction)
+    out, residual = step({"w": old}, {"w": new}, fraction)
     k = math.ceil(fraction * old.size)
     assert np.count_nonzero(out["w"] != old) <= k
     np.testing.assert_allclose(out["w"] + residual.get("w", 0), new, rtol=1e-6, atol=1e-3)
@@ -72,7 +78,7 @@ def _fed(**kw) -> FedConfig:
                      max_share=1, **kw)
 
 
-def test_the_aggregator_publishes_sparse_globals_and_restores_the_residual():
+def test_the_aggregator_publishes_sparse_globals_and_restores_what_it_holds_back():
     initial = {"w": np.zeros(N, np.float32), "b": np.zeros(3, np.float32)}
     agg = Aggregator(initial, _fed(global_topk=0.01))
     rng = np.random.default_rng(0)
@@ -94,9 +100,9 @@ def test_the_aggregator_publishes_sparse_globals_and_restores_the_residual():
         delta = global_delta(g, previous, version - 1)
         assert delta is not None and "w" not in delta  # the change travels as indices
         previous = g
-    residual = agg._residual
+    server = agg._server
     agg.restore(mark)
-    assert agg._residual is not residual and agg.global_.version == 2
+    assert agg._server is not server and agg.global_.version == 2
 
 
 def test_config_needs_a_delta_downlink_and_an_encoding_that_has_one():
