@@ -8,7 +8,9 @@ shed, messages the main loop took out, and the mean inbox fill. The factor (>= 1
 - shed > 0 ("shed"): factor x max(offered / taken, offered / queued), the rise that would
   have let everything offered be queued (a few messages shed in a burst raise it a little,
   an overload by its size);
-- mean fill >= HIGH_FILL ("fill"): factor x max(offered / taken, STEP);
+- mean fill >= HIGH_FILL while arrivals keep up with the folds (offered >= taken; "fill"):
+  factor x max(offered / taken, STEP); an inbox that drains is recovering from a burst (at 1x
+  over the broker, raising the factor then cost 0.09 of the capacity);
 - offered / taken > 1 + SLACK ("behind": arrivals outrun the folds): factor x offered / taken;
 - otherwise factor x DECAY, towards 1: the aggregator keeps probing for more load, so under
   a steady overload the factor settles where it folds at its capacity with little shed (a band
@@ -114,7 +116,7 @@ class Backpressure:
         if load.shed > 0:
             queued = max(load.offered - load.shed, 1)
             new, why = prev * max(ratio, load.offered / queued), "shed"
-        elif load.fill >= HIGH_FILL:
+        elif load.fill >= HIGH_FILL and ratio >= 1.0:
             new, why = prev * max(ratio, STEP), "fill"
         elif ratio > 1 + SLACK:
             new, why = prev * ratio, "behind"

@@ -50,6 +50,19 @@ def test_factor_rises_with_the_overload_settles_and_decays_to_one():
         "backpressure": 1.0, "backpressure_reason": "", "spread_sends": True}  # it shed
 
 
+def test_a_full_inbox_that_drains_does_not_raise_the_factor():
+    # over the broker at 1x (1,000 devices, every global subscribed): the inbox was half full
+    # on the mean while the main loop took more than arrived, and the fill rule raised the
+    # factor 1.11 -> 1.22, so the tier folded 0.88 of its capacity; a draining inbox decays
+    bp = Backpressure(max_factor=8)
+    bp.factor = 1.11
+    assert bp.update(Load(offered=754, shed=0, taken=820, fill=0.51)) == 1.0
+    # filling as fast as it drains: one STEP
+    bp.factor = 1.11
+    assert bp.update(Load(offered=754, shed=0, taken=754, fill=0.51)) == 1.22
+    assert bp.reason == "fill"
+
+
 def test_factor_is_bounded_and_off_at_one():
     bp = Backpressure(max_factor=4)
     assert bp.update(Load(offered=1000, shed=900, taken=100, fill=1.0)) == 4.0  # 10x -> cap 4
