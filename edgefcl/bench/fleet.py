@@ -287,7 +287,7 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
             "--encoding", encoding, "--clients", str(n), "--initial", str(initial_npz),
             "--topk", str(cfg.fed.topk), "--downlink", cfg.fed.downlink,
             "--global-topk", str(cfg.fed.global_topk), "--min-clients", str(cfg.fed.min_clients),
-            *extra]
+            "--buffer", str(cfg.fed.buffer), *extra]
     watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status",
                             f"{root}/{fleet_name}/workers/+" if opts.workers > 1 else "")
     daemons: dict[str, subprocess.Popen] = {}
