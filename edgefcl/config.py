@@ -260,7 +260,8 @@ class FedConfig:
                                "the aggregator's memory under load; 0: no bound)")
     buffer: int = opt(0, "async: a round also closes once this many updates came in, newer "
                       "ones of a client that replaced its older included, with min_clients "
-                      "clients among them (FedBuff's K; 0: off)")
+                      "clients among them (FedBuff's K; 0: half the active clients once 100 "
+                      "or more are active, else off; -1: off)")
     fold: str = opt("model", "async: what a round averages: model (the models as sent, the "
                     "paper's rule) | delta (each update's change since the global it was trained "
                     "from, applied to the current global: FedBuff; mix is the server learning "
@@ -644,7 +645,8 @@ def check_fed(f: FedConfig) -> None:
         (f.sigma_floor >= 0, "sigma_floor must be >= 0"),
         (f.max_seq_gap >= 1, "max_seq_gap must be >= 1"),
         (f.max_backpressure >= 1, "max_backpressure must be >= 1 (1: off)"),
-        (f.buffer >= 0, "buffer must be >= 0 (0: off)"),
+        (f.buffer >= -1, "buffer must be >= -1 (0: half the active devices from 100 on; "
+                         "-1: off)"),
         (f.staleness in STALENESS, f"staleness must be one of {', '.join(STALENESS)}"),
         (f.staleness_a >= 0 and f.staleness_b >= 0, "staleness_a and staleness_b must be >= 0"),
         (0 < f.task_decay <= 1, "task_decay must be in (0, 1] (1: off)"),

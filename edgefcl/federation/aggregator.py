@@ -30,6 +30,22 @@ from edgefcl.federation.versions import GlobalHistory
 
 log = logging.getLogger("edgefcl.aggregator")
 
+BUFFER_FLEET = 100
+"""Active devices from which an async round with `buffer` 0 closes on half of them
+(`buffer_size`)."""
+
+
+def buffer_size(fed: FedConfig, active: int) -> int:
+    """Updates after which an open async round closes (FedBuff's K; 0: never): `fed.buffer`
+    when set (-1: never), else half the `active` devices once they are BUFFER_FLEET or more.
+    A round that waits for every one of 1,000 devices lasts a whole send period of the last
+    one, and the others' newer updates replace theirs in it meanwhile (1,000 sparse devices
+    at 2x over the broker with backpressure: 0.71 and 0.85 of the capacity folded; with
+    rounds of 500, 1.00). Small fleets, whose rounds the async study measured, are unchanged."""
+    if fed.buffer:
+        return max(fed.buffer, 0)
+    return math.ceil(active / 2) if active >= BUFFER_FLEET else 0
+
 
 @dataclass
 class RoundClosed:
@@ -472,7 +488,8 @@ class Aggregator:
             return None
         if self.active <= rnd.reported:
             return self._close_round(None)
-        if self.fed.buffer and rnd.arrived >= self.fed.buffer:
+        k = buffer_size(self.fed, len(self.active))
+        if k and rnd.arrived >= k:
             self.counters["closed_buffer"] += 1  # FedBuff: every K updates
             return self._close_round(None)
         if self._round_full():
