@@ -279,7 +279,7 @@ class Inbox:
     def load(self) -> Load:
         """Messages offered, shed and taken and the mean fill of the byte budget since the
         last call (the first call: since the inbox was made); sheds over a sender's share are
-        left out."""
+        left out, superseding reports count as offered."""
         with self._cond:
             self._account()
             span = self._t - self._since
