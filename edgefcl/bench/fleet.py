@@ -44,7 +44,7 @@ from edgefcl.bench.loadgen.devices import (
     run_devices,
 )
 from edgefcl.bench.loadgen.fleet_options import FleetOptions
-from edgefcl.config import ConfigError, RunConfig
+from edgefcl.config import ConfigError, RunConfig, dump_toml
 from edgefcl.federation.versions import delta_downlink
 
 DRAIN_S = 2.0
@@ -282,12 +282,13 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
         opts = dataclasses.replace(opts, duration=duration)
     root = cfg.mqtt.topic_root
     state = workdir / f"state-{n}-{opts.workers}{tag}"
-    base = [sys.executable, "-m", "edgefcl", "aggregator", "--broker", broker.url,
-            "--fleet", fleet_name, "--topic-root", root, "--mode", "async",
-            "--encoding", encoding, "--clients", str(n), "--initial", str(initial_npz),
-            "--topk", str(cfg.fed.topk), "--downlink", cfg.fed.downlink,
-            "--global-topk", str(cfg.fed.global_topk), "--min-clients", str(cfg.fed.min_clients),
-            "--buffer", str(cfg.fed.buffer), *extra]
+    conf = workdir / "daemon.toml"  # the bench's settings reach the daemon as a config file
+    conf.write_text(dump_toml(dataclasses.replace(
+        cfg, out="", seeds=1, compare="", mqtt=dataclasses.replace(cfg.mqtt, password=""))))
+    base = [sys.executable, "-m", "edgefcl", "aggregator", "--config", str(conf),
+            "--broker", broker.url, "--fleet", fleet_name, "--topic-root", root,
+            "--mode", "async", "--encoding", encoding, "--clients", str(n),
+            "--initial", str(initial_npz), *extra]
     watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status",
                             f"{root}/{fleet_name}/workers/+" if opts.workers > 1 else "")
     daemons: dict[str, subprocess.Popen] = {}
