@@ -197,7 +197,7 @@ class AggregatorDaemon:
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]} | (
                     self.results.status() if self.results is not None else {}) | (
-                    self.backpressure.fields())
+                    self.backpressure.fields() | self.quota.fields())
 
     def _publish_status(self, state: str = "online") -> None:
         body = self.status() | {"state": state}
@@ -390,10 +390,11 @@ class AggregatorDaemon:
         line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
                                          self.status_every)
         self.backpressure.spread_for(len(self.agg.active))
-        self.quota.end_interval(self.status_every, set(self.agg.active), self.backpressure.factor,
-                                self.inbox.take_refused())
-        if line:
-            log.info(line)
+        limit = self.quota.end_interval(self.status_every, set(self.agg.active),
+                                        self.backpressure.factor, self.inbox.take_refused())
+        for said in (line, limit):
+            if said:
+                log.info(said)
         if line or self.backpressure.spread != spread:
             self._publish_config()
 

@@ -265,7 +265,7 @@ class WorkerDaemon:
                 "partials": self.partials_sent, "pending": a.pending() if a else 0,
                 "counters": (dict(a.counters) if a else {}) | shed_counters(self.inbox),
                 "flooding": dict((self.inbox.offenders + self.quota.shed).most_common(5)),
-                "bytes_out": self.bytes_out} | self.backpressure.fields()
+                "bytes_out": self.bytes_out} | self.backpressure.fields() | self.quota.fields()
 
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval (the root relays the
@@ -275,9 +275,11 @@ class WorkerDaemon:
         refused = self.inbox.take_refused()
         recent = self.quota.recent() | set(refused)
         self.backpressure.spread_for(len(recent))
-        self.quota.end_interval(self.status_every, recent, self.backpressure.factor, refused)
-        if line:
-            log.info(line)
+        limit = self.quota.end_interval(self.status_every, recent, self.backpressure.factor,
+                                        refused)
+        for said in (line, limit):
+            if said:
+                log.info(said)
 
     # -- main loop ------------------------------------------------------------------------
     def _connect(self) -> None:

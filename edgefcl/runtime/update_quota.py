@@ -68,6 +68,8 @@ class UpdateQuota:
         answer, as the devices over their share send them whatever it is."""
         self.passed = 0
         """Updates let through this interval (admitted or released)."""
+        self.fair = 0.0
+        """The last interval's updates let through a second, over the active devices."""
         self._over: frozenset[str] = frozenset()
 
     def admit(self, device: str, item: Any = None) -> bool:
@@ -125,12 +127,34 @@ class UpdateQuota:
         return set(self.counts) | {d for d, r in self.rates.items() if r >= MIN_RATE}
 
     def end_interval(self, seconds: float, active: set[str], factor: float,
-                     inbox_refused: Counter[str] | None = None) -> None:
+                     inbox_refused: Counter[str] | None = None) -> str | None:
         """Close an interval of `seconds`: smooth the `active` devices' rates (others are
         forgotten, so the tables stay bounded by the active set), counting the updates the
         inbox refused before they reached `admit` (`inbox_refused`, `Inbox.take_refused`),
         then set the next interval's limit (`factor` > 1: `ratio` x the median rate) and
-        refill the buckets."""
+        refill the buckets. Returns a log line when the limit was set, lifted or moved by a
+        tenth or more."""
+        before = self.limit
+        self._close(seconds, active, factor, inbox_refused)
+        if before is None and self.limit is None:
+            return None
+        if before is not None and self.limit is not None and abs(self.limit - before) < (
+                0.1 * before):
+            return None
+        if self.limit is None:
+            return "update limit lifted"
+        return (f"update limit {self.limit:.2f}/s per device (fair share {self.fair:.2f}/s), "
+                f"{len(self._over)} devices over it")
+
+    def fields(self) -> dict[str, float | int]:
+        """What the status carries: the limit and how many devices are over it (nothing while
+        no limit is set)."""
+        if self.limit is None:
+            return {}
+        return {"update_limit_per_s": round(self.limit, 3), "devices_over_limit": len(self._over)}
+
+    def _close(self, seconds: float, active: set[str], factor: float,
+               inbox_refused: Counter[str] | None) -> None:
         if inbox_refused:
             self.counts.update(inbox_refused)
         now = {d: self.counts.get(d, 0) / seconds for d in active}
@@ -138,7 +162,7 @@ class UpdateQuota:
                  for d, r in now.items()}
         self.rates = rates
         self.counts.clear()
-        fair = self.passed / seconds / max(len(active), 1)  # each device's share of the folds
+        self.fair = self.passed / seconds / max(len(active), 1)  # a device's share of the folds
         self.refused = self.passed = 0
         self.intervals += 1
         if len(self.shed) > 1024:  # bounded: the worst offenders
@@ -149,7 +173,7 @@ class UpdateQuota:
             self.limit, self.tokens, self._over = None, {}, frozenset()
             return
         self.limit = min(self.ratio * float(np.median(list(self.rates.values()))),
-                         FAIR_SLACK * fair)
+                         FAIR_SLACK * self.fair)
         self.refill = max(self.limit, 1.0 / seconds)  # at least one a device and interval:
         # never starved (devices that send after each global would wait for each other)
         self.burst = self.refill * seconds + 1.0  # an interval's worth, and one more
