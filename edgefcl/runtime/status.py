@@ -136,7 +136,11 @@ def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
             if isinstance(bytes_in, dict) else _int(bytes_in) or 0,
             "bytes_out": _int(b.get("bytes_out")) or 0,
             "last_round_age_s": round(now - last_time, 1) if last_time is not None else None,
-            "accuracy": _num(b.get("accuracy")), "last_seen_s": seen}
+            "accuracy": _num(b.get("accuracy")), "last_seen_s": seen,
+            "backpressure": _num(b.get("backpressure")),
+            "backpressure_reason": _text(b.get("backpressure_reason", ""), 20),
+            "update_limit_per_s": _num(b.get("update_limit_per_s")),
+            "devices_over_limit": _int(b.get("devices_over_limit"))}
 
 
 def _device_row(b: dict[str, Any], now: float) -> dict[str, Any]:
@@ -180,6 +184,13 @@ def render(snap: dict[str, Any]) -> str:
             f"  last round {_fmt(a['last_round_age_s'], '.0f')} s ago   fleet accuracy "
             f"{_fmt(a['accuracy'], '.1f')}{' %' if a['accuracy'] is not None else ''}",
         ]
+        if a.get("backpressure") is not None:
+            limit = a.get("update_limit_per_s")
+            lines.append(
+                f"  backpressure {a['backpressure']:.2f}"
+                + (f" ({a['backpressure_reason']})" if a.get("backpressure_reason") else "")
+                + ("" if limit is None else f"   update limit {limit:.2f}/s per device, "
+                   f"{_fmt(a.get('devices_over_limit'))} devices over it"))
         if a.get("flooding"):
             lines.append("  flooding (messages shed over their share): " + ", ".join(
                 f"{k} {v}" for k, v in a["flooding"].items()))

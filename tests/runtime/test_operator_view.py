@@ -89,3 +89,19 @@ def test_a_silent_aggregator_is_shown_stale_and_a_lost_broker_is_said() -> None:
     text = render(view.snapshot())
     assert "aggregator: stale (said online, silent for 60 s)" in text
     assert "lost the broker" in render(view.snapshot(connected=False))
+
+
+def test_the_backpressure_factor_and_update_limit_are_shown() -> None:
+    view = view_with()
+    body = {"state": "online", "version": 3, "rounds": 3, "backpressure": 2.1,
+            "backpressure_reason": f"shed{ESC}[2J", "update_limit_per_s": 0.46,
+            "devices_over_limit": 212}
+    view.on_message(topics(view.cfg.mqtt).aggregator_status,
+                    encode(Message("status", body, sender="aggregator"), fleet=FLEET))
+    text = render(view.snapshot())
+    assert "backpressure 2.10 (shed" in text and ESC not in text
+    assert "update limit 0.46/s per device, 212 devices over it" in text
+    view.on_message(topics(view.cfg.mqtt).aggregator_status,
+                    encode(Message("status", {"state": "online", "backpressure": "x"},
+                                   sender="aggregator"), fleet=FLEET))
+    assert "backpressure" not in render(view.snapshot())  # a wrong type is not shown
