@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -50,9 +51,18 @@ def _run(c: Client, kind: str, rounds: int = 3) -> list[np.ndarray]:
     return [z.numpy() for z in c.learner.score_log]
 
 
+def _started(c: Client) -> Client:
+    """`c` once its scoring worker has started (before, the client scores on its own)."""
+    deadline = time.monotonic() + 120
+    while not c.onnx.worker.ready():
+        assert time.monotonic() < deadline, "the scoring worker did not start"
+        time.sleep(0.01)
+    return c
+
+
 @pytest.mark.parametrize("kind", ["image", "vector"])
 def test_the_worker_scores_as_the_client_would_bit_for_bit(kind):
-    worker, here = _client(kind, True), _client(kind, False)
+    worker, here = _started(_client(kind, True)), _client(kind, False)
     assert worker.onnx.worker is not None and here.onnx.worker is None
     a, b = _run(worker, kind), _run(here, kind)
     assert len(a) == len(b) > 3
@@ -62,9 +72,28 @@ def test_the_worker_scores_as_the_client_would_bit_for_bit(kind):
     assert worker.onnx.worker is not None and worker.onnx.worker.broken is None
 
 
+def test_a_client_scores_on_its_own_until_the_worker_has_started(monkeypatch):
+    # the demo waited 0.5-1.2 s for the worker's first answer while it imported torch
+    worker, here = _client("image", True), _client("image", False)
+    pool = worker.onnx.worker
+    monkeypatch.setattr(pool, "ready", lambda: False)
+    before = next(pool._ids)  # the worker is the process's: other tests used it too
+    a = _run(worker, "image", rounds=2)
+    asked = next(pool._ids)
+    assert asked == before + 1  # nothing was sent to the worker while it was starting
+    monkeypatch.undo()
+    _started(worker)
+    a += _run(worker, "image", rounds=2)
+    assert next(pool._ids) > asked + 1  # then it scored
+    b = _run(here, "image", rounds=2) + _run(here, "image", rounds=2)
+    assert len(a) == len(b) > 3
+    for za, zb in zip(a, b, strict=True):
+        np.testing.assert_array_equal(za, zb)
+
+
 def test_a_killed_worker_leaves_the_client_scoring_the_same():
     # the attack: the worker process dies between two scoring calls (out of memory, a kill)
-    worker, here = _client("image", True), _client("image", False)
+    worker, here = _started(_client("image", True)), _client("image", False)
     for c in (worker, here):
         for b in _batches("image", 3):
             c.step(b)

@@ -265,10 +265,11 @@ class ClientOnnx:
 
     def start_scores(self, client: LearnerView, x: Tensor, method: str) -> WorkerScores | None:
         """Send x to the scoring worker for its `method` scores, to be taken later with
-        `result()`; None when no worker scores it (no worker, torch scoring, a perturber the
-        worker cannot rebuild)."""
+        `result()`; None when no worker scores it (no worker, or one still starting, torch
+        scoring, a perturber the worker cannot rebuild)."""
         spec = _perturber_spec(client.perturber)
-        if self.worker is None or spec is None or not self._ready(client, x):
+        if (self.worker is None or spec is None or not self.worker.ready()
+                or not self._ready(client, x)):
             return None
         pending = WorkerScores(self, client, x, method, client.perturber.next_seed())
         snap = self._snapshot

@@ -11,7 +11,10 @@ logits are the ones scoring in the client's process gives, bit for bit.
 
 One worker serves every client of a process (`shared_worker`): one request at a time, a session
 per client key (the most recent `SESSIONS` kept; a request for an evicted one is answered
-"missing" and resent with its graph). The worker exits when its stdin closes, so it never
+"missing" and resent with its graph). It says "ready" once it has imported torch and
+onnxruntime (about a second on 2 cores, beside the client's own start); until then a client
+scores in its own process (`ready`), with the same seeds and so the same scores, instead of
+waiting for the first answer. The worker exits when its stdin closes, so it never
 outlives the client's process. Messages are pickles between two processes of the same
 installation, framed by an 8-byte length; nothing from a device reaches them.
 """
@@ -108,12 +111,39 @@ class ScoreWorker:
         self._requests: dict[int, tuple] = {}  # submitted, unanswered: their arguments
         self._replies: dict[int, tuple] = {}  # read, not yet taken
         self.broken: str | None = None  # why the worker is unusable, once it is
+        self._started = False  # the worker said it is ready (its imports are done)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "edgefcl.learn.scoring.worker", str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         for pipe in (self._proc.stdin, self._proc.stdout):
             _widen(pipe)
+
+    def ready(self) -> bool:
+        """Whether the worker has started (imported what it scores with); never waits. Until
+        then a client scores in its own process: the same scores, without waiting up to a
+        second for the worker's first answer (the demo's whole score wait)."""
+        if self._started or self.broken is not None:
+            return self._started
+        if not self._read_lock.acquire(blocking=False):
+            return False  # a client is reading a reply: asked again at the next call
+        try:
+            assert self._proc.stdout is not None
+            fd = self._proc.stdout.fileno()
+            while not self._started and select.select([fd], [], [], 0)[0]:
+                self._note(_read(fd, time.perf_counter() + REPLY_TIMEOUT))
+        except (OSError, EOFError, TimeoutError, pickle.UnpicklingError, struct.error) as e:
+            self._fail(f"the scoring worker stopped answering ({e})")
+        finally:
+            self._read_lock.release()
+        return self._started
+
+    def _note(self, reply: tuple) -> None:
+        """Keep a reply read from the worker (under the read lock) until it is taken."""
+        if reply[0] == "ready":
+            self._started = True
+        else:
+            self._replies[reply[1]] = reply
 
     def submit(self, key: str, version: int, graph: bytes, spec: PerturberSpec, method: str,
                x: np.ndarray, seed: int, chunk: int, resend: bool = False) -> int:
@@ -150,7 +180,7 @@ class ScoreWorker:
                         struct.error) as e:
                     self._fail(f"the scoring worker stopped answering ({e})")
                     raise WorkerError(self.broken) from e
-                self._replies[reply[1]] = reply
+                self._note(reply)
             reply = self._replies.pop(rid)
         args = self._requests.pop(rid)
         if reply[0] == "missing":  # evicted: send the graph again
@@ -254,8 +284,13 @@ def serve(threads: int, requests: BinaryIO, replies: BinaryIO) -> None:
     threading.Thread(target=drain, daemon=True).start()
     import torch
 
+    import edgefcl.learn.scoring.perturb
+    import edgefcl.learn.scoring.scores
+    import edgefcl.ondevice  # noqa: F401  (imported before `ready`, not at the first request)
+
     torch.set_num_threads(threads)
     scorer = _Scorer(threads)
+    _write(replies, ("ready", -1))
     while (message := inbox.get()) is not None:
         t0 = time.perf_counter()
         try:
