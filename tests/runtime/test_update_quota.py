@@ -90,3 +90,23 @@ def test_the_updates_the_inbox_refused_count_in_a_devices_rate() -> None:
         quota.clock.t += 1.0
     assert quota.rates["c"] > 9 and quota.rates["a"] < 1.5
     assert quota.limit is not None and "c" in quota.over() and "a" not in quota.over()
+
+
+def test_the_limit_is_shown_in_the_status_and_logged_when_it_moves() -> None:
+    quota = UpdateQuota(clock=Clock())
+    for d in "aaaab":
+        quota.admit(d)
+    line = quota.end_interval(1.0, {"a", "b"}, factor=2.0)
+    # 5 let through over 2 devices: a fair share of 2.5/s, the limit 1.1x that
+    assert line == "update limit 2.75/s per device (fair share 2.50/s), 1 devices over it"
+    assert quota.fields() == {"update_limit_per_s": 2.75, "devices_over_limit": 1}
+    quiet = UpdateQuota(clock=Clock())  # two devices at the same rate: a steady limit
+    said = []
+    for _ in range(3):
+        quiet.clock.t += 1.0
+        for d in "ab":
+            quiet.admit(d)
+        said.append(quiet.end_interval(1.0, {"a", "b"}, factor=2.0))
+    assert said[0] is not None and said[1:] == [None, None]  # unchanged: not logged again
+    assert quiet.end_interval(1.0, {"a", "b"}, factor=1.0) == "update limit lifted"
+    assert quiet.fields() == {}
