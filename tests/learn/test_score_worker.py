@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -153,6 +155,17 @@ def test_the_worker_exits_when_the_client_hangs_up():
     proc = worker._proc
     proc.stdin.close()
     assert proc.wait(timeout=60) == 0
+
+
+def test_a_client_that_exits_before_the_worker_started_leaves_no_traceback():
+    # a client refused at its start (a finished run) exited before the worker said "ready":
+    # the worker's write failed with a BrokenPipeError traceback on the operator's terminal
+    proc = subprocess.Popen([sys.executable, "-m", "edgefcl.learn.scoring.worker", "1"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the client is gone before the worker could say it started
+    err = proc.communicate(timeout=120)[1].decode()  # closes its stdin too
+    assert proc.returncode == 0 and "Traceback" not in err and "Exception" not in err, err
 
 
 def test_score_process_off_or_torch_backend_starts_no_worker():

@@ -290,14 +290,18 @@ def serve(threads: int, requests: BinaryIO, replies: BinaryIO) -> None:
 
     torch.set_num_threads(threads)
     scorer = _Scorer(threads)
-    _write(replies, ("ready", -1))
-    while (message := inbox.get()) is not None:
-        t0 = time.perf_counter()
-        try:
-            status, *values = scorer.score(*message[2:])
-        except Exception as e:  # one request's failure is the client's to handle
-            status, values = "error", [f"{type(e).__name__}: {e}"]
-        _write(replies, (status, message[1], *values, time.perf_counter() - t0))
+    try:
+        _write(replies, ("ready", -1))
+        while (message := inbox.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                status, *values = scorer.score(*message[2:])
+            except Exception as e:  # one request's failure is the client's to handle
+                status, values = "error", [f"{type(e).__name__}: {e}"]
+            _write(replies, (status, message[1], *values, time.perf_counter() - t0))
+    except OSError:  # the client hung up (it exited before the worker started): stop quietly
+        with contextlib.suppress(OSError):
+            replies.close()  # drops what could not be written (a later flush would fail)
 
 
 def main() -> None:
