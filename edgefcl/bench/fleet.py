@@ -284,10 +284,10 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
     state = workdir / f"state-{n}-{opts.workers}{tag}"
     conf = workdir / "daemon.toml"  # the bench's settings reach the daemon as a config file
     conf.write_text(dump_toml(dataclasses.replace(
-        cfg, out="", seeds=1, compare="", mqtt=dataclasses.replace(cfg.mqtt, password=""))))
+        cfg, out="", seeds=1, compare="",
+        mqtt=dataclasses.replace(cfg.mqtt, password="", broker=broker.url, fleet=fleet_name),
+        fed=dataclasses.replace(cfg.fed, mode="async", encoding=encoding, clients=n))))
     base = [sys.executable, "-m", "edgefcl", "aggregator", "--config", str(conf),
-            "--broker", broker.url, "--fleet", fleet_name, "--topic-root", root,
-            "--mode", "async", "--encoding", encoding, "--clients", str(n),
             "--initial", str(initial_npz), *extra]
     watcher = StatusWatcher(broker.host, broker.port, f"{root}/{fleet_name}/aggregator/status",
                             f"{root}/{fleet_name}/workers/+" if opts.workers > 1 else "")
