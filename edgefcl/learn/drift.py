@@ -58,21 +58,37 @@ def peek_logits(model: torch.nn.Module, x: Tensor) -> Tensor:
 class Prequential:
     """Test-then-train accuracy over a stream: samples predicted right before training on
     them, and samples seen. (Two counts; river's `metrics.Accuracy`, used before, loads scipy
-    with its metrics package, 1.6-2.4 s at the start of every client process.)"""
+    with its metrics package, 1.6-2.4 s at the start of every client process.) The right
+    predictions are summed where the model runs and read back only when `correct` is read,
+    so counting a batch never waits for the device."""
 
     def __init__(self) -> None:
-        self.correct = 0
+        self._correct = 0
+        self._pending: Tensor | None = None  # right predictions not yet read back
         self.samples = 0
 
-    def update(self, y_true: np.ndarray, y_pred: np.ndarray) -> None:
-        """Count a batch's predictions against its labels."""
-        self.correct += int(np.count_nonzero(np.asarray(y_true) == np.asarray(y_pred)))
+    def update(self, y_true: Tensor | np.ndarray, y_pred: Tensor | np.ndarray) -> None:
+        """Count a batch's predictions against its labels (tensors on any device, or arrays)."""
+        right = torch.as_tensor(y_true).eq(torch.as_tensor(y_pred)).sum()
+        self._pending = right if self._pending is None else self._pending + right
         self.samples += len(y_true)
+
+    @property
+    def correct(self) -> int:
+        """Samples predicted right before training on them (reads the device's sum back)."""
+        if self._pending is not None:
+            self._correct += int(self._pending)
+            self._pending = None
+        return self._correct
 
     @property
     def accuracy(self) -> float:
         """Fraction of samples predicted right before training on them (0 before any)."""
         return self.correct / self.samples if self.samples else 0.0
+
+    def __getstate__(self) -> dict:
+        """The two counts (a checkpoint holds no device tensor)."""
+        return {"correct": self.correct, "samples": self.samples}
 
     def __setstate__(self, state: dict) -> None:
         """Restore, also from a checkpoint written when the counts were a river metric."""
@@ -80,7 +96,7 @@ class Prequential:
         if metric is not None:
             state["samples"] = int(metric.cm.total_weight)
             state["correct"] = int(round(float(metric.cm.total_true_positives)))
-        self.__dict__.update(state)
+        self._correct, self.samples, self._pending = state["correct"], state["samples"], None
 
 
 class DriftDetector:
@@ -186,11 +202,12 @@ class StreamMonitor:
         if self.prequential is not None and logits is not None:
             protos = client.protos
             if protos is None:
-                self.prequential.update(batch.y, logits.argmax(1).cpu().numpy())
+                self.prequential.update(y, logits.argmax(1))
             else:  # library rows; an empty library or a new label is a miss (-1 != -2)
-                pred = (logits.argmax(1).cpu().numpy() if logits.shape[1]
-                        else np.full(len(batch.y), -2))
-                self.prequential.update(protos.targets(batch.y), pred)
+                pred = (logits.argmax(1) if logits.shape[1]
+                        else torch.full((len(batch.y),), -2, device=logits.device))
+                self.prequential.update(
+                    torch.from_numpy(protos.targets(batch.y)).to(logits.device), pred)
         task = batch.task if self.drift is None else self.drift.observe(batch, x, y, logits)
         client.timings["monitor"] += client.clock.now() - t0
         return task

@@ -367,13 +367,13 @@ class StreamLearner:
         if self.head.empty:
             return 0.0
         # prototypes: the library's row of each label (-1, never right: a label it lacks)
-        target = self.head.targets(y)
+        target = torch.from_numpy(self.head.targets(y)).to(self.device)
         was_training = self.model.training
         self.model.eval()
-        correct = 0
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)  # read back once
         for i in range(0, len(y), batch_size):
             xb = torch.from_numpy(x[i:i + batch_size]).to(self.device)
-            pred = predict_logits(self.model, xb, self.learn.eval_samples).argmax(1).cpu().numpy()
-            correct += int((pred == target[i:i + batch_size]).sum())
+            pred = predict_logits(self.model, xb, self.learn.eval_samples).argmax(1)
+            correct += pred.eq(target[i:i + batch_size]).sum()
         self.model.train(was_training)
-        return correct / len(y)
+        return int(correct) / len(y)

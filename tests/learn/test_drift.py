@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -117,6 +119,29 @@ def test_prequential_counts_match_hand_count():
     assert p.samples == 8
     assert p.accuracy == pytest.approx(5 / 8)
     assert p.correct == 5
+
+
+def test_prequential_counts_tensors_and_checkpoints_plain_counts():
+    p = Prequential()
+    p.update(torch.tensor([0, 1, 2, 2, 1]), torch.tensor([0, 2, 2, 2, 1]))  # 4 of 5 right
+    p.update(torch.tensor([3, 3, 0]), torch.tensor([0, 3, 1]))  # 1 of 3 right
+    state = p.__getstate__()
+    assert state == {"correct": 5, "samples": 8} and type(state["correct"]) is int
+    q = pickle.loads(pickle.dumps(p))
+    assert (q.correct, q.samples, q.accuracy) == (5, 8, 5 / 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prequential_counting_never_waits_for_the_device():
+    p = Prequential()
+    y = torch.tensor([0, 1, 2, 2, 1], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            p.update(y, y.flip(0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (p.correct, p.samples) == (9, 15)
 
 
 def test_prequential_restores_the_counts_of_a_river_metric():

@@ -168,6 +168,16 @@ def test_a_client_that_exits_before_the_worker_started_leaves_no_traceback():
     assert proc.returncode == 0 and "Traceback" not in err and "Exception" not in err, err
 
 
+def test_a_process_stops_its_shared_worker_as_it_exits():
+    # the demo left its worker running at exit: `python -W always` warned of the child
+    code = ("from edgefcl.learn.scoring.worker import shared_worker\n"
+            "w = shared_worker(1)\n"
+            "while not w.ready(): pass\n")
+    done = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
+                          timeout=120, text=True)
+    assert done.returncode == 0 and "ResourceWarning" not in done.stderr, done.stderr
+
+
 def test_score_process_off_or_torch_backend_starts_no_worker():
     c = _client("vector", False)
     assert c.onnx.worker is None

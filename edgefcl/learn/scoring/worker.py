@@ -21,6 +21,7 @@ installation, framed by an 8-byte length; nothing from a device reaches them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import itertools
@@ -232,6 +233,16 @@ def shared_worker(threads: int) -> ScoreWorker | None:
                 return None
             _SHARED[key] = worker
         return worker
+
+
+@atexit.register
+def _close_shared() -> None:
+    """Stop this process's workers as it exits, rather than leaving them to find their pipe
+    closed after it (Python warns of a child still running)."""
+    with _SHARED_LOCK:
+        for (pid, _), worker in _SHARED.items():
+            if pid == os.getpid():
+                worker.close()
 
 
 # -- the worker process ----------------------------------------------------------------------
