@@ -84,7 +84,7 @@ class FleetTrainer:
     mini-batches of each kind."""
 
     def __init__(self) -> None:
-        self._forwards: dict[Key, Callable] = {}  # architecture -> stacked forward
+        self._forwards: dict[Key, Callable] = {}  # (architecture, train) -> stacked forward
         self._layouts: dict[StreamLearner, Key | None] = {}  # None: steps alone
         self.stacked_steps = 0
         self.alone_steps = 0
@@ -94,10 +94,11 @@ class FleetTrainer:
         if not clients:
             return []
         now = clients[0].learner.clock.now  # on CUDA: after the queued kernels
+        xs, peeks = self._peek(clients, batches)
         pending = []
-        for c, b in zip(clients, batches, strict=True):
+        for c, b, x, peek in zip(clients, batches, xs, peeks, strict=True):
             t0 = now()
-            pending.append(c.learner.begin(b))
+            pending.append(c.learner.begin(b, x, peek))
             pending[-1].trained = now() - t0
         groups: dict[Key, list[tuple[int, list]]] = {}
         for i, (c, p) in enumerate(zip(clients, pending, strict=True)):
@@ -122,6 +123,33 @@ class FleetTrainer:
                 pending[i].trained += share  # type: ignore[operator]
         return [self._finish(c, p) for c, p in zip(clients, pending, strict=True)]
 
+    def _peek(self, clients: Sequence[Client], batches: Sequence[Batch]
+              ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Per client, its batch's samples on its device and its monitor's logits of them
+        (None: the client's `begin` computes them alone), for the clients that look at logits
+        before training and stack with another (the same layout and batch shape): one stacked
+        eval-mode forward for each such group. The seconds count as their monitors'."""
+        xs: list[torch.Tensor | None] = [None] * len(clients)
+        peeks: list[torch.Tensor | None] = [None] * len(clients)
+        groups: dict[Key, list[int]] = {}
+        for i, (c, b) in enumerate(zip(clients, batches, strict=True)):
+            monitor, layout = c.learner.monitor, self._layout(c)
+            if monitor is not None and monitor.needs_logits and layout is not None:
+                groups.setdefault((*layout, b.x.shape), []).append(i)
+        for key, members in groups.items():
+            if len(members) < 2:
+                continue
+            learners = [clients[i].learner for i in members]
+            t0 = learners[0].clock.now()
+            x = [torch.from_numpy(batches[i].x).to(lr.device)
+                 for i, lr in zip(members, learners, strict=True)]
+            logits = self.peek_stacked([lr.model for lr in learners], torch.stack(x), key[:2])
+            share = (learners[0].clock.now() - t0) / len(members)
+            for k, (i, lr) in enumerate(zip(members, learners, strict=True)):
+                xs[i], peeks[i] = x[k], logits[k]
+                lr.timings["monitor"] += share
+        return xs, peeks
+
     @staticmethod
     def _finish(client: Client, pending: PendingBatch) -> Update | None:
         client.learner.finish(pending)
@@ -145,6 +173,29 @@ class FleetTrainer:
                            [m[1] for m in members], key[:2])
         self.stacked_steps += len(members)
 
+    def _forward(self, model: nn.Module, architecture: Key, train: bool) -> Callable:
+        """The stacked forward of models like `model` (vmap of `functional_call` over a
+        stacked first axis of parameters, buffers and inputs), in train or eval mode."""
+        key = (architecture, train)
+        if key not in self._forwards:
+            meta = copy.deepcopy(model).to("meta").train(train)
+            self._forwards[key] = vmap(
+                lambda params, buffers, x: functional_call(meta, (params, buffers), (x,)))
+        return self._forwards[key]
+
+    @torch.no_grad()
+    def peek_stacked(self, models: Sequence[nn.Module], xs: torch.Tensor,
+                     architecture: Key | None = None) -> torch.Tensor:
+        """Each model's eval-mode logits of its own samples, (K, N, C) for xs (K, N, ...), in
+        one stacked forward: what `drift.peek_logits` gives each model alone, within float
+        tolerance. The models are unchanged."""
+        first = models[0]
+        forward = self._forward(first, architecture or _architecture(first), train=False)
+        state = [dict(m.named_parameters()) | dict(m.named_buffers()) for m in models]
+        params = {n: torch.stack([s[n] for s in state]) for n, _ in first.named_parameters()}
+        buffers = {n: torch.stack([s[n] for s in state]) for n, _ in first.named_buffers()}
+        return forward(params, buffers, xs)
+
     def train_stacked(self, models: Sequence[nn.Module],
                       optimizers: Sequence[LocalOptimizer],
                       inputs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
@@ -154,12 +205,7 @@ class FleetTrainer:
         and optimizers end as if each had stepped alone. `architecture` names the models'
         shared layout, to reuse its stacked forward (default: read from the first model)."""
         first = models[0]
-        architecture = architecture or _architecture(first)
-        if architecture not in self._forwards:
-            meta = copy.deepcopy(first).to("meta").train()
-            self._forwards[architecture] = vmap(
-                lambda params, buffers, x: functional_call(meta, (params, buffers), (x,)))
-        forward = self._forwards[architecture]
+        forward = self._forward(first, architecture or _architecture(first), train=True)
         names = [n for n, _ in first.named_parameters()]
         per_model = [list(m.parameters()) for m in models]  # in the order of `names`
         params = {n: torch.stack([p[i].detach() for p in per_model]).requires_grad_()

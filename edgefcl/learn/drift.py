@@ -193,12 +193,19 @@ class StreamMonitor:
         self.drift = DriftDetector(learn.drift_signal, learn.drift_delta) if learn.task_free \
             else None
 
-    def observe(self, client: LearnerView, batch: Batch, x: Tensor, y: Tensor) -> int:
-        """The task id the learner should use for the batch (the true one unless task-free)."""
-        t0 = client.clock.now()
-        need = self.prequential is not None or (self.drift is not None
+    @property
+    def needs_logits(self) -> bool:
+        """Whether `observe` looks at the batch's logits (prequential, or the loss signal)."""
+        return self.prequential is not None or (self.drift is not None
                                                 and self.drift.signal == "loss")
-        logits = peek_logits(client.model, x) if need else None
+
+    def observe(self, client: LearnerView, batch: Batch, x: Tensor, y: Tensor,
+                logits: Tensor | None = None) -> int:
+        """The task id the learner should use for the batch (the true one unless task-free).
+        `logits`: the batch's `peek_logits`, when the caller computed them (stacked clients)."""
+        t0 = client.clock.now()
+        if logits is None and self.needs_logits:
+            logits = peek_logits(client.model, x)
         if self.prequential is not None and logits is not None:
             protos = client.protos
             if protos is None:

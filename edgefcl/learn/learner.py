@@ -135,15 +135,19 @@ class StreamLearner:
         self._train(pending.x, pending.y)
         self.finish(pending)
 
-    def begin(self, batch: Batch) -> PendingBatch:
+    def begin(self, batch: Batch, x: torch.Tensor | None = None,
+              peek: torch.Tensor | None = None) -> PendingBatch:
         """The first part of `learn_one`, before training: the labels' ids, the task (a new
-        one starts here), scoring started ahead, new prototype rows warmed up."""
+        one starts here), scoring started ahead, new prototype rows warmed up. `x`: the
+        batch's samples already on the device; `peek`: the monitor's logits of them, computed
+        with other clients' (`FleetTrainer`)."""
         y_ids = self.head.ids(batch.y)
-        x = torch.from_numpy(batch.x).to(self.device)
+        x = torch.from_numpy(batch.x).to(self.device) if x is None else x
         y = torch.from_numpy(y_ids).to(self.device)
         self.sample_shape = tuple(batch.x.shape[1:])
         # task-free: the monitor's detected segment stands in for the true task
-        task = batch.task if self.monitor is None else self.monitor.observe(self, batch, x, y)
+        task = batch.task if self.monitor is None else self.monitor.observe(self, batch, x, y,
+                                                                            peek)
         if task != self.task:
             self._start_task(task)
         t0 = self.clock.now()

@@ -10,6 +10,7 @@ from edgefcl.build import new_client
 from edgefcl.config import FedConfig, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.learn.batched import FleetTrainer, stackable
+from edgefcl.learn.drift import peek_logits
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 
@@ -83,6 +84,34 @@ def test_stacked_steps_match_each_clients_own_steps(model, optimizer, device):
                 c.step(b)
     assert trainer.stacked_steps == 6 and trainer.alone_steps == 0
     assert together[0].memory.size > 0 and together[0].seq > 0
+
+
+@pytest.mark.parametrize("model,device", [
+    ("mlp", "cpu"), ("cnn", "cpu"), pytest.param("cnn", "cuda", marks=CUDA)])
+def test_the_monitors_check_of_stacked_clients_is_each_clients_own(model, device):
+    """The prequential check before training, from one stacked eval-mode forward: each
+    client's logits match its own `peek_logits` (BatchNorm with its own running statistics)
+    and its counts are the ones it makes alone."""
+    alone, together = clients(model, device=device), clients(model, device=device)
+    shape = (8, 6) if model == "mlp" else (8, 1, 8, 8)
+    with torch.no_grad():  # different running statistics per client
+        for k, (a, b) in enumerate(zip(alone, together, strict=True)):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(k)) * (k + 1)
+            a.model.train()(x.to(device))
+            b.model.train()(x.to(device))
+    batches = [batch(model, 0, 1, [0, 1], k) for k in range(3)]
+    xs = torch.stack([torch.from_numpy(b.x).to(device) for b in batches])
+    got = FleetTrainer().peek_stacked([c.model for c in together], xs)
+    for k, c in enumerate(alone):
+        close(got[k].cpu(), peek_logits(c.model, xs[k]).cpu(), "logits")
+    assert all(c.model.training for c in together)  # modes untouched
+    for c, b in zip(alone, batches, strict=True):
+        c.step(b)
+    FleetTrainer().step(together, batches)
+    for a, b in zip(alone, together, strict=True):
+        pa, pb = a.learner.monitor.prequential, b.learner.monitor.prequential
+        assert (pa.correct, pa.samples) == (pb.correct, pb.samples) and pa.samples == 5
+        assert b.learner.timings["monitor"] > 0
 
 
 def test_a_client_that_cannot_be_stacked_steps_alone():
