@@ -151,7 +151,7 @@ class StreamLearner:
         if task != self.task:
             self._start_task(task)
         t0 = self.clock.now()
-        ahead = self._score_ahead(x, y)
+        ahead = self._score_ahead(x, y, y_ids)
         self.head.warmup(x, y)  # prototypes: new labels' rows, with the extractor frozen
         return PendingBatch(x, y, y_ids, len(batch.y), ahead, t0)
 
@@ -166,7 +166,7 @@ class StreamLearner:
             self.scored_ahead += 1
         t_mem = clock()
         score_before = self.timings["score"]
-        self._update_memory(pending.x, pending.y, scores)
+        self._update_memory(pending.x, pending.y, scores, pending.y_ids)
         t2 = clock()
         self.timings["train"] += (t1 - pending.started if pending.trained is None
                                   else pending.trained)
@@ -212,7 +212,7 @@ class StreamLearner:
             yield xb, yb
 
     # -- memory ---------------------------------------------------------------------------
-    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor
+    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor, labels: np.ndarray | None = None
                      ) -> Callable[[], torch.Tensor] | None:
         """Start scoring the candidates the memory update after this batch will need, when
         they are known before training (the scoring model must be the frozen snapshot, not the
@@ -222,7 +222,7 @@ class StreamLearner:
         if (not self.learn.score_overlap or self.memory is None or self.score_model is None
                 or self.skip_scoring):
             return None
-        cands = self.memory.pending_scores(x, y, self.task or 0, self.score_version)
+        cands = self.memory.pending_scores(x, y, self.task or 0, self.score_version, labels)
         if cands is None:
             return None
         pending = (None if self.onnx is None
@@ -234,7 +234,8 @@ class StreamLearner:
         return self._pool.submit(self._score, cands, self.background).result
 
     def _update_memory(self, x: torch.Tensor, y: torch.Tensor,
-                       scores: torch.Tensor | None = None) -> None:
+                       scores: torch.Tensor | None = None,
+                       labels: np.ndarray | None = None) -> None:
         spec = self.memory_spec
         if spec is None:
             return
@@ -248,7 +249,7 @@ class StreamLearner:
         # over the compute budget: class-balanced random this batch (version -1: stale)
         scoring = (Scoring(self._random_scores, -1, featurizer) if self.skip_scoring
                    else Scoring(self._score, self.score_version, featurizer, scores))
-        scored = self.memory.update(x, y, self.task or 0, scoring)
+        scored = self.memory.update(x, y, self.task or 0, scoring, labels)
         self.scored += scored if scoring.version >= 0 else 0
 
     def _random_scores(self, x: torch.Tensor) -> torch.Tensor:

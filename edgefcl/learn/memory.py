@@ -164,7 +164,10 @@ class ReplayMemory(ABC):
     Filled slots are [0, size): x, y, task, score and score_version (-1: no score) hold them;
     `_classes` (sorted) and `_priority` are every group a balanced memory was offered and its
     leftover priority, `current_task` / `current_seen` its last batch's task and that task's
-    samples offered so far.
+    samples offered so far. The bookkeeping (which class and task each slot holds, its score
+    version, the groups) also lives on the host, where the allotment and the replay draw read
+    it: an update or a draw reads nothing back from the device but the kept-candidate mask of
+    a full memory (and a scorer's scores, to check them).
     """
 
     name: ClassVar[str] = ""
@@ -210,8 +213,11 @@ class ReplayMemory(ABC):
         self.task = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
         self.score = torch.zeros(self.capacity, dtype=torch.float32, device=self.device)
         self.score_version = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
-        self._classes = torch.zeros(0, dtype=torch.int64, device=self.device)
-        self._priority = torch.zeros(0, dtype=torch.float32, device=self.device)
+        self._y_host = np.zeros(self.capacity, np.int64)  # host copies of y, task and
+        self._task_host = np.zeros(self.capacity, np.int64)  # score_version
+        self._version_host = np.full(self.capacity, -1, np.int64)
+        self._classes = np.zeros(0, np.int64)
+        self._priority = np.zeros(0, np.float32)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seed))
 
@@ -225,7 +231,8 @@ class ReplayMemory(ABC):
         if exclude_task is None:
             idx = torch.arange(self.size, device=self.device)
         else:
-            idx = torch.nonzero(self.task[: self.size] != exclude_task).squeeze(1)
+            idx = torch.from_numpy(
+                np.flatnonzero(self._task_host[: self.size] != exclude_task)).to(self.device)
         if idx.numel() == 0:
             return None
         pick = torch.randperm(idx.numel(), generator=self._gen, device=self.device)[:n]
@@ -234,33 +241,49 @@ class ReplayMemory(ABC):
 
     def class_counts(self) -> dict[int, int]:
         """Number of stored samples per class label (classes with none are left out)."""
-        labels, counts = torch.unique(self.y[: self.size], return_counts=True)
+        labels, counts = np.unique(self._y_host[: self.size], return_counts=True)
         return dict(zip(labels.tolist(), counts.tolist(), strict=True))
 
-    def pending_scores(self, x: Tensor, y: Tensor, task: int, version: int) -> Tensor | None:
+    def pending_scores(self, x: Tensor, y: Tensor, task: int, version: int,
+                       labels: np.ndarray | None = None) -> Tensor | None:
         """The stacked candidates that `update` with this batch and scoring `version` will
         score, when known ahead (a caller can score them while it trains and pass the scores
-        in `Scoring.scores`); None: none known ahead (a policy that scores nothing)."""
+        in `Scoring.scores`); None: none known ahead (a policy that scores nothing).
+        `labels`: y on the host, as for `update`."""
         return None
 
     # ------------------------------------------------------------------ update
 
-    def update(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None = None) -> int:
+    def update(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None = None,
+               labels: np.ndarray | None = None) -> int:
         """Offer a mini-batch (x, y) of `task`, x stored as x_dtype; returns the number of
-        samples scored. `scoring` is what a policy that ranks by scores needs."""
-        x, y = self._check_batch(x, y)
+        samples scored. `scoring` is what a policy that ranks by scores needs. `labels`: y on
+        the host, when the caller has them (the labels it made y from): then y is not read
+        back from the device."""
+        x, y, labels = self._check_batch(x, y, labels)
         if y.numel() == 0:
             return 0
-        scored = self._offer(x, y, task, scoring)
+        scored = self._offer(x, y, labels, task, scoring)
         self.seen += y.numel()
         return scored
 
     @abstractmethod
-    def _offer(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None) -> int:
-        """The policy's population rule for a checked, non-empty batch (`seen` does not count
-        it yet); returns the number of samples scored."""
+    def _offer(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
+               scoring: Scoring | None) -> int:
+        """The policy's population rule for a checked, non-empty batch (`labels`: y on the
+        host; `seen` does not count it yet); returns the number of samples scored."""
 
-    def _check_batch(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    def _store(self, slots: slice | np.ndarray, x: Tensor, y: Tensor, labels: np.ndarray,
+               task: int) -> slice | Tensor:
+        """Write samples x with labels y (`labels` on the host) of `task` into `slots`;
+        returns the slots as they index the device's tensors."""
+        at = slots if isinstance(slots, slice) else torch.from_numpy(slots).to(self.device)
+        self.x[at], self.y[at], self.task[at] = x, y, task
+        self._y_host[slots], self._task_host[slots] = labels, task
+        return at
+
+    def _check_batch(self, x: Tensor, y: Tensor, labels: np.ndarray | None = None
+                     ) -> tuple[Tensor, Tensor, np.ndarray]:
         if not isinstance(x, Tensor) or not isinstance(y, Tensor):
             raise DataError("memory update needs torch tensors x and y")
         if tuple(x.shape[1:]) != self.sample_shape:
@@ -273,9 +296,12 @@ class ReplayMemory(ABC):
         if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
             raise DataError(f"labels must be integers, got dtype {y.dtype}")
         y = y.to(self.device, torch.int64)
-        if y.numel() and int(y.min()) < 0:
+        labels = on_host(y) if labels is None else np.asarray(labels, np.int64)
+        if labels.shape != (y.numel(),):
+            raise DataError(f"host labels of shape {labels.shape} for {y.numel()} samples")
+        if labels.size and labels.min() < 0:
             raise DataError("labels must be >= 0")
-        return x.detach().to(self.device, self.x.dtype), y
+        return x.detach().to(self.device, self.x.dtype), y, labels
 
     # ------------------------------------------------------------------ persistence
 
@@ -302,8 +328,8 @@ class ReplayMemory(ABC):
             "task": cpu(self.task[:s]),
             "score": cpu(self.score[:s]),
             "score_version": cpu(self.score_version[:s]),
-            "classes": cpu(self._classes),
-            "priority": cpu(self._priority),
+            "classes": torch.from_numpy(self._classes.copy()),
+            "priority": torch.from_numpy(self._priority.copy()),
             "generator": self._gen.get_state(),
         }
 
@@ -338,8 +364,12 @@ class ReplayMemory(ABC):
         self.score[:s] = d["score"].to(dev)
         self.score_version[:s] = d["score_version"].to(dev)
         self.score_version[s:] = -1
-        self._classes = d["classes"].to(dev, torch.int64)
-        self._priority = d["priority"].to(dev, torch.float32)
+        self._y_host[:s] = on_host(d["y"])
+        self._task_host[:s] = on_host(d["task"])
+        self._version_host[:s] = on_host(d["score_version"])
+        self._version_host[s:] = -1
+        self._classes = on_host(d["classes"]).astype(np.int64)
+        self._priority = on_host(d["priority"]).astype(np.float32)
         self._gen.set_state(d["generator"])
 
 

@@ -11,8 +11,9 @@ capped at the task's share of the samples offered so far: `stream_paced`). Which
 an over-quota class keeps is the policy's: a uniform draw here, a ranking by scores in
 `memory_scored`.
 
-The allotment is worked out on the host in numpy from the small label arrays, where torch's
-per-operation cost dominated; the samples stay on the device.
+The allotment is worked out on the host in numpy from the small label arrays (the memory's host
+copies: nothing is read back from the device for it), where torch's per-operation cost
+dominated; the samples stay on the device.
 """
 
 from __future__ import annotations
@@ -48,23 +49,26 @@ class BalancedMemory(ReplayMemory):
     while the batch fits, then every group keeps its allotment (`_allot`); a subclass picks
     which candidates an over-quota group keeps (`_replace`)."""
 
-    def _offer(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None) -> int:
+    def _offer(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
+               scoring: Scoring | None) -> int:
         b = y.numel()
-        self._note_classes(self._groups(on_host(y), task))
+        self._note_classes(self._groups(labels, task))
         scored = 0
         if self.size + b <= self.capacity:
             sl = slice(self.size, self.size + b)
-            self.x[sl], self.y[sl], self.task[sl] = x, y, task
+            self._store(sl, x, y, labels, task)
             self.score[sl], self.score_version[sl] = 0.0, -1
+            self._version_host[sl] = -1
             self.size += b  # nothing is dropped: no score decides anything
         elif self.capacity > 0:
-            scored = self._replace(x, y, task, scoring)
+            scored = self._replace(x, y, labels, task, scoring)
         self.current_seen = self._task_seen(task) + b
         self.current_task = task
         return scored
 
     @abstractmethod
-    def _replace(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None) -> int:
+    def _replace(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
+                 scoring: Scoring | None) -> int:
         """Memory + batch exceed the capacity: keep every group's allotment (`_allot`) and
         write it with `_keep`; returns the number of samples scored."""
 
@@ -73,11 +77,11 @@ class BalancedMemory(ReplayMemory):
         """The groups and allotments of memory + a batch of `task` with labels `y`; `assumed`:
         (groups not offered yet, their leftover priorities) to plan as if they were known."""
         size, b = self.size, y.size
-        yc = np.concatenate([on_host(self.y[:size]), y])
-        tc = np.concatenate([on_host(self.task[:size]), np.full(b, task, dtype=np.int64)])
+        yc = np.concatenate([self._y_host[:size], y])
+        tc = np.concatenate([self._task_host[:size], np.full(b, task, dtype=np.int64)])
         labels, inv, counts = np.unique(self.grouping.key(yc, tc), return_inverse=True,
                                         return_counts=True)
-        classes, priority = on_host(self._classes), on_host(self._priority)
+        classes, priority = self._classes, self._priority
         if assumed is not None:
             order = np.argsort(np.concatenate([classes, assumed[0]]))
             classes = np.concatenate([classes, assumed[0]])[order]
@@ -93,24 +97,27 @@ class BalancedMemory(ReplayMemory):
             keep = self.grouping.allot(counts, prio, self.capacity)
         return Allotment(inv, counts, keep, current)
 
-    def _cached_scores(self, y: Tensor) -> tuple[Tensor, Tensor]:
-        """The candidates' cached scores and their versions (a batch row has none: -1)."""
+    def _cached_scores(self, y: Tensor) -> tuple[Tensor, Tensor, np.ndarray]:
+        """The candidates' cached scores and their versions (a batch row has none: -1), and
+        the versions on the host."""
         size = self.size
         return (torch.cat([self.score[:size], torch.zeros(y.numel(), device=self.device)]),
-                torch.cat([self.score_version[:size], torch.full_like(y, -1)]))
+                torch.cat([self.score_version[:size], torch.full_like(y, -1)]),
+                np.concatenate([self._version_host[:size], np.full(y.numel(), -1, np.int64)]))
 
-    def _keep(self, x: Tensor, y: Tensor, task: int, keep: Tensor, sc: Tensor,
-              vc: Tensor) -> None:
-        """Keep the candidates of mask `keep` (with their scores `sc`, versions `vc`): the kept
-        batch rows go to the dropped samples' slots and the free tail, so [0, capacity) is
-        filled afterwards."""
+    def _keep(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int, keep: Tensor,
+              sc: Tensor, vc: Tensor, versions: np.ndarray) -> None:
+        """Keep the candidates of mask `keep` (with their scores `sc`, versions `vc`, on the
+        host `versions`): the kept batch rows go to the dropped samples' slots and the free
+        tail, so [0, capacity) is filled afterwards. The mask is the one thing read back."""
         dev, size, cap = self.device, self.size, self.capacity
-        free = torch.cat(
-            [torch.nonzero(~keep[:size]).squeeze(1), torch.arange(size, cap, device=dev)]
-        )
-        rows = torch.nonzero(keep[size:]).squeeze(1)
-        self.x[free], self.y[free], self.task[free] = x[rows], y[rows], task
-        self.score[free], self.score_version[free] = sc[size + rows], vc[size + rows]
+        kept = on_host(keep)
+        free = np.concatenate([np.flatnonzero(~kept[:size]), np.arange(size, cap)])
+        rows = np.flatnonzero(kept[size:])
+        r = torch.from_numpy(rows).to(dev)
+        at = self._store(free, x[r], y[r], labels[rows], task)
+        self.score[at], self.score_version[at] = sc[size + r], vc[size + r]
+        self._version_host[free] = versions[size + rows]
         self.size = cap
 
     def _task_seen(self, task: int) -> int:
@@ -124,7 +131,7 @@ class BalancedMemory(ReplayMemory):
     def _known(self, groups: np.ndarray) -> np.ndarray:
         """Which of `groups` were offered before (a binary search of the sorted groups, far
         cheaper than np.isin on arrays this small)."""
-        classes = on_host(self._classes)
+        classes = self._classes
         if classes.size == 0:
             return np.zeros(groups.shape, dtype=bool)
         return classes[np.searchsorted(classes, groups).clip(max=classes.size - 1)] == groups
@@ -134,12 +141,13 @@ class BalancedMemory(ReplayMemory):
         unknown = ~self._known(groups)
         if not unknown.any():
             return
-        new = np.unique(groups[unknown])
-        prio = torch.rand(new.size, generator=self._gen, device=self.device)
-        classes = torch.cat([self._classes, torch.from_numpy(new).to(self.device)])
-        order = torch.argsort(classes)
+        new = np.unique(groups[unknown]).astype(np.int64)
+        # drawn from the device's generator, as always (read back only for new groups)
+        prio = on_host(torch.rand(new.size, generator=self._gen, device=self.device))
+        classes = np.concatenate([self._classes, new])
+        order = np.argsort(classes, kind="stable")  # distinct groups: one order
         self._classes = classes[order]
-        self._priority = torch.cat([self._priority, prio])[order]
+        self._priority = np.concatenate([self._priority, prio])[order]
 
 
 class BalancedRandomMemory(BalancedMemory):
@@ -148,11 +156,12 @@ class BalancedRandomMemory(BalancedMemory):
 
     name = "balanced-random"
 
-    def _replace(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None) -> int:
-        a = self._allot(on_host(y), task)
+    def _replace(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
+                 scoring: Scoring | None) -> int:
+        a = self._allot(labels, task)
         inv, counts, keep_n = (torch.from_numpy(v).to(self.device)
                                for v in (a.inv, a.counts, a.keep))
-        sc, vc = self._cached_scores(y)
+        sc, vc, versions = self._cached_scores(y)
         keep = UNIFORM.select(Candidates(inv, counts, keep_n, sc, None, self._gen))
-        self._keep(x, y, task, keep, sc, vc)
+        self._keep(x, y, labels, task, keep, sc, vc, versions)
         return 0

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from edgefcl.learn.memory import ReplayMemory, Scoring
+from edgefcl.learn.memory import ReplayMemory, Scoring, on_host
 
 
 class ReservoirMemory(ReplayMemory):
@@ -14,23 +15,25 @@ class ReservoirMemory(ReplayMemory):
 
     name = "reservoir"
 
-    def _offer(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None) -> int:
+    def _offer(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
+               scoring: Scoring | None) -> int:
         """Sequential reservoir sampling over the batch, vectorized: sample number t (from 0)
         goes to slot t while t < capacity, else to slot j ~ U[0, t] if j < capacity; when
-        several samples pick one slot the later one wins."""
+        several samples pick one slot the later one wins. The draws come from the device's
+        generator; the slots are worked out on the host."""
         b = y.numel()
-        t = self.seen + torch.arange(b, device=self.device, dtype=torch.int64)
-        u = torch.rand(b, generator=self._gen, device=self.device, dtype=torch.float64)
-        j = torch.minimum((u * (t + 1).to(torch.float64)).to(torch.int64), t)
-        j = torch.where(t < self.capacity, t, j)
+        t = self.seen + np.arange(b, dtype=np.int64)
+        u = on_host(torch.rand(b, generator=self._gen, device=self.device, dtype=torch.float64))
+        j = np.minimum((u * (t + 1).astype(np.float64)).astype(np.int64), t)
+        j = np.where(t < self.capacity, t, j)
         hit = j < self.capacity
-        if self.capacity == 0 or not bool(hit.any()):
+        if self.capacity == 0 or not hit.any():
             return 0
-        winner = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
-        src = torch.arange(b, device=self.device)[hit]
-        winner.scatter_reduce_(0, j[hit], src, reduce="amax")
-        slots = torch.nonzero(winner >= 0).squeeze(1)
+        winner = np.full(self.capacity, -1, dtype=np.int64)
+        np.maximum.at(winner, j[hit], np.arange(b)[hit])
+        slots = np.flatnonzero(winner >= 0)
         rows = winner[slots]
-        self.x[slots], self.y[slots], self.task[slots] = x[rows], y[rows], task
+        r = torch.from_numpy(rows).to(self.device)
+        self._store(slots, x[r], y[r], labels[rows], task)
         self.size = min(self.seen + b, self.capacity)
         return 0

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.memory import Featurizer, Scoring, on_host
+from edgefcl.learn.memory import Featurizer, Scoring
 from edgefcl.learn.memory_balanced import UNIFORM, BalancedMemory
 from edgefcl.learn.selection import Candidates
 
@@ -40,6 +40,8 @@ class _Plan:
     keep_n: Tensor  # (m,) allotment per class
     ranked: Tensor  # (m,) classes the selection rule decides
     need: Tensor  # candidates (memory slots, then batch rows) that need a score
+    need_host: np.ndarray  # the same on the host
+    any_ranked: bool
 
 
 class BalancedScoreMemory(BalancedMemory):
@@ -54,21 +56,23 @@ class BalancedScoreMemory(BalancedMemory):
         # the plan `pending_scores` made, kept for the `update` that follows with the same
         # batch and version (nothing in between changes the memory): (key, labels, plan or
         # None when update must make it again, the candidates it asked to score)
-        self._ahead: tuple[tuple, np.ndarray, _Plan | None, Tensor] | None = None
+        self._ahead: tuple[tuple, np.ndarray, _Plan | None, np.ndarray] | None = None
 
-    def _offer(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None) -> int:
+    def _offer(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
+               scoring: Scoring | None) -> int:
         if scoring is None:
             raise ConfigError(f"a '{self.name}' memory needs a scorer in update()")
-        return super()._offer(x, y, task, scoring)
+        return super()._offer(x, y, labels, task, scoring)
 
-    def _replace(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None) -> int:
+    def _replace(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
+                 scoring: Scoring | None) -> int:
         assert scoring is not None  # checked by _offer
         size = self.size
-        sc, vc = self._cached_scores(y)
-        plan, need_ahead = self._planned(on_host(y), task, scoring.version)
+        sc, vc, versions = self._cached_scores(y)
+        plan, need_ahead = self._planned(labels, task, scoring.version)
         scores = scoring.scores
-        if scores is not None and need_ahead is not None and not torch.equal(plan.need,
-                                                                             need_ahead):
+        if (scores is not None and need_ahead is not None
+                and not np.array_equal(plan.need_host, need_ahead)):
             scores = None  # scored ahead for other candidates than the drawn priorities need
         scored = plan.need.numel()
         if scored:
@@ -76,25 +80,27 @@ class BalancedScoreMemory(BalancedMemory):
                 scores = scoring.scorer(self._stack(x, plan.need, size))
             sc[plan.need] = self._checked_scores(scores, scored)
             vc[plan.need] = scoring.version
+            versions[plan.need_host] = scoring.version
             self.score[:size], self.score_version[:size] = sc[:size], vc[:size]
+            self._version_host[:size] = versions[:size]
         feats = (self._features(x, plan, scoring.featurizer) if self.rule.needs_features
                  else None)
         # Unranked classes: a uniform draw (the `random` rule), ranked ones: the memory's rule.
         keep = UNIFORM.select(Candidates(plan.inv, plan.counts, plan.keep_n, sc, None,
                                          self._gen))
-        if bool(plan.ranked.any()):
+        if plan.any_ranked:
             rule_keep = self.rule.select(Candidates(plan.inv, plan.counts, plan.keep_n, sc,
                                                     feats, self._gen))
             keep = torch.where(plan.ranked[plan.inv], rule_keep, keep)
-        self._keep(x, y, task, keep, sc, vc)
+        self._keep(x, y, labels, task, keep, sc, vc, versions)
         return scored
 
     def _features(self, x: Tensor, plan: _Plan, featurizer: Featurizer | None) -> Tensor | None:
         """(n, d) features of the candidates of ranked classes (zeros elsewhere); None when no
         class is ranked."""
-        in_ranked = plan.ranked[plan.inv]
-        if not bool(in_ranked.any()):
+        if not plan.any_ranked:  # a ranked class has candidates: over its allotment
             return None
+        in_ranked = plan.ranked[plan.inv]
         if featurizer is None:
             raise ConfigError(f"selection '{self.rule.name}' needs a featurizer")
         idx = torch.nonzero(in_ranked).squeeze(1)
@@ -119,33 +125,36 @@ class BalancedScoreMemory(BalancedMemory):
 
     # ------------------------------------------------------------------ the plan
 
-    def pending_scores(self, x: Tensor, y: Tensor, task: int, version: int) -> Tensor | None:
+    def pending_scores(self, x: Tensor, y: Tensor, task: int, version: int,
+                       labels: np.ndarray | None = None) -> Tensor | None:
         """The stacked candidates that `update` with this batch and scoring `version` will
         score (None when it scores none, or when which it scores depends on the leftover
         priorities it will draw for labels never offered before), computed without changing
         the memory or drawing random numbers: a caller can score them ahead (e.g. while it
-        trains) and pass the scores in `Scoring.scores`."""
+        trains) and pass the scores in `Scoring.scores`. `labels`: y on the host, as for
+        `update`."""
         if not self.rule.needs_scores:
             return None
-        x, y = self._check_batch(x, y)
+        x, y, labels = self._check_batch(x, y, labels)
         if self.capacity == 0 or self.size + y.numel() <= self.capacity or y.numel() == 0:
             return None
-        labels = on_host(y).copy()
+        labels = labels.copy()
         groups = self._groups(labels, task)
         new = np.unique(groups[~self._known(groups)])
         if new.size == 0:
             plan = self._plan(labels, task, version)
-            need = plan.need
+            need = plan.need_host
         else:
             need = self._need_whatever_priority(labels, task, version, new)
             if need is None:
                 return None  # the new groups' priorities, drawn in update(), decide: score there
             plan = None  # made again in update(), with the priorities it draws
         self._ahead = (self._plan_key(task, version), labels, plan, need)
-        return self._stack(x, need, self.size) if need.numel() else None
+        return (self._stack(x, torch.from_numpy(need).to(self.device), self.size) if need.size
+                else None)
 
     def _need_whatever_priority(self, y: np.ndarray, task: int, version: int,
-                                new: np.ndarray) -> Tensor | None:
+                                new: np.ndarray) -> np.ndarray | None:
         """The candidates needing a score when they are the same whatever leftover priorities
         `update` draws for the `new` groups, else None. An allotment that gives leftovers by
         priority rank (water-filling, `stream_paced`) decides each new group only by whether
@@ -154,14 +163,15 @@ class BalancedScoreMemory(BalancedMemory):
         checks the plan it makes against this one all the same."""
         if new.size > MAX_NEW_GROUPS_AHEAD:
             return None
-        needs = [self._plan(y, task, version, (new, np.array(ends, dtype=np.float32))).need
+        needs = [self._plan(y, task, version, (new, np.array(ends, dtype=np.float32))).need_host
                  for ends in itertools.product((-1.0, 2.0), repeat=new.size)]
-        return needs[0] if all(torch.equal(needs[0], n) for n in needs[1:]) else None
+        return needs[0] if all(np.array_equal(needs[0], n) for n in needs[1:]) else None
 
     def _plan_key(self, task: int, version: int) -> tuple:
         return (self.seen, self.size, task, version)
 
-    def _planned(self, y: np.ndarray, task: int, version: int) -> tuple[_Plan, Tensor | None]:
+    def _planned(self, y: np.ndarray, task: int, version: int
+                 ) -> tuple[_Plan, np.ndarray | None]:
         """`_plan` (taken from the last `pending_scores` when it planned this very update) and
         the candidates that `pending_scores` asked to score for it (None: it did not)."""
         ahead, self._ahead = self._ahead, None
@@ -181,7 +191,7 @@ class BalancedScoreMemory(BalancedMemory):
         ranked = (a.counts > a.keep) & (a.current | self.rank_past)
         need = np.zeros(0, dtype=np.int64)
         if self.rule.needs_scores:
-            vc = np.concatenate([on_host(self.score_version[:self.size]),
+            vc = np.concatenate([self._version_host[:self.size],
                                  np.full(y.size, -1, dtype=np.int64)])
             if self.rescore == "always":
                 valid = np.zeros(vc.size, dtype=bool)
@@ -191,7 +201,8 @@ class BalancedScoreMemory(BalancedMemory):
                 valid = (vc == version) | (~a.current[a.inv] & (vc >= 0))
             need = np.flatnonzero(ranked[a.inv] & ~valid)
         return _Plan(*(torch.from_numpy(v).to(self.device)
-                       for v in (a.inv, a.counts, a.keep, ranked, need)))
+                       for v in (a.inv, a.counts, a.keep, ranked, need)),
+                     need_host=need, any_ranked=bool(ranked.any()))
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         super().load_state_dict(d)
