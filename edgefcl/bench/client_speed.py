@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from edgefcl.bench.bare_step import bare_step_refs, print_refs
+from edgefcl.bench.device_waits import device_waits, print_waits
 from edgefcl.build import Setup, make_optimizer, prepare, use_cpu_threads
 from edgefcl.config import ConfigError, RunConfig
 from edgefcl.learn.export import export_onnx
@@ -303,6 +304,9 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
               f"{row['score_thread']:10.2f} {row['memory']:10.2f} "
               f"{row['scored_per_batch']:13.1f} {row['accuracy']:5.1f} ± {row['accuracy_std']:4.1f}"
               f" {row['forgetting']:5.1f} ± {row['forgetting_std']:4.1f} {row['wall_s']:7.1f}")
+    methods = dict.fromkeys((cfg.learn.method, "cbr"))
+    report["device_waits"] = [device_waits(cfg, m) for m in methods]
+    print_waits(report["device_waits"])
     setup = prepare(cfg, cfg.seed)
     n = cfg.learn.memory_size + cfg.data.batch_size
     x = torch.from_numpy(setup.tasks[0][0].x_train[:n])
