@@ -212,7 +212,7 @@ class StreamLearner:
             yield xb, yb
 
     # -- memory ---------------------------------------------------------------------------
-    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor, labels: np.ndarray | None = None
+    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor, labels: np.ndarray
                      ) -> Callable[[], torch.Tensor] | None:
         """Start scoring the candidates the memory update after this batch will need, when
         they are known before training (the scoring model must be the frozen snapshot, not the

@@ -13,14 +13,18 @@ from edgefcl.federation.messages import Tensors
 
 def shared_names(model: torch.nn.Module) -> list[str]:
     """Names of the floating-point state entries that are federated (params + BN statistics)."""
-    return [k for k, v in model.state_dict().items() if v.is_floating_point()]
+    return _floating(model.state_dict())
+
+
+def _floating(state: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k, v in state.items() if v.is_floating_point()]
 
 
 def get_tensors(model: torch.nn.Module) -> Tensors:
     """The federated state of `model` as float32 numpy arrays (copies), in state_dict order:
     one copy to the host for all of them (on CUDA one wait, not one per tensor)."""
     state = model.state_dict()
-    names = [k for k, v in state.items() if v.is_floating_point()]  # `shared_names`
+    names = _floating(state)
     if not names:
         return {}
     # `cat` makes a new tensor: the arrays share no memory with the model

@@ -14,8 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from edgefcl.bench.device_waits import counting
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
 from edgefcl.learn.memory import (
@@ -794,48 +794,30 @@ def test_a_new_policy_is_its_class_and_one_registry_line(monkeypatch):
         get_policy("nope")
 
 
-class DeviceReads(TorchDispatchMode):
-    """Counts what would make the host wait for a CUDA device: reading a value (item, bool,
-    int), nonzero, equal, and `Tensor.numpy` (counted on CPU, where none of them waits)."""
-
-    WAITS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero"}
-
-    def __init__(self, monkeypatch) -> None:
-        super().__init__()
-        self.count = 0
-        numpy = torch.Tensor.numpy
-
-        def counted(t, *args, **kwargs):
-            self.count += 1
-            return numpy(t, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, "numpy", counted)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.__name__.split(".")[0] in self.WAITS
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("policy", ["balanced-score", "balanced-random", "reservoir"])
-def test_an_update_reads_back_only_the_kept_mask_and_a_draw_nothing(policy, monkeypatch):
+def test_an_update_reads_back_only_the_kept_mask_and_a_draw_nothing(policy):
     # the allotment read the memory's labels, tasks, groups and score versions back from the
     # device at every update (13.7 waits a mini-batch for BI on the demo, 0.9 now)
     cls = memory_class(policy)
-    mem = cls(8, (2,), selection="bottom", seed=0) if cls.scored else cls(8, (2,), seed=0)
+
+    def new() -> ReplayMemory:
+        return cls(8, (2,), selection="bottom", seed=0) if cls.scored else cls(8, (2,), seed=0)
+
+    mem = new()
     scoring = Scoring(id_score, 0) if cls.scored else None
     for k in range(3):  # full, every class known
         x, y = batch(range(4 * k, 4 * k + 4), k % 2)
         mem.update(x, y, 0, scoring, labels=y.numpy())
     x, y = batch(range(20, 24), 1)
     labels = y.numpy()
-    with DeviceReads(monkeypatch) as reads:
+    with counting() as reads:
         mem.update(x, y, 0, scoring, labels=labels)
     # the kept mask; a scorer's scores are checked for NaN too; the reservoir reads its draws
-    assert reads.count == (2 if cls.scored else 1)
-    with DeviceReads(monkeypatch) as reads:
+    assert sum(reads.values()) == (2 if cls.scored else 1), reads
+    with counting() as reads:
         assert mem.sample(4, exclude_task=1) is not None
-    assert reads.count == 0
-    twin = cls(8, (2,), selection="bottom", seed=0) if cls.scored else cls(8, (2,), seed=0)
+    assert sum(reads.values()) == 0, reads
+    twin = new()
     twin.load_state_dict(mem.state_dict())  # the host copies come back with a checkpoint
     assert twin.class_counts() == mem.class_counts() == dict(zip(
         *np.unique(mem.y[:mem.size].numpy(), return_counts=True), strict=True))
