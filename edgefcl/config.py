@@ -178,9 +178,10 @@ class LearnConfig:
                        "bit-reproducible)")
     batch_clients: str = opt(
         "auto", "in-process runs: the clients that learn a mini-batch in the same lock-step "
-        "tick train as one stacked computation (same draws; equal to training one after "
-        "another within float tolerance): on | off | auto (on with CUDA, where a step is "
-        "launch-bound; off on CPU, which keeps runs bit-identical to the networked runtime)"
+        "tick (async: every device whose next event is a mini-batch) train as one stacked "
+        "computation (same draws; equal to training one after another within float "
+        "tolerance): on | off | auto (on with CUDA, where a step is launch-bound; off on CPU, "
+        "which keeps runs bit-identical to the networked runtime)"
     )
     prequential: bool = opt(
         True, "count test-then-train accuracy on the stream (one eval forward per batch "

@@ -14,6 +14,15 @@ device after its downlink delay; a device keeps only the newest (the retained gl
 A dropout takes a device off for a while: it trains nothing, and on reconnect receives the
 retained global. The aggregator polls its timeouts every `POLL_S` virtual seconds, as the
 daemon does between inbox reads.
+
+With `--batch-clients on` the devices' steps are stacked (`learn/batched.py`) although each
+device learns at its own virtual time: a device's step depends only on its own state after its
+previous event (a global it receives is merged at its next event, after the step), so when a
+device's mini-batch is due, every device whose next event is a mini-batch steps with it, ahead
+of its time, and its event later uses the update it made (`AsyncFleet.step_ahead`). Sends,
+merges, evaluations and every timing stay where the profile puts them: the run is the same as
+one without stacking but for float order (`tests/sim/test_async_sim.py` checks it bit for bit
+with stacking turned off).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from edgefcl.federation.aggregator import Aggregator, RoundClosed, async_stats
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.task_gate import gate_open
 from edgefcl.federation.versions import delta_downlink, downlink_message
+from edgefcl.learn.batched import FleetTrainer, batch_clients, why_alone
 from edgefcl.learn.client import Client
 from edgefcl.learn.merges import MERGED, merge_at_gate, merge_global
 from edgefcl.outcomes.metrics import CommStats
@@ -83,7 +93,7 @@ class AsyncFleet:
 
     def __init__(self, cfg: RunConfig, agg: Aggregator, devices: list[SimDevice],
                  on_task_end: Callable[[SimDevice, int], None],
-                 progress: Callable[[], None]) -> None:
+                 progress: Callable[[], None], trainer: FleetTrainer | None = None) -> None:
         self.cfg = cfg
         self.fed = cfg.fed
         self.agg = agg
@@ -94,22 +104,50 @@ class AsyncFleet:
         self.progress = progress
         self.round_up = 0
         self.gate_passed = -1
+        self.trainer = trainer
+        self.due: set[int] = set()
+        """The devices whose next event is a mini-batch."""
+        self.ahead: dict[int, tuple[Batch | None, Update | None]] = {}
+        """Per device stepped ahead of its time: the mini-batch and the update it made."""
 
     def run(self) -> None:
         for d in self.devices:
             self.agg.join(d.client.cid, 0.0)
-            self.clock.at(d.clock.timing.start_s + d.clock.compute(), self.batch, d)
+            self.next_batch(d, d.clock.timing.start_s + d.clock.compute())
         self.clock.at(POLL_S, self.poll)
         self.clock.run()
 
     # -- devices ---------------------------------------------------------------------------
+    def next_batch(self, d: SimDevice, t: float) -> None:
+        """The device will have trained its next mini-batch at virtual time `t`."""
+        self.due.add(d.k)
+        self.clock.at(t, self.batch, d)
+
+    def step_ahead(self, d: SimDevice) -> None:
+        """Step `d` together with every device whose next event is a mini-batch and that has
+        not stepped ahead yet: their updates wait in `ahead` for their events."""
+        assert self.trainer is not None
+        group = [e for e in self.devices
+                 if e is d or (e.k in self.due and e.k not in self.ahead)]
+        batches = [next(e.stream, None) for e in group]
+        stepping = [(e, b) for e, b in zip(group, batches, strict=True) if b is not None]
+        updates = self.trainer.step([e.client for e, _ in stepping], [b for _, b in stepping])
+        self.ahead |= {e.k: (b, None) for e, b in zip(group, batches, strict=True)}
+        self.ahead |= {e.k: (b, u) for (e, b), u in zip(stepping, updates, strict=True)}
+
     def batch(self, d: SimDevice) -> None:
         """The device finished training its next mini-batch."""
-        b = next(d.stream, None)
+        self.due.discard(d.k)
+        if self.trainer is None:
+            b = next(d.stream, None)
+            upd = None if b is None else d.client.step(b)
+        else:
+            if d.k not in self.ahead:
+                self.step_ahead(d)
+            b, upd = self.ahead.pop(d.k)
         if b is None:
             self.end_of_stream(d)
             return
-        upd = d.client.step(b)
         if upd is not None:
             self.send(d, upd)
         self.merge(d)
@@ -126,7 +164,7 @@ class AsyncFleet:
             d.offline_s += off
             self.clock.after(off, self.reconnect, d)
             return
-        self.clock.after(d.clock.compute(), self.batch, d)
+        self.next_batch(d, self.clock.now + d.clock.compute())
 
     def wait_at_gate(self, d: SimDevice, task: int) -> None:
         """The task gate: send the held update (the task's last mini-batches), claim the task
@@ -161,7 +199,7 @@ class AsyncFleet:
               and d.client.cid in d.latest.participants):
             d.unanswered = False  # else its last update waits for a round (end of stream)
         self.on_task_end(d, task)
-        self.clock.after(d.clock.compute(), self.batch, d)
+        self.next_batch(d, self.clock.now + d.clock.compute())
 
     def gate_news(self, d: SimDevice, passed: int, version: int) -> None:
         """The fleet's task gate reached the device (the daemon's retained config)."""
@@ -173,7 +211,7 @@ class AsyncFleet:
         g = self.agg.global_
         if g.version > 0:
             self.clock.at(d.clock.arrival(self.clock.now, "down"), self.receive, d, g)
-        self.clock.after(d.clock.compute(), self.batch, d)
+        self.next_batch(d, self.clock.now + d.clock.compute())
 
     def send(self, d: SimDevice, upd: Update) -> None:
         size = encoded_size(upd, self.cfg)
@@ -276,9 +314,6 @@ def simulate_async(cfg: RunConfig, method: str, seed: int,
     seed and profile give the same run, bit for bit."""
     cfg = for_method(cfg, method)
     use_cpu_threads(cfg.learn.threads)
-    if cfg.learn.batch_clients == "on":
-        log.warning("batch-clients: async devices learn at their own virtual times, so they "
-                    "train one after another (it stacks lock-step ticks only)")
     start = time.perf_counter()
     per_device = timings(cfg.profile, cfg.fed.clients, seed)
     setup = prepare(cfg, seed)
@@ -308,11 +343,15 @@ def simulate_async(cfg: RunConfig, method: str, seed: int,
         if progress is not None:
             progress(min(done[0], total), total, f"rounds {agg.rounds}")
 
-    fleet = AsyncFleet(cfg, agg, devices, task_end, step)
+    trainer = FleetTrainer() if batch_clients(cfg.learn) else None
+    if trainer is not None and (why := why_alone(clients[0])) is not None:
+        log.warning("batch-clients: %s, so its clients train one after another", why)
+    fleet = AsyncFleet(cfg, agg, devices, task_end, step, trainer)
     fleet.run()
     stats = async_stats(agg.counters) | {
         "virtual_s": round(fleet.clock.now, 3), "profile": cfg.profile,
         "drops": int(sum(d.drops for d in devices)),
         "offline_s": round(float(sum(d.offline_s for d in devices)), 3)}
+    stacked = {} if trainer is None else {"stacked_steps": trainer.stacked_steps}
     return run_result(cfg, method, seed, setup, clients, agg, acc, coverage, fleet.comm, start,
-                      asynchrony=stats)
+                      asynchrony=stats, **stacked)
