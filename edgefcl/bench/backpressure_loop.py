@@ -154,8 +154,9 @@ def run_loop(spec: Loop) -> dict:
                     busy = fold(device, busy)
             if released and busy <= until:
                 busy = fold(released.popleft(), busy)
-        if not len(inbox) and not released:
-            busy = max(busy, until)
+        if not len(inbox) and not released and busy < until:
+            inbox.waited(until - busy)
+            busy = until
 
     def arrive(i: int, at: float) -> None:
         nonlocal busy

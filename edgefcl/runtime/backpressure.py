@@ -19,7 +19,10 @@ shed, messages the main loop took out, and the mean inbox fill. The factor (>= 1
   7.7, 0.48 of the capacity folded);
 - otherwise factor x DECAY, towards 1: the aggregator keeps probing for more load, so under
   a steady overload the factor settles where it folds at its capacity with little shed (a band
-  that held the factor would leave it wherever a burst had pushed it).
+  that held the factor would leave it wherever a burst had pushed it); and lower when the main
+  loop idled (`Load.idle`): at factor f a loop busy a share b of the interval would have kept
+  up with about f x b, so the factor goes to f x b / BUSY at once (a load that drops, or a
+  rise that overshot, is followed within one interval rather than by x DECAY per interval).
 
 The interval after a rise is not measured (the factor holds): devices react within one update
 period, so that interval's arrivals still mix the old and the new rate, and measuring them would
@@ -53,6 +56,8 @@ HIGH_FILL = 0.5
 SLACK = 0.1
 STEP = 1.1
 DECAY = 0.9
+BUSY = 0.9
+"""The main loop's busy share the factor comes down to at once when the loop idles more."""
 REASONS = ("shed", "fill", "behind")
 SPREAD_FLEET = 100
 """Active (or expected: `fed.clients`) devices from which an aggregator asks its fleet to
@@ -72,12 +77,14 @@ class Load:
     """Messages the main loop took out (and handled)."""
     fill: float
     """Mean fill of the inbox's byte budget (0..1) over the interval."""
+    idle: float = 0.0
+    """Share of the interval (0..1) the main loop waited for input with nothing to do."""
 
     def less(self, refused: int) -> Load:
         """This load without `refused` messages that were taken but refused at once (the
         update quota's: devices over their fair share send them whatever the factor)."""
         n = min(refused, self.taken)
-        return Load(self.offered - n, self.shed, self.taken - n, self.fill)
+        return Load(self.offered - n, self.shed, self.taken - n, self.fill, self.idle)
 
 
 class Backpressure:
@@ -131,8 +138,9 @@ class Backpressure:
         elif ratio > 1 + SLACK:
             both = (load.offered + before.offered) / max(load.taken + before.taken, 1)
             new, why = prev * both, "behind"
-        else:
-            new, why = prev * DECAY, self.reason
+        else:  # nothing queues, so offered = taken hides the spare capacity: the idle
+            # share shows it (a factor f leaving the loop busy b is about f x b too high)
+            new, why = prev * min(DECAY, (1.0 - load.idle) / BUSY), self.reason
         self.factor = round(min(max(new, 1.0), self.max_factor), 2)
         self._settling = self.factor > prev
         self.reason = why if self.factor > 1.0 else ""

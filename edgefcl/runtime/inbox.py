@@ -12,7 +12,8 @@ stays bounded: a message beyond its queue sheds the sender's oldest waiting one 
 matter: an update supersedes the one before, and a device's backlog after an outage ends with
 what it sent last), counted as `over_share` per sender (`offenders`): one device cannot take
 the inbox, the main loop's time or the honest devices' place in line. `load()` reports what
-the inbox saw since its last call (offered, shed, taken, mean fill) for backpressure, leaving
+the inbox saw since its last call (offered, shed, taken, mean fill, the main loop's idle
+share) for backpressure, leaving
 out the messages shed over a sender's share: one sender's flood is not the fleet's load.
 Under backpressure the daemon's update quota names the devices sending over their fair share
 (`over_limit`): when the inbox is full, a message of such a device is refused and one of
@@ -95,6 +96,7 @@ class Inbox:
         self._since = self.clock()  # the interval load() reports on
         self._t = self._since  # last change of `bytes`
         self._area = 0.0  # integral of bytes over time since `_since`
+        self._waited = 0.0  # seconds the main loop waited for input since `_since`
         self._mark = (0, 0, 0, 0)  # queued, shed, taken, superseded at `_since`
 
     def _account(self) -> None:
@@ -259,8 +261,12 @@ class Inbox:
         """The oldest item of the sender whose turn it is, or None after `timeout` seconds
         without one."""
         with self._cond:
-            if not self._count and not self._cond.wait_for(lambda: self._count, timeout):
-                return None
+            if not self._count:
+                t0 = self.clock()
+                ready = self._cond.wait_for(lambda: self._count, timeout)
+                self._waited += self.clock() - t0
+                if not ready:
+                    return None
             sender = self._turns.popleft()
             mine = self._queues[sender]
             topic, item, size = mine.popleft()
@@ -276,18 +282,26 @@ class Inbox:
             self.bytes -= size
             return topic, item
 
+    def waited(self, seconds: float) -> None:
+        """Count `seconds` the main loop waited for input (`get` counts its own waits; the
+        backpressure bench's virtual main loop tells its idle time here)."""
+        with self._cond:
+            self._waited += seconds
+
     def load(self) -> Load:
-        """Messages offered, shed and taken and the mean fill of the byte budget since the
-        last call (the first call: since the inbox was made); sheds over a sender's share are
-        left out, superseding reports count as offered."""
+        """Messages offered, shed and taken, the mean fill of the byte budget and the share of
+        the time the main loop waited for input since the last call (the first call: since the
+        inbox was made); sheds over a sender's share are left out, superseding reports count
+        as offered."""
         with self._cond:
             self._account()
             span = self._t - self._since
             q, s, t, r = self._mark
             fill = self._area / span / self.max_bytes if span > 0 and self.max_bytes else 0.0
+            idle = min(self._waited / span, 1.0) if span > 0 else 0.0
             load = Load(offered=self.queued - q + self.shed - s + self.superseded - r,
-                        shed=self.shed - s, taken=self.taken - t, fill=fill)
-            self._since, self._area = self._t, 0.0
+                        shed=self.shed - s, taken=self.taken - t, fill=fill, idle=idle)
+            self._since, self._area, self._waited = self._t, 0.0, 0.0
             self._mark = (self.queued, self.shed, self.taken, self.superseded)
             return load
 

@@ -79,6 +79,22 @@ def test_a_round_close_that_the_next_interval_drains_does_not_raise_the_factor()
     assert bp.reason == "behind"
 
 
+def test_an_idle_main_loop_brings_the_factor_down_at_once():
+    bp = Backpressure(max_factor=8)
+    # the load dropped: at factor 2 the loop was busy a quarter of the interval, so 2 x 0.25
+    # / 0.9 = 0.56 would have kept it busy 0.9 of the time: 1 at once (not 2 x 0.9 per interval)
+    bp.factor, bp.reason = 2.0, "shed"
+    assert bp.update(Load(offered=250, shed=0, taken=250, fill=0.0, idle=0.75)) == 1.0
+    assert bp.reason == ""
+    # a rise that overshot: busy 0.6 at 3.3, 3.3 x 0.6 / 0.9 = 2.2
+    bp.factor = 3.3
+    assert bp.update(Load(offered=600, shed=0, taken=600, fill=0.0, idle=0.4)) == 2.2
+    # busy 0.9 or more: the usual probe, x 0.9
+    assert bp.update(Load(offered=900, shed=0, taken=900, fill=0.0, idle=0.05)) == 1.98
+    # an idle share never lowers a factor that sheds, fills or falls behind
+    assert bp.update(Load(offered=1000, shed=10, taken=900, fill=0.3, idle=0.5)) > 1.98
+
+
 def test_factor_is_bounded_and_off_at_one():
     bp = Backpressure(max_factor=4)
     assert bp.update(Load(offered=1000, shed=900, taken=100, fill=1.0)) == 4.0  # 10x -> cap 4
@@ -103,6 +119,20 @@ def test_inbox_reports_its_load_per_interval():
     later = box.load()  # a new interval: nothing happened, 30 of 100 bytes held throughout
     assert (later.offered, later.shed, later.taken) == (0, 0, 0)
     assert later.fill == pytest.approx(0.3)
+
+
+def test_inbox_reports_the_share_of_the_interval_its_main_loop_waited():
+    now = [0.0]
+    box = Inbox(max_bytes=100, clock=lambda: now[0])
+    box.waited(1.5)  # as the backpressure bench's virtual main loop tells it
+    now[0] = 2.0
+    assert box.load().idle == 0.75
+    now[0] = 3.0
+    assert box.load().idle == 0.0  # a new interval
+    real = Inbox(max_bytes=100)
+    assert real.get(0.05) is None  # waited 0.05 s for nothing
+    assert 0.5 < real.load().idle <= 1.0
+    assert real.load().less(0).idle == 0.0
 
 
 def test_a_full_inbox_makes_room_with_the_messages_of_devices_over_their_limit():
@@ -501,7 +531,9 @@ def test_the_factor_settles_at_twice_the_capacity_and_comes_back_down():
     assert r["folded_over_capacity"] >= 0.9 and r["settled_s"] <= 10
     assert r["factor_steady_min"] >= 1.6 and r["factor_steady_max"] <= 2.5  # no limit cycle
     down = run_loop(Loop(offered=2.0, drop_to=0.5))
-    assert down["down_s"] <= 20  # x 0.9 an interval: 2 -> 1 in 7 intervals of 2 s, and more
+    # the main loop idles once the load drops: 1 within a few intervals (by x 0.9 an interval
+    # alone, 2 -> 1 took 7 intervals of 2 s, and more: 16-18 s)
+    assert down["down_s"] <= 8
 
 
 def test_devices_that_ignore_the_factor_get_at_most_1_5x_the_compliant_share():
