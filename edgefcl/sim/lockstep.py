@@ -90,8 +90,12 @@ def simulate_lockstep(cfg: RunConfig, method: str, seed: int,
         if closed is not None and closed.global_ is not None:
             comm.per_round_up.append(tick_up)
             _deliver(closed.global_, clients, comm, cfg, agg.history)
-        for k, t in finished_tasks:
-            acc[k, t] = evaluate_all(clients[k], setup.tasks[k])
+        if trainer is not None and finished_tasks:  # stacked across the clients
+            tests = [[(task.x_test, task.y_test) for task in setup.tasks[k]]
+                     for k, _ in finished_tasks]
+            scores = trainer.evaluate([clients[k] for k, _ in finished_tasks], tests)
+        for n, (k, t) in enumerate(finished_tasks):
+            acc[k, t] = evaluate_all(clients[k], setup.tasks[k]) if trainer is None else scores[n]
             if clients[k].protos is not None:
                 coverage[:, k, t] = clients[k].protos.coverage(
                     [task.y_test for task in setup.tasks[k]])

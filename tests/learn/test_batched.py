@@ -128,3 +128,28 @@ def test_clients_with_different_shapes_are_grouped_by_shape():
     batches = [batch("mlp", 0, 1, [0, 1], k, n=5 if k < 2 else 3) for k in range(3)]
     trainer.step(cs, batches)
     assert trainer.stacked_steps == 2 and trainer.alone_steps == 1
+
+
+@pytest.mark.parametrize("model,device", [
+    ("mlp", "cpu"), ("cnn", "cpu"), pytest.param("cnn", "cuda", marks=CUDA)])
+def test_stacked_evaluation_gives_each_client_its_own_accuracy(model, device):
+    """Each client's accuracies on its own test sets from stacked eval-mode forwards in
+    chunks (BatchNorm with its own running statistics): what it gets alone. A client whose
+    sets have other sizes, and one that cannot stack, evaluate alone."""
+    cs = clients(model, k=4, device=device) + clients(model, method="fedprox", k=1,
+                                                      device=device)
+    shape = (8, 6) if model == "mlp" else (8, 1, 8, 8)
+    with torch.no_grad():  # different weights and running statistics per client
+        for k, c in enumerate(cs):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(k)) * (k + 1)
+            c.model.train()(x.to(device))
+    for c, b in zip(cs, [batch(model, 0, 1, [0, 1], k) for k in range(5)], strict=True):
+        c.step(b)
+    tests = [[(b.x, b.y) for b in (batch(model, t, 9, [0, 1, 2, 3], k, n=37 if k < 3 else 11)
+                                   for t in range(3))] for k in range(5)]
+    trainer = FleetTrainer()
+    got = trainer.evaluate(cs, tests, chunk=16, stack=True)
+    for c, sets, acc in zip(cs, tests, got, strict=True):
+        own = np.array([c.evaluate(x, y) for x, y in sets])
+        assert np.abs(acc - own).max() <= 1 / 37, (acc, own)  # one argmax flip at most
+    assert all(c.model.training for c in cs)  # modes untouched
