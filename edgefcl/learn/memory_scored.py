@@ -113,10 +113,10 @@ class BalancedScoreMemory(BalancedMemory):
         if not isinstance(s, Tensor) or tuple(s.shape) != (n,):
             shape = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
             raise DataError(f"scorer must return a tensor of shape ({n},), got {shape}")
-        s = s.detach().to(self.device, torch.float32)
+        s = s.detach()  # checked where it is: host scores (the scoring worker's) never wait
         if not bool(torch.isfinite(s).all()):
             raise DataError("scorer returned NaN or Inf scores; check the scoring model")
-        return s
+        return s.to(self.device, torch.float32)
 
     def _stack(self, x: Tensor, idx: Tensor, size: int) -> Tensor:
         """Candidates `idx` (memory slots below `size`, then batch rows) stacked."""

@@ -298,12 +298,13 @@ class WorkerScores:
         self.worker_seconds = 0.0
 
     def result(self) -> tuple[Tensor, Tensor]:
-        """(P, N, C) logits and (N,) scores."""
-        onnx, worker, dev = self.onnx, self.onnx.worker, self.x.device
+        """(P, N, C) logits and (N,) scores: on the host when the worker computed them (the
+        memory checks them there, without waiting for the device, before it moves them)."""
+        onnx, worker = self.onnx, self.onnx.worker
         if self.rid is not None and worker is not None:
             try:
                 logits, scores, self.worker_seconds = worker.result(self.rid)
-                return torch.from_numpy(logits).to(dev), torch.from_numpy(scores).to(dev)
+                return torch.from_numpy(logits), torch.from_numpy(scores)
             except WorkerError as e:
                 onnx.lost_worker(self.client, e)
         logits = onnx._logits_here(self.client, self.x, self.seed)
