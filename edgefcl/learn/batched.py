@@ -80,6 +80,17 @@ def stackable(client: Client) -> bool:
     return why_alone(client) is None
 
 
+def _rows(parts: Sequence[np.ndarray], start: int, n: int) -> np.ndarray:
+    """Rows [start, start + n) of the concatenation of `parts`, copying only those."""
+    out, offset = [], 0
+    for part in parts:
+        lo, hi = max(start - offset, 0), min(start + n - offset, len(part))
+        if lo < hi:
+            out.append(part[lo:hi])
+        offset += len(part)
+    return np.concatenate(out)
+
+
 class FleetTrainer:
     """Steps many clients' mini-batches: stacked where they can be (see the module docstring),
     one after another where they cannot. `stacked_steps` and `alone_steps` count client
@@ -158,10 +169,10 @@ class FleetTrainer:
                  chunk: int = 1024, stack: bool | None = None) -> list[np.ndarray]:
         """Each client's accuracy on each of its (x, y) test sets, what `Client.evaluate`
         gives it alone (within float order): clients that stack and whose test sets have the
-        same sizes run one stacked eval-mode forward per `chunk` samples of all their sets;
-        the others evaluate alone. The correct counts are read back once per group. `stack`
-        None: on accelerators only (on CPU a forward of a few hundred samples is compute-bound,
-        and the stacked one measured slower: docs/speed.md)."""
+        same sizes evaluate together, in stacked eval-mode forwards of `chunk` samples in all,
+        and read their correct counts back once; the others evaluate alone. `stack` None: on
+        accelerators only (on CPU a forward of a few hundred samples is compute-bound, and the
+        stacked one measured slower: docs/speed.md)."""
         out: list[np.ndarray | None] = [None] * len(clients)
         groups: dict[Key, list[int]] = {}
         for i, (c, sets) in enumerate(zip(clients, tests, strict=True)):
@@ -180,14 +191,15 @@ class FleetTrainer:
                 continue
             models = [clients[i].model for i in members]
             dev = clients[members[0]].device
-            x = np.stack([np.concatenate([x for x, _ in tests[i]]) for i in members])
             y = torch.from_numpy(np.stack([np.concatenate(
                 [clients[i].learner.head.targets(y) for _, y in tests[i]]) for i in members]))
             right = torch.empty(y.shape, dtype=torch.bool, device=dev)
-            for at in range(0, y.shape[1], chunk):
-                xb = torch.from_numpy(x[:, at:at + chunk]).to(dev)
+            per = max(1, chunk // len(members))  # `chunk` samples a forward, all clients
+            for at in range(0, y.shape[1], per):
+                xb = torch.from_numpy(np.stack([_rows([x for x, _ in tests[i]], at, per)
+                                                for i in members])).to(dev)
                 pred = self.peek_stacked(models, xb, key[:2]).argmax(-1)
-                right[:, at:at + chunk] = pred.eq(y[:, at:at + chunk].to(dev))
+                right[:, at:at + per] = pred.eq(y[:, at:at + per].to(dev))
             sizes = [len(y) for _, y in tests[members[0]]]
             counts = torch.stack([part.sum(1) for part in right.split(sizes, 1)], 1).cpu()
             for k, i in enumerate(members):
