@@ -198,7 +198,8 @@ class AggregatorDaemon:
                 "counters": dict(self.agg.counters) | shed_counters(self.inbox),
                 "flooding": dict((self.inbox.offenders + self.quota.shed).most_common(5)),
                 "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:]} | (
+                "bytes_out": self.bytes_out, "last_rounds": self.rounds_log[-5:],
+                "busy": self.backpressure.busy} | (
                     self.results.status() if self.results is not None else {}) | (
                     self.backpressure.fields() | self.quota.fields())
 

@@ -111,13 +111,16 @@ class Backpressure:
         has SPREAD_FLEET active devices or the inbox has shed (it stays on)."""
         self._settling = False
         self._behind: Load | None = None  # the last measured interval, when it was behind
+        self.busy: float | None = None
+        """The share of the last interval the main loop was busy (None before the first)."""
 
     @property
     def enabled(self) -> bool:
         return self.max_factor > 1.0
 
     def update(self, load: Load) -> float:
-        """The new factor after an interval with `load` (also sets `reason`)."""
+        """The new factor after an interval with `load` (also sets `reason` and `busy`)."""
+        self.busy = round(1.0 - load.idle, 2)
         if not self.enabled:
             return self.factor
         ratio = load.offered / max(load.taken, 1)
@@ -153,7 +156,8 @@ class Backpressure:
             return None
         why = self.reason if self.factor > before else "down"
         return (f"backpressure {self.factor:.2f} ({why}; last {seconds:g} s: offered "
-                f"{load.offered}, shed {load.shed}, taken {load.taken}, fill {load.fill:.2f})")
+                f"{load.offered}, shed {load.shed}, taken {load.taken}, fill {load.fill:.2f}, "
+                f"idle {load.idle:.2f})")
 
     def relay(self, pressure: dict[str, tuple[float, str]]) -> float:
         """Advertise the highest factor of `pressure` (a sharded root: (factor, reason) by
@@ -167,7 +171,8 @@ class Backpressure:
         return self.factor
 
     def fields(self) -> dict[str, float | str | bool]:
-        """What the config and status carry (nothing when backpressure is off)."""
+        """What the config and status carry (nothing when backpressure is off; the daemon's
+        status also carries `busy`)."""
         if not self.enabled:
             return {}
         return {"backpressure": self.factor, "backpressure_reason": self.reason,

@@ -140,7 +140,8 @@ def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
             "backpressure": _num(b.get("backpressure")),
             "backpressure_reason": _text(b.get("backpressure_reason", ""), 20),
             "update_limit_per_s": _num(b.get("update_limit_per_s")),
-            "devices_over_limit": _int(b.get("devices_over_limit"))}
+            "devices_over_limit": _int(b.get("devices_over_limit")),
+            "busy": _num(b.get("busy"))}
 
 
 def _device_row(b: dict[str, Any], now: float) -> dict[str, Any]:
@@ -182,7 +183,8 @@ def render(snap: dict[str, Any]) -> str:
             + (f" ({reasons})" if reasons else "")
             + f"   bytes in {_mb(a['bytes_in'])}, out {_mb(a['bytes_out'])}",
             f"  last round {_fmt(a['last_round_age_s'], '.0f')} s ago   fleet accuracy "
-            f"{_fmt(a['accuracy'], '.1f')}{' %' if a['accuracy'] is not None else ''}",
+            f"{_fmt(a['accuracy'], '.1f')}{' %' if a['accuracy'] is not None else ''}"
+            + ("" if a.get("busy") is None else f"   main loop busy {a['busy']:.0%}"),
         ]
         if a.get("backpressure") is not None:
             limit = a.get("update_limit_per_s")

@@ -85,7 +85,7 @@ def test_an_idle_main_loop_brings_the_factor_down_at_once():
     # / 0.9 = 0.56 would have kept it busy 0.9 of the time: 1 at once (not 2 x 0.9 per interval)
     bp.factor, bp.reason = 2.0, "shed"
     assert bp.update(Load(offered=250, shed=0, taken=250, fill=0.0, idle=0.75)) == 1.0
-    assert bp.reason == ""
+    assert bp.reason == "" and bp.busy == 0.25
     # a rise that overshot: busy 0.6 at 3.3, 3.3 x 0.6 / 0.9 = 2.2
     bp.factor = 3.3
     assert bp.update(Load(offered=600, shed=0, taken=600, fill=0.0, idle=0.4)) == 2.2
@@ -301,6 +301,7 @@ def test_an_overloaded_daemon_republishes_its_config_with_the_factor(tmp_path):
     (config,) = [b for t, b in d.link.sent if t == tp.config]
     assert config["backpressure"] == 8.0 and config["backpressure_reason"] == "shed"  # 10 / 1
     assert d.status()["backpressure"] == 8.0
+    assert d.status()["busy"] == 1.0  # the main loop never waited for input
     d.link.sent.clear()
     d._pressure()  # settling: the factor holds, nothing re-published
     assert not d.link.sent
