@@ -126,6 +126,12 @@ class StatusWatcher:
     def online(self) -> bool:
         return any(b.get("state") == "online" for _, b in self.seen)
 
+    def busy(self, t0: float, t1: float) -> float | None:
+        """The aggregator's mean main-loop busy share over its statuses inside [t0, t1]."""
+        shares = [b["busy"] for t, b in self.seen
+                  if t0 <= t <= t1 and isinstance(b.get("busy"), (int, float))]
+        return float(np.mean(shares)) if shares else None
+
     def accepted_rate(self, t0: float, t1: float) -> tuple[float, dict]:
         """Accepted updates per second between the first and last status inside [t0, t1]."""
         inside = [(t, b) for t, b in self.seen if t0 <= t <= t1 and b.get("state") == "online"]
@@ -332,6 +338,7 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
         load1 = os.getloadavg()[0]
         time.sleep(2.5)  # one more status after the window
         rate, last = watcher.accepted_rate(t0, t1 + 2.5)  # a fallback: statuses every 2 s
+        busy = watcher.busy(t0 + 2.0, t1 + 2.5)  # the intervals inside the window
     finally:
         for d in reversed(list(daemons.values())):
             stop_daemon(d)
@@ -358,7 +365,7 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
                     for b in (last, *watcher.workers.values())),
         "backpressure_mean": float(np.mean(factors)) if factors else 1.0,
         "backpressure_max": max(factors, default=1.0),
-        "aggregator_hwm_mb": hwm, **fair,
+        "aggregator_hwm_mb": hwm, "busy": busy, **fair,
         "downlink_mb_per_s": (fleet.total("downlink_bytes") - before["downlink_bytes"])
         / (t1 - t0) / 1e6,
         "broker_rss_mb": {"start": broker_rss[0], "max": max(broker_rss),
@@ -472,6 +479,8 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
             "payload_bytes": len_payload(tensors, encoding, fleet_name),
             "capacity_saturating_per_s": saturating["updates_per_s"],
             "capacity_per_s": capacity,
+            "capacity_from_busy_per_s": one["updates_per_s"] / one["busy"]
+            if one["busy"] else None,
             "accepted_over_offered_at_1x": one["updates_per_s"] / one["offered_per_s"]
             if one["offered_per_s"] else None,
             "phases": list(phases.values()), "device_processes": opts.procs(n)}
@@ -549,11 +558,12 @@ def overload_table(phases: list[dict]) -> str:
     one client was in one round, `ign/comp` the median folded updates of the devices that
     ignore the factor over the others' (with --ignoring), `down MB/s` the globals the devices
     received (with --globals every or pull), `broker MB` the broker's RSS at the start > its
-    highest."""
+    highest, `busy` the aggregator's mean main-loop busy share (its statuses; with --workers
+    the root's)."""
     head = (f"{'phase':>22} {'offered/s':>9} {'sent/s':>8} {'folded/s':>8} {'vs cap':>6} "
             f"{'shed':>6} {'factor mean/max':>15} {'RSS MB':>7} {'HWM MB':>7} "
             f"{'max/round':>9} {'ign/comp':>8} {'down MB/s':>9} {'broker MB':>13} "
-            f"{'load':>5}")
+            f"{'load':>5} {'busy':>5}")
     lines = [head]
     for r in phases:
         ratio = r.get("ratio_to_capacity")
@@ -566,8 +576,12 @@ def overload_table(phases: list[dict]) -> str:
             f"{r.get('ignoring_over_compliant', float('nan')):8.2f} "
             f"{r['downlink_mb_per_s']:9.1f} "
             f"{r['broker_rss_mb']['start']:6.0f}>{r['broker_rss_mb']['max']:<6.0f} "
-            f"{r['load_average_1min'][1]:5.1f}")
+            f"{r['load_average_1min'][1]:5.1f} {_fmt_share(r.get('busy')):>5}")
     return "\n".join(lines)
+
+
+def _fmt_share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -639,7 +653,9 @@ def bench_fleet(opts: FleetOptions, cfg: RunConfig, out: Path) -> dict:
     for o in overload:
         print(f"{o['devices']} devices, {o['payload']}: capacity {o['capacity_per_s']:.1f} "
               f"updates/s (saturating load: {o['capacity_saturating_per_s']:.1f}; accepted / "
-              f"offered at 1x {o['accepted_over_offered_at_1x'] or 0:.2f})")
+              f"offered at 1x {o['accepted_over_offered_at_1x'] or 0:.2f}; the main loop's own "
+              f"estimate at 1x, folded / busy share: "
+              f"{o['capacity_from_busy_per_s'] or float('nan'):.1f})")
         print(overload_table(o["phases"]))
     print(f"\nwritten {out / 'bench_fleet.json'}" + (f" and {out / 'bench_fleet.png'}"
                                                       if runs else ""))

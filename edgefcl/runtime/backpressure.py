@@ -152,7 +152,7 @@ class Backpressure:
     def observe(self, load: Load, seconds: float) -> str | None:
         """`update` with an interval's load; a log line when the factor changed, else None."""
         before = self.factor
-        if not self.enabled or self.update(load) == before:
+        if self.update(load) == before:  # off: it only notes the busy share
             return None
         why = self.reason if self.factor > before else "down"
         return (f"backpressure {self.factor:.2f} ({why}; last {seconds:g} s: offered "

@@ -141,6 +141,9 @@ def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
         # every device receives the globals (--globals every): the deltas of the rounds' globals
         assert p["downlink_mb_per_s"] > 0 or not p["rounds_in_window"]
     assert off["backpressure_max"] == 1.0  # the daemon advertised nothing
+    assert all(p["busy"] is None or 0 <= p["busy"] <= 1 for p in o["phases"])
+    assert o["capacity_from_busy_per_s"] is None or o["capacity_from_busy_per_s"] >= \
+        one["updates_per_s"]  # folded / a share <= 1
     assert all(p["folded_median_ignoring"] >= 0 and "ignoring_over_compliant" in p
                for p in o["phases"])  # d00000 and d00005 ignore the factor
 

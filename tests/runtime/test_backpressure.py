@@ -100,7 +100,8 @@ def test_factor_is_bounded_and_off_at_one():
     assert bp.update(Load(offered=1000, shed=900, taken=100, fill=1.0)) == 4.0  # 10x -> cap 4
     off = Backpressure(max_factor=1)
     assert not off.enabled
-    assert off.update(Load(offered=1000, shed=900, taken=100, fill=1.0)) == 1.0
+    assert off.observe(Load(offered=1000, shed=900, taken=100, fill=1.0, idle=0.1), 2) is None
+    assert off.factor == 1.0 and off.busy == 0.9  # status still shows the main loop's share
     # an idle aggregator (nothing offered, nothing taken) stays at 1
     idle = Backpressure(max_factor=8)
     assert idle.update(Load(offered=0, shed=0, taken=0, fill=0.0)) == 1.0
