@@ -80,6 +80,11 @@ def stackable(client: Client) -> bool:
     return why_alone(client) is None
 
 
+def _accuracies(client: Client, sets: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """`client`'s accuracy on each (x, y) of `sets`, evaluated alone."""
+    return np.array([client.evaluate(x, y) for x, y in sets])
+
+
 def _rows(parts: Sequence[np.ndarray], start: int, n: int) -> np.ndarray:
     """Rows [start, start + n) of the concatenation of `parts`, copying only those."""
     out, offset = [], 0
@@ -180,14 +185,13 @@ class FleetTrainer:
             sampled = c.learn.eval_samples > 0 and is_bayesian(c.model)  # posterior draws
             stacks = c.device.type != "cpu" if stack is None else stack
             if not stacks or layout is None or sampled or any(len(y) == 0 for _, y in sets):
-                out[i] = np.array([c.evaluate(x, y) for x, y in sets])
+                out[i] = _accuracies(c, sets)
                 continue
             shapes = tuple(x.shape for x, _ in sets)
             groups.setdefault((*layout, shapes), []).append(i)
         for key, members in groups.items():
             if len(members) == 1:
-                i = members[0]
-                out[i] = np.array([clients[i].evaluate(x, y) for x, y in tests[i]])
+                out[members[0]] = _accuracies(clients[members[0]], tests[members[0]])
                 continue
             models = [clients[i].model for i in members]
             dev = clients[members[0]].device
