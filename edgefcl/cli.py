@@ -98,9 +98,12 @@ BENCHES = {
              "virtual clock, against lock-step (A, F, worst task; table, JSON and plot)",
     "memory": "the memory study: selection rules x datasets x memory sizes x seeds (A, F as "
               "mean ± sample std, wall time per run; table, JSON and plot)",
+    "batching": "whole in-process runs with the clients trained one after another and stacked "
+                "(--batch-clients off / on) for each fleet size: wall time per client "
+                "mini-batch, A, F (on CPU or GPU)",
 }
 """Benchmark kinds of `edgefcl bench KIND`, one module each in edgefcl/bench/."""
-BENCH_DEFAULTS = {"datasets": None, "async_rules": None, "profiles": None,
+BENCH_DEFAULTS = {"datasets": None, "async_rules": None, "profiles": None, "fleets": None,
                   "per_class": "5,10,20,50", "jobs": 1, "repeats": 3, "count": 0,
                   "rules": "er,cbr,bi,bi:bottom@on_change,bi:top,bi:step@on_change,bi:mix,"
                            "bi:kcenter,bi:herding,bi:step+past"}
@@ -127,8 +130,11 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
                        help="memory sizes in samples per class")
         p.add_argument("--rules", default=BENCH_DEFAULTS["rules"], metavar="RULES",
                        help="rules METHOD[:SELECTION][+past][@RESCORE]")
-    if what in ("client", "transport"):
+    if what in ("client", "transport", "batching"):
         p.add_argument("--repeats", type=int, default=3, metavar="N", help="timing repeats")
+    if what == "batching":
+        p.add_argument("--fleets", metavar="N,N", help="comma-separated fleet sizes (client "
+                       "counts) to run, e.g. 3,32 (default: --clients)")
     if what == "backpressure":
         p.add_argument("--devices", type=int, default=1000, metavar="N",
                        help="devices in the loop")
@@ -163,6 +169,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench_backpressure(Path(cfg.out or "runs/bench"), cfg.seeds,
                            Loop(devices=args.devices, capacity=float(args.devices),
                                 seed=cfg.seed))
+        return 0
+    if args.what == "batching":
+        from edgefcl.bench.batching import bench_batching, parse_fleets
+
+        bench_batching(cfg, Path(cfg.out or "runs/bench"),
+                       parse_fleets(args.fleets, cfg.fed.clients), args.repeats)
         return 0
     if args.what == "shard":
         from edgefcl.bench.shard_cost import bench_shard

@@ -243,7 +243,7 @@ def run_command(args: argparse.Namespace, prog: str) -> int:
     """Run `args.func(args)`: bad input, bad data, an unreachable broker and a failed fleet
     process end with one clear line and exit code 2 (never a traceback), Ctrl-C with 130."""
     from edgefcl.data.types import DataError
-    from edgefcl.transport.mqtt import TransportError
+    from edgefcl.transport.transport_error import TransportError
 
     try:
         return args.func(args)

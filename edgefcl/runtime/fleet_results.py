@@ -202,7 +202,7 @@ def announce_refusal(cfg: RunConfig, reason: str) -> None:
     devices and `edgefcl status` say why no aggregator comes online."""
     from edgefcl.runtime.links import open_link, topics
     from edgefcl.transport.codec import Message, encode
-    from edgefcl.transport.mqtt import TransportError
+    from edgefcl.transport.transport_error import TransportError
 
     try:
         link = open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-aggregator-refusal", clean_start=True)

@@ -37,9 +37,9 @@ from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
 from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
-from edgefcl.transport.mqtt import TransportError
 from edgefcl.transport.partials import decode_grant, encode_claim, encode_partial
 from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS
+from edgefcl.transport.transport_error import TransportError
 
 log = logging.getLogger("edgefcl.worker")
 MAX_AHEAD = 64

@@ -28,9 +28,9 @@ from amqtt.broker import Broker
 from amqtt.plugins.base import BaseAuthPlugin
 from amqtt.session import Session
 
-from edgefcl.transport.mqtt import TransportError
 from edgefcl.transport.port_owner import port_owner
 from edgefcl.transport.topics import validate_id
+from edgefcl.transport.transport_error import TransportError
 
 log = logging.getLogger(__name__)
 

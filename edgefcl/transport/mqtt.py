@@ -29,6 +29,7 @@ from paho.mqtt.properties import Properties
 
 from edgefcl.transport.chunks import DEFAULT_CHUNK_SIZE, Reassembler, is_chunk, split
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError
+from edgefcl.transport.transport_error import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ HOW_TO_START = (
     "start one with `edgefcl broker` (embedded, for a laptop) or "
     "`mosquitto -c broker/mosquitto.conf` (see broker/README.md)"
 )
-
-
-class TransportError(RuntimeError):
-    """A transport operation that failed; the message says what to check."""
 
 
 class BrokerUnavailable(TransportError):

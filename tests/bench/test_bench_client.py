@@ -98,9 +98,10 @@ sys.meta_path.insert(0, NoBrokerPackages())
 
 
 def test_bench_client_and_the_memory_study_need_no_broker_packages(tmp_path):
-    """On a machine without amqtt and paho (a GPU box for studies), `edgefcl bench client`
-    and `edgefcl bench memory` get as far as their own work (stubbed here: the real runs are
-    timed elsewhere), and the transport bench says what it misses."""
+    """On a machine without amqtt and paho (a GPU box for studies), `edgefcl bench client`,
+    `bench memory` and `bench batching` (through the command line) get as far as their own
+    work (stubbed here: the real runs are timed elsewhere), and the transport bench says what
+    it misses."""
     import subprocess
     import sys
 
@@ -115,6 +116,10 @@ bm.bench_memory = lambda *a, **k: None
 out = Path({str(tmp_path)!r})
 assert bc.run_bench("client", RunConfig(), out, 1) == 0
 assert bc.run_bench("memory", RunConfig(), out, 1, study={{}}) == 0
+import edgefcl.bench.batching as bb
+from edgefcl.cli import main
+bb.bench_batching = lambda cfg, out, fleets, repeats: print("batching", fleets, repeats)
+assert main(["bench", "batching", "--fleets", "2,4", "--repeats", "1", "--out", str(out)]) == 0
 try:
     bc.run_bench("transport", RunConfig(), out, 1)
 except ImportError as e:
@@ -124,6 +129,7 @@ except ImportError as e:
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "transport: amqtt" in done.stdout or "transport: paho" in done.stdout
+    assert "batching [2, 4] 1" in done.stdout
 
 
 def test_bare_step_references_report_each_variant():

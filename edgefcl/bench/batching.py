@@ -1,0 +1,137 @@
+"""`edgefcl bench batching`: whole in-process runs of the configured protocol with the fleet's
+clients trained one after another (`--batch-clients off`) and stacked (`on`), for each fleet
+size of `--fleets`, so that a researcher can see on their own machine (CPU or GPU) whether
+`--batch-clients on` pays, and by how much.
+
+One untimed run comes first (the process's one-time costs: torch's kernels, the scoring
+graph's export), then, for every seed of `--seed`/`--seeds`, `--repeats` rounds, each running
+off and on in alternating order, so that other load hits both alike. Per run: the wall time
+(`wall_s` of its results), the client mini-batches it learned (every client's), the wall time
+per client mini-batch, the client threads' training time per client mini-batch, the share of
+client mini-batches that stepped stacked, A and F. Mean ± sample std over the
+seeds and repeats; the table's last column is off / on (the speed-up of stacking).
+
+Writes DIR/bench_batching.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgefcl.config import ConfigError, RunConfig
+from edgefcl.outcomes.results import RunResult
+from edgefcl.sim.runs import simulate
+
+MODES = ("off", "on")
+
+
+def parse_fleets(text: str | None, default: int) -> list[int]:
+    """The fleet sizes of `--fleets` ("3,32"; None or empty: [default]); ConfigError on
+    anything but whole numbers >= 1."""
+    if not text:
+        return [default]
+    try:
+        fleets = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--fleets takes client counts such as 3,32, got {text!r}") from None
+    if not fleets or min(fleets) < 1:
+        raise ConfigError(f"--fleets takes client counts >= 1, got {text!r}")
+    return fleets
+
+
+def _run(cfg: RunConfig, clients: int, mode: str, seed: int) -> RunResult:
+    run_cfg = dataclasses.replace(
+        cfg, quiet=True, fed=dataclasses.replace(cfg.fed, clients=clients),
+        learn=dataclasses.replace(cfg.learn, batch_clients=mode))
+    return simulate(run_cfg, seed=seed)
+
+
+def _record(result: RunResult) -> dict:
+    batches = int(result.extra.get("batches", 0))
+    per = 1000.0 / max(batches, 1)
+    return {"wall_s": round(result.wall_s, 4), "batches": batches,
+            "ms_per_client_batch": round(result.wall_s * per, 4),
+            "train_ms_per_client_batch": round(
+                float(result.extra.get("timings", {}).get("train", 0.0)) * per, 4),
+            "stacked_share": round(int(result.extra.get("stacked_steps", 0)) / max(batches, 1),
+                                   4),
+            "accuracy": round(result.accuracy, 4), "forgetting": round(result.forgetting, 4),
+            "global_sha256": result.global_sha256}
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Mean and sample std of every number of `runs` (records of one fleet size and mode)."""
+    keys = ("wall_s", "ms_per_client_batch", "train_ms_per_client_batch", "stacked_share",
+            "accuracy", "forgetting")
+    return {k: _mean_sd([r[k] for r in runs]) for k in keys} | {"batches": runs[0]["batches"]}
+
+
+def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int) -> dict:
+    """Run the protocol of `cfg` for every fleet size of `fleets` with stacking off and on,
+    for each of its seeds `repeats` times (alternating); print the table and write
+    out/bench_batching.json."""
+    if repeats < 1:
+        raise ConfigError("--repeats must be >= 1")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"warm-up: {fleets[0]} clients, stacking on (untimed)...", flush=True)
+    t0 = time.perf_counter()
+    _run(cfg, fleets[0], "on", cfg.seed)
+    print(f"  {time.perf_counter() - t0:.1f} s", flush=True)
+    rounds = [(s, r) for s in range(cfg.seed, cfg.seed + cfg.seeds) for r in range(repeats)]
+    rows = []
+    for k in fleets:
+        runs: dict[str, list[dict]] = {m: [] for m in MODES}
+        for n, (seed, r) in enumerate(rounds):
+            for mode in MODES if n % 2 == 0 else MODES[::-1]:
+                runs[mode].append(_record(_run(cfg, k, mode, seed)) | {"seed": seed})
+                rec = runs[mode][-1]
+                print(f"{k} clients, stacking {mode}, seed {seed}, repeat {r + 1}/{repeats}: "
+                      f"{rec['wall_s']:.2f} s, {rec['ms_per_client_batch']:.2f} ms per client "
+                      f"mini-batch, A {rec['accuracy']:.2f} %", flush=True)
+        rows.append({"clients": k, "runs": runs,
+                     "summary": {m: summarise(runs[m]) for m in MODES}})
+    report = {"device": cfg.learn.device, "dataset": cfg.data.dataset,
+              "model": cfg.learn.model, "method": cfg.learn.method, "seed": cfg.seed,
+              "seeds": cfg.seeds, "repeats": repeats, "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "rows": rows}
+    print()
+    print(table(rows))
+    path = out / "bench_batching.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"\nwritten {path}")
+    return report
+
+
+def table(rows: list[dict]) -> str:
+    """The benchmark's table: per fleet size and mode, mean ± sample std over the repeats."""
+    head = (f"{'clients':>7} {'stacking':>8} {'wall s':>15} {'ms / client batch':>19} "
+            f"{'train ms':>15} {'stacked':>8} {'A %':>14} {'F %':>14} {'off / on':>9}")
+    lines = [head]
+    for row in rows:
+        s = row["summary"]
+        for mode in MODES:
+            m = s[mode]
+            ratio = (s["off"]["ms_per_client_batch"][0]
+                     / max(s["on"]["ms_per_client_batch"][0], 1e-9))
+            lines.append(
+                f"{row['clients']:>7} {mode:>8} {_pm(m['wall_s'], 2):>15} "
+                f"{_pm(m['ms_per_client_batch'], 2):>19} "
+                f"{_pm(m['train_ms_per_client_batch'], 2):>15} "
+                f"{m['stacked_share'][0]:>8.2f} {_pm(m['accuracy'], 2):>14} "
+                f"{_pm(m['forgetting'], 2):>14} "
+                f"{f'{ratio:.2f}x' if mode == 'on' else '':>9}")
+    return "\n".join(lines)
+
+
+def _pm(value: tuple[float, float], digits: int) -> str:
+    return f"{value[0]:.{digits}f} ± {value[1]:.{digits}f}"
