@@ -14,7 +14,8 @@ from edgefcl.learn.drift import peek_logits
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = [pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def clients(model="mlp", method="bi", optimizer="adam", k=3, device="cpu"):

@@ -131,6 +131,7 @@ def test_prequential_counts_tensors_and_checkpoints_plain_counts():
     assert (q.correct, q.samples, q.accuracy) == (5, 8, 5 / 8)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prequential_counting_never_waits_for_the_device():
     p = Prequential()

@@ -149,6 +149,7 @@ def test_augment_batch_is_one_mild_view() -> None:
     assert torch.equal(out, apply_image_aug(MILD_IMAGE_AUGS[pick], x, seed))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_image_views_on_cuda() -> None:
     x = _images(6, 3, 16, 16)

@@ -194,6 +194,7 @@ def test_angles_are_degrees() -> None:
     assert m[0, 1, 0] == pytest.approx(math.sin(math.pi / 6))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_warp_on_cuda_matches_cpu() -> None:
     x = _images(6, 3, 12, 12).float()
