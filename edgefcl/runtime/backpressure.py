@@ -17,8 +17,9 @@ shed, messages the main loop took out, and the mean inbox fill. The factor (>= 1
   close reads as behind and the next one drains it: rising on each such interval ratcheted the
   factor up (1,000 sparse devices at 2x over the broker: rounds of 1,000, the factor up to
   7.7, 0.48 of the capacity folded). A loop that idled more than 1 - BUSY of the interval was
-  not behind: the idle rule below applies instead of the hold (after the start-up burst of
-  rounds of 1,000, holding there delayed the descent by an interval);
+  not behind: the idle rule below applies instead of the hold or the rise (after the start-up
+  burst of rounds of 1,000, holding there delayed the descent by an interval), and the
+  interval still counts as the first of two;
 - otherwise factor x DECAY, towards 1: the aggregator keeps probing for more load, so under
   a steady overload the factor settles where it folds at its capacity with little shed (a band
   that held the factor would leave it wherever a burst had pushed it); and lower when the main
@@ -137,7 +138,7 @@ class Backpressure:
             new, why = prev * max(ratio, load.offered / queued), "shed"
         elif load.fill >= HIGH_FILL and ratio >= 1.0:
             new, why = prev * max(ratio, STEP), "fill"
-        elif ratio > 1 + SLACK and before is not None:
+        elif ratio > 1 + SLACK and 1.0 - load.idle >= BUSY and before is not None:
             both = (load.offered + before.offered) / max(load.taken + before.taken, 1)
             new, why = prev * both, "behind"
         elif ratio > 1 + SLACK and 1.0 - load.idle >= BUSY:  # a round's close, or more?

@@ -106,6 +106,13 @@ def test_a_round_close_in_an_interval_the_loop_idled_through_is_not_behind():
     # it is remembered: behind again, busy, is twice in a row: 2.66 x 1972 / 1282 = 4.09
     assert bp.update(Load(offered=986, shed=0, taken=641, fill=0.23, idle=0.05)) == 4.09
     assert bp.reason == "behind"
+    # a loop that idles is never behind, however its arrivals outran its folds: no rise on a
+    # second such interval either (1.5 x 0.1 / 0.9 = 0.17: down to 1, not "behind")
+    bp = Backpressure(max_factor=8)
+    bp.factor = 1.5
+    assert bp.update(Load(offered=150, shed=0, taken=100, fill=0.1, idle=0.9)) == 1.0
+    assert bp.update(Load(offered=150, shed=0, taken=100, fill=0.1, idle=0.9)) == 1.0
+    assert bp.reason == ""
     # busy through a round's close (idle 0.1 at most): behind once, it holds as before
     bp = Backpressure(max_factor=8)
     bp.factor = 2.19
