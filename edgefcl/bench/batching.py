@@ -3,13 +3,14 @@ clients trained one after another (`--batch-clients off`) and stacked (`on`), fo
 size of `--fleets`, so that a researcher can see on their own machine (CPU or GPU) whether
 `--batch-clients on` pays, and by how much.
 
-One untimed run comes first (the process's one-time costs: torch's kernels, the scoring
-graph's export), then, for every seed of `--seed`/`--seeds`, `--repeats` rounds, each running
-off and on in alternating order, so that other load hits both alike. Per run: the wall time
-(`wall_s` of its results), the client mini-batches it learned (every client's), the wall time
-per client mini-batch, the client threads' training time per client mini-batch, the share of
-client mini-batches that stepped stacked, A and F. Mean ± sample std over the
-seeds and repeats; the table's last column is off / on (the speed-up of stacking).
+For each fleet size one untimed run comes first (the one-time costs of its shapes: torch's
+kernels, the scoring graph's export), then, for every seed of `--seed`/`--seeds`, `--repeats`
+trials, each running off and on in alternating order, so that other load hits both alike. Per
+run: the wall time (`wall_s` of its results: the whole run, evaluation included), the client
+mini-batches it learned (every client's), the wall time per client mini-batch, the client
+threads' training time per client mini-batch, the share of client mini-batches that stepped
+stacked, A and F. Mean ± sample std over the seeds and repeats; the table's last column is
+off / on (the speed-up of stacking).
 
 Writes DIR/bench_batching.json.
 """
@@ -79,35 +80,37 @@ def summarise(runs: list[dict]) -> dict:
 def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int) -> dict:
     """Run the protocol of `cfg` for every fleet size of `fleets` with stacking off and on,
     for each of its seeds `repeats` times (alternating); print the table and write
-    out/bench_batching.json."""
+    out/bench_batching.json (again after each fleet size, so that a run cut short keeps what
+    it measured)."""
     if repeats < 1:
         raise ConfigError("--repeats must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"warm-up: {fleets[0]} clients, stacking on (untimed)...", flush=True)
-    t0 = time.perf_counter()
-    _run(cfg, fleets[0], "on", cfg.seed)
-    print(f"  {time.perf_counter() - t0:.1f} s", flush=True)
-    rounds = [(s, r) for s in range(cfg.seed, cfg.seed + cfg.seeds) for r in range(repeats)]
-    rows = []
+    path = out / "bench_batching.json"
+    trials = [(s, r) for s in range(cfg.seed, cfg.seed + cfg.seeds) for r in range(repeats)]
+    report = {"device": cfg.learn.device, "dataset": cfg.data.dataset,
+              "model": cfg.learn.model, "method": cfg.learn.method, "seed": cfg.seed,
+              "seeds": cfg.seeds, "repeats": repeats, "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "rows": []}
     for k in fleets:
+        # untimed: the one-time costs of this fleet's shapes (kernels, the scoring export)
+        print(f"{k} clients: warm-up, stacking on (untimed)...", flush=True)
+        t0 = time.perf_counter()
+        _run(cfg, k, "on", cfg.seed)
+        print(f"  {time.perf_counter() - t0:.1f} s", flush=True)
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
-        for n, (seed, r) in enumerate(rounds):
+        for n, (seed, r) in enumerate(trials):
             for mode in MODES if n % 2 == 0 else MODES[::-1]:
-                runs[mode].append(_record(_run(cfg, k, mode, seed)) | {"seed": seed})
+                runs[mode].append(_record(_run(cfg, k, mode, seed)) | {"seed": seed,
+                                                                       "trial": n})
                 rec = runs[mode][-1]
                 print(f"{k} clients, stacking {mode}, seed {seed}, repeat {r + 1}/{repeats}: "
                       f"{rec['wall_s']:.2f} s, {rec['ms_per_client_batch']:.2f} ms per client "
                       f"mini-batch, A {rec['accuracy']:.2f} %", flush=True)
-        rows.append({"clients": k, "runs": runs,
-                     "summary": {m: summarise(runs[m]) for m in MODES}})
-    report = {"device": cfg.learn.device, "dataset": cfg.data.dataset,
-              "model": cfg.learn.model, "method": cfg.learn.method, "seed": cfg.seed,
-              "seeds": cfg.seeds, "repeats": repeats, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "rows": rows}
+        report["rows"].append({"clients": k, "runs": runs,
+                               "summary": {m: summarise(runs[m]) for m in MODES}})
+        path.write_text(json.dumps(report, indent=1))
     print()
-    print(table(rows))
-    path = out / "bench_batching.json"
-    path.write_text(json.dumps(report, indent=1))
+    print(table(report["rows"]))
     print(f"\nwritten {path}")
     return report
 
