@@ -80,8 +80,9 @@ class AggregatorDaemon:
         if self.payload_from_model:
             size_payload_limit(cfg, initial)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
-        self.quota = UpdateQuota()  # fair service while backpressure is on
-        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
+        budget = inbox_bytes or inbox_budget(cfg.mqtt)
+        self.quota = UpdateQuota(max_bytes=budget)  # fair service while backpressure is on
+        self.inbox = Inbox(max_bytes=budget,
                            sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate,
                            over_limit=self.quota.over,
                            is_report=lambda topic: self.topics.kinds_on(topic) == UPDATE_KINDS,
@@ -229,8 +230,8 @@ class AggregatorDaemon:
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
         sender = None if topic == self.topics.control else self.topics.client_from(topic)
-        if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(sender,
-                                                                             (topic, payload)):
+        if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(
+                sender, (topic, payload), len(payload)):
             return  # over its fair share under backpressure: waits, undecoded, for a token
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True,  # a damaged update must never be aggregated

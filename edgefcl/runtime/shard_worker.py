@@ -66,8 +66,9 @@ class WorkerDaemon:
         self.flush_every = flush_every
         self.status_every = status_every
         self.inbox_bytes = inbox_bytes
-        self.quota = UpdateQuota()  # fair service while backpressure is on
-        self.inbox = Inbox(max_bytes=inbox_bytes or inbox_budget(cfg.mqtt),
+        budget = inbox_bytes or inbox_budget(cfg.mqtt)
+        self.quota = UpdateQuota(max_bytes=budget)  # fair service while backpressure is on
+        self.inbox = Inbox(max_bytes=budget,
                            sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate,
                            over_limit=self.quota.over)
         self.ahead: dict[str, Update] = {}  # updates based on a global not here yet
@@ -193,7 +194,7 @@ class WorkerDaemon:
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
         if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(
-                t.client_from(topic), (topic, payload)):
+                t.client_from(topic), (topic, payload), len(payload)):
             return  # over its fair share under backpressure: waits for its next token
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True,

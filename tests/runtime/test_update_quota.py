@@ -110,3 +110,31 @@ def test_the_limit_is_shown_in_the_status_and_logged_when_it_moves() -> None:
     assert said[0] is not None and said[1:] == [None, None]  # unchanged: not logged again
     assert quiet.end_interval(1.0, {"a", "b"}, factor=1.0) == "update limit lifted"
     assert quiet.fields() == {}
+
+
+def test_the_updates_waiting_for_a_token_are_bounded_in_bytes() -> None:
+    # the attack: over the broker, 500 of 1,000 dense devices ignoring the factor each kept a
+    # 382 KB update waiting for its token, outside the inbox's budget: the daemon's RSS rose
+    # from 169 to 287 MB (bar 256 MB); with 4,096 such devices it would hold 1.5 GB
+    quota = UpdateQuota(clock=Clock(), max_bytes=1000)
+    xs = [f"x{i}" for i in range(20)]
+    for d in [f"q{i}" for i in range(41)] + xs * 5:  # 41 devices at 1/s, 20 at 5/s
+        quota.admit(d)
+    quota.end_interval(1.0, {*(f"q{i}" for i in range(41)), *xs}, factor=4.0)
+    assert quota.limit == 1.2 and quota.over() == set(xs)
+    for _ in range(2):  # a full bucket: 2.2 tokens (the clock stands still: no refill)
+        assert all(quota.admit(x, x, 300) for x in xs)
+    for i in range(20):  # over the limit now: each update asks to wait
+        assert not quota.admit(f"x{i}", f"x{i}'", 300)
+    assert quota.waiting_bytes == 900 and len(quota.waiting) == 3  # 3 x 300 fit in 1,000
+    assert sum(quota.shed.values()) == 17
+    # a waiting device's newer update takes its place (the older one is shed); one too big
+    # for what is left is shed with the one it would have replaced
+    assert not quota.admit("x0", "x0''", 350)
+    assert quota.waiting["x0"] == "x0''" and quota.waiting_bytes == 950
+    assert not quota.admit("x1", "x1''", 500)
+    assert "x1" not in quota.waiting and quota.waiting_bytes == 650
+    assert quota.shed["x0"] == 1 and quota.shed["x1"] == 2
+    # released updates give their bytes back
+    assert sorted(quota.release(everything=True)) == ["x0''", "x2'"]
+    assert quota.waiting_bytes == 0 and not quota.waiting
