@@ -361,6 +361,7 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
         **{k: fleet.total(k) - v for k, v in before.items()},
         "dropped_connections": fleet.total("dropped"),
         "aggregator_counters": last.get("counters", {}),
+        "worker_counters": _summed(b.get("counters") for b in watcher.workers.values()),
         "shed": sum(b.get("counters", {}).get("rejected_inbox_full", 0)
                     for b in (last, *watcher.workers.values())),
         "backpressure_mean": float(np.mean(factors)) if factors else 1.0,
@@ -371,6 +372,15 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
         "broker_rss_mb": {"start": broker_rss[0], "max": max(broker_rss),
                           "end": broker_rss[-1]},
     }
+
+
+def _summed(counters) -> dict[str, int]:
+    """The sum of status counter maps (the workers' last statuses); malformed ones count 0."""
+    total: Counter[str] = Counter()
+    for c in counters:
+        if isinstance(c, dict):
+            total.update({k: v for k, v in c.items() if isinstance(v, int)})
+    return dict(total)
 
 
 def max_per_client(path: Path) -> int:

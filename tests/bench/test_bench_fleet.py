@@ -93,6 +93,9 @@ def test_a_small_fleet_run_over_mosquitto(tmp_path, workers):
     assert run["raw_broker_updates_per_s"] > 6 and run["updates_per_s"] > 6
     assert run["aggregator_counters"]["accepted"] > 0
     assert not any(k.startswith("rejected") for k in run["aggregator_counters"])
+    # the workers' own counters too: no honest update rejected there (`base` among them)
+    assert not any(k.startswith("rejected") for k in run["worker_counters"])
+    assert (run["worker_counters"] != {}) == (workers > 1)
     assert run["round_latency_p50_s"] is not None and run["aggregator_rss_mb"] > 10
     assert run["max_updates_per_client_round"] == 1
     assert len(run["process_rss_mb"]) == (1 if workers == 1 else 1 + workers)
