@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from edgefcl.config import ConfigError, RunConfig
+from edgefcl.outcomes.metrics import sample_std
 from edgefcl.outcomes.results import RunResult
 from edgefcl.sim.runs import simulate
 
@@ -67,7 +68,7 @@ def _record(result: RunResult) -> dict:
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
-    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+    return float(np.mean(values)), sample_std(values)
 
 
 def summarise(runs: list[dict]) -> dict:
