@@ -127,6 +127,7 @@ class Backpressure:
         if not self.enabled:
             return self.factor
         ratio = load.offered / max(load.taken, 1)
+        behind = ratio > 1 + SLACK  # arrivals outran the folds
         self.spread = self.spread or load.shed > 0
         prev = self.factor
         if self._settling:
@@ -138,15 +139,16 @@ class Backpressure:
             new, why = prev * max(ratio, load.offered / queued), "shed"
         elif load.fill >= HIGH_FILL and ratio >= 1.0:
             new, why = prev * max(ratio, STEP), "fill"
-        elif ratio > 1 + SLACK and 1.0 - load.idle >= BUSY and before is not None:
-            both = (load.offered + before.offered) / max(load.taken + before.taken, 1)
-            new, why = prev * both, "behind"
-        elif ratio > 1 + SLACK and 1.0 - load.idle >= BUSY:  # a round's close, or more?
-            self._behind = load
-            new, why = prev, self.reason
+        elif behind and 1.0 - load.idle >= BUSY:  # a loop that idled was not behind
+            if before is None:  # behind once: a round's close, or more?
+                self._behind = load
+                new, why = prev, self.reason
+            else:
+                both = (load.offered + before.offered) / max(load.taken + before.taken, 1)
+                new, why = prev * both, "behind"
         else:  # nothing queues, so offered = taken hides the spare capacity: the idle
             # share shows it (a factor f leaving the loop busy b is about f x b too high)
-            if ratio > 1 + SLACK:  # behind once, but the loop idled: remembered, not held
+            if behind:  # but the loop idled: remembered as the first of two, not held
                 self._behind = load
             new, why = prev * min(DECAY, (1.0 - load.idle) / BUSY), self.reason
         self.factor = round(min(max(new, 1.0), self.max_factor), 2)

@@ -104,7 +104,7 @@ class UpdateQuota:
     def _wait(self, device: str, item: Any, size: int) -> None:
         """Keep `item` as `device`'s waiting update if it fits (in its place when the device
         had one waiting: that one is shed), else shed it."""
-        old = self._sizes.get(device) if device in self.waiting else None
+        old = self._sizes.get(device)  # None: nothing of it waits
         if old is not None:
             self.shed[device] += 1  # the newer update supersedes it
         room = old is not None or len(self.waiting) < MAX_WAITING
