@@ -18,6 +18,7 @@ from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import Tensors
 from edgefcl.federation.registry import get_encoding
 from edgefcl.learn.client import Client
+from edgefcl.learn.compiled_step import compile_step
 from edgefcl.learn.drift import make_monitor
 from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.learner import Clock, StreamLearner, resolve_device
@@ -112,7 +113,8 @@ def new_client(cid: str, model: torch.nn.Module, learn: LearnConfig, fed: FedCon
     protos = head_of(model).trainer(model, learn, device, sigma)
     learner = StreamLearner(cid, model, learn, data_kind, device, opt,
                       torch.Generator().manual_seed(seed), memory, spec.score, perturber,
-                      make_monitor(learn), make_client_onnx(learn), protos, Clock(device))
+                      make_monitor(learn), make_client_onnx(learn), protos, Clock(device),
+                      compile_step(learn))
     return Client(learner, fed, encoder, hooks)
 
 

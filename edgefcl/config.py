@@ -183,6 +183,11 @@ class LearnConfig:
         "tolerance): on | off | auto (on with CUDA, where a step is launch-bound; off on CPU, "
         "which keeps runs bit-identical to the networked runtime)"
     )
+    compile_step: str = opt(
+        "auto", "compile a client's training loss with torch.compile, for its steady step "
+        "shapes (others run eager): on | off | auto (on with CUDA, where it captures the step "
+        "as CUDA graphs; off on CPU, where it measured slower for small models)"
+    )
     prequential: bool = opt(
         True, "count test-then-train accuracy on the stream (one eval forward per batch "
         "before training on it)"
@@ -585,6 +590,7 @@ def check_learn(le: LearnConfig) -> None:
         (0 < le.bn_momentum <= 1, "bn_momentum must be in (0, 1]"),
         (le.score_chunk >= 0, "score_chunk must be >= 0 (0: auto)"),
         (le.batch_clients in ("auto", "on", "off"), "batch_clients must be auto, on or off"),
+        (le.compile_step in ("auto", "on", "off"), "compile_step must be auto, on or off"),
         (le.optimizer in ("adam", "sgd"),
          f"optimizer must be adam or sgd, got {le.optimizer!r}"),
         (le.model in ("auto", "mlp", "cnn", "resnet18"),

@@ -3,14 +3,14 @@ clients trained one after another (`--batch-clients off`) and stacked (`on`), fo
 size of `--fleets`, so that a researcher can see on their own machine (CPU or GPU) whether
 `--batch-clients on` pays, and by how much.
 
-For each fleet size one untimed run comes first (the one-time costs of its shapes: torch's
-kernels, the scoring graph's export), then, for every seed of `--seed`/`--seeds`, `--repeats`
-trials, each running off and on in alternating order, so that other load hits both alike. Per
-run: the wall time (`wall_s` of its results: the whole run, evaluation included), the client
-mini-batches it learned (every client's), the wall time per client mini-batch, the client
-threads' training time per client mini-batch, the share of client mini-batches that stepped
-stacked, A and F. Mean ± sample std over the seeds and repeats; the table's last column is
-off / on (the speed-up of stacking).
+For each fleet size untimed runs come first (the one-time costs of its shapes: torch's
+kernels, the scoring graph's export, the compiled step of `--compile-step`), then, for every
+seed of `--seed`/`--seeds`, `--repeats` trials, each running off and on in alternating order,
+so that other load hits both alike. Per run: the wall time (`wall_s` of its results: the whole
+run, evaluation included), the client mini-batches it learned (every client's), the wall time
+per client mini-batch, the client threads' training time per client mini-batch, the share of
+client mini-batches that stepped stacked, A and F. Mean ± sample std over the seeds and
+repeats; the table's last column is off / on (the speed-up of stacking).
 
 Writes DIR/bench_batching.json.
 """
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from edgefcl.config import ConfigError, RunConfig
+from edgefcl.learn.compiled_step import compile_step
 from edgefcl.outcomes.metrics import sample_std
 from edgefcl.outcomes.results import RunResult
 from edgefcl.sim.runs import simulate
@@ -61,6 +62,7 @@ def _record(result: RunResult) -> dict:
             "ms_per_client_batch": round(result.wall_s * per, 4),
             "train_ms_per_client_batch": round(
                 float(result.extra.get("timings", {}).get("train", 0.0)) * per, 4),
+            "compile_s": round(float(result.extra.get("timings", {}).get("compile", 0.0)), 4),
             "stacked_share": round(int(result.extra.get("stacked_steps", 0)) / max(batches, 1),
                                    4),
             "accuracy": round(result.accuracy, 4), "forgetting": round(result.forgetting, 4),
@@ -88,16 +90,22 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int) -
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench_batching.json"
     trials = [(s, r) for s in range(cfg.seed, cfg.seed + cfg.seeds) for r in range(repeats)]
-    report = {"device": cfg.learn.device, "dataset": cfg.data.dataset,
+    report = {"device": cfg.learn.device, "compile_step": compile_step(cfg.learn),
+              "dataset": cfg.data.dataset,
               "model": cfg.learn.model, "method": cfg.learn.method, "seed": cfg.seed,
               "seeds": cfg.seeds, "repeats": repeats, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "rows": []}
     for k in fleets:
-        # untimed: the one-time costs of this fleet's shapes (kernels, the scoring export)
-        print(f"{k} clients: warm-up, stacking on (untimed)...", flush=True)
-        t0 = time.perf_counter()
-        _run(cfg, k, "on", cfg.seed)
-        print(f"  {time.perf_counter() - t0:.1f} s", flush=True)
+        # untimed: the one-time costs of this fleet's shapes (kernels, the scoring export;
+        # compiling the step, which only the clients stepping alone use)
+        warm = MODES[::-1] if compile_step(cfg.learn) else ("on",)
+        print(f"{k} clients: warm-up, stacking {' and '.join(warm)} (untimed)...", flush=True)
+        t0, compiling = time.perf_counter(), 0.0
+        for mode in warm:
+            compiling += _run(cfg, k, mode, cfg.seed).extra.get("timings", {}).get("compile", 0)
+        print(f"  {time.perf_counter() - t0:.1f} s"
+              + (f", of which compiling the step {compiling:.1f} s" if compiling else ""),
+              flush=True)
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         for n, (seed, r) in enumerate(trials):
             for mode in MODES if n % 2 == 0 else MODES[::-1]:
@@ -107,7 +115,8 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int) -
                 print(f"{k} clients, stacking {mode}, seed {seed}, repeat {r + 1}/{repeats}: "
                       f"{rec['wall_s']:.2f} s, {rec['ms_per_client_batch']:.2f} ms per client "
                       f"mini-batch, A {rec['accuracy']:.2f} %", flush=True)
-        report["rows"].append({"clients": k, "runs": runs,
+        report["rows"].append({"clients": k, "warmup_compile_s": round(compiling, 2),
+                               "runs": runs,
                                "summary": {m: summarise(runs[m]) for m in MODES}})
         path.write_text(json.dumps(report, indent=1))
     print()

@@ -34,7 +34,7 @@ from edgefcl.config import ConfigError, FedConfig, LearnConfig
 
 FORMAT = 1
 RUNTIME_OPTIONS = ("device", "threads", "export_onnx", "score_backend", "score_process",
-                   "batch_clients")
+                   "batch_clients", "compile_step")
 """LearnConfig fields a device may change between boots without invalidating its state."""
 _GENERATOR = "__torch_generator_state__"
 _ATOMS = (type(None), bool, int, float, str, bytes, np.ndarray, np.generic, torch.Tensor)

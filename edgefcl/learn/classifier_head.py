@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edgefcl.learn.compiled_step import Loss, plain_loss
 from edgefcl.learn.optimizers import LocalOptimizer
 
 
@@ -52,12 +52,13 @@ class ClassifierHead(Protocol):
 
 class FixedHead:
     """The model's own output layer, indexed by class number: labels must be integers, and
-    the step is the plain loss."""
+    the step is the plain loss (`loss`: compiled by `--compile-step`, `learn/compiled_step.py`)."""
 
     empty = False
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, loss: Loss = plain_loss) -> None:
         self.model = model
+        self.loss = loss
 
     def ids(self, y: np.ndarray) -> np.ndarray:
         """`y` itself; ValueError for labels that are not integers (names)."""
@@ -72,7 +73,7 @@ class FixedHead:
     def train_step(self, xb: Tensor, yb: Tensor, opt: LocalOptimizer,
                    penalty: Callable[[], Tensor | None]) -> None:
         """Cross-entropy of the model's outputs (plus the penalty), one optimizer step."""
-        loss = F.cross_entropy(self.model(xb), yb)
+        loss = self.loss(self.model, xb, yb)
         extra = penalty()
         if extra is not None:
             loss = loss + extra

@@ -19,9 +19,10 @@ import torch
 
 from edgefcl.config import ConfigError, LearnConfig
 from edgefcl.data.types import Batch
-from edgefcl.learn.bayes import predict_logits, score_logits
+from edgefcl.learn.bayes import is_bayesian, predict_logits, score_logits
 from edgefcl.learn.checkpoint import data_attrs, load_data_attrs, load_module_state, module_state
 from edgefcl.learn.classifier_head import ClassifierHead, FixedHead
+from edgefcl.learn.compiled_step import CompiledLoss, Loss, plain_loss, say_once
 from edgefcl.learn.drift import StreamMonitor
 from edgefcl.learn.memory import MemorySpec, ReplayMemory, Scoring
 from edgefcl.learn.models import eval_mode, penultimate
@@ -69,6 +70,8 @@ class PendingBatch:
     started: float
     trained: float | None = None
     """Seconds of training to count (stacked steps: this client's share); None: until now."""
+    compiled_before: float = 0.0
+    """The learner's compile seconds when it began (what compiling took is not training)."""
 
 
 class StreamLearner:
@@ -77,14 +80,16 @@ class StreamLearner:
     Counts what it has seen in the current task (`task`, `batch_in_task`, `samples_in_task`,
     `class_counts`); a task change (true, or detected by the monitor when task-free) resets
     them and calls `on_task_start`. `penalty()` is added to the loss (method hooks, bound by
-    the federated wrapper with `bind`).
+    the federated wrapper with `bind`). `compiled`: the fixed head's loss is compiled
+    (`--compile-step`, `learn/compiled_step.py`).
     """
 
     def __init__(self, cid: str, model: torch.nn.Module, learn: LearnConfig, data_kind: str,
                  device: torch.device, optimizer: LocalOptimizer,
                  generator: torch.Generator, memory: MemorySpec | None, score_method: str,
                  perturber: Perturber | None, monitor: StreamMonitor | None,
-                 onnx: ClientOnnx | None, protos: ClassifierHead | None, clock: Clock) -> None:
+                 onnx: ClientOnnx | None, protos: ClassifierHead | None, clock: Clock,
+                 compiled: bool = False) -> None:
         self.cid = cid
         self.model = model
         self.learn = learn
@@ -99,7 +104,6 @@ class StreamLearner:
         self.monitor = monitor  # prequential accuracy, task-free segments
         self.onnx = onnx  # export_onnx, score_backend onnxruntime
         self.protos = protos  # the prototype library's head (--head prototypes), else None
-        self.head: ClassifierHead = protos if protos is not None else FixedHead(model)
         self.clock = clock
         self.penalty: Callable[[], torch.Tensor | None] = lambda: None
         self.on_task_start: Callable[[int], None] = lambda task: None
@@ -120,6 +124,19 @@ class StreamLearner:
         self._pool: ThreadPoolExecutor | None = None  # scores ahead while training
         self.scored_ahead = 0  # batches whose scores were computed while training
         self.score_log: list[torch.Tensor] | None = None  # a list: every scoring call's logits
+        self.head: ClassifierHead = (protos if protos is not None
+                                     else FixedHead(model, self._step_loss(compiled)))
+        if compiled and protos is not None:
+            say_once("the prototype head assembles its classifier per batch")
+
+    def _step_loss(self, compiled: bool) -> Loss:
+        """The fixed head's loss: compiled where asked and possible, else the plain one."""
+        if not compiled:
+            return plain_loss
+        if is_bayesian(self.model):
+            say_once("a Bayesian model samples its weights each step")
+            return plain_loss
+        return CompiledLoss(self.device, self.timings)
 
     def bind(self, penalty: Callable[[], torch.Tensor | None],
              on_task_start: Callable[[int], None]) -> None:
@@ -153,7 +170,8 @@ class StreamLearner:
         t0 = self.clock.now()
         ahead = self._score_ahead(x, y, y_ids)
         self.head.warmup(x, y)  # prototypes: new labels' rows, with the extractor frozen
-        return PendingBatch(x, y, y_ids, len(batch.y), ahead, t0)
+        return PendingBatch(x, y, y_ids, len(batch.y), ahead, t0,
+                            compiled_before=self.timings["compile"])
 
     def finish(self, pending: PendingBatch) -> None:
         """The last part of `learn_one`, after training: the memory update (with the scores
@@ -168,8 +186,9 @@ class StreamLearner:
         score_before = self.timings["score"]
         self._update_memory(pending.x, pending.y, scores, pending.y_ids)
         t2 = clock()
-        self.timings["train"] += (t1 - pending.started if pending.trained is None
-                                  else pending.trained)
+        self.timings["train"] += ((t1 - pending.started if pending.trained is None
+                                   else pending.trained)
+                                  - (self.timings["compile"] - pending.compiled_before))
         self.timings["score_wait"] += t_mem - t1
         self.timings["memory"] += (t2 - t_mem) - (self.timings["score"] - score_before)
         self.batches += 1

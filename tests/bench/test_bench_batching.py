@@ -45,3 +45,15 @@ def test_bench_batching_runs_both_ways_and_writes_json(tmp_path, capsys):
     assert abs(off["accuracy"] - on["accuracy"]) < 10
     out = capsys.readouterr().out
     assert "off / on" in out and table(report["rows"]).splitlines()[2].rstrip().endswith("x")
+
+
+def test_compiling_the_step_is_paid_in_the_warm_up(tmp_path, capsys):
+    cfg = apply(RunConfig(), {"data": {"tasks": 2}, "fed": {"clients": 2}, "quiet": True,
+                              "learn": {"compile_step": "on"}})
+    report = bench_batching(cfg, tmp_path, [2], repeats=1)
+    row = report["rows"][0]
+    assert report["compile_step"] and row["warmup_compile_s"] > 0
+    assert "of which compiling the step" in capsys.readouterr().out
+    # the timed runs find the step compiled (the same shapes, this process's cache)
+    off = row["runs"]["off"][0]
+    assert off["compile_s"] < row["warmup_compile_s"] / 10
