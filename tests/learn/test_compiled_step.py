@@ -17,13 +17,13 @@ from edgefcl.learn.compiled_step import CompiledLoss, compile_step, plain_loss
 from edgefcl.learn.model_heads import library_model_head
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
-from tests.learn.test_batched import batch, close
+from tests.learn.test_batched import CUDA, batch, close
 
 
-def cnn_client(cid: str, compiled: str = "off", method: str = "bi"):
+def cnn_client(cid: str, compiled: str = "off", device: str = "cpu"):
     torch.manual_seed(0)
     net = build_model("cnn", (1, 8, 8), 4)  # BatchNorm: running statistics updated in the step
-    return new_client(cid, net, LearnConfig(method=method, memory_size=20, local_epochs=3,
+    return new_client(cid, net, LearnConfig(memory_size=20, local_epochs=3, device=device,
                                             compile_step=compiled),
                       FedConfig(burn_in=2, jump=2), "image", seed=0)
 
@@ -35,13 +35,16 @@ def test_auto_compiles_on_cuda_only() -> None:
     assert not compile_step(LearnConfig(device="cuda", compile_step="off"))
 
 
-def test_compiled_steps_match_eager_and_other_shapes_run_eager() -> None:
-    eager, compiled = cnn_client("a"), cnn_client("b", "on")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_compiled_steps_match_eager_and_other_shapes_run_eager(device) -> None:
+    """On CUDA the compiled step replays CUDA graphs (mode reduce-overhead)."""
+    eager, compiled = cnn_client("a", device=device), cnn_client("b", "on", device)
     assert isinstance(compiled.learner.head.loss, CompiledLoss)
     assert eager.learner.head.loss is plain_loss
     # the first task's steps (5 samples) compile at their second use; the later ones (batch
     # and replay draw: 10 samples) exceed max_shapes and run eager
-    loss = CompiledLoss(torch.device("cpu"), compiled.learner.timings, min_uses=2, max_shapes=1)
+    loss = CompiledLoss(torch.device(device), compiled.learner.timings, min_uses=2,
+                        max_shapes=1)
     compiled.learner.head.loss = loss
     for task, classes in ((0, [0, 1]), (1, [2, 3])):
         for i in range(4):
