@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 from edgefcl.config import ConfigError
@@ -53,14 +54,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         make_dir(out)
 
+    done = finished_runs(cfg, out, several) if args.resume else {}
+    if done:
+        print(f"resuming {out}: {len(done)} finished run(s) kept", flush=True)
+    todo, ran, started = total_runs(cfg) - len(done), [], time.monotonic()
+
     def finished(r) -> None:
         print(run_table(r), flush=True)
         if out is not None:
             write_run(r, run_dir(out, r) if several else out)
-
-    done = finished_runs(cfg, out, several) if args.resume else {}
-    if done:
-        print(f"resuming {out}: {len(done)} finished run(s) kept", flush=True)
+        ran.append(r)
+        if len(ran) < todo and not cfg.quiet:  # the sweep: runs left, the time they may take
+            per = (time.monotonic() - started) / len(ran)
+            print(f"{len(ran)}/{todo} runs done, about {per * (todo - len(ran)):.0f} s left",
+                  file=sys.stderr, flush=True)
     results = run_many(cfg, on_done=finished, done=done)
     if several:
         if args.resume:

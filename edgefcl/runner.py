@@ -30,13 +30,15 @@ def run_many(cfg: RunConfig, on_done: Callable[[RunResult], None] | None = None,
     run again."""
     results = []
     done = done or {}
+    total = total_runs(cfg)
     for label, method, fed in run_entries(cfg):
         run_cfg = dataclasses.replace(cfg, fed=fed)
         for seed in range(cfg.seed, cfg.seed + cfg.seeds):
             if (label, seed) in done:
                 results.append(done[(label, seed)])
                 continue
-            result = run_one(run_cfg, method, seed, label)
+            position = f"run {len(results) + 1}/{total}" if total > 1 else None
+            result = run_one(run_cfg, method, seed, label, position)
             result.method = label
             results.append(result)
             if on_done is not None:
@@ -44,9 +46,11 @@ def run_many(cfg: RunConfig, on_done: Callable[[RunResult], None] | None = None,
     return results
 
 
-def run_one(cfg: RunConfig, method: str, seed: int, label: str | None = None) -> RunResult:
+def run_one(cfg: RunConfig, method: str, seed: int, label: str | None = None,
+            position: str | None = None) -> RunResult:
     """One run with progress on stderr (unless quiet): a bar on a terminal, a plain line every
-    10 s otherwise; `label` names it (default: the method). Its results get `environment`."""
+    10 s otherwise; `label` names it (default: the method), `position` its place in a sweep
+    ("run 3/8"). Its results get `environment`."""
     label = label or method
     if cfg.transport == "mqtt":
         from edgefcl.runtime.fleet_processes import simulate_mqtt
@@ -58,7 +62,8 @@ def run_one(cfg: RunConfig, method: str, seed: int, label: str | None = None) ->
     else:
         sim = simulate
     env = environment()
-    reporter = None if cfg.quiet else progress_reporter(f"{label} seed {seed}")
+    desc = f"{label} seed {seed}" + (f" ({position})" if position else "")
+    reporter = None if cfg.quiet else progress_reporter(desc)
     try:
         result = sim(cfg, method, seed, reporter)
     finally:

@@ -45,9 +45,11 @@ def test_same_seed_same_global_and_other_seed_differs(tmp_path):
 
 
 def test_compare_prints_mean_and_std(tmp_path, capsys):
-    assert main(["simulate", *SMALL, "--compare", "bi,fedavg", "--seeds", "2",
+    loud = [a for a in SMALL if a != "--quiet"]
+    assert main(["simulate", *loud, "--compare", "bi,fedavg", "--seeds", "2",
                  "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "3/4 runs done, about" in err  # the sweep's progress
     assert "±" in out and "bi" in out and "fedavg" in out
     summary = json.loads((tmp_path / "results.json").read_text())["summary"]
     assert set(summary) == {"bi", "fedavg"} and summary["bi"]["seeds"] == 2

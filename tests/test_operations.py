@@ -184,11 +184,11 @@ def test_compare_writes_each_run_as_it_finishes_and_resumes(tmp_path, capsys, mo
     real = runner.run_one
     calls = []
 
-    def interrupted(cfg, method, seed, label=None):
+    def interrupted(cfg, method, seed, label=None, position=None):
         if len(calls) == 2:
             raise KeyboardInterrupt
         calls.append((label, seed))
-        return real(cfg, method, seed, label)
+        return real(cfg, method, seed, label, position)
 
     monkeypatch.setattr(runner, "run_one", interrupted)
     argv = ["simulate", *SMALL, "--compare", "fedavg,er", "--seeds", "2", "--out", str(out)]
@@ -202,6 +202,7 @@ def test_compare_writes_each_run_as_it_finishes_and_resumes(tmp_path, capsys, mo
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 0
     assert [(c[0], c[1]) for c in calls] == [("er", 0), ("er", 1)]  # only the missing ones
+    assert [c[3] for c in calls] == ["run 3/4", "run 4/4"]  # their places in the sweep
     assert "2 finished run(s) kept" in capsys.readouterr().out
     summary = json.loads((out / "results.json").read_text())["summary"]
     assert summary["fedavg"]["seeds"] == 2 and summary["er"]["seeds"] == 2
