@@ -32,6 +32,7 @@ from edgefcl.data.types import Batch
 from edgefcl.federation.messages import Update
 from edgefcl.learn.bayes import is_bayesian
 from edgefcl.learn.client import Client
+from edgefcl.learn.compiled_step import PROTOTYPE_HEAD
 from edgefcl.learn.learner import PendingBatch, StreamLearner
 from edgefcl.learn.optimizers import LocalOptimizer
 
@@ -67,7 +68,7 @@ def why_alone(client: Client) -> str | None:
     steps are the plain loss of a fixed-head model under a plain Adam or SGD)."""
     learner = client.learner
     if learner.protos is not None:
-        return "the prototype head assembles its classifier per batch"
+        return PROTOTYPE_HEAD
     if not client.hooks.plain_training():
         return f"method {learner.learn.method} adds a loss term or transforms the model"
     if _plain_group(learner.opt) is None:

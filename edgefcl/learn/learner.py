@@ -19,10 +19,10 @@ import torch
 
 from edgefcl.config import ConfigError, LearnConfig
 from edgefcl.data.types import Batch
-from edgefcl.learn.bayes import is_bayesian, predict_logits, score_logits
+from edgefcl.learn.bayes import predict_logits, score_logits
 from edgefcl.learn.checkpoint import data_attrs, load_data_attrs, load_module_state, module_state
 from edgefcl.learn.classifier_head import ClassifierHead, FixedHead
-from edgefcl.learn.compiled_step import CompiledLoss, Loss, plain_loss, say_once
+from edgefcl.learn.compiled_step import step_loss
 from edgefcl.learn.drift import StreamMonitor
 from edgefcl.learn.memory import MemorySpec, ReplayMemory, Scoring
 from edgefcl.learn.models import eval_mode, penultimate
@@ -124,19 +124,10 @@ class StreamLearner:
         self._pool: ThreadPoolExecutor | None = None  # scores ahead while training
         self.scored_ahead = 0  # batches whose scores were computed while training
         self.score_log: list[torch.Tensor] | None = None  # a list: every scoring call's logits
+        self.loss = step_loss(model, protos is not None, compiled, device, self.timings)
+        """The fixed head's loss (`learn/compiled_step.py`)."""
         self.head: ClassifierHead = (protos if protos is not None
-                                     else FixedHead(model, self._step_loss(compiled)))
-        if compiled and protos is not None:
-            say_once("the prototype head assembles its classifier per batch")
-
-    def _step_loss(self, compiled: bool) -> Loss:
-        """The fixed head's loss: compiled where asked and possible, else the plain one."""
-        if not compiled:
-            return plain_loss
-        if is_bayesian(self.model):
-            say_once("a Bayesian model samples its weights each step")
-            return plain_loss
-        return CompiledLoss(self.device, self.timings)
+                                     else FixedHead(model, self.loss))
 
     def bind(self, penalty: Callable[[], torch.Tensor | None],
              on_task_start: Callable[[int], None]) -> None:

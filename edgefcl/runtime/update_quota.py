@@ -202,8 +202,7 @@ class UpdateQuota:
             return
         self.limit = min(self.ratio * float(np.median(list(self.rates.values()))),
                          FAIR_SLACK * self.fair)
-        self.refill = max(self.limit, 1.0 / seconds)  # at least one a device and interval:
-        # never starved (devices that send after each global would wait for each other)
+        self.refill = self.limit
         self.burst = self.refill * seconds + 1.0  # an interval's worth, and one more
         self.tokens = {d: (min(self.burst, t), now) for d, t in kept.items()}
         self._over = frozenset(d for d, r in self.rates.items() if r > self.limit)

@@ -14,6 +14,7 @@ from edgefcl.data.types import TaskData
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.learn.client import Client
+from edgefcl.learn.compiled_step import step_counts
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.export import architecture_spec, global_state
 from edgefcl.learn.params import global_sha256
@@ -45,7 +46,8 @@ def run_result(cfg: RunConfig, method: str, seed: int, setup: Setup, clients: li
                       "labels": (list(g.prototypes.labels) if g.prototypes is not None
                                  else setup.dataset.labels),  # prototypes: library order
                       **label_coverage(coverage, clients[0].protos is not None),
-                      **stream_report(clients), **extra},
+                      **stream_report(clients), **extra,
+                      **step_counts(c.learner.loss for c in clients)},
                      global_state=global_state(clients[0], g))
 
 

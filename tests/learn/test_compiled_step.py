@@ -1,5 +1,5 @@
-"""The compiled training loss (`--compile-step`): a compiled step matches the eager one, shapes
-it has not compiled run eager, and a compiler failure falls back to eager once and for all."""
+"""The compiled training loss (`--compile-step`): compiled steps match eager ones, shapes it has
+not compiled run eager, and a compiler failure falls back to eager once and for all."""
 
 from __future__ import annotations
 
@@ -9,15 +9,23 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from edgefcl.build import new_client
 from edgefcl.config import FedConfig, LearnConfig
 from edgefcl.learn import compiled_step
-from edgefcl.learn.compiled_step import CompiledLoss, compile_step, plain_loss
+from edgefcl.learn.compiled_step import CompiledLoss, compile_step, plain_loss, step_counts
 from edgefcl.learn.model_heads import library_model_head
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
 from tests.learn.test_batched import CUDA, batch, close
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state(monkeypatch):
+    """Each test sees the process as new: nothing compiled, broken or said yet."""
+    for name in ("_READY", "_BROKEN", "_SAID"):
+        monkeypatch.setattr(compiled_step, name, set())
 
 
 def cnn_client(cid: str, compiled: str = "off", device: str = "cpu"):
@@ -39,19 +47,23 @@ def test_auto_compiles_on_cuda_only() -> None:
 def test_compiled_steps_match_eager_and_other_shapes_run_eager(device) -> None:
     """On CUDA the compiled step replays CUDA graphs (mode reduce-overhead)."""
     eager, compiled = cnn_client("a", device=device), cnn_client("b", "on", device)
-    assert isinstance(compiled.learner.head.loss, CompiledLoss)
-    assert eager.learner.head.loss is plain_loss
-    # the first task's steps (5 samples) compile at their second use; the later ones (batch
-    # and replay draw: 10 samples) exceed max_shapes and run eager
-    loss = CompiledLoss(torch.device(device), compiled.learner.timings, min_uses=2,
-                        max_shapes=1)
-    compiled.learner.head.loss = loss
+    assert isinstance(compiled.learner.loss, CompiledLoss)
+    assert eager.learner.loss is plain_loss
+    loss = CompiledLoss(torch.device(device), compiled.learner.timings, min_uses=2)
+    compiled.learner.loss = compiled.learner.head.loss = loss
+    graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+    # two shapes compile at their second use: the first task's steps (5 samples), the later
+    # ones (batch and replay draw: 10); a last, short batch (3 + 3) runs eager
     for task, classes in ((0, [0, 1]), (1, [2, 3])):
         for i in range(4):
             for c in (eager, compiled):
                 c.step(batch("cnn", task, i, classes, 0))
-    assert loss.shapes == {((5, 1, 8, 8), torch.float32, (5,))}
-    assert loss.compiled_steps == 4 * 3 - 1 and loss.eager_steps == 1 + 4 * 3
+    for c in (eager, compiled):
+        c.step(batch("cnn", 1, 4, [2, 3], 0, n=3))
+    assert {s[0][0] for s in loss.shapes} == {5, 10}
+    assert step_counts([loss, plain_loss]) == {"compiled_steps": 2 * 11, "eager_steps": 2 + 3}
+    assert counters["stats"]["unique_graphs"] > graphs  # dynamo did compile
+    assert counters["inductor"]["cudagraph_skips"] == skips  # and CUDA graphs were not skipped
     ta, tb = get_tensors(eager.model), get_tensors(compiled.model)  # BatchNorm statistics too
     for name in ta:
         close(tb[name], ta[name], name)
@@ -59,31 +71,44 @@ def test_compiled_steps_match_eager_and_other_shapes_run_eager(device) -> None:
     assert timings["compile"] > timings["train"] > 0  # compiling is not counted as training
 
 
-def test_a_compiler_failure_falls_back_to_eager_once(monkeypatch, caplog) -> None:
+def _mlp_step(**kw):
+    torch.manual_seed(0)
+    model = build_model("mlp", (6,), 4, hidden=16)
+    x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 3, 0])
+    return model, x, y, CompiledLoss(torch.device("cpu"), Counter(), min_uses=1, **kw)
+
+
+def test_a_compiler_failure_falls_back_to_eager_for_the_process(monkeypatch, caplog) -> None:
     def broken(mode):
         def fail(*args):
             raise RuntimeError("no C++ compiler\nsecond line")
         return fail
 
     monkeypatch.setattr(compiled_step, "_compiled", broken)
-    monkeypatch.setattr(compiled_step, "_SAID", set())
-    torch.manual_seed(0)
-    model = build_model("mlp", (6,), 4, hidden=16)
-    x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 3, 0])
-    loss = CompiledLoss(torch.device("cpu"), Counter(), min_uses=1)
+    model, x, y, loss = _mlp_step()
+    other = _mlp_step()[3]  # another client of the process: it does not try again
     with caplog.at_level(logging.WARNING, logger="edgefcl.learn.compiled_step"):
-        values = [loss(model, x, y) for _ in range(3)]
-    assert loss.failed and loss.compiled_steps == 0 and loss.eager_steps == 3
+        values = [loss(model, x, y) for _ in range(3)] + [other(model, x, y)]
+    assert step_counts([loss, other]) == {"compiled_steps": 0, "eager_steps": 4}
     for v in values:
         assert torch.equal(v, plain_loss(model, x, y))
-    said = [r.getMessage() for r in caplog.records]
-    assert said == ["compile-step: torch.compile failed (RuntimeError: no C++ compiler); "
-                    "those steps run eager"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "compile-step: torch.compile failed (RuntimeError: no C++ compiler); those steps run "
+        "eager"]
+
+
+def test_a_compile_that_makes_no_graph_is_a_failure(monkeypatch, caplog) -> None:
+    """torch runs eager past its recompile limit, with no error: no new graph tells."""
+    monkeypatch.setattr(compiled_step, "_graphs", lambda: 0)
+    model, x, y, loss = _mlp_step()
+    with caplog.at_level(logging.WARNING, logger="edgefcl.learn.compiled_step"):
+        assert torch.equal(loss(model, x, y), plain_loss(model, x, y))
+    assert loss.eager_steps == 1 and loss.compiled_steps == 0 and not loss.shapes
+    assert "made no graph" in caplog.records[0].getMessage()
 
 
 @pytest.mark.parametrize("head", ["prototypes", "bayesian"])
-def test_steps_it_cannot_compile_run_eager_and_say_why(head, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(compiled_step, "_SAID", set())
+def test_steps_it_cannot_compile_run_eager_and_say_why(head, caplog) -> None:
     torch.manual_seed(0)
     net = build_model("mlp", (6,), 4, hidden=16)
     if head == "prototypes":
@@ -92,14 +117,11 @@ def test_steps_it_cannot_compile_run_eager_and_say_why(head, monkeypatch, caplog
     else:
         learn = LearnConfig(method="vfcl", compile_step="on")
         fed = FedConfig(encoding="gaussian", aggregation="conflation")
-    with caplog.at_level(logging.WARNING, logger="edgefcl.learn.compiled_step"):
+    with caplog.at_level(logging.INFO, logger="edgefcl.learn.compiled_step"):
         client = new_client("c", net, learn, fed, "vector")
-    assert not isinstance(getattr(client.learner.head, "loss", None), CompiledLoss)
-    assert any("run eager" in r.getMessage() for r in caplog.records)
+    assert client.learner.loss is plain_loss
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "run eager" in caplog.records[0].getMessage()
     client.step(batch("mlp", 0, 0, [0, 1], 0))
-    assert np.isfinite(client.evaluate(*_xy()))
-
-
-def _xy():
     b = batch("mlp", 0, 1, [0, 1], 0)
-    return b.x, b.y
+    assert np.isfinite(client.evaluate(b.x, b.y))
