@@ -243,6 +243,7 @@ CASES = [{"pacing": "random", "offered": 1.0}, {"pacing": "random", "offered": 2
          {"pacing": "random", "offered": 2.0, "drop_to": 0.5},
          {"pacing": "random", "offered": 2.0, "ignoring": 0.2},
          {"pacing": "random", "offered": 2.0, "ignoring": 0.5},
+         {"pacing": "random", "offered": 2.0, "ignoring": 0.5, "capacity": 350.0},
          {"pacing": "random", "offered": 1.0, **SPARSE_ROUNDS},
          {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS},
          {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS, "max_factor": 1.0},
@@ -256,6 +257,8 @@ def _label(case: dict) -> str:
         text += f" -> {case['drop_to']:g}x"
     if case.get("ignoring"):
         text += f", {case['ignoring']:.0%} ignoring"
+    if "capacity" in case and not case.get("rounds"):  # each device's due updates a second
+        text += f", devices at {case['offered'] * case['capacity'] / Loop.devices:g}/s"
     if case.get("rounds"):
         text += f", rounds of {case['rounds']}"
     if case.get("max_factor") == 1.0:

@@ -9,9 +9,11 @@ median is an ignoring device's rate; the fair share is not). A fraction p of ign
 held at s x the fair share settle at s (1 - p) / (1 - s p) times a compliant device's rate:
 1.22x at p = 0.5 with s = 1.1 (1.5x with 1.2, measured 1.63x with the bucket's allowance; s = 1
 measured 1.17x but the tier folded 0.84 of its capacity, as the share chases the compliant
-rate down): a token bucket per
-device, refilled at that rate and holding one interval's refill and one more, so that with its
-allowances a device stays within 1.5x. The rates are smoothed over the status intervals.
+rate down): a token bucket per device, refilled continuously at that rate however low it is
+(a floor of one token a device and interval let devices that ignore the factor take 2x once
+compliant devices sent less: `bench fleet`'s 1,000 devices at 1/s under a factor of 3), and
+holding one interval's refill and one more, so that with its allowances a device stays within
+1.5x. The rates are smoothed over the status intervals.
 A device whose smoothed rate is within the limit is never held. One sending faster (one that
 ignores the factor, or a very fast one while the fleet is overloaded) has its newest update
 over the limit wait, undecoded, for its next token, and the
@@ -65,7 +67,7 @@ class UpdateQuota:
         self.rates: dict[str, float] = {}  # smoothed updates a second, per active device
         self.tokens: dict[str, tuple[float, float]] = {}  # device -> (tokens, when)
         self.limit: float | None = None  # updates a second per device; None: no limit
-        self.refill = 0.0  # tokens a second: the limit, at least one an interval
+        self.refill = 0.0  # tokens a second: the limit
         self.burst = 1.0  # what a device's bucket holds: one interval's refill and one more
         self.intervals = 0
         self.shed: Counter[str] = Counter()
