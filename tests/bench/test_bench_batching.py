@@ -47,6 +47,7 @@ def test_bench_batching_runs_both_ways_and_writes_json(tmp_path, capsys):
     assert "off / on" in out and table(report["rows"]).splitlines()[2].rstrip().endswith("x")
 
 
+@pytest.mark.slow
 def test_compiling_the_step_is_paid_in_the_warm_up(tmp_path, capsys):
     cfg = apply(RunConfig(), {"data": {"tasks": 2}, "fed": {"clients": 2}, "quiet": True,
                               "learn": {"compile_step": "on"}})

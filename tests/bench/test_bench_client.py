@@ -132,11 +132,14 @@ except ImportError as e:
     assert "batching [2, 4] 1" in done.stdout
 
 
-def test_bare_step_references_report_each_variant():
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_bare_step_references_report_each_variant(compiled):
     from edgefcl.bench.bare_step import bare_step_refs
 
     cfg = RunConfig()
-    refs = bare_step_refs(cfg, prepare(cfg, 0), seconds=0.2, clients=3, compile_step=False)
+    refs = bare_step_refs(cfg, prepare(cfg, 0), seconds=0.2, clients=3,
+                          compile_step=compiled)
     assert refs["eager_ms"] > 0 and refs["stacked_clients"] == 3
+    assert ("compiled_ms" in refs and refs["compile_s"] > 0) == compiled  # --compile-step's
     assert refs["stacked_ms_per_client"] > 0  # BatchNorm models too (the default is a CNN)
     assert "fused_ms" in refs or "fused_skipped" in refs
