@@ -111,6 +111,7 @@ BENCHES = {
 }
 """Benchmark kinds of `edgefcl bench KIND`, one module each in edgefcl/bench/."""
 BENCH_DEFAULTS = {"datasets": None, "async_rules": None, "profiles": None, "fleets": None,
+                  "resume": False,
                   "per_class": "5,10,20,50", "jobs": 1, "repeats": 3, "count": 0,
                   "rules": "er,cbr,bi,bi:bottom@on_change,bi:top,bi:step@on_change,bi:mix,"
                            "bi:kcenter,bi:herding,bi:step+past"}
@@ -142,6 +143,9 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
     if what == "batching":
         p.add_argument("--fleets", metavar="N,N", help="comma-separated fleet sizes (client "
                        "counts) to run, e.g. 3,32 (default: --clients)")
+        p.add_argument("--resume", action="store_true", help="keep the fleet sizes that "
+                       "--out's bench_batching.json holds for the same configuration and run "
+                       "only the others")
     if what == "backpressure":
         p.add_argument("--devices", type=int, default=1000, metavar="N",
                        help="devices in the loop")
@@ -181,7 +185,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from edgefcl.bench.batching import bench_batching, parse_fleets
 
         bench_batching(cfg, Path(cfg.out or "runs/bench"),
-                       parse_fleets(args.fleets, cfg.fed.clients), args.repeats)
+                       parse_fleets(args.fleets, cfg.fed.clients), args.repeats,
+                       resume=args.resume)
         return 0
     if args.what == "shard":
         from edgefcl.bench.shard_cost import bench_shard

@@ -80,26 +80,62 @@ def summarise(runs: list[dict]) -> dict:
     return {k: _mean_sd([r[k] for r in runs]) for k in keys} | {"batches": runs[0]["batches"]}
 
 
-def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int) -> dict:
+def _protocol(cfg: RunConfig, repeats: int) -> dict:
+    """What a resumed benchmark must share with the one it resumes: the run's sections of the
+    configuration (stacking aside: the benchmark sets it), its seeds and repeats, torch."""
+    learn = dataclasses.asdict(cfg.learn) | {"batch_clients": None}
+    protocol = {"data": dataclasses.asdict(cfg.data), "learn": learn,
+                "fed": dataclasses.asdict(cfg.fed), "seed": cfg.seed, "seeds": cfg.seeds,
+                "repeats": repeats, "torch": torch.__version__,
+                "threads": torch.get_num_threads()}
+    return json.loads(json.dumps(protocol))  # as the file holds it (tuples: lists)
+
+
+def _resumed(path: Path, protocol: dict) -> dict[int, dict]:
+    """The rows (by fleet size) of the benchmark of `protocol` that `path` holds; ConfigError
+    when it holds another protocol's."""
+    if not path.is_file():
+        return {}
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot resume from {path}: {e}") from None
+    if held.get("protocol") != protocol:
+        raise ConfigError(f"{path} holds a benchmark of another configuration; use another "
+                          "--out, or drop --resume to overwrite it")
+    return {row["clients"]: row for row in held.get("rows", [])}
+
+
+def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int,
+                   resume: bool = False) -> dict:
     """Run the protocol of `cfg` for every fleet size of `fleets` with stacking off and on,
     for each of its seeds `repeats` times (alternating); print the table and write
     out/bench_batching.json (again after each fleet size, so that a run cut short keeps what
-    it measured)."""
+    it measured). `resume`: keep the fleet sizes that file already holds for this protocol
+    and run only the others."""
     if repeats < 1:
         raise ConfigError("--repeats must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench_batching.json"
+    protocol = _protocol(cfg, repeats)
+    held = _resumed(path, protocol) if resume else {}
     trials = [(s, r) for s in range(cfg.seed, cfg.seed + cfg.seeds) for r in range(repeats)]
     report = {"device": cfg.learn.device, "compile_step": compile_step(cfg.learn),
               "dataset": cfg.data.dataset,
               "model": cfg.learn.model, "method": cfg.learn.method, "seed": cfg.seed,
               "seeds": cfg.seeds, "repeats": repeats, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "rows": []}
-    for k in fleets:
+              "threads": torch.get_num_threads(), "protocol": protocol, "rows": []}
+    for n, k in enumerate(fleets):
+        if k in held:
+            print(f"{k} clients: kept from {path} ({n + 1}/{len(fleets)} fleet sizes)",
+                  flush=True)
+            report["rows"].append(held[k])
+            continue
         # untimed: the one-time costs of this fleet's shapes (kernels, the scoring export;
         # compiling the step, which only the clients stepping alone use)
         warm = MODES[::-1] if compile_step(cfg.learn) else ("on",)
-        print(f"{k} clients: warm-up, stacking {' and '.join(warm)} (untimed)...", flush=True)
+        print(f"{k} clients ({n + 1}/{len(fleets)} fleet sizes): warm-up, stacking "
+              f"{' and '.join(warm)} (untimed)...", flush=True)
         t0, compiling = time.perf_counter(), 0.0
         for mode in warm:
             compiling += _run(cfg, k, mode, cfg.seed).extra.get("timings", {}).get("compile", 0)
@@ -107,10 +143,10 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int) -
               + (f", of which compiling the step {compiling:.1f} s" if compiling else ""),
               flush=True)
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
-        for n, (seed, r) in enumerate(trials):
-            for mode in MODES if n % 2 == 0 else MODES[::-1]:
+        for t, (seed, r) in enumerate(trials):
+            for mode in MODES if t % 2 == 0 else MODES[::-1]:
                 runs[mode].append(_record(_run(cfg, k, mode, seed)) | {"seed": seed,
-                                                                       "trial": n})
+                                                                       "trial": t})
                 rec = runs[mode][-1]
                 print(f"{k} clients, stacking {mode}, seed {seed}, repeat {r + 1}/{repeats}: "
                       f"{rec['wall_s']:.2f} s, {rec['ms_per_client_batch']:.2f} ms per client "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -58,3 +59,29 @@ def test_compiling_the_step_is_paid_in_the_warm_up(tmp_path, capsys):
     # the timed runs find the step compiled (the same shapes, this process's cache)
     off = row["runs"]["off"][0]
     assert off["compile_s"] < row["warmup_compile_s"] / 10
+
+
+def test_resume_keeps_the_fleet_sizes_measured_and_refuses_another_protocol(tmp_path,
+                                                                          monkeypatch):
+    from edgefcl.bench import batching
+
+    ran = []
+
+    def fake_run(cfg, clients, mode, seed):  # what _record reads of a run
+        ran.append(clients)
+        return SimpleNamespace(wall_s=1.0, extra={"batches": 10 * clients}, accuracy=50.0,
+                               forgetting=5.0, global_sha256="x")
+
+    monkeypatch.setattr(batching, "_run", fake_run)
+    cfg = apply(RunConfig(), {"quiet": True})
+    bench_batching(cfg, tmp_path, [2], repeats=1)
+    ran.clear()
+    report = bench_batching(cfg, tmp_path, [2, 3], repeats=1, resume=True)
+    assert set(ran) == {3}  # 2 was kept
+    assert [row["clients"] for row in report["rows"]] == [2, 3]
+    saved = json.loads((tmp_path / "bench_batching.json").read_text())
+    assert [row["clients"] for row in saved["rows"]] == [2, 3]
+    other = apply(RunConfig(), {"quiet": True, "learn": {"memory_size": 7}})
+    with pytest.raises(ConfigError, match="another configuration"):
+        bench_batching(other, tmp_path, [2], repeats=1, resume=True)
+    bench_batching(other, tmp_path, [2], repeats=1)  # without --resume: overwritten
