@@ -9,11 +9,9 @@ median is an ignoring device's rate; the fair share is not). A fraction p of ign
 held at s x the fair share settle at s (1 - p) / (1 - s p) times a compliant device's rate:
 1.22x at p = 0.5 with s = 1.1 (1.5x with 1.2, measured 1.63x with the bucket's allowance; s = 1
 measured 1.17x but the tier folded 0.84 of its capacity, as the share chases the compliant
-rate down): a token bucket per device, refilled continuously at that rate however low it is
-(a floor of one token a device and interval let devices that ignore the factor take 2x once
-compliant devices sent less: `bench fleet`'s 1,000 devices at 1/s under a factor of 3), and
-holding one interval's refill and one more, so that with its allowances a device stays within
-1.5x. The rates are smoothed over the status intervals.
+rate down): a token bucket per device, refilled continuously at that rate (at least
+MIN_REFILL) and holding one interval's refill and one more, so that with its allowances a
+device stays within 1.5x. The rates are smoothed over the status intervals.
 A device whose smoothed rate is within the limit is never held. One sending faster (one that
 ignores the factor, or a very fast one while the fleet is overloaded) has its newest update
 over the limit wait, undecoded, for its next token, and the
@@ -46,6 +44,12 @@ FAIR_SLACK = 1.1
 """A device's limit under overload is at most this times its fair share (see above)."""
 RELEASE_EVERY = 0.1
 """Seconds between a daemon's calls to `release` (its main loop)."""
+MIN_REFILL = 0.1
+"""Tokens a second a device's bucket refills at the least: one every 10 s, so that no device
+waits for ever (an interval that let nothing through sets a limit of 0). Low enough to stay
+below a compliant device's rate in any overload worth limiting: a floor of one token a device
+and interval (0.5/s) let devices that ignore the factor take 2x once compliant devices sent
+less (`bench fleet`'s 1,000 devices due once a second, under a factor of 3)."""
 MIN_RATE = 1e-3
 """A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
 
@@ -67,7 +71,7 @@ class UpdateQuota:
         self.rates: dict[str, float] = {}  # smoothed updates a second, per active device
         self.tokens: dict[str, tuple[float, float]] = {}  # device -> (tokens, when)
         self.limit: float | None = None  # updates a second per device; None: no limit
-        self.refill = 0.0  # tokens a second: the limit
+        self.refill = 0.0  # tokens a second: the limit, at least MIN_REFILL
         self.burst = 1.0  # what a device's bucket holds: one interval's refill and one more
         self.intervals = 0
         self.shed: Counter[str] = Counter()
@@ -204,7 +208,7 @@ class UpdateQuota:
             return
         self.limit = min(self.ratio * float(np.median(list(self.rates.values()))),
                          FAIR_SLACK * self.fair)
-        self.refill = self.limit
+        self.refill = max(self.limit, MIN_REFILL)
         self.burst = self.refill * seconds + 1.0  # an interval's worth, and one more
         self.tokens = {d: (min(self.burst, t), now) for d, t in kept.items()}
         self._over = frozenset(d for d, r in self.rates.items() if r > self.limit)

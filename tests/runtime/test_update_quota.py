@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from edgefcl.runtime.update_quota import UpdateQuota
+from edgefcl.runtime.update_quota import MIN_REFILL, UpdateQuota
 
 
 class Clock:
@@ -141,3 +141,19 @@ def test_the_updates_waiting_for_a_token_are_bounded_in_bytes() -> None:
     # released updates give their bytes back
     assert sorted(quota.release(everything=True)) == ["x0''", "x2'"]
     assert quota.waiting_bytes == 0 and not quota.waiting
+
+
+def test_a_limit_of_zero_still_lets_each_device_through_now_and_then() -> None:
+    # the attack: an overloaded interval in which nothing got through (a stalled main loop,
+    # every update refused by the full inbox) gives a fair share, and so a limit, of 0; a
+    # bucket refilled at the limit alone would hold every sending device for ever
+    clock = Clock()
+    quota = UpdateQuota(clock=clock)
+    quota.end_interval(2.0, {"a", "b"}, 2.0, Counter({"a": 4}))
+    assert quota.limit == 0.0
+    assert quota.admit("a", "u1")  # its bucket's one spare token
+    assert not quota.admit("a", "u2")
+    clock.t = 1.0
+    assert quota.release() == []
+    clock.t = 1.0 / MIN_REFILL + 0.5
+    assert quota.release() == ["u2"]  # its next token came at the floor's rate
