@@ -11,6 +11,12 @@ Adam, or SGD) updates every client's rows with that client's own state in one ca
 results are written back to every client's model, so a client may step alone in the next tick
 (a different shape, a prototype head, a penalty) and checkpoints are unchanged.
 
+The memories' scores are stacked too: a client that scores its candidates by test-time views
+of its scoring snapshot in torch (not by onnxruntime) leaves them to the trainer, which makes
+each client's views with its own perturber and scores every client's in one stacked eval-mode
+forward of their snapshots (`FleetTrainer._score`; the same logits within float tolerance, so
+the same samples kept).
+
 Each client's step matches its sequential step within float tolerance (tests/learn/
 test_batched.py); the stacked path is not bit-identical to it, so the golden hashes and the
 lock-step MQTT runtime (one process per client) are compared with `--batch-clients off`.
@@ -99,14 +105,16 @@ def _rows(parts: Sequence[np.ndarray], start: int, n: int) -> np.ndarray:
 
 class FleetTrainer:
     """Steps many clients' mini-batches: stacked where they can be (see the module docstring),
-    one after another where they cannot. `stacked_steps` and `alone_steps` count client
-    mini-batches of each kind."""
+    one after another where they cannot, and scores their memories' candidates stacked too
+    (`_score`). `stacked_steps` and `alone_steps` count client mini-batches of each kind,
+    `stacked_scores` the candidate sets scored stacked."""
 
     def __init__(self) -> None:
         self._forwards: dict[Key, Callable] = {}  # (architecture, train) -> stacked forward
         self._layouts: dict[StreamLearner, Key | None] = {}  # None: steps alone
         self.stacked_steps = 0
         self.alone_steps = 0
+        self.stacked_scores = 0
 
     def step(self, clients: Sequence[Client], batches: Sequence[Batch]) -> list[Update | None]:
         """Each client learns its batch (as `Client.step` does); returns their updates."""
@@ -117,8 +125,10 @@ class FleetTrainer:
         pending = []
         for c, b, x, peek in zip(clients, batches, xs, peeks, strict=True):
             t0 = now()
-            pending.append(c.learner.begin(b, x, peek))
+            pending.append(c.learner.begin(b, x, peek,
+                                           defer_scores=self._layout(c) is not None))
             pending[-1].trained = now() - t0
+        self._score(clients, pending)
         groups: dict[Key, list[tuple[int, list]]] = {}
         for i, (c, p) in enumerate(zip(clients, pending, strict=True)):
             t0 = now()
@@ -168,6 +178,41 @@ class FleetTrainer:
                 xs[i], peeks[i] = x[k], logits[k]
                 lr.timings["monitor"] += share
         return xs, peeks
+
+    def _score(self, clients: Sequence[Client], pending: Sequence[PendingBatch]) -> None:
+        """Score the candidates the clients' `begin` left (`PendingBatch.candidates`): each
+        client's test-time views of its own candidates (its own perturber, in its own order),
+        then one stacked eval-mode forward of every client's scoring snapshot on its views
+        (candidate counts padded to the group's largest) for the clients with the same layout,
+        candidate shape and view count; a client alone in its group scores on its own thread.
+        The seconds count as each client's scoring, shared equally."""
+        groups: dict[Key, list[int]] = {}
+        for i, (c, p) in enumerate(zip(clients, pending, strict=True)):
+            if p.candidates is not None:
+                key = (*self._layout(c), tuple(p.candidates.shape[1:]),  # type: ignore[misc]
+                       c.learner.perturber.num_views)  # type: ignore[union-attr]
+                groups.setdefault(key, []).append(i)
+        for key, members in groups.items():
+            learners = [clients[i].learner for i in members]
+            if len(members) == 1:
+                p = pending[members[0]]
+                p.ahead = learners[0].score_ahead(p.candidates)  # type: ignore[arg-type]
+                continue
+            t0 = learners[0].clock.now()
+            views = [lr.perturber(pending[i].candidates.to(lr.device))  # type: ignore[misc]
+                     for i, lr in zip(members, learners, strict=True)]  # each (P, N_k, ...)
+            n = max(v.shape[1] for v in views)
+            padded = views[0].new_zeros((len(views), views[0].shape[0], n, *views[0].shape[2:]))
+            for k, v in enumerate(views):
+                padded[k, :, :v.shape[1]] = v
+            logits = self.peek_stacked([lr.score_model for lr in learners],  # type: ignore[misc]
+                                       padded.flatten(1, 2), key[:2])
+            logits = logits.reshape(len(views), views[0].shape[0], n, -1)
+            share = (learners[0].clock.now() - t0) / len(members)
+            for k, (i, lr) in enumerate(zip(members, learners, strict=True)):
+                pending[i].ahead = lr.scored_with_others(logits[k, :, :views[k].shape[1]],
+                                                         share)
+            self.stacked_scores += len(members)
 
     @torch.no_grad()
     def evaluate(self, clients: Sequence[Client],

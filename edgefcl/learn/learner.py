@@ -72,6 +72,9 @@ class PendingBatch:
     """Seconds of training to count (stacked steps: this client's share); None: until now."""
     compiled_before: float = 0.0
     """The learner's compile seconds when it began (what compiling took is not training)."""
+    candidates: torch.Tensor | None = None
+    """Candidates whose scores `begin` left to its caller, to score with other clients'
+    (`FleetTrainer`), which then sets `ahead`."""
 
 
 class StreamLearner:
@@ -144,11 +147,12 @@ class StreamLearner:
         self.finish(pending)
 
     def begin(self, batch: Batch, x: torch.Tensor | None = None,
-              peek: torch.Tensor | None = None) -> PendingBatch:
+              peek: torch.Tensor | None = None, defer_scores: bool = False) -> PendingBatch:
         """The first part of `learn_one`, before training: the labels' ids, the task (a new
         one starts here), scoring started ahead, new prototype rows warmed up. `x`: the
         batch's samples already on the device; `peek`: the monitor's logits of them, computed
-        with other clients' (`FleetTrainer`)."""
+        with other clients' (`FleetTrainer`); `defer_scores`: leave candidates that this
+        thread would score by test-time views to the caller (`PendingBatch.candidates`)."""
         y_ids = self.head.ids(batch.y)
         x = torch.from_numpy(batch.x).to(self.device) if x is None else x
         y = torch.from_numpy(y_ids).to(self.device)
@@ -159,10 +163,12 @@ class StreamLearner:
         if task != self.task:
             self._start_task(task)
         t0 = self.clock.now()
-        ahead = self._score_ahead(x, y, y_ids)
+        cands = self._candidates(x, y, y_ids)
+        deferred = cands if defer_scores and self.views_scored_here else None
+        ahead = self.score_ahead(cands) if cands is not None and deferred is None else None
         self.head.warmup(x, y)  # prototypes: new labels' rows, with the extractor frozen
         return PendingBatch(x, y, y_ids, len(batch.y), ahead, t0,
-                            compiled_before=self.timings["compile"])
+                            compiled_before=self.timings["compile"], candidates=deferred)
 
     def finish(self, pending: PendingBatch) -> None:
         """The last part of `learn_one`, after training: the memory update (with the scores
@@ -222,19 +228,27 @@ class StreamLearner:
             yield xb, yb
 
     # -- memory ---------------------------------------------------------------------------
-    def _score_ahead(self, x: torch.Tensor, y: torch.Tensor, labels: np.ndarray
-                     ) -> Callable[[], torch.Tensor] | None:
-        """Start scoring the candidates the memory update after this batch will need, when
-        they are known before training (the scoring model must be the frozen snapshot, not the
-        model being trained): in the scoring worker process, else on a second thread. The
-        scores are identical to scoring after training; the perturber is only used by one
-        thread at a time. Returns what gives the scores, waiting for them."""
+    def _candidates(self, x: torch.Tensor, y: torch.Tensor, labels: np.ndarray
+                    ) -> torch.Tensor | None:
+        """The candidates the memory update after this batch will score, when they are known
+        before training (the scoring model must be the frozen snapshot, not the model being
+        trained), else None."""
         if (not self.learn.score_overlap or self.memory is None or self.score_model is None
                 or self.skip_scoring):
             return None
-        cands = self.memory.pending_scores(x, y, self.task or 0, self.score_version, labels)
-        if cands is None:
-            return None
+        return self.memory.pending_scores(x, y, self.task or 0, self.score_version, labels)
+
+    @property
+    def views_scored_here(self) -> bool:
+        """Whether this learner scores by test-time views of its snapshot in torch, on its own
+        threads (not an ONNX worker, not posterior draws): what `FleetTrainer` can stack."""
+        return ((self.onnx is None or not self.onnx.ort_scoring) and self.perturber is not None
+                and self.learn.score_source == "tta")
+
+    def score_ahead(self, cands: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start scoring `cands` (`_candidates`): in the scoring worker process, else on a
+        second thread. The scores are identical to scoring after training; the perturber is
+        only used by one thread at a time. Returns what gives the scores, waiting for them."""
         pending = (None if self.onnx is None
                    else self.onnx.start_scores(self, cands, self.score_method))
         if pending is not None:
@@ -242,6 +256,17 @@ class StreamLearner:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"score-{self.cid}")
         return self._pool.submit(self._score, cands, self.background).result
+
+    def scored_with_others(self, logits: torch.Tensor, seconds: float
+                           ) -> Callable[[], torch.Tensor]:
+        """What gives the scores of the deferred candidates from their test-time `logits`
+        (P, N, C), computed with other clients' (`FleetTrainer`); `seconds`: this learner's
+        share of that, counted as its scoring."""
+        self.timings["score"] += seconds
+        if self.score_log is not None:
+            self.score_log.append(logits.detach().cpu())
+        scores = uncertainty(self.score_method, logits)
+        return lambda: scores
 
     def _update_memory(self, x: torch.Tensor, y: torch.Tensor,
                        scores: torch.Tensor | None = None,

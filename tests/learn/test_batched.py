@@ -18,7 +18,7 @@ CUDA = [pytest.mark.cuda,
         pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def clients(model="mlp", method="bi", optimizer="adam", k=3, device="cpu"):
+def clients(model="mlp", method="bi", optimizer="adam", k=3, device="cpu", **learn):
     out = []
     for i in range(k):
         torch.manual_seed(i)
@@ -27,7 +27,7 @@ def clients(model="mlp", method="bi", optimizer="adam", k=3, device="cpu"):
         kind = "vector" if model == "mlp" else "image"
         out.append(new_client(f"c{i}", net, LearnConfig(method=method, memory_size=20,
                                                         local_epochs=3, optimizer=optimizer,
-                                                        device=device),
+                                                        device=device, **learn),
                               FedConfig(burn_in=2, jump=2), kind, seed=i))
     return out
 
@@ -113,6 +113,36 @@ def test_the_monitors_check_of_stacked_clients_is_each_clients_own(model, device
         pa, pb = a.learner.monitor.prequential, b.learner.monitor.prequential
         assert (pa.correct, pa.samples) == (pb.correct, pb.samples) and pa.samples == 5
         assert b.learner.timings["monitor"] > 0
+
+
+@pytest.mark.parametrize("model,device", [
+    ("mlp", "cpu"), ("cnn", "cpu"), pytest.param("cnn", "cuda", marks=CUDA)])
+def test_stacked_scoring_gives_each_client_its_own_scores(model, device):
+    """The test-time views of every client's candidates, scored in one stacked forward of the
+    clients' snapshots (candidate counts padded): each client's logits match the ones its own
+    scoring thread computes, and its memory keeps the same samples."""
+    alone, together = (clients(model, device=device, score_backend="torch") for _ in range(2))
+    for c in alone + together:
+        c.learner.score_log = []
+    for i in range(1, 5):  # fill the memories (20 each), one client after another
+        for cs in (alone, together):
+            for k, c in enumerate(cs):
+                c.step(batch(model, 0, i, [0, 1], k))
+    for c in alone + together:
+        c.learner.snapshot()  # a frozen scoring model: scores can be asked ahead
+    trainer = FleetTrainer()
+    for task, i, classes in [(0, i, [0, 1]) for i in range(5, 8)] + [(1, 1, [2, 3])]:
+        batches = [batch(model, task, i, classes, k, n=5 if k else 3) for k in range(3)]
+        for c, b in zip(alone, batches, strict=True):
+            c.step(b)
+        trainer.step(together, batches)
+    assert trainer.stacked_scores > 0
+    for a, b in zip(alone, together, strict=True):
+        assert len(a.learner.score_log) == len(b.learner.score_log) > 0
+        for la, lb in zip(a.learner.score_log, b.learner.score_log, strict=True):
+            close(lb, la, "logits")
+        assert torch.equal(a.memory.y[:a.memory.size], b.memory.y[:b.memory.size])
+        assert b.learner.timings["score"] > 0
 
 
 def test_a_client_that_cannot_be_stacked_steps_alone():
