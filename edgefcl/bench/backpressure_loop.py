@@ -251,14 +251,14 @@ CASES = [{"pacing": "random", "offered": 1.0}, {"pacing": "random", "offered": 2
 """The cases of the default table (fields of `Loop`)."""
 
 
-def _label(case: dict) -> str:
+def _label(case: dict, devices: int) -> str:
     text = f"{case['pacing']} {case['offered']:g}x"
     if case.get("drop_to"):
         text += f" -> {case['drop_to']:g}x"
     if case.get("ignoring"):
         text += f", {case['ignoring']:.0%} ignoring"
     if "capacity" in case and not case.get("rounds"):  # each device's due updates a second
-        text += f", devices at {case['offered'] * case['capacity'] / Loop.devices:g}/s"
+        text += f", devices at {case['offered'] * case['capacity'] / devices:g}/s"
     if case.get("rounds"):
         text += f", rounds of {case['rounds']}"
     if case.get("max_factor") == 1.0:
@@ -278,7 +278,7 @@ def bench_backpressure(out: Path, seeds: int = 3, base: Loop = Loop()) -> dict:
         runs = [run_loop(replace(base, **case, seed=base.seed + s)) for s in range(seeds)]
         ratio = [r["folded_over_capacity"] for r in runs]
         fair = [r["ignoring_over_compliant"] for r in runs if "ignoring_over_compliant" in r]
-        row = {"case": case, "label": _label(case),
+        row = {"case": case, "label": _label(case, base.devices),
                "folded_over_capacity": [float(np.mean(ratio)), _sd(ratio)],
                "settled_s_max": max(r["settled_s"] for r in runs),
                "factor_steady": [min(r["factor_steady_min"] for r in runs),

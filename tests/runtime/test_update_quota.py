@@ -157,3 +157,30 @@ def test_a_limit_of_zero_still_lets_each_device_through_now_and_then() -> None:
     assert quota.release() == []
     clock.t = 1.0 / MIN_REFILL + 0.5
     assert quota.release() == ["u2"]  # its next token came at the floor's rate
+
+
+def test_devices_gone_quiet_do_not_shrink_the_senders_limit() -> None:
+    # the attack: the aggregator keeps a silent client active for client_timeout (120 s); a
+    # fair share over every active device then counted 15 quiet ones among 100, every sender
+    # was over its limit, and the limit shrank by 1.1 x 0.85 an interval down to the floor:
+    # compliant devices at 0.5/s got 50 of their 150 updates handled in 300 s
+    clock = Clock()
+    quota = UpdateQuota(clock=clock)
+    senders = [f"s{i}" for i in range(85)]
+    active = set(senders) | {f"quiet{i}" for i in range(15)}
+    for d in active - set(senders):
+        quota.admit(d)  # each sent once, then went quiet
+    credit = {d: i / len(senders) for i, d in enumerate(senders)}  # desynchronised
+    handled = 0
+    for k in range(1, 3001):  # 300 s in 0.1 s steps, factor 2 throughout
+        clock.t = k / 10
+        for d in senders:
+            credit[d] += 0.05
+            if credit[d] >= 1.0:
+                credit[d] -= 1.0
+                handled += quota.admit(d, d)
+        if k % 20 == 0:
+            quota.end_interval(2.0, active, 2.0)
+        handled += len(quota.release())
+    assert handled >= 0.95 * 150 * len(senders)
+    assert not quota.shed
