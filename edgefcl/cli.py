@@ -57,7 +57,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     done = finished_runs(cfg, out, several) if args.resume else {}
     if done:
         print(f"resuming {out}: {len(done)} finished run(s) kept", flush=True)
-    todo, ran, started = total_runs(cfg) - len(done), [], time.monotonic()
+    total, ran, started = total_runs(cfg), [], time.monotonic()
+    todo = total - len(done)
 
     def finished(r) -> None:
         print(run_table(r), flush=True)
@@ -66,8 +67,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         ran.append(r)
         if len(ran) < todo and not cfg.quiet:  # the sweep: runs left, the time they may take
             per = (time.monotonic() - started) / len(ran)
-            print(f"{len(ran)}/{todo} runs done, about {per * (todo - len(ran)):.0f} s left",
-                  file=sys.stderr, flush=True)
+            kept = f" ({len(done)} kept)" if done else ""
+            print(f"{len(done) + len(ran)}/{total} runs done{kept}, about "
+                  f"{per * (todo - len(ran)):.0f} s left", file=sys.stderr, flush=True)
     results = run_many(cfg, on_done=finished, done=done)
     if several:
         if args.resume:

@@ -84,10 +84,10 @@ def _protocol(cfg: RunConfig, repeats: int) -> dict:
     """What a resumed benchmark must share with the one it resumes: the run's sections of the
     configuration (stacking aside: the benchmark sets it), its seeds and repeats, torch."""
     learn = dataclasses.asdict(cfg.learn) | {"batch_clients": None}
-    protocol = {"data": dataclasses.asdict(cfg.data), "learn": learn,
-                "fed": dataclasses.asdict(cfg.fed), "seed": cfg.seed, "seeds": cfg.seeds,
-                "repeats": repeats, "torch": torch.__version__,
-                "threads": torch.get_num_threads()}
+    fed = dataclasses.asdict(cfg.fed) | {"clients": None}  # --fleets sets it
+    protocol = {"data": dataclasses.asdict(cfg.data), "learn": learn, "fed": fed,
+                "profile": cfg.profile, "seed": cfg.seed, "seeds": cfg.seeds,
+                "repeats": repeats, "torch": torch.__version__}
     return json.loads(json.dumps(protocol))  # as the file holds it (tuples: lists)
 
 
@@ -100,7 +100,10 @@ def _resumed(path: Path, protocol: dict) -> dict[int, dict]:
         held = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot resume from {path}: {e}") from None
-    if held.get("protocol") != protocol:
+    if not isinstance(held, dict) or "protocol" not in held:
+        raise ConfigError(f"cannot resume from {path}: not a bench_batching.json of this "
+                          "version; use another --out, or drop --resume to overwrite it")
+    if held["protocol"] != protocol:
         raise ConfigError(f"{path} holds a benchmark of another configuration; use another "
                           "--out, or drop --resume to overwrite it")
     return {row["clients"]: row for row in held.get("rows", [])}
@@ -111,8 +114,8 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int,
     """Run the protocol of `cfg` for every fleet size of `fleets` with stacking off and on,
     for each of its seeds `repeats` times (alternating); print the table and write
     out/bench_batching.json (again after each fleet size, so that a run cut short keeps what
-    it measured). `resume`: keep the fleet sizes that file already holds for this protocol
-    and run only the others."""
+    it measured). `resume`: keep every fleet size that file already holds for this protocol
+    (those not in `fleets` too) and run only the others."""
     if repeats < 1:
         raise ConfigError("--repeats must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
@@ -124,12 +127,12 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int,
               "dataset": cfg.data.dataset,
               "model": cfg.learn.model, "method": cfg.learn.method, "seed": cfg.seed,
               "seeds": cfg.seeds, "repeats": repeats, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "protocol": protocol, "rows": []}
+              "threads": cfg.learn.threads, "protocol": protocol, "rows": []}
+    rows = dict(held)  # fleet size -> its row
     for n, k in enumerate(fleets):
         if k in held:
             print(f"{k} clients: kept from {path} ({n + 1}/{len(fleets)} fleet sizes)",
                   flush=True)
-            report["rows"].append(held[k])
             continue
         # untimed: the one-time costs of this fleet's shapes (kernels, the scoring export;
         # compiling the step, which only the clients stepping alone use)
@@ -151,10 +154,11 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int,
                 print(f"{k} clients, stacking {mode}, seed {seed}, repeat {r + 1}/{repeats}: "
                       f"{rec['wall_s']:.2f} s, {rec['ms_per_client_batch']:.2f} ms per client "
                       f"mini-batch, A {rec['accuracy']:.2f} %", flush=True)
-        report["rows"].append({"clients": k, "warmup_compile_s": round(compiling, 2),
-                               "runs": runs,
-                               "summary": {m: summarise(runs[m]) for m in MODES}})
+        rows[k] = {"clients": k, "warmup_compile_s": round(compiling, 2), "runs": runs,
+                   "summary": {m: summarise(runs[m]) for m in MODES}}
+        report["rows"] = [rows[c] for c in sorted(rows)]
         path.write_text(json.dumps(report, indent=1))
+    report["rows"] = [rows[c] for c in sorted(rows)]
     print()
     print(table(report["rows"]))
     print(f"\nwritten {path}")

@@ -102,7 +102,7 @@ def _compiled(mode: str) -> Callable:
     return _COMPILED[mode]
 
 
-def _graphs() -> int:
+def graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -157,12 +157,12 @@ class CompiledLoss:
         t0 = time.perf_counter()
         try:
             if key not in _READY:
-                graphs = _graphs()
+                graphs = graphs_compiled()
                 try:
                     _compiled(self.mode)(copy.deepcopy(model), x, y).backward()
                 except Exception as e:  # noqa: BLE001  (no toolchain, an unsupported op)
                     return self._broken(e, model, x, y)
-                if _graphs() == graphs:
+                if graphs_compiled() == graphs:
                     return self._broken(None, model, x, y)
                 _READY.add(key)
                 log.info("compile-step: compiled the step on %d samples in %.1f s", shape[0][0],

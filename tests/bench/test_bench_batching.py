@@ -81,7 +81,20 @@ def test_resume_keeps_the_fleet_sizes_measured_and_refuses_another_protocol(tmp_
     assert [row["clients"] for row in report["rows"]] == [2, 3]
     saved = json.loads((tmp_path / "bench_batching.json").read_text())
     assert [row["clients"] for row in saved["rows"]] == [2, 3]
+    ran.clear()
+    report = bench_batching(cfg, tmp_path, [4], repeats=1, resume=True)
+    assert set(ran) == {4}
+    assert [row["clients"] for row in report["rows"]] == [2, 3, 4]  # none dropped
+    saved = json.loads((tmp_path / "bench_batching.json").read_text())
+    assert [row["clients"] for row in saved["rows"]] == [2, 3, 4]
+    # --clients is what --fleets sets: not another configuration
+    ran.clear()
+    bench_batching(apply(cfg, {"fed": {"clients": 9}}), tmp_path, [2], repeats=1, resume=True)
+    assert ran == []
     other = apply(RunConfig(), {"quiet": True, "learn": {"memory_size": 7}})
     with pytest.raises(ConfigError, match="another configuration"):
         bench_batching(other, tmp_path, [2], repeats=1, resume=True)
     bench_batching(other, tmp_path, [2], repeats=1)  # without --resume: overwritten
+    (tmp_path / "bench_batching.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a bench_batching.json"):
+        bench_batching(other, tmp_path, [2], repeats=1, resume=True)

@@ -4,6 +4,7 @@ not compiled run eager, and a compiler failure falls back to eager once and for 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 import numpy as np
@@ -54,12 +55,19 @@ def test_compiled_steps_match_eager_and_other_shapes_run_eager(device) -> None:
     graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
     # two shapes compile at their second use: the first task's steps (5 samples), the later
     # ones (batch and replay draw: 10); a last, short batch (3 + 3) runs eager
+    spent = 0.0  # the compiled client's steps, wall time
+
+    def step(b) -> None:
+        nonlocal spent
+        eager.step(b)
+        t0 = time.perf_counter()
+        compiled.step(b)
+        spent += time.perf_counter() - t0
+
     for task, classes in ((0, [0, 1]), (1, [2, 3])):
         for i in range(4):
-            for c in (eager, compiled):
-                c.step(batch("cnn", task, i, classes, 0))
-    for c in (eager, compiled):
-        c.step(batch("cnn", 1, 4, [2, 3], 0, n=3))
+            step(batch("cnn", task, i, classes, 0))
+    step(batch("cnn", 1, 4, [2, 3], 0, n=3))
     assert {s[0][0] for s in loss.shapes} == {5, 10}
     assert step_counts([loss, plain_loss]) == {"compiled_steps": 2 * 11, "eager_steps": 2 + 3}
     assert counters["stats"]["unique_graphs"] > graphs  # dynamo did compile
@@ -68,7 +76,8 @@ def test_compiled_steps_match_eager_and_other_shapes_run_eager(device) -> None:
     for name in ta:
         close(tb[name], ta[name], name)
     timings = compiled.learner.timings
-    assert timings["compile"] > timings["train"] > 0  # compiling is not counted as training
+    assert timings["compile"] > 0 and timings["train"] > 0
+    assert timings["train"] + timings["compile"] <= spent  # compiling is not training too
 
 
 def _mlp_step(**kw):
@@ -99,7 +108,7 @@ def test_a_compiler_failure_falls_back_to_eager_for_the_process(monkeypatch, cap
 
 def test_a_compile_that_makes_no_graph_is_a_failure(monkeypatch, caplog) -> None:
     """torch runs eager past its recompile limit, with no error: no new graph tells."""
-    monkeypatch.setattr(compiled_step, "_graphs", lambda: 0)
+    monkeypatch.setattr(compiled_step, "graphs_compiled", lambda: 0)
     model, x, y, loss = _mlp_step()
     with caplog.at_level(logging.WARNING, logger="edgefcl.learn.compiled_step"):
         assert torch.equal(loss(model, x, y), plain_loss(model, x, y))
