@@ -118,8 +118,10 @@ assert bc.run_bench("client", RunConfig(), out, 1) == 0
 assert bc.run_bench("memory", RunConfig(), out, 1, study={{}}) == 0
 import edgefcl.bench.batching as bb
 from edgefcl.cli import main
-bb.bench_batching = lambda cfg, out, fleets, repeats: print("batching", fleets, repeats)
-assert main(["bench", "batching", "--fleets", "2,4", "--repeats", "1", "--out", str(out)]) == 0
+bb.bench_batching = lambda cfg, out, fleets, repeats, resume: print("batching", fleets,
+                                                                   repeats, resume)
+assert main(["bench", "batching", "--fleets", "2,4", "--repeats", "1", "--out", str(out),
+             "--resume"]) == 0
 try:
     bc.run_bench("transport", RunConfig(), out, 1)
 except ImportError as e:
@@ -129,7 +131,7 @@ except ImportError as e:
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "transport: amqtt" in done.stdout or "transport: paho" in done.stdout
-    assert "batching [2, 4] 1" in done.stdout
+    assert "batching [2, 4] 1 True" in done.stdout
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
