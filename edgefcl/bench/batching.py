@@ -123,12 +123,18 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int,
     protocol = _protocol(cfg, repeats)
     held = _resumed(path, protocol) if resume else {}
     trials = [(s, r) for s in range(cfg.seed, cfg.seed + cfg.seeds) for r in range(repeats)]
-    report = {"device": cfg.learn.device, "compile_step": compile_step(cfg.learn),
+    compiled = compile_step(cfg.learn)
+    report = {"device": cfg.learn.device, "compile_step": compiled,
               "dataset": cfg.data.dataset,
               "model": cfg.learn.model, "method": cfg.learn.method, "seed": cfg.seed,
               "seeds": cfg.seeds, "repeats": repeats, "torch": torch.__version__,
               "threads": cfg.learn.threads, "protocol": protocol, "rows": []}
     rows = dict(held)  # fleet size -> its row
+
+    def save() -> None:
+        report["rows"] = [rows[c] for c in sorted(rows)]
+        path.write_text(json.dumps(report, indent=1))
+
     for n, k in enumerate(fleets):
         if k in held:
             print(f"{k} clients: kept from {path} ({n + 1}/{len(fleets)} fleet sizes)",
@@ -136,7 +142,7 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int,
             continue
         # untimed: the one-time costs of this fleet's shapes (kernels, the scoring export;
         # compiling the step, which only the clients stepping alone use)
-        warm = MODES[::-1] if compile_step(cfg.learn) else ("on",)
+        warm = MODES[::-1] if compiled else ("on",)
         print(f"{k} clients ({n + 1}/{len(fleets)} fleet sizes): warm-up, stacking "
               f"{' and '.join(warm)} (untimed)...", flush=True)
         t0, compiling = time.perf_counter(), 0.0
@@ -156,9 +162,8 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int,
                       f"mini-batch, A {rec['accuracy']:.2f} %", flush=True)
         rows[k] = {"clients": k, "warmup_compile_s": round(compiling, 2), "runs": runs,
                    "summary": {m: summarise(runs[m]) for m in MODES}}
-        report["rows"] = [rows[c] for c in sorted(rows)]
-        path.write_text(json.dumps(report, indent=1))
-    report["rows"] = [rows[c] for c in sorted(rows)]
+        save()
+    save()
     print()
     print(table(report["rows"]))
     print(f"\nwritten {path}")

@@ -263,9 +263,7 @@ class StreamLearner:
         (P, N, C), computed with other clients' (`FleetTrainer`); `seconds`: this learner's
         share of that, counted as its scoring."""
         self.timings["score"] += seconds
-        if self.score_log is not None:
-            self.score_log.append(logits.detach().cpu())
-        scores = uncertainty(self.score_method, logits)
+        scores = self._scores_of(logits)
         return lambda: scores
 
     def _update_memory(self, x: torch.Tensor, y: torch.Tensor,
@@ -315,7 +313,12 @@ class StreamLearner:
         if logits is None:
             logits = score_logits(model, x, self.learn.score_source, self.perturber,
                                   self.learn.score_samples, self.learn.score_chunk)
-        if self.score_log is not None:  # benchmarks: how the scores depend on the views
+        return self._scores_of(logits)
+
+    def _scores_of(self, logits: torch.Tensor) -> torch.Tensor:
+        """The memory's scores from the candidates' (P, N, C) logits, which `score_log` keeps
+        when it is a list (benchmarks: how the scores depend on the views)."""
+        if self.score_log is not None:
             self.score_log.append(logits.detach().cpu())
         return uncertainty(self.score_method, logits)
 

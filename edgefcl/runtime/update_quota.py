@@ -88,10 +88,10 @@ class UpdateQuota:
         self.passed = 0
         """Updates let through this interval (admitted or released)."""
         self.fair = 0.0
-        """The last interval's updates let through a second, over the active devices."""
+        """The last interval's updates let through a second, over the devices sending
+        (SENDING_INTERVALS)."""
         self._over: frozenset[str] = frozenset()
         self._sent: dict[str, int] = {}  # active device -> the last interval it sent in
-        self._median = 0.0  # the devices sending: their median smoothed rate
 
     def admit(self, device: str, item: Any = None, size: int = 0) -> bool:
         """Whether an update of `device` may be handled now (counted either way). When not,
@@ -210,7 +210,7 @@ class UpdateQuota:
         # a device's share of the folds, among the devices sending (the aggregator keeps a
         # silent device active for its client timeout)
         self.fair = self.passed / seconds / max(len(senders), 1)
-        self._median = float(np.median([rates[d] for d in senders])) if senders else 0.0
+        median = float(np.median([rates[d] for d in senders])) if senders else 0.0
         self.refused = self.passed = 0
         self.intervals += 1
         if len(self.shed) > 1024:  # bounded: the worst offenders
@@ -220,7 +220,7 @@ class UpdateQuota:
         if factor <= 1.0 or not self.rates or self.intervals < WARMUP:
             self.limit, self.tokens, self._over = None, {}, frozenset()
             return
-        self.limit = min(self.ratio * self._median, FAIR_SLACK * self.fair)
+        self.limit = min(self.ratio * median, FAIR_SLACK * self.fair)
         self.refill = max(self.limit, MIN_REFILL)
         self.burst = self.refill * seconds + 1.0  # an interval's worth, and one more
         self.tokens = {d: (min(self.burst, t), now) for d, t in kept.items()}
