@@ -244,6 +244,7 @@ CASES = [{"pacing": "random", "offered": 1.0}, {"pacing": "random", "offered": 2
          {"pacing": "random", "offered": 2.0, "ignoring": 0.2},
          {"pacing": "random", "offered": 2.0, "ignoring": 0.5},
          {"pacing": "random", "offered": 2.0, "ignoring": 0.5, "capacity": 350.0},
+         {"pacing": "random", "offered": 2.0, "ignoring": 0.5, "capacity": 140.0},
          {"pacing": "random", "offered": 1.0, **SPARSE_ROUNDS},
          {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS},
          {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS, "max_factor": 1.0},

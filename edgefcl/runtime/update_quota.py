@@ -12,10 +12,14 @@ measured 1.17x but the tier folded 0.84 of its capacity, as the share chases the
 rate down): a token bucket per device, refilled continuously at that rate (at least
 MIN_REFILL) and holding one interval's refill and one more, so that with its allowances a
 device stays within 1.5x. The rates are smoothed over the status intervals.
-A device whose smoothed rate is within the limit is never held. One sending faster (one that
-ignores the factor, or a very fast one while the fleet is overloaded) has its newest update
-over the limit wait, undecoded, for its next token, and the
+A device whose smoothed rate, counting the update it sends now, is within the limit is never
+held (it takes a token when it has one). One sending faster (one that ignores the factor, or
+a very fast one while the fleet is overloaded) has its newest update over the limit wait,
+undecoded, for its next token, and the
 older ones shed (an update supersedes the one before), counted per device (status: flooding).
+A device counts among those sharing (the fair share, the median) for as long as a compliant
+one may be silent: SENDING_INTERVALS x the factor, or twice the intervals between its last two
+updates, stretched by the rise of the factor since.
 A backlog a device's session delivers after an outage thus ends with its last update counted.
 With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
 """
@@ -44,18 +48,22 @@ FAIR_SLACK = 1.1
 """A device's limit under overload is at most this times its fair share (see above)."""
 RELEASE_EVERY = 0.1
 """Seconds between a daemon's calls to `release` (its main loop)."""
-MIN_REFILL = 0.1
-"""Tokens a second a device's bucket refills at the least: one every 10 s, so that no device
-waits for ever (an interval that let nothing through sets a limit of 0). Low, as devices that
-ignore the factor get at least this: a floor of one token a device and interval (0.5/s) gave
-them 1.53x a compliant device's share (20 virtual seeds) once compliant devices sent less, as
-`bench fleet`'s devices due once a second do under a factor of 2.4-3.1."""
+MIN_REFILL = 0.02
+"""Tokens a second a device's bucket refills at the least: one every 50 s, so that no device
+waits for ever. Low, as devices that ignore the factor get at least this: a floor of one token
+a device and interval (0.5/s) gave them 1.53x a compliant device's share (20 virtual seeds)
+once compliant devices sent less, as `bench fleet`'s devices due once a second do under a
+factor of 2.4-3.1; 0.1/s gave 500 of 1,000 devices due every 7 s 1.4x the fair share."""
 SENDING_INTERVALS = 4
 """A device counts as sending (in the fair share and the median rate) when it sent in one of
-the last this many intervals: not only in the last one, as a compliant device under a high
-factor may skip intervals; not every active device, as the aggregator keeps a silent one
-active for its client timeout, and 15 quiet devices among 100 shrank the limit by 1.1 x 0.85
-an interval, down to MIN_REFILL."""
+the last this many intervals times the factor (see the module's docstring): not only in the
+last one, as a compliant device under a high factor skips intervals; not every active device,
+as the aggregator keeps a silent one active for its client timeout, and 15 quiet devices among
+100 shrank the limit by 1.1 x 0.85 an interval, down to MIN_REFILL."""
+FAIR_FALL = 0.5
+"""The fair share falls at most to this times the last one in an interval: an interval that let
+nothing through (a stalled main loop, a full inbox) would set a limit of 0, and it would take
+the limit 40 intervals at FAIR_SLACK to climb back from MIN_REFILL to 1/s."""
 MIN_RATE = 1e-3
 """A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
 
@@ -80,6 +88,7 @@ class UpdateQuota:
         self.refill = 0.0  # tokens a second: the limit, at least MIN_REFILL
         self.burst = 1.0  # what a device's bucket holds: one interval's refill and one more
         self.intervals = 0
+        self.seconds = 1.0  # the last interval's length
         self.shed: Counter[str] = Counter()
         self.waiting: dict[str, Any] = {}  # device -> its newest update over the limit
         self.refused = 0
@@ -91,7 +100,7 @@ class UpdateQuota:
         """The last interval's updates let through a second, over the devices sending
         (SENDING_INTERVALS)."""
         self._over: frozenset[str] = frozenset()
-        self._sent: dict[str, int] = {}  # active device -> the last interval it sent in
+        self._sent: dict[str, tuple[int, int, float]] = {}  # active device -> `_sending`
 
     def admit(self, device: str, item: Any = None, size: int = 0) -> bool:
         """Whether an update of `device` may be handled now (counted either way). When not,
@@ -100,12 +109,17 @@ class UpdateQuota:
         waiting updates would then hold more than MAX_WAITING devices or `max_bytes`: then it
         is shed."""
         self.counts[device] += 1
-        if self.limit is None or self.rates.get(device, 0.0) <= self.limit:
+        if self.limit is None:
             self.passed += 1
-            return True  # within the limit: never held (devices that wait for a global and
-            # for each other would otherwise wait on each other's tokens for ever)
+            return True
         now = self.clock()
         tokens = self._tokens(device, now)
+        if self._rate_with_this(device) <= self.limit:  # within the limit: never held
+            # (devices that wait for a global and for each other would otherwise wait on
+            # each other's tokens for ever), but it takes a token if it has one
+            self.tokens[device] = (max(tokens - 1.0, 0.0), now)
+            self.passed += 1
+            return True
         if tokens < 1.0:
             self.tokens[device] = (tokens, now)
             self.refused += 1
@@ -114,6 +128,14 @@ class UpdateQuota:
         self.tokens[device] = (tokens - 1.0, now)
         self.passed += 1
         return True
+
+    def _rate_with_this(self, device: str) -> float:
+        """`device`'s smoothed rate as it would be if the interval ended now: counting the
+        update it sends now. Its rate alone is lowest just before each update of a device that
+        sends less than once an interval (0.14/s under intervals of 2 s: each of its updates
+        found it within the limit)."""
+        return ((1 - SMOOTHING) * self.rates.get(device, 0.0)
+                + SMOOTHING * self.counts[device] / self.seconds)
 
     def _wait(self, device: str, item: Any, size: int) -> None:
         """Keep `item` as `device`'s waiting update if it fits (in its place when the device
@@ -195,21 +217,32 @@ class UpdateQuota:
             return {}
         return {"update_limit_per_s": round(self.limit, 3), "devices_over_limit": len(self._over)}
 
+    def _sending(self, device: str, factor: float) -> tuple[int, int, float]:
+        """`device`'s last interval with an update, the intervals between its last two, and
+        the factor when it sent the last."""
+        at, gap, then = self._sent.get(device, (self.intervals, 0, factor))
+        if not self.counts.get(device):
+            return at, gap, then
+        return self.intervals, self.intervals - at, factor
+
     def _close(self, seconds: float, active: set[str], factor: float,
                inbox_refused: Counter[str] | None) -> None:
+        self.seconds = seconds
         if inbox_refused:
             self.counts.update(inbox_refused)
         now = {d: self.counts.get(d, 0) / seconds for d in active}
         rates = {d: (1 - SMOOTHING) * self.rates.get(d, r) + SMOOTHING * r
                  for d, r in now.items()}
         self.rates = rates
-        self._sent = {d: self.intervals if self.counts.get(d) else self._sent[d]
-                      for d in active if self.counts.get(d) or d in self._sent}
+        self._sent = {d: self._sending(d, factor) for d in active
+                      if self.counts.get(d) or d in self._sent}
         self.counts.clear()
-        senders = [d for d, at in self._sent.items() if self.intervals - at < SENDING_INTERVALS]
+        senders = [d for d, (at, gap, then) in self._sent.items()
+                   if self.intervals - at < max(SENDING_INTERVALS * factor,
+                                                2 * gap * max(1.0, factor / then))]
         # a device's share of the folds, among the devices sending (the aggregator keeps a
         # silent device active for its client timeout)
-        self.fair = self.passed / seconds / max(len(senders), 1)
+        self.fair = max(self.passed / seconds / max(len(senders), 1), self.fair * FAIR_FALL)
         median = float(np.median([rates[d] for d in senders])) if senders else 0.0
         self.refused = self.passed = 0
         self.intervals += 1

@@ -540,12 +540,13 @@ def test_an_async_device_sends_after_its_delay_and_flushes_before_the_end(setup_
 # -- the closed loop on a virtual clock (edgefcl/bench/backpressure_loop.py) -------------------
 def test_synchronised_devices_fold_at_capacity_only_with_send_delays():
     """1,000 devices due at the same instants, offered 1x: without the send delay each burst
-    is shed and the factor locks at its cap (0.09 of capacity: the outside harness saw 0.13);
+    is shed and the factor goes to its cap (0.09 of capacity: the outside harness saw 0.13;
+    it may drop back now and then, as the quota's limit holds the bursts);
     with it the daemon folds at capacity and the factor stays near 1."""
     from edgefcl.bench.backpressure_loop import Loop, run_loop
 
     stuck = run_loop(Loop(pacing="synchronised", offered=1.0, jitter="off"))
-    assert stuck["folded_over_capacity"] < 0.2 and stuck["factor_steady_min"] == 8.0
+    assert stuck["folded_over_capacity"] < 0.2 and stuck["factor_steady_max"] == 8.0
     spread = run_loop(Loop(pacing="synchronised", offered=1.0))
     assert spread["folded_over_capacity"] >= 0.95 and spread["factor_steady_max"] <= 1.25
 
@@ -566,6 +567,17 @@ def test_devices_that_ignore_the_factor_get_at_most_1_5x_the_compliant_share():
     from edgefcl.bench.backpressure_loop import Loop, run_loop
 
     r = run_loop(Loop(offered=2.0, ignoring=0.2))
+    assert r["ignoring_over_compliant"] <= 1.5 and r["folded_over_capacity"] >= 0.9
+
+
+@pytest.mark.parametrize("capacity", [140.0, 70.0])
+def test_slow_devices_that_ignore_the_factor_get_at_most_1_5x_too(capacity: float) -> None:
+    """Half of 1,000 devices due 0.28 or 0.14 times a second (capacity 140 or 70/s at 2x)
+    ignore the factor: each of their updates found its smoothed rate within the limit, and
+    they got 1.6-3.3x and 6.8x the compliant median (the factor locked at 8)."""
+    from edgefcl.bench.backpressure_loop import Loop, run_loop
+
+    r = run_loop(Loop(offered=2.0, ignoring=0.5, capacity=capacity, seconds=300.0))
     assert r["ignoring_over_compliant"] <= 1.5 and r["folded_over_capacity"] >= 0.9
 
 
