@@ -3,38 +3,45 @@ its updates folded than a compliant one.
 
 While the aggregator advertises a factor above 1, each active device may have its updates
 handled at most at `ratio` (1.2) times the fleet's median device rate, or at FAIR_SLACK (1.1)
-times its fair share of what the aggregator let through in the last interval (those updates
-over the active devices) when that is lower (with half the fleet ignoring the factor the
-median is an ignoring device's rate; the fair share is not). A fraction p of ignoring devices
+times its fair share of what the aggregator let through (those updates over the devices
+sending, over the last SENDING_INTERVALS x the factor intervals) when that is lower (with half
+the fleet ignoring the factor the median is an ignoring device's rate; the fair share is
+not). A fraction p of ignoring devices
 held at s x the fair share settle at s (1 - p) / (1 - s p) times a compliant device's rate:
 1.22x at p = 0.5 with s = 1.1 (1.5x with 1.2, measured 1.63x with the bucket's allowance; s = 1
 measured 1.17x but the tier folded 0.84 of its capacity, as the share chases the compliant
 rate down): a token bucket per device, refilled continuously at that rate (at least
 MIN_REFILL) and holding one interval's refill and one more, so that with its allowances a
-device stays within 1.5x. The rates are smoothed over the status intervals.
-A device whose smoothed rate, counting the update it sends now, is within the limit is never
-held (it takes a token when it has one). One sending faster (one that ignores the factor, or
-a very fast one while the fleet is overloaded) has its newest update over the limit wait,
-undecoded, for its next token, and the
+device stays within 1.5x. A device's rate comes from the times between its updates
+(`device_rates`), at any speed.
+A device whose rate, counting the update it sends now, is within the limit is never held
+(taking a token there too cost bursty devices 0.03 of the capacity). One sending faster (one
+that ignores the factor, or a very fast one while the fleet is overloaded) has its newest
+update over the limit wait, undecoded, for its next token, and the
 older ones shed (an update supersedes the one before), counted per device (status: flooding).
 A device counts among those sharing (the fair share, the median) for as long as a compliant
-one may be silent: SENDING_INTERVALS x the factor, or twice the intervals between its last two
-updates, stretched by the rise of the factor since.
+one due once an interval or more may be silent: SENDING_INTERVALS intervals times the factor.
+Its rate, tokens and times are kept for KEEP_S after its last update, active or not:
+a device that leaves the fleet and comes back is not new to the quota.
 A backlog a device's session delivers after an outage thus ends with its last update counted.
 With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-SMOOTHING = 0.3
-"""Weight of the last interval in a device's smoothed rate."""
+from edgefcl.runtime.device_rates import DeviceRates
+
+MAX_FACTOR = 8
+"""The highest factor the fair share's window is sized for (`fed.max_backpressure`'s
+default)."""
 WARMUP = 1
 """Intervals measured before any limit: the first spans the daemon's start and the backlog its
 devices' sessions deliver after it. One only: three (6 s) let devices that ignore the factor
@@ -53,19 +60,17 @@ MIN_REFILL = 0.02
 waits for ever. Low, as devices that ignore the factor get at least this: a floor of one token
 a device and interval (0.5/s) gave them 1.53x a compliant device's share (20 virtual seeds)
 once compliant devices sent less, as `bench fleet`'s devices due once a second do under a
-factor of 2.4-3.1; 0.1/s gave 500 of 1,000 devices due every 7 s 1.4x the fair share."""
+factor of 2.4-3.1; 0.1/s gave half of 1,000 devices due every 7 s 1.4x the fair share (a
+compliant one among them sends 0.018/s under a factor of 8)."""
 SENDING_INTERVALS = 4
-"""A device counts as sending (in the fair share and the median rate) when it sent in one of
-the last this many intervals times the factor (see the module's docstring): not only in the
+"""A device counts as sending (in the fair share and the median rate) when it sent in the last
+this many intervals times the factor, or more (see the module's docstring): not only in the
 last one, as a compliant device under a high factor skips intervals; not every active device,
 as the aggregator keeps a silent one active for its client timeout, and 15 quiet devices among
 100 shrank the limit by 1.1 x 0.85 an interval, down to MIN_REFILL."""
-FAIR_FALL = 0.5
-"""The fair share falls at most to this times the last one in an interval: an interval that let
-nothing through (a stalled main loop, a full inbox) would set a limit of 0, and it would take
-the limit 40 intervals at FAIR_SLACK to climb back from MIN_REFILL to 1/s."""
-MIN_RATE = 1e-3
-"""A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
+KEEP_S = 120.0
+"""Seconds a device's rate, tokens and times are kept after its last update (the aggregator's
+default client timeout); `recent()` holds the devices sent within it."""
 
 
 class UpdateQuota:
@@ -81,8 +86,8 @@ class UpdateQuota:
         the daemon's RSS rose from 169 to 287 MB)."""
         self.waiting_bytes = 0
         self._sizes: dict[str, int] = {}  # device -> bytes of its waiting update
-        self.counts: Counter[str] = Counter()  # this interval's updates, per device
-        self.rates: dict[str, float] = {}  # smoothed updates a second, per active device
+        self.times = DeviceRates()
+        self.rates: dict[str, float] = {}  # updates a second per device, at the last close
         self.tokens: dict[str, tuple[float, float]] = {}  # device -> (tokens, when)
         self.limit: float | None = None  # updates a second per device; None: no limit
         self.refill = 0.0  # tokens a second: the limit, at least MIN_REFILL
@@ -97,29 +102,27 @@ class UpdateQuota:
         self.passed = 0
         """Updates let through this interval (admitted or released)."""
         self.fair = 0.0
-        """The last interval's updates let through a second, over the devices sending
-        (SENDING_INTERVALS)."""
+        """Updates let through a second over the devices sending, over the last
+        SENDING_INTERVALS x the factor intervals (the window in which a compliant device
+        sends)."""
+        self._passed: deque[int] = deque(maxlen=SENDING_INTERVALS * MAX_FACTOR)
         self._over: frozenset[str] = frozenset()
-        self._sent: dict[str, tuple[int, int, float]] = {}  # active device -> `_sending`
 
     def admit(self, device: str, item: Any = None, size: int = 0) -> bool:
-        """Whether an update of `device` may be handled now (counted either way). When not,
-        `item` (of `size` bytes) waits as the device's newest (one per device: it replaces
-        the one waiting, which is shed) until `release` finds a token for it, unless the
-        waiting updates would then hold more than MAX_WAITING devices or `max_bytes`: then it
-        is shed."""
-        self.counts[device] += 1
+        """Whether an update of `device` may be handled now (its rate counts it either way).
+        When not, `item` (of `size` bytes) waits as the device's newest (one per device: it
+        replaces the one waiting, which is shed) until `release` finds a token for it, unless
+        the waiting updates would then hold more than MAX_WAITING devices or `max_bytes`:
+        then it is shed."""
+        now = self.clock()
+        self.times.note(device, now)
         if self.limit is None:
             self.passed += 1
             return True
-        now = self.clock()
+        if self.times.rate(device, now, self.seconds) <= self.limit:  # within the limit:
+            self.passed += 1  # never held (devices that wait for a global and for each
+            return True  # other would otherwise wait on each other's tokens for ever)
         tokens = self._tokens(device, now)
-        if self._rate_with_this(device) <= self.limit:  # within the limit: never held
-            # (devices that wait for a global and for each other would otherwise wait on
-            # each other's tokens for ever), but it takes a token if it has one
-            self.tokens[device] = (max(tokens - 1.0, 0.0), now)
-            self.passed += 1
-            return True
         if tokens < 1.0:
             self.tokens[device] = (tokens, now)
             self.refused += 1
@@ -128,14 +131,6 @@ class UpdateQuota:
         self.tokens[device] = (tokens - 1.0, now)
         self.passed += 1
         return True
-
-    def _rate_with_this(self, device: str) -> float:
-        """`device`'s smoothed rate as it would be if the interval ended now: counting the
-        update it sends now. Its rate alone is lowest just before each update of a device that
-        sends less than once an interval (0.14/s under intervals of 2 s: each of its updates
-        found it within the limit)."""
-        return ((1 - SMOOTHING) * self.rates.get(device, 0.0)
-                + SMOOTHING * self.counts[device] / self.seconds)
 
     def _wait(self, device: str, item: Any, size: int) -> None:
         """Keep `item` as `device`'s waiting update if it fits (in its place when the device
@@ -186,18 +181,19 @@ class UpdateQuota:
         return out
 
     def recent(self) -> set[str]:
-        """Devices that sent this interval, or recently enough (a smoothed rate of at least
-        MIN_RATE): the active set of a daemon that keeps none (an aggregator worker)."""
-        return set(self.counts) | {d for d, r in self.rates.items() if r >= MIN_RATE}
+        """Devices that sent in the last KEEP_S: the active set of a daemon that keeps none
+        (an aggregator worker)."""
+        since = self.clock() - KEEP_S
+        return {d for d, t in self.times.times.items() if t[-1] >= since}
 
     def end_interval(self, seconds: float, active: set[str], factor: float,
                      inbox_refused: Counter[str] | None = None) -> str | None:
-        """Close an interval of `seconds`: smooth the `active` devices' rates (others are
-        forgotten, so the tables stay bounded by the active set), counting the updates the
-        inbox refused before they reached `admit` (`inbox_refused`, `Inbox.take_refused`),
-        then set the next interval's limit (`factor` > 1: `ratio` x the median rate) and
-        refill the buckets. Returns a log line when the limit was set, lifted or moved by a
-        tenth or more."""
+        """Close an interval of `seconds`: take the rates of the `active` devices and of
+        those that sent in the last KEEP_S (others are forgotten, so the tables stay bounded),
+        counting the updates the inbox refused before they reached `admit` (`inbox_refused`,
+        `Inbox.take_refused`), then set the next interval's limit (`factor` > 1: `ratio` x
+        the median rate, or FAIR_SLACK x the fair share when lower) and refill the buckets.
+        Returns a log line when the limit was set, lifted or moved by a tenth or more."""
         before = self.limit
         self._close(seconds, active, factor, inbox_refused)
         if before is None and self.limit is None:
@@ -217,39 +213,30 @@ class UpdateQuota:
             return {}
         return {"update_limit_per_s": round(self.limit, 3), "devices_over_limit": len(self._over)}
 
-    def _sending(self, device: str, factor: float) -> tuple[int, int, float]:
-        """`device`'s last interval with an update, the intervals between its last two, and
-        the factor when it sent the last."""
-        at, gap, then = self._sent.get(device, (self.intervals, 0, factor))
-        if not self.counts.get(device):
-            return at, gap, then
-        return self.intervals, self.intervals - at, factor
-
     def _close(self, seconds: float, active: set[str], factor: float,
                inbox_refused: Counter[str] | None) -> None:
         self.seconds = seconds
-        if inbox_refused:
-            self.counts.update(inbox_refused)
-        now = {d: self.counts.get(d, 0) / seconds for d in active}
-        rates = {d: (1 - SMOOTHING) * self.rates.get(d, r) + SMOOTHING * r
-                 for d, r in now.items()}
-        self.rates = rates
-        self._sent = {d: self._sending(d, factor) for d in active
-                      if self.counts.get(d) or d in self._sent}
-        self.counts.clear()
-        senders = [d for d, (at, gap, then) in self._sent.items()
-                   if self.intervals - at < max(SENDING_INTERVALS * factor,
-                                                2 * gap * max(1.0, factor / then))]
+        now = self.clock()
+        for d, n in (inbox_refused or {}).items():  # updates that never reached `admit`
+            self.times.note(d, now, n, since=now - seconds)
+        keep = {d for d, t in self.times.times.items() if d in active or now - t[-1] < KEEP_S}
+        self.times.keep(keep)
+        self.rates = {d: self.times.rate(d, now, seconds) for d in keep}
+        since = now - SENDING_INTERVALS * seconds * max(factor, 1.0)
+        senders = [d for d in keep if self.times.last(d) > since]
         # a device's share of the folds, among the devices sending (the aggregator keeps a
         # silent device active for its client timeout)
-        self.fair = max(self.passed / seconds / max(len(senders), 1), self.fair * FAIR_FALL)
-        median = float(np.median([rates[d] for d in senders])) if senders else 0.0
+        if factor <= 1.0:  # what passed without backpressure does not tell the capacity
+            self._passed.clear()
+        self._passed.append(self.passed)
+        window = list(self._passed)[-max(1, math.ceil(SENDING_INTERVALS * factor)):]
+        self.fair = sum(window) / (len(window) * seconds) / max(len(senders), 1)
+        median = float(np.median([self.rates[d] for d in senders])) if senders else 0.0
         self.refused = self.passed = 0
         self.intervals += 1
         if len(self.shed) > 1024:  # bounded: the worst offenders
             self.shed = Counter(dict(self.shed.most_common(512)))
-        now = self.clock()
-        kept = {d: self._tokens(d, now) for d in active if d in self.tokens}  # at the old rate
+        kept = {d: self._tokens(d, now) for d in self.tokens if d in keep}  # at the old rate
         if factor <= 1.0 or not self.rates or self.intervals < WARMUP:
             self.limit, self.tokens, self._over = None, {}, frozenset()
             return
@@ -258,3 +245,4 @@ class UpdateQuota:
         self.burst = self.refill * seconds + 1.0  # an interval's worth, and one more
         self.tokens = {d: (min(self.burst, t), now) for d, t in kept.items()}
         self._over = frozenset(d for d, r in self.rates.items() if r > self.limit)
+
