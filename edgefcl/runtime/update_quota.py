@@ -3,35 +3,29 @@ its updates folded than a compliant one.
 
 While the aggregator advertises a factor above 1, each active device may have its updates
 handled at most at `ratio` (1.2) times the fleet's median device rate, or at FAIR_SLACK (1.1)
-times its fair share of what the aggregator let through (those updates over the devices
-sending, over the last SENDING_INTERVALS x the factor intervals) when that is lower (with half
-the fleet ignoring the factor the median is an ignoring device's rate; the fair share is
-not). A fraction p of ignoring devices
+times its fair share of what the aggregator let through in the last interval (those updates
+over the devices sending) when that is lower (with half the fleet ignoring the factor the
+median is an ignoring device's rate; the fair share is not). A fraction p of ignoring devices
 held at s x the fair share settle at s (1 - p) / (1 - s p) times a compliant device's rate:
 1.22x at p = 0.5 with s = 1.1 (1.5x with 1.2, measured 1.63x with the bucket's allowance; s = 1
 measured 1.17x but the tier folded 0.84 of its capacity, as the share chases the compliant
 rate down): a token bucket per device, refilled continuously at that rate (at least
 MIN_REFILL) and holding one interval's refill and one more, so that with its allowances a
-device stays within 1.5x. A device's rate comes from the times between its updates
-(`device_rates`), at any speed.
-A device whose rate, counting the update it sends now, is within the limit is never held
-(taking a token there too cost bursty devices 0.03 of the capacity). One sending faster (one
-that ignores the factor, or a very fast one while the fleet is overloaded) has its newest
-update over the limit wait, undecoded, for its next token, and the
+device stays within 1.5x. The rates are smoothed over the status intervals, but for a device
+sending less than once in SLOW_INTERVALS intervals, whose rate comes from the times of its
+last updates (`device_rates`), counting the one it sends.
+A device whose rate is within the limit is never held. One sending faster (one that
+ignores the factor, or a very fast one while the fleet is overloaded) has its newest update
+over the limit wait, undecoded, for its next token, and the
 older ones shed (an update supersedes the one before), counted per device (status: flooding).
-A device counts among those sharing (the fair share, the median) for as long as a compliant
-one due once an interval or more may be silent: SENDING_INTERVALS intervals times the factor.
-Its rate, tokens and times are kept for KEEP_S after its last update, active or not:
-a device that leaves the fleet and comes back is not new to the quota.
 A backlog a device's session delivers after an outage thus ends with its last update counted.
 With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -39,9 +33,8 @@ import numpy as np
 
 from edgefcl.runtime.device_rates import DeviceRates
 
-MAX_FACTOR = 8
-"""The highest factor the fair share's window is sized for (`fed.max_backpressure`'s
-default)."""
+SMOOTHING = 0.3
+"""Weight of the last interval in a device's smoothed rate."""
 WARMUP = 1
 """Intervals measured before any limit: the first spans the daemon's start and the backlog its
 devices' sessions deliver after it. One only: three (6 s) let devices that ignore the factor
@@ -57,20 +50,31 @@ RELEASE_EVERY = 0.1
 """Seconds between a daemon's calls to `release` (its main loop)."""
 MIN_REFILL = 0.02
 """Tokens a second a device's bucket refills at the least: one every 50 s, so that no device
-waits for ever. Low, as devices that ignore the factor get at least this: a floor of one token
-a device and interval (0.5/s) gave them 1.53x a compliant device's share (20 virtual seeds)
-once compliant devices sent less, as `bench fleet`'s devices due once a second do under a
-factor of 2.4-3.1; 0.1/s gave half of 1,000 devices due every 7 s 1.4x the fair share (a
-compliant one among them sends 0.018/s under a factor of 8)."""
+waits for ever (an interval that let nothing through sets a limit of 0). Low, as devices that
+ignore the factor get at least this: a floor of one token a device and interval (0.5/s) gave
+them 1.53x a compliant device's share (20 virtual seeds) once compliant devices sent less, as
+`bench fleet`'s devices due once a second do under a factor of 2.4-3.1; 0.1/s gave half of
+1,000 devices due every 7 s 1.4x the fair share (a compliant one among them sends 0.018/s
+under a factor of 8)."""
 SENDING_INTERVALS = 4
-"""A device counts as sending (in the fair share and the median rate) when it sent in the last
-this many intervals times the factor, or more (see the module's docstring): not only in the
-last one, as a compliant device under a high factor skips intervals; not every active device,
-as the aggregator keeps a silent one active for its client timeout, and 15 quiet devices among
-100 shrank the limit by 1.1 x 0.85 an interval, down to MIN_REFILL."""
+"""A device counts as sending (in the fair share and the median rate) when it sent in one of
+the last this many intervals times the factor: not only in the last one, as a compliant
+device under a factor skips intervals (one due every 7 s sends once in 28 intervals under a
+factor of 8; counting 4 intervals left it out, and the fair share rose to the rate of the
+devices ignoring the factor); not every active device, as the aggregator keeps a silent one
+active for its client timeout, and 15 quiet devices among 100 shrank the limit by 1.1 x 0.85
+an interval, down to MIN_REFILL."""
+SLOW_INTERVALS = 1.5
+"""A device sending less than once in this many intervals is judged by the rate from the times
+of its last updates (`device_rates`): its smoothed rate is lowest just before each of its
+updates (a device due every 7 s read 0.05/s at each of them, sending 0.14/s, and so passed a
+limit of 0.08/s every time). Faster devices keep the smoothed rate, as before."""
 KEEP_S = 120.0
-"""Seconds a device's rate, tokens and times are kept after its last update (the aggregator's
-default client timeout); `recent()` holds the devices sent within it."""
+"""Seconds a device's rate, tokens and times are kept after its last update, active or not: a
+device that left the fleet after each burst (status "offline") came back new to the quota
+and got 5x a compliant device's share."""
+MIN_RATE = 1e-3
+"""A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
 
 
 class UpdateQuota:
@@ -86,14 +90,15 @@ class UpdateQuota:
         the daemon's RSS rose from 169 to 287 MB)."""
         self.waiting_bytes = 0
         self._sizes: dict[str, int] = {}  # device -> bytes of its waiting update
-        self.times = DeviceRates()
-        self.rates: dict[str, float] = {}  # updates a second per device, at the last close
+        self.counts: Counter[str] = Counter()  # this interval's updates, per device
+        self.rates: dict[str, float] = {}  # smoothed updates a second, per active device
+        self.times = DeviceRates()  # the times of each device's last updates
+        self.seconds = 1.0  # the last interval's length
         self.tokens: dict[str, tuple[float, float]] = {}  # device -> (tokens, when)
         self.limit: float | None = None  # updates a second per device; None: no limit
         self.refill = 0.0  # tokens a second: the limit, at least MIN_REFILL
         self.burst = 1.0  # what a device's bucket holds: one interval's refill and one more
         self.intervals = 0
-        self.seconds = 1.0  # the last interval's length
         self.shed: Counter[str] = Counter()
         self.waiting: dict[str, Any] = {}  # device -> its newest update over the limit
         self.refused = 0
@@ -102,26 +107,24 @@ class UpdateQuota:
         self.passed = 0
         """Updates let through this interval (admitted or released)."""
         self.fair = 0.0
-        """Updates let through a second over the devices sending, over the last
-        SENDING_INTERVALS x the factor intervals (the window in which a compliant device
-        sends)."""
-        self._passed: deque[int] = deque(maxlen=SENDING_INTERVALS * MAX_FACTOR)
+        """The last interval's updates let through a second, over the devices sending
+        (SENDING_INTERVALS)."""
         self._over: frozenset[str] = frozenset()
+        self._sent: dict[str, int] = {}  # active device -> the last interval it sent in
 
     def admit(self, device: str, item: Any = None, size: int = 0) -> bool:
-        """Whether an update of `device` may be handled now (its rate counts it either way).
-        When not, `item` (of `size` bytes) waits as the device's newest (one per device: it
-        replaces the one waiting, which is shed) until `release` finds a token for it, unless
-        the waiting updates would then hold more than MAX_WAITING devices or `max_bytes`:
-        then it is shed."""
+        """Whether an update of `device` may be handled now (counted either way). When not,
+        `item` (of `size` bytes) waits as the device's newest (one per device: it replaces
+        the one waiting, which is shed) until `release` finds a token for it, unless the
+        waiting updates would then hold more than MAX_WAITING devices or `max_bytes`: then it
+        is shed."""
+        self.counts[device] += 1
         now = self.clock()
         self.times.note(device, now)
-        if self.limit is None:
+        if self.limit is None or self._rate(device, now) <= self.limit:
             self.passed += 1
-            return True
-        if self.times.rate(device, now, self.seconds) <= self.limit:  # within the limit:
-            self.passed += 1  # never held (devices that wait for a global and for each
-            return True  # other would otherwise wait on each other's tokens for ever)
+            return True  # within the limit: never held (devices that wait for a global and
+            # for each other would otherwise wait on each other's tokens for ever)
         tokens = self._tokens(device, now)
         if tokens < 1.0:
             self.tokens[device] = (tokens, now)
@@ -131,6 +134,13 @@ class UpdateQuota:
         self.tokens[device] = (tokens - 1.0, now)
         self.passed += 1
         return True
+
+    def _rate(self, device: str, now: float) -> float:
+        """`device`'s rate as the limit judges it: smoothed, or from the times of its last
+        updates (counting one it sends now) when that is below one in SLOW_INTERVALS."""
+        rate = self.times.rate(device, now, self.seconds)
+        slow = rate * self.seconds * SLOW_INTERVALS < 1.0
+        return rate if slow else self.rates.get(device, 0.0)
 
     def _wait(self, device: str, item: Any, size: int) -> None:
         """Keep `item` as `device`'s waiting update if it fits (in its place when the device
@@ -181,19 +191,18 @@ class UpdateQuota:
         return out
 
     def recent(self) -> set[str]:
-        """Devices that sent in the last KEEP_S: the active set of a daemon that keeps none
-        (an aggregator worker)."""
-        since = self.clock() - KEEP_S
-        return {d for d, t in self.times.times.items() if t[-1] >= since}
+        """Devices that sent this interval, or recently enough (a smoothed rate of at least
+        MIN_RATE): the active set of a daemon that keeps none (an aggregator worker)."""
+        return set(self.counts) | {d for d, r in self.rates.items() if r >= MIN_RATE}
 
     def end_interval(self, seconds: float, active: set[str], factor: float,
                      inbox_refused: Counter[str] | None = None) -> str | None:
-        """Close an interval of `seconds`: take the rates of the `active` devices and of
-        those that sent in the last KEEP_S (others are forgotten, so the tables stay bounded),
-        counting the updates the inbox refused before they reached `admit` (`inbox_refused`,
-        `Inbox.take_refused`), then set the next interval's limit (`factor` > 1: `ratio` x
-        the median rate, or FAIR_SLACK x the fair share when lower) and refill the buckets.
-        Returns a log line when the limit was set, lifted or moved by a tenth or more."""
+        """Close an interval of `seconds`: smooth the `active` devices' rates (others are
+        forgotten, so the tables stay bounded by the active set), counting the updates the
+        inbox refused before they reached `admit` (`inbox_refused`, `Inbox.take_refused`),
+        then set the next interval's limit (`factor` > 1: `ratio` x the median rate) and
+        refill the buckets. Returns a log line when the limit was set, lifted or moved by a
+        tenth or more."""
         before = self.limit
         self._close(seconds, active, factor, inbox_refused)
         if before is None and self.limit is None:
@@ -216,33 +225,37 @@ class UpdateQuota:
     def _close(self, seconds: float, active: set[str], factor: float,
                inbox_refused: Counter[str] | None) -> None:
         self.seconds = seconds
-        now = self.clock()
-        for d, n in (inbox_refused or {}).items():  # updates that never reached `admit`
-            self.times.note(d, now, n, since=now - seconds)
-        keep = {d for d, t in self.times.times.items() if d in active or now - t[-1] < KEEP_S}
+        clock = self.clock()
+        if inbox_refused:
+            self.counts.update(inbox_refused)
+            for d, n in inbox_refused.items():
+                self.times.note(d, clock, n, since=clock - seconds)
+        keep = active | {d for d, t in self.times.times.items() if clock - t[-1] < KEEP_S}
         self.times.keep(keep)
-        self.rates = {d: self.times.rate(d, now, seconds) for d in keep}
-        since = now - SENDING_INTERVALS * seconds * max(factor, 1.0)
-        senders = [d for d in keep if self.times.last(d) > since]
+        now = {d: self.counts.get(d, 0) / seconds for d in keep}
+        rates = {d: (1 - SMOOTHING) * self.rates.get(d, r) + SMOOTHING * r
+                 for d, r in now.items()}
+        self.rates = rates
+        self._sent = {d: self.intervals if self.counts.get(d) else self._sent[d]
+                      for d in keep if self.counts.get(d) or d in self._sent}
+        self.counts.clear()
+        senders = [d for d, at in self._sent.items()
+                   if self.intervals - at < SENDING_INTERVALS * max(factor, 1.0)]
         # a device's share of the folds, among the devices sending (the aggregator keeps a
         # silent device active for its client timeout)
-        if factor <= 1.0:  # what passed without backpressure does not tell the capacity
-            self._passed.clear()
-        self._passed.append(self.passed)
-        window = list(self._passed)[-max(1, math.ceil(SENDING_INTERVALS * factor)):]
-        self.fair = sum(window) / (len(window) * seconds) / max(len(senders), 1)
-        median = float(np.median([self.rates[d] for d in senders])) if senders else 0.0
+        self.fair = self.passed / seconds / max(len(senders), 1)
+        judged = {d: self._rate(d, clock) for d in keep}
+        median = float(np.median([judged[d] for d in senders])) if senders else 0.0
         self.refused = self.passed = 0
         self.intervals += 1
         if len(self.shed) > 1024:  # bounded: the worst offenders
             self.shed = Counter(dict(self.shed.most_common(512)))
-        kept = {d: self._tokens(d, now) for d in self.tokens if d in keep}  # at the old rate
+        kept = {d: self._tokens(d, clock) for d in keep if d in self.tokens}  # at the old rate
         if factor <= 1.0 or not self.rates or self.intervals < WARMUP:
             self.limit, self.tokens, self._over = None, {}, frozenset()
             return
         self.limit = min(self.ratio * median, FAIR_SLACK * self.fair)
         self.refill = max(self.limit, MIN_REFILL)
         self.burst = self.refill * seconds + 1.0  # an interval's worth, and one more
-        self.tokens = {d: (min(self.burst, t), now) for d, t in kept.items()}
-        self._over = frozenset(d for d, r in self.rates.items() if r > self.limit)
-
+        self.tokens = {d: (min(self.burst, t), clock) for d, t in kept.items()}
+        self._over = frozenset(d for d, r in judged.items() if r > self.limit)

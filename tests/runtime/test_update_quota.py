@@ -205,24 +205,6 @@ def test_devices_gone_quiet_do_not_shrink_the_senders_limit() -> None:
     assert not quota.shed
 
 
-def test_an_interval_that_let_nothing_through_does_not_zero_the_limit() -> None:
-    # a stalled main loop (nothing passed in an interval) set a fair share, and so a limit, of
-    # 0; every device then waited for the floor's token and the limit took 40 intervals to
-    # climb back at 1.1x an interval. The fair share is over the last 4 x factor intervals now
-    clock = Clock()
-    quota = UpdateQuota(clock=clock)
-    for _ in range(8):
-        clock.t += 2.0
-        for d in "aabb":
-            quota.admit(d)
-        quota.end_interval(2.0, {"a", "b"}, factor=2.0)
-    assert quota.fair == pytest.approx(1.0)  # 4 updates in 2 s over 2 devices
-    clock.t += 2.0
-    quota.end_interval(2.0, {"a", "b"}, factor=2.0)  # nothing came through
-    assert quota.fair == pytest.approx(7 / 8)
-    assert quota.limit == pytest.approx(min(1.2 * 0.5, 1.1 * 7 / 8))
-
-
 @pytest.mark.parametrize("factor", [1.5, 2.0, 4.0, 8.0])
 def test_compliant_devices_sending_less_than_once_an_interval_are_never_held(
         factor: float) -> None:
