@@ -33,6 +33,8 @@ class DeviceRates:
     def note(self, device: str, at: float, n: int = 1, since: float | None = None) -> None:
         """`n` updates of `device` at `at`; with `since`, spread evenly over (since, at] (the
         updates the inbox refused in an interval)."""
+        if n <= 0:
+            return
         times = self.times.setdefault(device, deque(maxlen=MAX_UPDATES))
         if since is None:
             times.extend([at] * min(n, MAX_UPDATES))

@@ -70,9 +70,11 @@ of its last updates (`device_rates`): its smoothed rate is lowest just before ea
 updates (a device due every 7 s read 0.05/s at each of them, sending 0.14/s, and so passed a
 limit of 0.08/s every time). Faster devices keep the smoothed rate, as before."""
 KEEP_S = 120.0
-"""Seconds a device's rate, tokens and times are kept after its last update, active or not: a
-device that left the fleet after each burst (status "offline") came back new to the quota
-and got 5x a compliant device's share."""
+"""Seconds a device's rate, tokens and times are kept after its last update, active or not
+(as many inactive devices as active ones at most, the latest, none of them counted among the
+devices sending: made-up device ids would otherwise shrink the fair share): a device that left
+the fleet after each burst (status "offline") came back new to the quota and got 5x a
+compliant device's share."""
 MIN_RATE = 1e-3
 """A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
 
@@ -91,7 +93,7 @@ class UpdateQuota:
         self.waiting_bytes = 0
         self._sizes: dict[str, int] = {}  # device -> bytes of its waiting update
         self.counts: Counter[str] = Counter()  # this interval's updates, per device
-        self.rates: dict[str, float] = {}  # smoothed updates a second, per active device
+        self.rates: dict[str, float] = {}  # smoothed updates a second, per kept device
         self.times = DeviceRates()  # the times of each device's last updates
         self.seconds = 1.0  # the last interval's length
         self.tokens: dict[str, tuple[float, float]] = {}  # device -> (tokens, when)
@@ -136,11 +138,17 @@ class UpdateQuota:
         return True
 
     def _rate(self, device: str, now: float) -> float:
-        """`device`'s rate as the limit judges it: smoothed, or from the times of its last
-        updates (counting one it sends now) when that is below one in SLOW_INTERVALS."""
+        """`device`'s rate as the limit judges it: from the times of its last updates
+        (counting one it sends now) when that is below one in SLOW_INTERVALS, else smoothed,
+        or as smoothed with this interval's updates so far when higher (a burst after a quiet
+        spell read its rate as slow, then as the smoothed rate that the quiet had decayed:
+        20 updates every 40 s got 6.7x a compliant device's share)."""
         rate = self.times.rate(device, now, self.seconds)
-        slow = rate * self.seconds * SLOW_INTERVALS < 1.0
-        return rate if slow else self.rates.get(device, 0.0)
+        if rate * self.seconds * SLOW_INTERVALS < 1.0:
+            return rate
+        smoothed = self.rates.get(device, 0.0)
+        return max(smoothed, (1 - SMOOTHING) * smoothed
+                   + SMOOTHING * self.counts[device] / self.seconds)
 
     def _wait(self, device: str, item: Any, size: int) -> None:
         """Keep `item` as `device`'s waiting update if it fits (in its place when the device
@@ -197,8 +205,9 @@ class UpdateQuota:
 
     def end_interval(self, seconds: float, active: set[str], factor: float,
                      inbox_refused: Counter[str] | None = None) -> str | None:
-        """Close an interval of `seconds`: smooth the `active` devices' rates (others are
-        forgotten, so the tables stay bounded by the active set), counting the updates the
+        """Close an interval of `seconds`: smooth the rates of the `active` devices and of as
+        many others that sent in the last KEEP_S (the rest are forgotten, so the tables stay
+        bounded by twice the active set), counting the updates the
         inbox refused before they reached `admit` (`inbox_refused`, `Inbox.take_refused`),
         then set the next interval's limit (`factor` > 1: `ratio` x the median rate) and
         refill the buckets. Returns a log line when the limit was set, lifted or moved by a
@@ -230,14 +239,16 @@ class UpdateQuota:
             self.counts.update(inbox_refused)
             for d, n in inbox_refused.items():
                 self.times.note(d, clock, n, since=clock - seconds)
-        keep = active | {d for d, t in self.times.times.items() if clock - t[-1] < KEEP_S}
+        recent = sorted(((t[-1], d) for d, t in self.times.times.items()
+                         if d not in active and clock - t[-1] < KEEP_S), reverse=True)
+        keep = active | {d for _, d in recent[:len(active)]}
         self.times.keep(keep)
         now = {d: self.counts.get(d, 0) / seconds for d in keep}
         rates = {d: (1 - SMOOTHING) * self.rates.get(d, r) + SMOOTHING * r
                  for d, r in now.items()}
         self.rates = rates
         self._sent = {d: self.intervals if self.counts.get(d) else self._sent[d]
-                      for d in keep if self.counts.get(d) or d in self._sent}
+                      for d in active if self.counts.get(d) or d in self._sent}
         self.counts.clear()
         senders = [d for d, at in self._sent.items()
                    if self.intervals - at < SENDING_INTERVALS * max(factor, 1.0)]
