@@ -116,6 +116,10 @@ class FleetTrainer:
         self.alone_steps = 0
         self.stacked_scores = 0
 
+    def counts(self) -> dict[str, int]:
+        """What a run's results report of the stacking."""
+        return {"stacked_steps": self.stacked_steps, "stacked_scores": self.stacked_scores}
+
     def step(self, clients: Sequence[Client], batches: Sequence[Batch]) -> list[Update | None]:
         """Each client learns its batch (as `Client.step` does); returns their updates."""
         if not clients:

@@ -239,9 +239,9 @@ class UpdateQuota:
             self.counts.update(inbox_refused)
             for d, n in inbox_refused.items():
                 self.times.note(d, clock, n, since=clock - seconds)
-        recent = sorted(((t[-1], d) for d, t in self.times.times.items()
-                         if d not in active and clock - t[-1] < KEEP_S), reverse=True)
-        keep = active | {d for _, d in recent[:len(active)]}
+        others = sorted(((self.times.last(d), d) for d in self.times.times if d not in active),
+                        reverse=True)  # the latest first
+        keep = active | {d for t, d in others[:len(active)] if clock - t < KEEP_S}
         self.times.keep(keep)
         now = {d: self.counts.get(d, 0) / seconds for d in keep}
         rates = {d: (1 - SMOOTHING) * self.rates.get(d, r) + SMOOTHING * r

@@ -352,7 +352,6 @@ def simulate_async(cfg: RunConfig, method: str, seed: int,
         "virtual_s": round(fleet.clock.now, 3), "profile": cfg.profile,
         "drops": int(sum(d.drops for d in devices)),
         "offline_s": round(float(sum(d.offline_s for d in devices)), 3)}
-    stacked = {} if trainer is None else {"stacked_steps": trainer.stacked_steps,
-                                          "stacked_scores": trainer.stacked_scores}
+    stacked = {} if trainer is None else trainer.counts()
     return run_result(cfg, method, seed, setup, clients, agg, acc, coverage, fleet.comm, start,
                       asynchrony=stats, **stacked)

@@ -101,8 +101,7 @@ def simulate_lockstep(cfg: RunConfig, method: str, seed: int,
                     [task.y_test for task in setup.tasks[k]])
         if progress is not None:
             progress(min(tick, total), total, f"rounds {agg.rounds}")
-    stacked = {} if trainer is None else {"stacked_steps": trainer.stacked_steps,
-                                          "stacked_scores": trainer.stacked_scores}
+    stacked = {} if trainer is None else trainer.counts()
     return run_result(cfg, method, seed, setup, clients, agg, acc, coverage, comm, start,
                       **stacked)
 
