@@ -240,6 +240,7 @@ CASES = [{"pacing": "random", "offered": 1.0}, {"pacing": "random", "offered": 2
          {"pacing": "synchronised", "offered": 1.0, "jitter": "off"},
          {"pacing": "synchronised", "offered": 2.0, "jitter": "off"},
          {"pacing": "bursty", "offered": 2.0},
+         {"pacing": "bursty", "offered": 2.0, "ignoring": 0.5},
          {"pacing": "random", "offered": 2.0, "drop_to": 0.5},
          {"pacing": "random", "offered": 2.0, "ignoring": 0.2},
          {"pacing": "random", "offered": 2.0, "ignoring": 0.5},

@@ -280,3 +280,36 @@ def test_made_up_device_ids_do_not_shrink_the_fair_share() -> None:
             handled += item in credit
     assert handled >= 0.95 * due
     assert len(quota.rates) <= 2 * len(names) and len(quota.times.times) <= 2 * len(names)
+
+
+@pytest.mark.parametrize(("period", "factor", "burst", "every"), [(7.0, 4.0, 6, 80.0),
+                                                                  (3.5, 2.0, 6, 20.0)])
+def test_a_device_sending_in_bursts_gets_at_most_1_5x_a_compliant_ones_share(
+        period: float, factor: float, burst: int, every: float) -> None:
+    # the attack: bursts of 6 updates 0.1 s apart after a quiet spell. The first updates of a
+    # burst are judged by a rate over the spell (slow, within the limit) and passed without
+    # a token, so the bucket was still full for the next one and the one waiting after it:
+    # 1.79x (every 80 s, compliant devices due every 7 s at factor 4) and 1.75x (every 20 s,
+    # due every 3.5 s at factor 2); 1.43x and 1.40x now
+    clock = Clock()
+    quota = UpdateQuota(clock=clock)
+    names = [f"d{i}" for i in range(100)]
+    credit = {d: i / 100 for i, d in enumerate(names)}
+    got = dict.fromkeys([*names, "x"], 0)
+    for k in range(4400):  # 440 s in 0.1 s steps, the first 40 s not counted
+        clock.t = k / 10
+        if k == 400:
+            got = dict.fromkeys(got, 0)
+        for d in names:
+            credit[d] += 0.1 / period / factor
+            if credit[d] >= 1.0:
+                credit[d] -= 1.0
+                got[d] += quota.admit(d, d)
+        if (k - 50) % round(every * 10) < burst and k >= 50:
+            got["x"] += quota.admit("x", "x")
+        if k % 20 == 19:
+            quota.end_interval(2.0, {*names, "x"}, factor)
+        for d in quota.release():
+            got[d] += 1
+    compliant = sorted(got[d] for d in names)
+    assert got["x"] <= 1.5 * compliant[len(compliant) // 2]
