@@ -91,9 +91,10 @@ LULL = 0.5
 factor intervals is a lull: its fair share is that mean's. Devices that each send one update a
 round, 8-12 s after the round's global, sent nothing in the intervals before, whose fair share
 of 0 held every one of them to the floor's token once they sent: rounds of at most 12 s took
-42 s (50 s at worst; 12 s now, a test). Not the mean always: with half of the devices
-ignoring the factor, the mean of noisy intervals' shares gave the devices due every 7 s 1.43x
-a compliant device's share (1.53x at worst; 5 virtual seeds), against 1.25x."""
+23-33 s on average and 50 s at worst (42 s once slow devices took tokens; 12 s now, a test).
+Not the mean always: with half of the devices ignoring the factor, the mean of noisy
+intervals' shares gave the devices due every 7 s 1.43x a compliant device's share (1.53x at
+worst; 5 virtual seeds), against 1.25x."""
 MIN_RATE = 1e-3
 """A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
 
@@ -167,10 +168,10 @@ class UpdateQuota:
     def _rate(self, device: str, now: float) -> tuple[float, bool]:
         """`device`'s rate as the limit judges it, and whether it was judged slow: from the
         times of its last updates (counting one it sends now) when that is below one in
-        SLOW_INTERVALS (slow), else smoothed,
-        or as smoothed with this interval's updates so far when higher (a burst after a quiet
-        spell read its rate as slow, then as the smoothed rate that the quiet had decayed:
-        20 updates every 40 s got 6.7x a compliant device's share)."""
+        SLOW_INTERVALS (slow), else smoothed, or as smoothed with this interval's updates so
+        far when higher (a burst after a quiet spell read its rate as slow, then as the
+        smoothed rate that the quiet had decayed: 20 updates every 40 s got 6.7x a compliant
+        device's share)."""
         rate = self.times.rate(device, now, self.seconds)
         if rate * self.seconds * SLOW_INTERVALS < 1.0:
             return rate, True
