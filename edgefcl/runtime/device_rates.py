@@ -50,6 +50,18 @@ class DeviceRates:
         times = self.times.get(device)
         return times[-1] if times else None
 
+    def gap(self, device: str) -> float | None:
+        """Seconds between `device`'s last two updates (None: fewer than two seen)."""
+        times = self.times.get(device)
+        return times[-1] - times[-2] if times is not None and len(times) > 1 else None
+
+    def period(self, device: str) -> float | None:
+        """Mean seconds between `device`'s kept updates (None: fewer than two seen)."""
+        times = self.times.get(device)
+        if times is None or len(times) < 2:
+            return None
+        return (times[-1] - times[0]) / (len(times) - 1)
+
     def rate(self, device: str, now: float, span: float) -> float:
         """Updates a second of `device` at `now` (see the module's docstring); a device seen
         once: one update over `span` (a status interval), or over the time since when

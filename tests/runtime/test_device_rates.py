@@ -54,3 +54,14 @@ def test_forgotten_devices_leave_the_table() -> None:
     rates.keep({"a"})
     assert set(rates.times) == {"a"} and rates.rate("b", 2.0, span=2.0) == 0.0
     assert rates.last("a") == 1.0 and rates.last("b") is None
+
+
+def test_the_last_gap_and_the_mean_period() -> None:
+    rates = DeviceRates()
+    assert rates.gap("d") is None and rates.period("d") is None  # never seen
+    rates.note("d", 3.0)
+    assert rates.gap("d") is None and rates.period("d") is None  # seen once
+    for at in (10.0, 11.0, 23.0):
+        rates.note("d", at)
+    assert rates.gap("d") == pytest.approx(12.0)  # 23 - 11
+    assert rates.period("d") == pytest.approx((23.0 - 3.0) / 3)  # over every kept update
