@@ -55,12 +55,13 @@ class DeviceRates:
         times = self.times.get(device)
         return times[-1] - times[-2] if times is not None and len(times) > 1 else None
 
-    def period(self, device: str) -> float | None:
-        """Mean seconds between `device`'s kept updates (None: fewer than two seen)."""
+    def within_periods(self, device: str, now: float, periods: float) -> bool:
+        """Whether `device`'s last update is less than `periods` of its mean periods (between
+        its kept updates) before `now`; False for a device seen fewer than twice."""
         times = self.times.get(device)
         if times is None or len(times) < 2:
-            return None
-        return (times[-1] - times[0]) / (len(times) - 1)
+            return False
+        return now - times[-1] < periods * (times[-1] - times[0]) / (len(times) - 1)
 
     def rate(self, device: str, now: float, span: float) -> float:
         """Updates a second of `device` at `now` (see the module's docstring); a device seen

@@ -14,12 +14,12 @@ MIN_REFILL) and holding one interval's refill and one more, so that with its all
 device stays within 1.5x. The rates are smoothed over the status intervals, but for a device
 sending less than once in SLOW_INTERVALS intervals, whose rate comes from the times of its
 last updates (`device_rates`), counting the one it sends.
-A device whose rate is within the limit is never held (one judged slow takes a token when
-it has one). One sending faster (one that
-ignores the factor, or a very fast one while the fleet is overloaded) has its newest update
-over the limit wait, undecoded, for its next token, and the
-older ones shed (an update supersedes the one before), counted per device (status: flooding).
-A backlog a device's session delivers after an outage thus ends with its last update counted.
+A device whose rate is within the limit is never held (one judged slow that sends again soon
+takes a token when it has one: RAPID). One sending faster (one that ignores the factor, or a
+very fast one while the fleet is overloaded) has its newest update over the limit wait,
+undecoded, for its next token, and the older ones shed (an update supersedes the one before),
+counted per device (status: flooding). A backlog a device's session delivers after an outage
+thus ends with its last update counted.
 With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
 """
 
@@ -89,7 +89,7 @@ the fleet after each burst (status "offline") came back new to the quota and got
 compliant device's share."""
 OWN_PERIODS = 2.0
 """A device also counts as sending (SENDING_INTERVALS) for this many of its own mean periods
-after its last update (`DeviceRates.period`): a compliant device due every 12.5 s sends once
+after its last update (`DeviceRates.within_periods`): a compliant device due every 12.5 s sends once
 in 25 intervals under a factor of 4, dropped out of the devices sending, and the fair share
 rose to the ignoring devices' rate: with half of 1,000 such devices ignoring the factor they
 got 1.6x the compliant share over 600 s on the virtual clock, 1.2x now (a test). A device
@@ -166,10 +166,10 @@ class UpdateQuota:
     def _rate(self, device: str, now: float) -> tuple[float, bool]:
         """`device`'s rate as the limit judges it, and whether it was judged slow: from the
         times of its last updates (counting one it sends now) when that is below one in
-        SLOW_INTERVALS (slow), else smoothed,
-        or as smoothed with this interval's updates so far when higher (a burst after a quiet
-        spell read its rate as slow, then as the smoothed rate that the quiet had decayed:
-        20 updates every 40 s got 6.7x a compliant device's share)."""
+        SLOW_INTERVALS (slow), else smoothed, or as smoothed with this interval's updates so
+        far when higher (a burst after a quiet spell read its rate as slow, then as the
+        smoothed rate that the quiet had decayed: 20 updates every 40 s got 6.7x a compliant
+        device's share)."""
         rate = self.times.rate(device, now, self.seconds)
         if rate * self.seconds * SLOW_INTERVALS < 1.0:
             return rate, True
@@ -279,8 +279,7 @@ class UpdateQuota:
         self.counts.clear()
         senders = [d for d, at in self._sent.items()
                    if self.intervals - at < SENDING_INTERVALS * max(factor, 1.0)
-                   or clock - (self.times.last(d) or clock) < OWN_PERIODS * (
-                       self.times.period(d) or 0.0)]
+                   or self.times.within_periods(d, clock, OWN_PERIODS)]
         # a device's share of the folds, among the devices sending (the aggregator keeps a
         # silent device active for its client timeout; OWN_PERIODS)
         self.fair = self.passed / seconds / max(len(senders), 1)

@@ -58,10 +58,12 @@ def test_forgotten_devices_leave_the_table() -> None:
 
 def test_the_last_gap_and_the_mean_period() -> None:
     rates = DeviceRates()
-    assert rates.gap("d") is None and rates.period("d") is None  # never seen
-    rates.note("d", 3.0)
-    assert rates.gap("d") is None and rates.period("d") is None  # seen once
-    for at in (10.0, 11.0, 23.0):
+    assert rates.gap("d") is None and not rates.within_periods("d", 0.0, 2.0)  # never seen
+    rates.note("d", 0.0)
+    assert rates.gap("d") is None and not rates.within_periods("d", 0.0, 2.0)  # seen once
+    for at in (9.0, 10.0, 24.0):
         rates.note("d", at)
-    assert rates.gap("d") == pytest.approx(12.0)  # 23 - 11
-    assert rates.period("d") == pytest.approx((23.0 - 3.0) / 3)  # over every kept update
+    assert rates.gap("d") == pytest.approx(14.0)  # 24 - 10
+    # mean period over every kept update: 24 / 3 = 8 s; two of them: 16 s after the last
+    assert rates.within_periods("d", 24.0 + 15.9, 2.0)
+    assert not rates.within_periods("d", 24.0 + 16.1, 2.0)
