@@ -17,6 +17,10 @@ each client's views with its own perturber and scores every client's in one stac
 forward of their snapshots (`FleetTrainer._score`; the same logits within float tolerance, so
 the same samples kept).
 
+The memory updates end together as well: each client's full memory leaves the choice of what
+it keeps to the trainer, which makes every memory's choice in one computation with one host
+read (`memory_fleet.choose_together`; each memory keeps what it keeps alone, bit for bit).
+
 Each client's step matches its sequential step within float tolerance (tests/learn/
 test_batched.py); the stacked path is not bit-identical to it, so the golden hashes and the
 lock-step MQTT runtime (one process per client) are compared with `--batch-clients off`.
@@ -40,6 +44,7 @@ from edgefcl.learn.bayes import is_bayesian
 from edgefcl.learn.client import Client
 from edgefcl.learn.compiled_step import PROTOTYPE_HEAD
 from edgefcl.learn.learner import PendingBatch, StreamLearner
+from edgefcl.learn.memory_fleet import choose_together
 from edgefcl.learn.optimizers import LocalOptimizer
 
 Key = tuple[object, ...]
@@ -154,7 +159,7 @@ class FleetTrainer:
             share = (now() - t0) / len(members)
             for i, _ in members:
                 pending[i].trained += share  # type: ignore[operator]
-        return [self._finish(c, p) for c, p in zip(clients, pending, strict=True)]
+        return self._finish(clients, pending)
 
     def _peek(self, clients: Sequence[Client], batches: Sequence[Batch]
               ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -261,9 +266,20 @@ class FleetTrainer:
         return out  # type: ignore[return-value]
 
     @staticmethod
-    def _finish(client: Client, pending: PendingBatch) -> Update | None:
-        client.learner.finish(pending)
-        return client.after_learning()
+    def _finish(clients: Sequence[Client], pending: Sequence[PendingBatch]
+                ) -> list[Update | None]:
+        """Each client's memory update and counters, their memories' choices of what they
+        keep made together (`memory_fleet`), then what each client does after learning."""
+        for c, p in zip(clients, pending, strict=True):
+            c.learner.finish(p, defer=True)
+        now = clients[0].learner.clock.now
+        t0 = now()
+        choose_together([r for c in clients if c.learner.memory is not None
+                         and (r := c.learner.memory.take_deferred()) is not None])
+        share = (now() - t0) / len(clients)
+        for c in clients:
+            c.learner.timings["memory"] += share
+        return [c.after_learning() for c in clients]
 
     def _layout(self, client: Client) -> Key | None:
         """What must match for `client` to step with others (model architecture, optimizer

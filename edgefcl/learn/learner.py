@@ -170,9 +170,10 @@ class StreamLearner:
         return PendingBatch(x, y, y_ids, len(batch.y), ahead, t0,
                             compiled_before=self.timings["compile"], candidates=deferred)
 
-    def finish(self, pending: PendingBatch) -> None:
+    def finish(self, pending: PendingBatch, defer: bool = False) -> None:
         """The last part of `learn_one`, after training: the memory update (with the scores
-        asked ahead) and the counters."""
+        asked ahead) and the counters. With `defer`, a full memory's choice of what it keeps
+        is left to the caller (`ReplayMemory.take_deferred`)."""
         clock = self.clock.now
         t1 = clock()
         scores = None
@@ -181,7 +182,7 @@ class StreamLearner:
             self.scored_ahead += 1
         t_mem = clock()
         score_before = self.timings["score"]
-        self._update_memory(pending.x, pending.y, scores, pending.y_ids)
+        self._update_memory(pending.x, pending.y, scores, pending.y_ids, defer)
         t2 = clock()
         self.timings["train"] += ((t1 - pending.started if pending.trained is None
                                    else pending.trained)
@@ -268,7 +269,7 @@ class StreamLearner:
 
     def _update_memory(self, x: torch.Tensor, y: torch.Tensor,
                        scores: torch.Tensor | None = None,
-                       labels: np.ndarray | None = None) -> None:
+                       labels: np.ndarray | None = None, defer: bool = False) -> None:
         spec = self.memory_spec
         if spec is None:
             return
@@ -282,7 +283,7 @@ class StreamLearner:
         # over the compute budget: class-balanced random this batch (version -1: stale)
         scoring = (Scoring(self._random_scores, -1, featurizer) if self.skip_scoring
                    else Scoring(self._score, self.score_version, featurizer, scores))
-        scored = self.memory.update(x, y, self.task or 0, scoring, labels)
+        scored = self.memory.update(x, y, self.task or 0, scoring, labels, defer)
         self.scored += scored if scoring.version >= 0 else 0
 
     def _random_scores(self, x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from edgefcl.config import CURRENT_SHARES, ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.selection import Selection, get_selection
+from edgefcl.learn.selection import Candidates, Selection, get_selection
 
 RESCORES = ("on_change", "always", "never")
 """Which cached scores a score-ranked memory scores again (`memory_scored`)."""
@@ -53,6 +53,8 @@ _STATE_KEYS = (
 _OPTIONAL_STATE = {"rank_past": False, "current_share": "equal", "current_task": None,
                    "current_seen": 0}
 
+UNIFORM = get_selection("random")
+"""How every class that no rule ranks is cut: a uniform draw."""
 Scorer = Callable[[Tensor], Tensor]
 """Maps a stacked batch of samples (m, *sample_shape) to m uncertainty scores."""
 Featurizer = Callable[[Tensor], Tensor]
@@ -73,6 +75,33 @@ class Scoring:
     version: int = 0
     featurizer: Featurizer | None = None
     scores: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """A full class-balanced memory's update up to the choice of the candidates it keeps:
+    `uniform`, the candidates of the classes a uniform draw cuts; `ranked`, the memory's rule,
+    its candidates and the mask of those it decides (None: no class is ranked); `write`, what
+    keeps the choice (the kept mask, on the host); `scored`, the candidates scored for it.
+    `choose` makes the choice alone; `memory_fleet.choose_together` makes several memories'
+    at once."""
+
+    uniform: Candidates
+    ranked: tuple[Selection, Candidates, Tensor] | None
+    write: Callable[[np.ndarray], None]
+    scored: int = 0
+
+    def kept(self) -> Tensor:
+        """The kept-candidate mask, on the memory's device."""
+        keep = UNIFORM.select(self.uniform)
+        if self.ranked is not None:
+            rule, cands, decided = self.ranked
+            keep = torch.where(decided, rule.select(cands), keep)
+        return keep
+
+    def choose(self) -> None:
+        """Choose and keep the candidates (one host read: the mask)."""
+        self.write(on_host(self.kept()))
 
 
 def water_fill(counts: np.ndarray, priority: np.ndarray, capacity: int) -> np.ndarray:
@@ -220,12 +249,16 @@ class ReplayMemory(ABC):
         self._priority = np.zeros(0, np.float32)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seed))
+        self.defer = False
+        self.deferred: Replacement | None = None
+        """The choice an update left to its caller (`update`'s `defer`)."""
 
     # ------------------------------------------------------------------ queries
 
     def sample(self, n: int, exclude_task: int | None = None) -> tuple[Tensor, Tensor] | None:
         """Uniform draw of min(n, eligible) filled slots without replacement, skipping slots
         of `exclude_task`; returns (x, y), or None when no slot is eligible or n <= 0."""
+        self._settled()
         if n <= 0 or self.size == 0:
             return None
         if exclude_task is None:
@@ -238,6 +271,17 @@ class ReplayMemory(ABC):
         pick = torch.randperm(idx.numel(), generator=self._gen, device=self.device)[:n]
         slots = idx[pick]
         return self.x[slots], self.y[slots]
+
+    def take_deferred(self) -> Replacement | None:
+        """The choice the last update left to its caller (`update`'s `defer`; None: none),
+        which the caller now owes: the memory is usable again once it is made."""
+        deferred, self.deferred = self.deferred, None
+        return deferred
+
+    def _settled(self) -> None:
+        """RuntimeError while a deferred update's choice is not made (`update`)."""
+        if self.deferred is not None:
+            raise RuntimeError("the memory's last update was deferred and its choice not made")
 
     def class_counts(self) -> dict[int, int]:
         """Number of stored samples per class label (classes with none are left out)."""
@@ -255,11 +299,15 @@ class ReplayMemory(ABC):
     # ------------------------------------------------------------------ update
 
     def update(self, x: Tensor, y: Tensor, task: int, scoring: Scoring | None = None,
-               labels: np.ndarray | None = None) -> int:
+               labels: np.ndarray | None = None, defer: bool = False) -> int:
         """Offer a mini-batch (x, y) of `task`, x stored as x_dtype; returns the number of
         samples scored. `scoring` is what a policy that ranks by scores needs. `labels`: y on
         the host, when the caller has them (the labels it made y from): then y is not read
-        back from the device."""
+        back from the device. With `defer`, a full class-balanced memory leaves the choice of
+        what it keeps in `deferred` (a `Replacement`) for its caller to make
+        (`memory_fleet.choose_together`) before the memory is used again."""
+        self._settled()
+        self.defer = defer
         x, y, labels = self._check_batch(x, y, labels)
         if y.numel() == 0:
             return 0

@@ -25,11 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from edgefcl.learn.memory import ReplayMemory, Scoring, on_host, stream_paced
-from edgefcl.learn.selection import Candidates, get_selection
-
-UNIFORM = get_selection("random")
-"""How every class that no rule ranks is cut: a uniform draw."""
+from edgefcl.learn.memory import Replacement, ReplayMemory, Scoring, on_host, stream_paced
+from edgefcl.learn.selection import Candidates
 
 
 @dataclass(frozen=True)
@@ -61,16 +58,21 @@ class BalancedMemory(ReplayMemory):
             self._version_host[sl] = -1
             self.size += b  # nothing is dropped: no score decides anything
         elif self.capacity > 0:
-            scored = self._replace(x, y, labels, task, scoring)
+            replacement = self._replace(x, y, labels, task, scoring)
+            scored = replacement.scored
+            if self.defer:
+                self.deferred = replacement
+            else:
+                replacement.choose()
         self.current_seen = self._task_seen(task) + b
         self.current_task = task
         return scored
 
     @abstractmethod
     def _replace(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
-                 scoring: Scoring | None) -> int:
-        """Memory + batch exceed the capacity: keep every group's allotment (`_allot`) and
-        write it with `_keep`; returns the number of samples scored."""
+                 scoring: Scoring | None) -> Replacement:
+        """Memory + batch exceed the capacity: every group keeps its allotment (`_allot`); the
+        candidates to choose from, and `_keep` to write the choice."""
 
     def _allot(self, y: np.ndarray, task: int,
                assumed: tuple[np.ndarray, np.ndarray] | None = None) -> Allotment:
@@ -105,13 +107,12 @@ class BalancedMemory(ReplayMemory):
                 torch.cat([self.score_version[:size], torch.full_like(y, -1)]),
                 np.concatenate([self._version_host[:size], np.full(y.numel(), -1, np.int64)]))
 
-    def _keep(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int, keep: Tensor,
+    def _keep(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int, kept: np.ndarray,
               sc: Tensor, vc: Tensor, versions: np.ndarray) -> None:
-        """Keep the candidates of mask `keep` (with their scores `sc`, versions `vc`, on the
-        host `versions`): the kept batch rows go to the dropped samples' slots and the free
-        tail, so [0, capacity) is filled afterwards. The mask is the one thing read back."""
+        """Keep the candidates of host mask `kept` (with their scores `sc`, versions `vc`, on
+        the host `versions`): the kept batch rows go to the dropped samples' slots and the free
+        tail, so [0, capacity) is filled afterwards."""
         dev, size, cap = self.device, self.size, self.capacity
-        kept = on_host(keep)
         free = np.concatenate([np.flatnonzero(~kept[:size]), np.arange(size, cap)])
         rows = np.flatnonzero(kept[size:])
         r = torch.from_numpy(rows).to(dev)
@@ -157,11 +158,10 @@ class BalancedRandomMemory(BalancedMemory):
     name = "balanced-random"
 
     def _replace(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
-                 scoring: Scoring | None) -> int:
+                 scoring: Scoring | None) -> Replacement:
         a = self._allot(labels, task)
         inv, counts, keep_n = (torch.from_numpy(v).to(self.device)
                                for v in (a.inv, a.counts, a.keep))
         sc, vc, versions = self._cached_scores(y)
-        keep = UNIFORM.select(Candidates(inv, counts, keep_n, sc, None, self._gen))
-        self._keep(x, y, labels, task, keep, sc, vc, versions)
-        return 0
+        return Replacement(Candidates(inv, counts, keep_n, sc, None, self._gen), None,
+                           lambda kept: self._keep(x, y, labels, task, kept, sc, vc, versions))

@@ -26,7 +26,7 @@ from torch import Tensor
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
 from edgefcl.learn.memory import Featurizer, Scoring
-from edgefcl.learn.memory_balanced import UNIFORM, BalancedMemory
+from edgefcl.learn.memory_balanced import BalancedMemory, Replacement
 from edgefcl.learn.selection import Candidates
 
 MAX_NEW_GROUPS_AHEAD = 3
@@ -65,7 +65,7 @@ class BalancedScoreMemory(BalancedMemory):
         return super()._offer(x, y, labels, task, scoring)
 
     def _replace(self, x: Tensor, y: Tensor, labels: np.ndarray, task: int,
-                 scoring: Scoring | None) -> int:
+                 scoring: Scoring | None) -> Replacement:
         assert scoring is not None  # checked by _offer
         size = self.size
         sc, vc, versions = self._cached_scores(y)
@@ -86,14 +86,13 @@ class BalancedScoreMemory(BalancedMemory):
         feats = (self._features(x, plan, scoring.featurizer) if self.rule.needs_features
                  else None)
         # Unranked classes: a uniform draw (the `random` rule), ranked ones: the memory's rule.
-        keep = UNIFORM.select(Candidates(plan.inv, plan.counts, plan.keep_n, sc, None,
-                                         self._gen))
-        if plan.any_ranked:
-            rule_keep = self.rule.select(Candidates(plan.inv, plan.counts, plan.keep_n, sc,
-                                                    feats, self._gen))
-            keep = torch.where(plan.ranked[plan.inv], rule_keep, keep)
-        self._keep(x, y, labels, task, keep, sc, vc, versions)
-        return scored
+        ranked = ((self.rule, Candidates(plan.inv, plan.counts, plan.keep_n, sc, feats,
+                                         self._gen), plan.ranked[plan.inv])
+                  if plan.any_ranked else None)
+        return Replacement(Candidates(plan.inv, plan.counts, plan.keep_n, sc, None, self._gen),
+                           ranked,
+                           lambda kept: self._keep(x, y, labels, task, kept, sc, vc, versions),
+                           scored)
 
     def _features(self, x: Tensor, plan: _Plan, featurizer: Featurizer | None) -> Tensor | None:
         """(n, d) features of the candidates of ranked classes (zeros elsewhere); None when no

@@ -16,5 +16,5 @@ class Mix(Selection):
         low = grouped_rank(c.cls, c.score, c.counts) < torch.div(
             k, round(1 / self.low_fraction), rounding_mode="floor")
         # the low ones sort first (key -1), the others in a random order
-        u = torch.rand(c.cls.numel(), generator=c.generator, device=c.cls.device)
+        u = c.uniform()
         return grouped_rank(c.cls, torch.where(low, -1.0, u), c.counts) < k

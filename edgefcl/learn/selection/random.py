@@ -3,7 +3,6 @@
 The control of the study: the BI memory's pipeline with the ranking switched off, which keeps
 the same memory, in distribution, as class-balanced random replay (`cbr`)."""
 
-import torch
 from torch import Tensor
 
 from edgefcl.learn.selection.selection_rule import Candidates, Selection, grouped_rank
@@ -14,5 +13,5 @@ class Random(Selection):
     needs_scores = False
 
     def select(self, c: Candidates) -> Tensor:
-        u = torch.rand(c.cls.numel(), generator=c.generator, device=c.cls.device)
+        u = c.uniform()
         return grouped_rank(c.cls, u, c.counts) < c.keep[c.cls]

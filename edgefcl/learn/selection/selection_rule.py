@@ -23,7 +23,9 @@ class Candidates:
     cls: (n,) class index of every candidate in [0, m); counts: (m,) candidates per class;
     keep: (m,) how many each class keeps (<= counts); score: (n,) uncertainty (larger = more
     uncertain; only meaningful in ranked classes); features: (n, d) penultimate features or
-    None; generator: the memory's random generator (rules that draw must use it).
+    None; generator: the memory's random generator (rules that draw use `uniform`); segments:
+    the memories' generators and candidate counts, in order, when several memories' candidates
+    are stacked (`memory_fleet`; empty: one memory's).
     """
 
     cls: Tensor
@@ -32,6 +34,15 @@ class Candidates:
     score: Tensor
     features: Tensor | None
     generator: torch.Generator
+    segments: tuple[tuple[torch.Generator, int], ...] = ()
+
+    def uniform(self) -> Tensor:
+        """(n,) uniform draws, each memory's candidates' from its own generator (the draws it
+        makes alone)."""
+        dev = self.cls.device
+        if not self.segments:
+            return torch.rand(self.cls.numel(), generator=self.generator, device=dev)
+        return torch.cat([torch.rand(n, generator=g, device=dev) for g, n in self.segments])
 
 
 class Selection(ABC):

@@ -1,0 +1,62 @@
+"""Several class-balanced memories' choices of what they keep, made as one computation.
+
+In a tick of fleet-batched training (`learn/batched.py`) every client's full memory plans its
+update alone (the allotment on the host, its scores), then leaves the choice of the candidates
+it keeps to `choose_together` (`ReplayMemory.update(defer=True)`). Their candidates are
+stacked (each memory's classes numbered after the previous memory's), the uniform draw cuts
+every memory's unranked classes in one selection, each rule ranks the classes of every memory
+that uses it in one more, and the kept masks come back to the host in one read, instead of a
+selection and a read per memory. A rule that draws takes each memory's draws from that
+memory's generator, in the order it draws alone (`Candidates.segments`): every memory keeps
+what it keeps alone, bit for bit (`tests/learn/test_memory_fleet.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from edgefcl.learn.memory import UNIFORM, Replacement, on_host
+from edgefcl.learn.selection import Candidates
+
+
+def stack(cands: Sequence[Candidates]) -> Candidates:
+    """The candidates of several memories as one set: classes numbered on, each memory's
+    draws from its own generator."""
+    offsets = np.cumsum([0] + [c.counts.numel() for c in cands[:-1]]).tolist()
+    features = (None if any(c.features is None for c in cands)
+                else torch.cat([c.features for c in cands]))  # type: ignore[misc]
+    return Candidates(torch.cat([c.cls + k for c, k in zip(cands, offsets, strict=True)]),
+                      torch.cat([c.counts for c in cands]), torch.cat([c.keep for c in cands]),
+                      torch.cat([c.score for c in cands]), features, cands[0].generator,
+                      tuple((c.generator, c.cls.numel()) for c in cands))
+
+
+def choose_together(replacements: Sequence[Replacement]) -> None:
+    """Make each replacement's choice (as `Replacement.choose` makes it alone), all at once:
+    one uniform selection, one selection per rule, one host read."""
+    if len(replacements) < 2 or len({r.uniform.cls.device for r in replacements}) > 1:
+        for r in replacements:
+            r.choose()
+        return
+    keep = UNIFORM.select(stack([r.uniform for r in replacements]))
+    sizes = [r.uniform.cls.numel() for r in replacements]
+    starts = np.cumsum([0, *sizes]).tolist()
+    by_rule: dict[tuple, list[int]] = {}  # rules of one kind and settings
+    for i, r in enumerate(replacements):
+        if r.ranked is not None:
+            rule = r.ranked[0]
+            by_rule.setdefault((type(rule), repr(sorted(vars(rule).items()))), []).append(i)
+    for members in by_rule.values():
+        rule = replacements[members[0]].ranked[0]  # type: ignore[index]
+        ranked = [replacements[i].ranked for i in members]
+        chosen = rule.select(stack([c for _, c, _ in ranked]))  # type: ignore[misc]
+        decided = torch.cat([d for _, _, d in ranked])  # type: ignore[misc]
+        at = torch.cat([torch.arange(starts[i], starts[i + 1], device=keep.device)
+                        for i in members])
+        keep[at] = torch.where(decided, chosen, keep[at])
+    kept = on_host(keep)
+    for r, a, b in zip(replacements, starts[:-1], starts[1:], strict=True):
+        r.write(kept[a:b])
