@@ -82,7 +82,8 @@ class Replacement:
     """A full class-balanced memory's update up to the choice of the candidates it keeps:
     `uniform`, the candidates of the classes a uniform draw cuts; `ranked`, the memory's rule,
     its candidates and the mask of those it decides (None: no class is ranked); `write`, what
-    keeps the choice (the kept mask, on the host); `scored`, the candidates scored for it.
+    keeps the choice (the kept mask, on the host), and the scores cached with it; `scored`,
+    the candidates scored for it.
     `choose` makes the choice alone; `memory_fleet.choose_together` makes several memories'
     at once."""
 
@@ -90,6 +91,9 @@ class Replacement:
     ranked: tuple[Selection, Candidates, Tensor] | None
     write: Callable[[np.ndarray], None]
     scored: int = 0
+    unchecked: Tensor | None = None
+    """Scores to check for NaN and Inf before the choice is kept (a deferred update's: the
+    check's read goes with the mask's)."""
 
     def kept(self) -> Tensor:
         """The kept-candidate mask, on the memory's device."""
@@ -101,7 +105,15 @@ class Replacement:
 
     def choose(self) -> None:
         """Choose and keep the candidates (one host read: the mask)."""
+        if self.unchecked is not None:
+            check_finite(self.unchecked)
         self.write(on_host(self.kept()))
+
+
+def check_finite(scores: Tensor) -> None:
+    """DataError when `scores` hold NaN or Inf (a read of the device where they are)."""
+    if not bool(torch.isfinite(scores).all()):
+        raise DataError("scorer returned NaN or Inf scores; check the scoring model")
 
 
 def water_fill(counts: np.ndarray, priority: np.ndarray, capacity: int) -> np.ndarray:

@@ -5,10 +5,11 @@ update alone (the allotment on the host, its scores), then leaves the choice of 
 it keeps to `choose_together` (`ReplayMemory.update(defer=True)`). Their candidates are
 stacked (each memory's classes numbered after the previous memory's), the uniform draw cuts
 every memory's unranked classes in one selection, each rule ranks the classes of every memory
-that uses it in one more, and the kept masks come back to the host in one read, instead of a
-selection and a read per memory. A rule that draws takes each memory's draws from that
-memory's generator, in the order it draws alone (`Candidates.segments`): every memory keeps
-what it keeps alone, bit for bit (`tests/learn/test_memory_fleet.py`).
+that uses it in one more, and the kept masks come back to the host in one read, with the check
+of the memories' new scores for NaN and Inf: a selection and two reads per memory before. A
+rule that draws takes each memory's draws from that memory's generator, in the order it draws
+alone (`Candidates.segments`): every memory keeps what it keeps alone, bit for bit
+(`tests/learn/test_memory_fleet.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from edgefcl.data.types import DataError
 from edgefcl.learn.memory import UNIFORM, Replacement, on_host
 from edgefcl.learn.selection import Candidates
 
@@ -57,6 +59,11 @@ def choose_together(replacements: Sequence[Replacement]) -> None:
         at = torch.cat([torch.arange(starts[i], starts[i + 1], device=keep.device)
                         for i in members])
         keep[at] = torch.where(decided, chosen, keep[at])
-    kept = on_host(keep)
+    unchecked = [r.unchecked for r in replacements if r.unchecked is not None]
+    bad = (~torch.isfinite(torch.cat(unchecked)).all() if unchecked  # read with the masks
+           else torch.zeros((), dtype=torch.bool, device=keep.device))
+    flags = on_host(torch.cat([keep, bad.view(1)]))
+    if flags[-1]:
+        raise DataError("scorer returned NaN or Inf scores; check the scoring model")
     for r, a, b in zip(replacements, starts[:-1], starts[1:], strict=True):
-        r.write(kept[a:b])
+        r.write(flags[a:b])

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.memory import Featurizer, Scoring
+from edgefcl.learn.memory import Featurizer, Scoring, check_finite
 from edgefcl.learn.memory_balanced import BalancedMemory, Replacement
 from edgefcl.learn.selection import Candidates
 
@@ -75,24 +75,33 @@ class BalancedScoreMemory(BalancedMemory):
                 and not np.array_equal(plan.need_host, need_ahead)):
             scores = None  # scored ahead for other candidates than the drawn priorities need
         scored = plan.need.numel()
+        unchecked = None
         if scored:
             if scores is None:
                 scores = scoring.scorer(self._stack(x, plan.need, size))
-            sc[plan.need] = self._checked_scores(scores, scored)
+            s = self._shaped_scores(scores, scored)
+            if self.defer:  # checked with the choice: one read for the fleet's memories
+                unchecked = s = s.to(self.device, torch.float32)
+            else:  # checked where it is: host scores (the scoring worker's) never wait
+                check_finite(s)
+            sc[plan.need] = s.to(self.device, torch.float32)
             vc[plan.need] = scoring.version
             versions[plan.need_host] = scoring.version
-            self.score[:size], self.score_version[:size] = sc[:size], vc[:size]
-            self._version_host[:size] = versions[:size]
         feats = (self._features(x, plan, scoring.featurizer) if self.rule.needs_features
                  else None)
         # Unranked classes: a uniform draw (the `random` rule), ranked ones: the memory's rule.
         ranked = ((self.rule, Candidates(plan.inv, plan.counts, plan.keep_n, sc, feats,
                                          self._gen), plan.ranked[plan.inv])
                   if plan.any_ranked else None)
+
+        def write(kept: np.ndarray) -> None:
+            if scored:  # the memory's slots keep their new scores
+                self.score[:size], self.score_version[:size] = sc[:size], vc[:size]
+                self._version_host[:size] = versions[:size]
+            self._keep(x, y, labels, task, kept, sc, vc, versions)
+
         return Replacement(Candidates(plan.inv, plan.counts, plan.keep_n, sc, None, self._gen),
-                           ranked,
-                           lambda kept: self._keep(x, y, labels, task, kept, sc, vc, versions),
-                           scored)
+                           ranked, write, scored, unchecked)
 
     def _features(self, x: Tensor, plan: _Plan, featurizer: Featurizer | None) -> Tensor | None:
         """(n, d) features of the candidates of ranked classes (zeros elsewhere); None when no
@@ -108,14 +117,12 @@ class BalancedScoreMemory(BalancedMemory):
         feats[idx] = f
         return feats
 
-    def _checked_scores(self, s: Tensor, n: int) -> Tensor:
+    @staticmethod
+    def _shaped_scores(s: Tensor, n: int) -> Tensor:
         if not isinstance(s, Tensor) or tuple(s.shape) != (n,):
             shape = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
             raise DataError(f"scorer must return a tensor of shape ({n},), got {shape}")
-        s = s.detach()  # checked where it is: host scores (the scoring worker's) never wait
-        if not bool(torch.isfinite(s).all()):
-            raise DataError("scorer returned NaN or Inf scores; check the scoring model")
-        return s.to(self.device, torch.float32)
+        return s.detach()
 
     def _stack(self, x: Tensor, idx: Tensor, size: int) -> Tensor:
         """Candidates `idx` (memory slots below `size`, then batch rows) stacked."""

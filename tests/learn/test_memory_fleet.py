@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from edgefcl.bench.device_waits import counting
+from edgefcl.data.types import DataError
 from edgefcl.learn.memory import ReplayMemory, Scoring
 from edgefcl.learn.memory_balanced import BalancedRandomMemory
 from edgefcl.learn.memory_fleet import choose_together
@@ -73,24 +74,48 @@ def test_every_memory_keeps_what_it_keeps_alone(rules: list[str]) -> None:
 
 
 def test_one_host_read_for_every_memory() -> None:
+    # the kept masks and the check of the new scores for NaN: two reads per memory alone
     mems = memories(["step", "cbr", "bottom", "random"])
     fill = [stream(i, 12) for i in range(len(mems))]
     for k in range(12):  # full memories from here on
         for m, s in zip(mems, fill, strict=True):
             x, y, task = s[k]
             m.update(x, y, task, Scoring(scores, 0, features))
-    deferred = []
-    for m, s in zip(mems, fill, strict=True):
+    ahead = []
+    for m, s in zip(mems, fill, strict=True):  # scored ahead, as the trainer does
         x, y, _ = s[-1]
-        labels = np.asarray(y)
-        m.update(x, y, 0, Scoring(scores, 0, features, scores(x)), labels)
-        m.update(x, y, 0, Scoring(scores, 0, features), labels, defer=True)
-        r = m.take_deferred()
-        assert r is not None
-        deferred.append(r)
+        cands = m.pending_scores(x, y, 0, 1, np.asarray(y))
+        ahead.append(None if cands is None else scores(cands))
+    assert sum(a is not None for a in ahead) >= 2
     with counting() as reads:
+        deferred = []
+        for m, s, a in zip(mems, fill, ahead, strict=True):
+            x, y, _ = s[-1]
+            m.update(x, y, 0, Scoring(scores, 1, features, a), np.asarray(y), defer=True)
+            r = m.take_deferred()
+            assert r is not None
+            deferred.append(r)
         choose_together(deferred)
-    assert sum(n for site, n in reads.items() if "memory" in site) == 1
+    assert sum(n for site, n in reads.items() if "memory" in site) == 1, reads
+
+
+def test_nan_scores_fail_the_fleets_choice_before_any_memory_keeps_them() -> None:
+    mems = memories(["step", "bottom"])
+    fill = [stream(i, 12) for i in range(len(mems))]
+    for k in range(12):
+        for m, s in zip(mems, fill, strict=True):
+            m.update(s[k][0], s[k][1], s[k][2], Scoring(scores, 0, features))
+    before = [m.state_dict() for m in mems]
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        return torch.full((len(t),), float("nan"))
+
+    for m, s, scorer in zip(mems, fill, [scores, nan], strict=True):
+        x, y, _ = s[-1]
+        m.update(x, y, 0, Scoring(scorer, 1, features), defer=True)
+    with pytest.raises(DataError, match="NaN"):
+        choose_together([m.take_deferred() for m in mems])  # type: ignore[misc]
+    for m, b in zip(mems, before, strict=True):
+        assert torch.equal(m.state_dict()["score"], b["score"])
 
 
 def test_a_deferred_update_must_be_chosen_before_the_memory_is_used() -> None:
