@@ -110,10 +110,13 @@ class Replacement:
         self.write(on_host(self.kept()))
 
 
+NONFINITE = "scorer returned NaN or Inf scores; check the scoring model"
+
+
 def check_finite(scores: Tensor) -> None:
     """DataError when `scores` hold NaN or Inf (a read of the device where they are)."""
     if not bool(torch.isfinite(scores).all()):
-        raise DataError("scorer returned NaN or Inf scores; check the scoring model")
+        raise DataError(NONFINITE)
 
 
 def water_fill(counts: np.ndarray, priority: np.ndarray, capacity: int) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from edgefcl.data.types import DataError
-from edgefcl.learn.memory import UNIFORM, Replacement, on_host
+from edgefcl.learn.memory import NONFINITE, UNIFORM, Replacement, on_host
 from edgefcl.learn.selection import Candidates
 
 
@@ -64,6 +64,6 @@ def choose_together(replacements: Sequence[Replacement]) -> None:
            else torch.zeros((), dtype=torch.bool, device=keep.device))
     flags = on_host(torch.cat([keep, bad.view(1)]))
     if flags[-1]:
-        raise DataError("scorer returned NaN or Inf scores; check the scoring model")
+        raise DataError(NONFINITE)
     for r, a, b in zip(replacements, starts[:-1], starts[1:], strict=True):
         r.write(flags[a:b])
