@@ -111,6 +111,7 @@ class Replacement:
 
 
 NONFINITE = "scorer returned NaN or Inf scores; check the scoring model"
+"""The error of a memory offered non-finite scores."""
 
 
 def check_finite(scores: Tensor) -> None:
@@ -264,7 +265,7 @@ class ReplayMemory(ABC):
         self._priority = np.zeros(0, np.float32)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seed))
-        self.defer = False
+        self.defer = False  # the current update's `defer`
         self.deferred: Replacement | None = None
         """The choice an update left to its caller (`update`'s `defer`)."""
 
