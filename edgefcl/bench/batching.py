@@ -8,9 +8,10 @@ kernels, the scoring graph's export, the compiled step of `--compile-step`), the
 seed of `--seed`/`--seeds`, `--repeats` trials, each running off and on in alternating order,
 so that other load hits both alike. Per run: the wall time (`wall_s` of its results: the whole
 run, evaluation included), the client mini-batches it learned (every client's), the wall time
-per client mini-batch, the client threads' training time per client mini-batch, the share of
-client mini-batches that stepped stacked, A and F. Mean ± sample std over the seeds and
-repeats; the table's last column is off / on (the speed-up of stacking).
+per client mini-batch, the client threads' training and memory-update time per client
+mini-batch, the share of client mini-batches that stepped stacked, A and F. Mean ± sample
+std over the seeds and repeats; the table's last column is off / on (the speed-up of
+stacking).
 
 Writes DIR/bench_batching.json.
 """
@@ -62,6 +63,8 @@ def _record(result: RunResult) -> dict:
             "ms_per_client_batch": round(result.wall_s * per, 4),
             "train_ms_per_client_batch": round(
                 float(result.extra.get("timings", {}).get("train", 0.0)) * per, 4),
+            "memory_ms_per_client_batch": round(
+                float(result.extra.get("timings", {}).get("memory", 0.0)) * per, 4),
             "compile_s": round(float(result.extra.get("timings", {}).get("compile", 0.0)), 4),
             "stacked_share": round(int(result.extra.get("stacked_steps", 0)) / max(batches, 1),
                                    4),
@@ -75,9 +78,11 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 def summarise(runs: list[dict]) -> dict:
     """Mean and sample std of every number of `runs` (records of one fleet size and mode)."""
-    keys = ("wall_s", "ms_per_client_batch", "train_ms_per_client_batch", "stacked_share",
-            "accuracy", "forgetting")
-    return {k: _mean_sd([r[k] for r in runs]) for k in keys} | {"batches": runs[0]["batches"]}
+    keys = ("wall_s", "ms_per_client_batch", "train_ms_per_client_batch",
+            "memory_ms_per_client_batch", "stacked_share", "accuracy", "forgetting")
+    return {k: _mean_sd([r[k] for r in runs]) for k in keys
+            if all(k in r for r in runs)} | {"batches": runs[0]["batches"]}  # an older
+    # bench's file (--resume) has no memory column
 
 
 def _protocol(cfg: RunConfig, repeats: int) -> dict:
@@ -173,8 +178,9 @@ def bench_batching(cfg: RunConfig, out: Path, fleets: list[int], repeats: int,
 def table(rows: list[dict]) -> str:
     """The benchmark's table: per fleet size and mode, mean ± sample std over the repeats."""
     head = (f"{'clients':>7} {'stacking':>8} {'wall s':>15} {'ms / client batch':>19} "
-            f"{'train ms':>15} {'stacked':>8} {'A %':>14} {'F %':>14} {'off / on':>9}")
-    lines = [head]
+            f"{'train ms':>15} {'memory ms':>15} {'stacked':>8} {'A %':>14} {'F %':>14} "
+            f"{'off / on':>9}")
+    lines, memory = [head], "memory_ms_per_client_batch"
     for row in rows:
         s = row["summary"]
         for mode in MODES:
@@ -185,6 +191,7 @@ def table(rows: list[dict]) -> str:
                 f"{row['clients']:>7} {mode:>8} {_pm(m['wall_s'], 2):>15} "
                 f"{_pm(m['ms_per_client_batch'], 2):>19} "
                 f"{_pm(m['train_ms_per_client_batch'], 2):>15} "
+                f"{_pm(m['memory_ms_per_client_batch'], 2) if memory in m else '-':>15} "
                 f"{m['stacked_share'][0]:>8.2f} {_pm(m['accuracy'], 2):>14} "
                 f"{_pm(m['forgetting'], 2):>14} "
                 f"{f'{ratio:.2f}x' if mode == 'on' else '':>9}")

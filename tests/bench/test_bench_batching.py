@@ -43,6 +43,7 @@ def test_bench_batching_runs_both_ways_and_writes_json(tmp_path, capsys):
     assert off["batches"] == on["batches"] > 0
     assert off["ms_per_client_batch"] == pytest.approx(1000 * off["wall_s"] / off["batches"],
                                                        rel=1e-3)
+    assert 0 < on["memory_ms_per_client_batch"] < on["ms_per_client_batch"]
     assert abs(off["accuracy"] - on["accuracy"]) < 10
     out = capsys.readouterr().out
     assert "off / on" in out and table(report["rows"]).splitlines()[2].rstrip().endswith("x")
