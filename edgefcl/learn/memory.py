@@ -92,8 +92,8 @@ class Replacement:
     write: Callable[[np.ndarray], None]
     scored: int = 0
     unchecked: Tensor | None = None
-    """Scores to check for NaN and Inf before the choice is kept (a deferred update's: the
-    check's read goes with the mask's)."""
+    """The new scores, checked for NaN and Inf before the choice is kept (where they are:
+    `choose_together` checks every memory's in the read of the masks)."""
 
     def kept(self) -> Tensor:
         """The kept-candidate mask, on the memory's device."""
@@ -265,7 +265,7 @@ class ReplayMemory(ABC):
         self._priority = np.zeros(0, np.float32)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seed))
-        self.defer = False  # the current update's `defer`
+        self.defer = False  # the current update's `defer` (`BalancedMemory._offer`)
         self.deferred: Replacement | None = None
         """The choice an update left to its caller (`update`'s `defer`)."""
 

@@ -21,7 +21,7 @@ import torch
 
 from edgefcl.data.types import DataError
 from edgefcl.learn.memory import NONFINITE, UNIFORM, Replacement, on_host
-from edgefcl.learn.selection import Candidates
+from edgefcl.learn.selection import Candidates, Selection
 
 
 def stack(cands: Sequence[Candidates]) -> Candidates:
@@ -46,13 +46,11 @@ def choose_together(replacements: Sequence[Replacement]) -> None:
     keep = UNIFORM.select(stack([r.uniform for r in replacements]))
     sizes = [r.uniform.cls.numel() for r in replacements]
     starts = np.cumsum([0, *sizes]).tolist()
-    by_rule: dict[tuple, list[int]] = {}  # rules of one kind and settings
+    by_rule: dict[Selection, list[int]] = {}  # memories of one spec share its rule
     for i, r in enumerate(replacements):
         if r.ranked is not None:
-            rule = r.ranked[0]
-            by_rule.setdefault((type(rule), repr(sorted(vars(rule).items()))), []).append(i)
-    for members in by_rule.values():
-        rule = replacements[members[0]].ranked[0]  # type: ignore[index]
+            by_rule.setdefault(r.ranked[0], []).append(i)
+    for rule, members in by_rule.items():
         ranked = [replacements[i].ranked for i in members]
         chosen = rule.select(stack([c for _, c, _ in ranked]))  # type: ignore[misc]
         decided = torch.cat([d for _, _, d in ranked])  # type: ignore[misc]
@@ -60,7 +58,8 @@ def choose_together(replacements: Sequence[Replacement]) -> None:
                         for i in members])
         keep[at] = torch.where(decided, chosen, keep[at])
     unchecked = [r.unchecked for r in replacements if r.unchecked is not None]
-    bad = (~torch.isfinite(torch.cat(unchecked)).all() if unchecked  # read with the masks
+    bad = (~torch.isfinite(torch.cat([u.to(keep.device) for u in unchecked])).all()
+           if unchecked  # read with the masks
            else torch.zeros((), dtype=torch.bool, device=keep.device))
     flags = on_host(torch.cat([keep, bad.view(1)]))
     if flags[-1]:

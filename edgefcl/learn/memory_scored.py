@@ -25,7 +25,7 @@ from torch import Tensor
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.memory import Featurizer, Scoring, check_finite
+from edgefcl.learn.memory import Featurizer, Scoring
 from edgefcl.learn.memory_balanced import BalancedMemory, Replacement
 from edgefcl.learn.selection import Candidates
 
@@ -79,12 +79,10 @@ class BalancedScoreMemory(BalancedMemory):
         if scored:
             if scores is None:
                 scores = scoring.scorer(self._stack(x, plan.need, size))
-            s = self._shaped_scores(scores, scored)
-            if self.defer:  # checked with the choice: one read for the fleet's memories
-                unchecked = s = s.to(self.device, torch.float32)
-            else:  # checked where it is: host scores (the scoring worker's) never wait
-                check_finite(s)
-            sc[plan.need] = s.to(self.device, torch.float32)
+            # checked for NaN with the choice, where they are: host scores (the scoring
+            # worker's) never wait, and a fleet's memories check theirs in one read
+            unchecked = self._shaped_scores(scores, scored)
+            sc[plan.need] = unchecked.to(self.device, torch.float32)
             vc[plan.need] = scoring.version
             versions[plan.need_host] = scoring.version
         feats = (self._features(x, plan, scoring.featurizer) if self.rule.needs_features

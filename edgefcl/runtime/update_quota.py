@@ -89,11 +89,11 @@ the fleet after each burst (status "offline") came back new to the quota and got
 compliant device's share."""
 OWN_PERIODS = 2.0
 """A device also counts as sending (SENDING_INTERVALS) for this many of its own mean periods
-after its last update (`DeviceRates.within_periods`): a compliant device due every 12.5 s sends once
-in 25 intervals under a factor of 4, dropped out of the devices sending, and the fair share
-rose to the ignoring devices' rate: with half of 1,000 such devices ignoring the factor they
-got 1.6x the compliant share over 600 s on the virtual clock, 1.2x now (a test). A device
-seen once has no period: made-up device ids are not counted longer."""
+after its last update (`DeviceRates.within_periods`): a compliant device due every 12.5 s
+sends once in 25 intervals under a factor of 4, dropped out of the devices sending, and the
+fair share rose to the ignoring devices' rate: with half of 1,000 such devices ignoring the
+factor they got 1.6x the compliant share over 600 s on the virtual clock, 1.2x now (a test).
+A device seen once has no period: made-up device ids are not counted longer."""
 MIN_RATE = 1e-3
 """A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
 
@@ -149,8 +149,8 @@ class UpdateQuota:
         rate, slow = self._rate(device, now)
         if rate <= self.limit:  # within the limit: never held (devices that wait for a
             # global and for each other would otherwise wait on each other's tokens for ever)
-            gap = self.times.gap(device)
-            if slow and gap is not None and gap * rate < RAPID:  # a burst's: see RAPID
+            gap = self.times.gap(device) if slow else None
+            if gap is not None and gap * rate < RAPID:  # a burst's: see RAPID
                 self.tokens[device] = (max(tokens - 1.0, 0.0), now)
             self.passed += 1
             return True
