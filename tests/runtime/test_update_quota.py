@@ -337,3 +337,43 @@ def test_compliant_devices_whose_gaps_vary_are_rarely_held() -> None:
             quota.end_interval(2.0, set(names), 4.0)
         quota.release()
     assert held <= 0.15 * due
+
+
+def test_a_waiting_update_is_shed_when_a_newer_one_of_its_device_passes() -> None:
+    # the attack on order: a device's update waits for its token; its bucket refills and its
+    # next update arrives before the release, takes the token and passes; released later,
+    # the older update reached the aggregator after the newer one (refused as a duplicate,
+    # counted against the device), and once the limit lifted every waiting update came back
+    # after its device's newer ones
+    clock = Clock()
+    quota = UpdateQuota(clock=clock)
+    quota.end_interval(2.0, {"a", "b"}, 2.0, Counter({"a": 8}))
+    assert quota.admit("a", "u1")  # its bucket's spare token
+    assert not quota.admit("a", "u2")  # waits
+    clock.t = 1.0 / MIN_REFILL + 0.5  # a token again, before the next release
+    assert quota.admit("a", "u3")
+    assert "a" not in quota.waiting and quota.shed["a"] == 1 and quota.waiting_bytes == 0
+    assert quota.release(everything=True) == []
+    assert not quota.admit("a", "u4")  # waits again; then the limit lifts
+    quota.end_interval(2.0, {"a", "b"}, 1.0)
+    assert quota.admit("a", "u5") and quota.release(everything=True) == []
+
+
+def test_compliant_devices_slowed_by_a_rise_of_the_factor_still_count_as_sending() -> None:
+    # the attack: ten compliant devices sent every 10 s; the factor rose to 4, so each now
+    # sends every 40 s, longer than two of its measured periods: they dropped out of the
+    # devices sending, the fair share became the one ignoring device's, and it got all it sent
+    clock = Clock()
+    quota = UpdateQuota(clock=clock)
+    compliant = {f"c{i}" for i in range(10)}
+    got = 0
+    for t in range(60):
+        clock.t = float(t)
+        for c in compliant if t in (0, 10) else ():
+            quota.admit(c)
+        ok = quota.admit("x")
+        got += ok and t >= 40
+        if t % 2 == 1:
+            quota.end_interval(2.0, compliant | {"x"}, 4.0)
+        got += t >= 40 and len(quota.release()) > 0
+    assert got <= 4  # 9 in those 20 s without the ten counted
