@@ -377,3 +377,38 @@ def test_compliant_devices_slowed_by_a_rise_of_the_factor_still_count_as_sending
             quota.end_interval(2.0, compliant | {"x"}, 4.0)
         got += t >= 40 and len(quota.release()) > 0
     assert got <= 4  # 9 in those 20 s without the ten counted
+
+
+def test_devices_seen_once_before_a_rise_of_the_factor_still_count_as_sending() -> None:
+    # the attack: in a fleet due every 10 s, the start-up overload took the factor to 4
+    # before most compliant devices had sent twice; seen once they had no period of their
+    # own, dropped out of the devices sending after 4 x 4 intervals (they send every 40 s
+    # now), and the fair share became that of the devices ignoring the factor
+    clock = Clock()
+    quota = UpdateQuota(clock=clock)
+    once = {f"c{i}" for i in range(10)}
+    twice = {"p0", "p1", "p2"}
+    for t in range(0, 42, 2):
+        clock.t = float(t)
+        for d in (once | twice if t == 0 else twice if t == 10 else {"x"} if t == 40 else ()):
+            quota.admit(d)
+        quota.end_interval(2.0, once | twice | {"x"}, 4.0)
+    assert quota.times.typical_period() == 10.0
+    assert quota.fair == 1 / 2.0 / 14  # x's update over the 14 devices sending (not 4)
+
+
+def test_the_updates_waiting_when_the_limit_lifts_come_back_at_their_tokens_pace() -> None:
+    # the attack on the main loop: with the limit lifted, every update still waiting came
+    # back at once (300-450 in a slow fleet: 20 s of the main loop's time, the inbox filled
+    # and the factor rose again)
+    clock = Clock()
+    quota = UpdateQuota(clock=clock)
+    devices = {f"d{i}" for i in range(100)}
+    quota.end_interval(2.0, devices, 2.0, Counter(dict.fromkeys(devices, 20)))
+    for d in sorted(devices):
+        assert quota.admit(d, d)  # its bucket's spare token
+        assert not quota.admit(d, d)  # waits
+    quota.end_interval(2.0, devices, 1.0)
+    assert quota.limit is None and quota.release() == []
+    clock.t = 1.0 / MIN_REFILL + 1.0  # a token each again
+    assert len(quota.release()) == 100 and not quota.waiting
