@@ -160,6 +160,14 @@ def test_inbox_reports_the_share_of_the_interval_its_main_loop_waited():
     assert real.load().less(0).idle == 0.0
 
 
+def test_a_load_without_the_quotas_refusals_never_reads_a_negative_offer():
+    # 30 messages the inbox held from the interval before are taken and refused in this one,
+    # in which 5 arrived: the daemon logged "offered -25"
+    load = Load(offered=5, shed=0, taken=40, fill=0.5).less(30)
+    assert (load.offered, load.taken) == (0, 10)
+    assert Load(offered=50, shed=2, taken=40, fill=0.5).less(30) == Load(20, 2, 10, 0.5)
+
+
 def test_a_full_inbox_makes_room_with_the_messages_of_devices_over_their_limit():
     # the attack: half the fleet ignores the factor; their updates fill the inbox, the
     # compliant devices' are shed and counted as load, and the factor locks at its cap
