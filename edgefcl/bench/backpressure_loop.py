@@ -187,7 +187,6 @@ def run_loop(spec: Loop) -> dict:
             heapq.heappush(events, (busy, STATUS, DEFERRED))
             continue
         heapq.heappush(events, (t + spec.interval, STATUS, -1))
-        bp.period = quota.times.typical_period()
         bp.observe(inbox.load().less(quota.refused), spec.interval)
         quota.end_interval(spec.interval, set(names), bp.factor, inbox.take_refused())
         for p in pacers:

@@ -394,7 +394,6 @@ class AggregatorDaemon:
         """Update the backpressure factor from the inbox's last interval; a changed factor is
         re-published on the retained config (devices follow it there)."""
         spread = self.backpressure.spread
-        self.backpressure.period = self.quota.times.typical_period()
         line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
                                          self.status_every)
         self.backpressure.spread_for(len(self.agg.active))

@@ -29,10 +29,7 @@ shed, messages the main loop took out, and the mean inbox fill. The factor (>= 1
 
 The interval after a rise is not measured (the factor holds): devices react within one update
 period, so that interval's arrivals still mix the old and the new rate, and measuring them would
-raise the factor twice for one overload. In a fleet whose devices send less often than that
-(`period`, the daemon's typical time between a device's updates), a rise on fill or behind
-waits until the overload has lasted RISE_WAIT of that period and then answers all of it as one
-load; a shed, a hold and a descent act at once (`_rise_after`).
+raise the factor twice for one overload.
 
 Sharded aggregation: each worker runs its own `Backpressure` on its inbox (the devices'
 updates reach the workers) and puts the factor on its status; the root advertises the highest
@@ -51,7 +48,6 @@ Lock-step mode never uses it.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import random
@@ -65,10 +61,6 @@ STEP = 1.1
 DECAY = 0.9
 BUSY = 0.9
 """The main loop's busy share the factor comes down to at once when the loop idles more."""
-RISE_WAIT = 0.5
-"""A rise on fill or behind waits until the overload lasted this share of the fleet's typical
-period between a device's updates (`Backpressure.period`), at most MAX_RISE_WAIT_S."""
-MAX_RISE_WAIT_S = 30.0
 REASONS = ("shed", "fill", "behind")
 SPREAD_FLEET = 100
 """Active (or expected: `fed.clients`) devices from which an aggregator asks its fleet to
@@ -99,15 +91,6 @@ class Load:
         n = min(refused, self.taken)
         return Load(max(self.offered - n, 0), self.shed, self.taken - n, self.fill, self.idle)
 
-    def plus(self, other: Load, seconds: float, other_seconds: float) -> Load:
-        """This load of `seconds` and `other` of `other_seconds` as one: counts added, fill
-        and idle averaged over the time."""
-        span = max(seconds + other_seconds, 1e-9)
-        return Load(self.offered + other.offered, self.shed + other.shed,
-                    self.taken + other.taken,
-                    (self.fill * seconds + other.fill * other_seconds) / span,
-                    (self.idle * seconds + other.idle * other_seconds) / span)
-
 
 class Backpressure:
     """The factor an aggregator advertises, updated once per status interval."""
@@ -135,10 +118,6 @@ class Backpressure:
         self._behind: Load | None = None  # the last measured interval, when it was behind
         self.busy: float | None = None
         """The share of the last interval the main loop was busy (None before the first)."""
-        self.period = 0.0
-        """The fleet's typical seconds between a device's updates (the daemon sets it from
-        its update quota's `DeviceRates.typical_period`; 0: unknown): see RISE_WAIT."""
-        self._waiting: tuple[Load, float] | None = None  # the overload a rise waits on
 
     @property
     def enabled(self) -> bool:
@@ -180,45 +159,14 @@ class Backpressure:
         return self.factor
 
     def observe(self, load: Load, seconds: float) -> str | None:
-        """`update` with an interval's load of `seconds`; a log line when the factor changed,
-        else None. A rise on fill or behind in a fleet slower than the interval waits for
-        RISE_WAIT of its period (`_rise_after`)."""
+        """`update` with an interval's load; a log line when the factor changed, else None."""
         before = self.factor
-        waited = self._rise_after(load, seconds)
-        if waited is None:
-            self.busy = round(1.0 - load.idle, 2)
-            return None
-        load, seconds = waited
         if self.update(load) == before:  # off: it only notes the busy share
             return None
         why = self.reason if self.factor > before else "down"
         return (f"backpressure {self.factor:.2f} ({why}; last {seconds:g} s: offered "
                 f"{load.offered}, shed {load.shed}, taken {load.taken}, fill {load.fill:.2f}, "
                 f"idle {load.idle:.2f})")
-
-    def _rise_after(self, load: Load, seconds: float) -> tuple[Load, float] | None:
-        """The load to update with and its seconds: `load`, or None while a rise it calls for
-        waits. A device
-        follows a new factor only at its next due update, so in a fleet due every 25 s
-        (2 s intervals) the factor rose on every interval of the start-up overload, reached
-        its cap of 8 and swung between 1 and 8 from then on (0.94 of the capacity folded,
-        devices ignoring the factor 1.8x the compliant share; virtual clock). A rise on fill
-        or behind now waits until the overload lasted RISE_WAIT of the fleet's `period`, then
-        answers the load of all those intervals as one; a shed rises at once, and a hold or a
-        descent acts at once (waiting for those too held the factor high: 0.96 folded)."""
-        wait = min(RISE_WAIT * self.period, MAX_RISE_WAIT_S)
-        if (not self.enabled or wait <= seconds or load.shed
-                or copy.copy(self).update(load) <= self.factor):  # a trial on a copy
-            self._waiting = None
-            return load, seconds
-        if self._waiting is not None:
-            before, span = self._waiting
-            load, seconds = before.plus(load, span, seconds), span + seconds
-        if seconds < wait:
-            self._waiting = (load, seconds)
-            return None
-        self._waiting = None
-        return load, seconds
 
     def relay(self, pressure: dict[str, tuple[float, str]]) -> float:
         """Advertise the highest factor of `pressure` (a sharded root: (factor, reason) by
@@ -292,7 +240,7 @@ class Pacer:
         between due updates, at most MAX_DELAY_S), so that devices whose updates fall due at
         the same instants (streams replayed in step, a fleet started at once) reach the
         aggregator spread over the period instead of in one burst that the inbox sheds (in the
-        backpressure bench: 0.08 of capacity folded at 1x with synchronised devices, 0.99 with
+        backpressure bench: 0.09 of capacity folded at 1x with synchronised devices, 0.99 with
         the delay). A fixed phase keeps each device's sends one period apart: a delay drawn
         afresh for every update put two of a device's updates into one round now and then,
         the newer replacing the older (1,000 sparse devices at 2x over the broker, backpressure

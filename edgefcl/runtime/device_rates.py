@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
-
 HORIZON_S = 6.0
 """Seconds of updates a rate is taken over (three status intervals)."""
 MIN_UPDATES = 4
@@ -57,23 +55,13 @@ class DeviceRates:
         times = self.times.get(device)
         return times[-1] - times[-2] if times is not None and len(times) > 1 else None
 
-    def within_periods(self, device: str, now: float, periods: float,
-                       period: float = 0.0) -> bool:
+    def within_periods(self, device: str, now: float, periods: float) -> bool:
         """Whether `device`'s last update is less than `periods` of its mean periods (between
-        its kept updates) before `now`; for a device seen once, of `period` (default: never
-        seen twice is never within)."""
+        its kept updates) before `now`; False for a device seen fewer than twice."""
         times = self.times.get(device)
-        if not times:
+        if times is None or len(times) < 2:
             return False
-        if len(times) == 1:
-            return now - times[-1] < periods * period
         return now - times[-1] < periods * (times[-1] - times[0]) / (len(times) - 1)
-
-    def typical_period(self) -> float:
-        """The median over the devices seen at least twice of their mean periods (0 when
-        there is none)."""
-        periods = [(t[-1] - t[0]) / (len(t) - 1) for t in self.times.values() if len(t) > 1]
-        return float(np.median(periods)) if periods else 0.0
 
     def rate(self, device: str, now: float, span: float) -> float:
         """Updates a second of `device` at `now` (see the module's docstring); a device seen

@@ -271,7 +271,6 @@ class WorkerDaemon:
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval (the root relays the
         highest of its workers' factors to the devices)."""
-        self.backpressure.period = self.quota.times.typical_period()
         line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
                                          self.status_every)
         refused = self.inbox.take_refused()

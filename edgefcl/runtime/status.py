@@ -141,6 +141,7 @@ def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
             "backpressure_reason": _text(b.get("backpressure_reason", ""), 20),
             "update_limit_per_s": _num(b.get("update_limit_per_s")),
             "devices_over_limit": _int(b.get("devices_over_limit")),
+            "waiting_superseded": _int(b.get("waiting_superseded")),
             "busy": _num(b.get("busy"))}
 
 
@@ -192,7 +193,9 @@ def render(snap: dict[str, Any]) -> str:
                 f"  backpressure {a['backpressure']:.2f}"
                 + (f" ({a['backpressure_reason']})" if a.get("backpressure_reason") else "")
                 + ("" if limit is None else f"   update limit {limit:.2f}/s per device, "
-                   f"{_fmt(a.get('devices_over_limit'))} devices over it"))
+                   f"{_fmt(a.get('devices_over_limit'))} devices over it")
+                + ("" if not a.get("waiting_superseded") else
+                   f"   {a['waiting_superseded']} waiting updates superseded"))
         if a.get("flooding"):
             lines.append("  flooding (messages shed over their share): " + ", ".join(
                 f"{k} {v}" for k, v in a["flooding"].items()))

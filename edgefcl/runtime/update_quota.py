@@ -17,12 +17,11 @@ last updates (`device_rates`), counting the one it sends.
 A device whose rate is within the limit is never held (one judged slow that sends again soon
 takes a token when it has one: RAPID). One sending faster (one that ignores the factor, or a
 very fast one while the fleet is overloaded) has its newest update over the limit wait,
-undecoded, for its next token, and the older ones shed (an update supersedes the one before,
-waiting or not: one that passes sheds its device's waiting one), counted per device (status:
-flooding). A backlog a device's session delivers after an outage
+undecoded, for its next token, and the older ones shed (an update supersedes the one before),
+counted per device (status: flooding); one that passes drops its device's waiting one
+(`superseded`). A backlog a device's session delivers after an outage
 thus ends with its last update counted.
-With the factor at 1 nothing is limited: spare capacity goes to whoever uses it (updates
-still waiting come back at their tokens' pace: `release`).
+With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
 """
 
 from __future__ import annotations
@@ -95,14 +94,7 @@ after its last update (`DeviceRates.within_periods`): a compliant device due eve
 sends once in 25 intervals under a factor of 4, dropped out of the devices sending, and the
 fair share rose to the ignoring devices' rate: with half of 1,000 such devices ignoring the
 factor they got 1.6x the compliant share over 600 s on the virtual clock, 1.2x now (a test).
-Times the factor: periods measured before the factor rose are shorter than the device's
-period under it (devices due every 25 s, half of 1,000 ignoring the factor, 20 virtual seeds
-of 600 s: 2.96 -> 2.84x; with 20 % ignoring 1.50 -> 1.41x). A device seen once counts for
-as many of the fleet's typical period (`DeviceRates.typical_period`): in such a fleet most
-compliant devices had sent once when the start-up overload took the factor to 8, and the fair
-share became the ignoring devices' own (with `release`'s pace after a lift: 2.84 -> 1.83x,
-and 1.41 -> 1.27x; tests). Made-up device ids count no longer than a device of the fleet,
-and only while the aggregator keeps them active (its roster bounds them)."""
+A device seen once has no period: made-up device ids are not counted longer."""
 MIN_RATE = 1e-3
 """A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
 
@@ -136,6 +128,10 @@ class UpdateQuota:
         answer, as the devices over their share send them whatever it is."""
         self.passed = 0
         """Updates let through this interval (admitted or released)."""
+        self.superseded = 0
+        """Waiting updates dropped as a newer one of their device passed within the limit
+        or without one (not per device, unlike `shed`: once the limit lifts, every waiting
+        device's next update passes)."""
         self.fair = 0.0
         """The last interval's updates let through a second, over the devices sending
         (SENDING_INTERVALS)."""
@@ -167,15 +163,19 @@ class UpdateQuota:
             self._wait(device, item, size)
             return False
         self.tokens[device] = (tokens - 1.0, now)
-        return self._pass(device)
+        return self._pass(device, over=True)
 
-    def _pass(self, device: str) -> bool:
-        """Let an update of `device` through: one of its still waiting is older, and is shed
-        (the aggregator would refuse it after this one as a replay)."""
+    def _pass(self, device: str, over: bool = False) -> bool:
+        """Let an update of `device` through; one of its still waiting is older and is
+        dropped (released after this one, the aggregator refused it as a duplicate, counted
+        against the device): shed when `device` is over the limit, else `superseded`."""
         self.passed += 1
         if device in self.waiting:
-            self.shed[device] += 1
             self._take(device)
+            if over:
+                self.shed[device] += 1
+            else:
+                self.superseded += 1
         return True
 
     def _rate(self, device: str, now: float) -> tuple[float, bool]:
@@ -226,18 +226,16 @@ class UpdateQuota:
 
     def release(self, everything: bool = False) -> list[Any]:
         """The waiting items whose device has a token again (taking it), oldest device
-        first; all of them with `everything`. Called often (the buckets refill
-        continuously), so that the waiting updates come back spread over an interval, not in
-        one burst that would make the inbox shed. Once the limit lifts, the buckets of the
-        devices with an update waiting keep refilling at the last rate (all at once, the 300-450
-        updates waiting in a slow fleet took the main loop for 20 s, and the factor rose
-        again); a device's next update, which now passes, sheds its waiting one."""
+        first; all of them once the limit is off, or with `everything`. Called often (the
+        buckets refill continuously), so that the waiting updates come back spread over an
+        interval, not in one burst that would make the inbox shed."""
         out = []
         now = self.clock()
         for device in list(self.waiting):
             tokens = self._tokens(device, now)
-            if everything or tokens >= 1.0:
-                self.tokens[device] = (tokens - 1.0, now)
+            if everything or self.limit is None or tokens >= 1.0:
+                if self.limit is not None:
+                    self.tokens[device] = (tokens - 1.0, now)
                 out.append(self._take(device))
         self.passed += len(out)
         return out
@@ -269,11 +267,14 @@ class UpdateQuota:
                 f"{len(self._over)} devices over it")
 
     def fields(self) -> dict[str, float | int]:
-        """What the status carries: the limit and how many devices are over it (nothing while
-        no limit is set)."""
+        """What the status carries: the limit and how many devices are over it (while one is
+        set), and the waiting updates superseded so far (once there are some)."""
+        out: dict[str, float | int] = {"waiting_superseded": self.superseded} if (
+            self.superseded) else {}
         if self.limit is None:
-            return {}
-        return {"update_limit_per_s": round(self.limit, 3), "devices_over_limit": len(self._over)}
+            return out
+        return out | {"update_limit_per_s": round(self.limit, 3),
+                      "devices_over_limit": len(self._over)}
 
     def _close(self, seconds: float, active: set[str], factor: float,
                inbox_refused: Counter[str] | None) -> None:
@@ -294,11 +295,9 @@ class UpdateQuota:
         self._sent = {d: self.intervals if self.counts.get(d) else self._sent[d]
                       for d in active if self.counts.get(d) or d in self._sent}
         self.counts.clear()
-        typical = self.times.typical_period()  # for devices seen once (OWN_PERIODS)
         senders = [d for d, at in self._sent.items()
                    if self.intervals - at < SENDING_INTERVALS * max(factor, 1.0)
-                   or self.times.within_periods(d, clock, OWN_PERIODS * max(factor, 1.0),
-                                                typical)]
+                   or self.times.within_periods(d, clock, OWN_PERIODS)]
         # a device's share of the folds, among the devices sending (the aggregator keeps a
         # silent device active for its client timeout; OWN_PERIODS)
         self.fair = self.passed / seconds / max(len(senders), 1)
@@ -310,8 +309,7 @@ class UpdateQuota:
             self.shed = Counter(dict(self.shed.most_common(512)))
         kept = {d: self._tokens(d, clock) for d in keep if d in self.tokens}  # at the old rate
         if factor <= 1.0 or not self.rates or self.intervals < WARMUP:
-            self.limit, self._over = None, frozenset()
-            self.tokens = {d: (t, clock) for d, t in kept.items() if d in self.waiting}
+            self.limit, self.tokens, self._over = None, {}, frozenset()
             return
         self.limit = min(self.ratio * median, FAIR_SLACK * self.fair)
         self.refill = max(self.limit, MIN_REFILL)

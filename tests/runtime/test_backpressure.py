@@ -52,42 +52,6 @@ def test_factor_rises_with_the_overload_settles_and_decays_to_one():
         "backpressure": 1.0, "backpressure_reason": "", "spread_sends": True}  # it shed
 
 
-def test_in_a_slow_fleet_a_rise_waits_for_half_its_period_and_a_shed_or_descent_does_not():
-    # the attack of a fleet's own pace: devices due every 25 s follow a new factor only at
-    # their next due update, so the factor rose on every 2 s interval of the start-up
-    # overload, reached its cap of 8 and swung between 1 and 8 from then on
-    bp = Backpressure(max_factor=8)
-    bp.period = 25.0  # a rise on fill or behind waits 12.5 s: 7 intervals of 2 s
-    full = Load(offered=100, shed=0, taken=100, fill=0.6)
-    for _ in range(6):
-        assert bp.observe(full, 2.0) is None and bp.factor == 1.0
-    assert "last 14 s" in bp.observe(full, 2.0) and bp.factor == 1.1  # one STEP
-    bp.observe(full, 2.0)  # settling
-    assert bp.observe(Load(offered=100, shed=0, taken=100, fill=0.6), 2.0) is None
-    # an idle interval descends at once and forgets the overload waited on
-    assert bp.observe(Load(offered=50, shed=0, taken=50, fill=0.0, idle=0.5), 2.0)
-    assert bp.factor == 1.0
-    for _ in range(6):
-        assert bp.observe(full, 2.0) is None
-    # a shed rises at once: 1 x max(300 / 150, 300 / 200) = 2
-    assert bp.observe(Load(offered=300, shed=100, taken=150, fill=0.9), 2.0) is not None
-    assert bp.factor == 2.0 and bp.reason == "shed"
-    fast = Backpressure(max_factor=8)
-    fast.period = 3.0  # half of it within one interval: at once, as before
-    assert fast.observe(full, 2.0) is not None and fast.factor == 1.1
-
-
-def test_a_slow_fleet_with_half_its_devices_ignoring_the_factor_is_served_fairly():
-    """1,000 devices due every 25 s, half ignoring the factor, 600 s (virtual clock): the
-    factor swung between 1 and 8, the ignoring devices got 1.8x the compliant share (20
-    seeds) and the tier folded 0.94 of its capacity."""
-    from edgefcl.bench.backpressure_loop import Loop, run_loop
-
-    r = run_loop(Loop(offered=2.0, ignoring=0.5, capacity=20.0, seconds=600.0))
-    assert r["ignoring_over_compliant"] <= 1.5 and r["folded_over_capacity"] >= 0.95
-    assert r["factor_steady_max"] <= 6.0
-
-
 def test_a_full_inbox_that_drains_does_not_raise_the_factor():
     # over the broker at 1x (1,000 devices, every global subscribed): the inbox was half full
     # on the mean while the main loop took more than arrived, and the fill rule raised the

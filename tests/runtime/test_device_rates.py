@@ -67,17 +67,3 @@ def test_the_last_gap_and_the_mean_period() -> None:
     # mean period over every kept update: 24 / 3 = 8 s; two of them: 16 s after the last
     assert rates.within_periods("d", 24.0 + 15.9, 2.0)
     assert not rates.within_periods("d", 24.0 + 16.1, 2.0)
-
-
-def test_a_device_seen_once_is_judged_by_the_fleets_typical_period() -> None:
-    rates = DeviceRates()
-    assert rates.typical_period() == 0.0
-    rates.note("once", 0.0)
-    assert rates.typical_period() == 0.0  # nobody seen twice
-    for d, gap in (("a", 4.0), ("b", 10.0), ("c", 30.0)):
-        rates.note(d, 0.0)
-        rates.note(d, gap)
-    assert rates.typical_period() == 10.0  # the median of 4, 10 and 30
-    assert rates.within_periods("once", 19.9, 2.0, rates.typical_period())
-    assert not rates.within_periods("once", 20.1, 2.0, rates.typical_period())
-    assert not rates.within_periods("never", 0.0, 2.0, 10.0)
