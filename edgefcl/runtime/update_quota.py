@@ -19,8 +19,8 @@ takes a token when it has one: RAPID). One sending faster (one that ignores the 
 very fast one while the fleet is overloaded) has its newest update over the limit wait,
 undecoded, for its next token, and the older ones shed (an update supersedes the one before),
 counted per device (status: flooding); one that passes drops its device's waiting one
-(`superseded`). A backlog a device's session delivers after an outage
-thus ends with its last update counted.
+(`superseded`). A backlog a device's session delivers after an outage thus ends with its last
+update counted.
 With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
 """
 
