@@ -18,8 +18,10 @@ seed gives the same numbers, in well under a second per run):
 
 What it reports, per run: the folded rate over capacity in the steady state (the second
 half), when the factor settled (it stays within 20 % of its final level from then on), the
-factor's range in the steady state (a limit cycle shows as a wide one), and with devices that
-ignore the factor, their median folded count over the compliant devices'.
+factor's range in the steady state (a limit cycle shows as a wide one), with devices that
+ignore the factor, their median folded count over the compliant devices', and the share of
+the compliant devices' updates sent in the steady state that the update quota refused (they
+waited for a token or were shed: the cost to honest devices of holding the others).
 """
 
 from __future__ import annotations
@@ -121,6 +123,10 @@ def run_loop(spec: Loop) -> dict:
     heapq.heapify(events)
     payload = bytes(SIZE)
     folded = np.zeros(n, np.int64)
+    half = int(spec.seconds // 2)
+    steady = (half // 2, half) if spec.drop_to else (half, int(spec.seconds))  # `summarise`'s
+    sent = np.zeros(n, np.int64)  # per device, in the steady window: updates sent, and those
+    held = np.zeros(n, np.int64)  # the quota refused (waiting or shed, or the inbox for it)
     per_second = np.zeros(int(np.ceil(spec.seconds)) + 1, np.int64)
     factors: list[tuple[float, float]] = []
     busy = 0.0  # when the main loop is free
@@ -152,6 +158,8 @@ def run_loop(spec: Loop) -> dict:
                 device, _ = inbox.get(0)
                 if quota.admit(device, device):
                     busy = fold(device, busy)
+                elif steady[0] <= busy < steady[1]:
+                    held[int(device[1:])] += 1
             if released and busy <= until:
                 busy = fold(released.popleft(), busy)
         if not len(inbox) and not released and busy < until:
@@ -160,6 +168,7 @@ def run_loop(spec: Loop) -> dict:
 
     def arrive(i: int, at: float) -> None:
         nonlocal busy
+        sent[i] += steady[0] <= at < steady[1]
         busy = max(busy, at) + spec.receive_share / spec.capacity
         inbox.put(names[i], payload)
 
@@ -188,11 +197,20 @@ def run_loop(spec: Loop) -> dict:
             continue
         heapq.heappush(events, (t + spec.interval, STATUS, -1))
         bp.observe(inbox.load().less(quota.refused), spec.interval)
-        quota.end_interval(spec.interval, set(names), bp.factor, inbox.take_refused())
+        refused = inbox.take_refused()  # messages of devices over the limit a full inbox shed
+        if steady[0] <= t < steady[1]:
+            for device, k in refused.items():
+                held[int(device[1:])] += k
+        quota.end_interval(spec.interval, set(names), bp.factor, refused)
         for p in pacers:
             p.factor, p.spreading = bp.factor, bp.spread
         factors.append((t, bp.factor))
-    return summarise(spec, folded, per_second, factors, ignoring)
+    compliant = np.ones(n, bool)
+    compliant[list(ignoring)] = False
+    out = summarise(spec, folded, per_second, factors, ignoring)
+    out["compliant_held"] = round(float(held[compliant].sum()) / max(
+        int(sent[compliant].sum()), 1), 3)
+    return out
 
 
 def summarise(spec: Loop, folded: np.ndarray, per_second: np.ndarray,
@@ -200,7 +218,8 @@ def summarise(spec: Loop, folded: np.ndarray, per_second: np.ndarray,
     """The run's numbers: folded/capacity in the steady state (the second half; the first
     with `drop_to`; the seconds with load due for bursty devices), when the factor settled
     (within 20 % of its steady level from then on), its steady range, how long it took to
-    come back to 1 after a drop, and fairness."""
+    come back to 1 after a drop, and fairness (`run_loop` adds the share of the compliant
+    devices' updates sent in that window that the update quota refused: held or shed)."""
     half = int(spec.seconds // 2)
     window = range(half // 2, half) if spec.drop_to else range(half, int(spec.seconds))
     steady = [per_second[k] for k in window if _loaded(k, spec)]
@@ -275,7 +294,7 @@ def bench_backpressure(out: Path, seeds: int = 3, base: Loop = Loop()) -> dict:
     and a plot of the factor and the folded rate over time."""
     rows = []
     print(f"{'case':<48}{'folded/capacity':>17}{'settled s':>10}{'factor':>12}"
-          f"{'down s':>8}{'ignoring/compliant':>20}")
+          f"{'down s':>8}{'ignoring/compliant':>20}{'compliant held':>16}")
     for case in CASES:
         runs = [run_loop(replace(base, **case, seed=base.seed + s)) for s in range(seeds)]
         ratio = [r["folded_over_capacity"] for r in runs]
@@ -286,14 +305,16 @@ def bench_backpressure(out: Path, seeds: int = 3, base: Loop = Loop()) -> dict:
                "factor_steady": [min(r["factor_steady_min"] for r in runs),
                                  max(r["factor_steady_max"] for r in runs)],
                "down_s_max": max((r["down_s"] for r in runs if "down_s" in r), default=None),
-               "ignoring_over_compliant_max": max(fair, default=None), "runs": runs}
+               "ignoring_over_compliant_max": max(fair, default=None),
+               "compliant_held_max": max(r["compliant_held"] for r in runs), "runs": runs}
         rows.append(row)
         down = row["down_s_max"]
         print(f"{row['label']:<48}{np.mean(ratio):>10.3f} ± {_sd(ratio):.3f}"
               f"{row['settled_s_max']:>10g}"
               f"{row['factor_steady'][0]:>6.2f}-{row['factor_steady'][1]:<5.2f}"
               f"{'-' if down is None else f'{down:g}':>8}"
-              f"{'-' if not fair else f'{max(fair):.2f}':>20}")
+              f"{'-' if not fair else f'{max(fair):.2f}':>20}"
+              f"{row['compliant_held_max']:>16.3f}")
     report = {"seeds": seeds, "base": asdict(base), "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_backpressure.json").write_text(json.dumps(report, indent=1))

@@ -576,6 +576,9 @@ def test_devices_that_ignore_the_factor_get_at_most_1_5x_the_compliant_share():
 
     r = run_loop(Loop(offered=2.0, ignoring=0.2))
     assert r["ignoring_over_compliant"] <= 1.5 and r["folded_over_capacity"] >= 0.9
+    # the cost to the compliant devices: a share of their updates waits for tokens too
+    assert 0.0 < r["compliant_held"] < 1.0
+    assert run_loop(Loop(offered=1.0))["compliant_held"] == 0.0  # nothing limited at 1x
 
 
 @pytest.mark.parametrize(("capacity", "seconds"), [(140.0, 300.0), (70.0, 300.0),
