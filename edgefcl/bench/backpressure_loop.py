@@ -123,8 +123,7 @@ def run_loop(spec: Loop) -> dict:
     heapq.heapify(events)
     payload = bytes(SIZE)
     folded = np.zeros(n, np.int64)
-    half = int(spec.seconds // 2)
-    steady = (half // 2, half) if spec.drop_to else (half, int(spec.seconds))  # `summarise`'s
+    steady = _steady(spec)
     sent = np.zeros(n, np.int64)  # per device, in the steady window: updates sent, and those
     held = np.zeros(n, np.int64)  # the quota refused (waiting or shed, or the inbox for it)
     per_second = np.zeros(int(np.ceil(spec.seconds)) + 1, np.int64)
@@ -158,7 +157,7 @@ def run_loop(spec: Loop) -> dict:
                 device, _ = inbox.get(0)
                 if quota.admit(device, device):
                     busy = fold(device, busy)
-                elif steady[0] <= busy < steady[1]:
+                elif steady.start <= busy < steady.stop:
                     held[int(device[1:])] += 1
             if released and busy <= until:
                 busy = fold(released.popleft(), busy)
@@ -168,7 +167,7 @@ def run_loop(spec: Loop) -> dict:
 
     def arrive(i: int, at: float) -> None:
         nonlocal busy
-        sent[i] += steady[0] <= at < steady[1]
+        sent[i] += steady.start <= at < steady.stop
         busy = max(busy, at) + spec.receive_share / spec.capacity
         inbox.put(names[i], payload)
 
@@ -198,7 +197,7 @@ def run_loop(spec: Loop) -> dict:
         heapq.heappush(events, (t + spec.interval, STATUS, -1))
         bp.observe(inbox.load().less(quota.refused), spec.interval)
         refused = inbox.take_refused()  # messages of devices over the limit a full inbox shed
-        if steady[0] <= t < steady[1]:
+        if steady.start <= t < steady.stop:
             for device, k in refused.items():
                 held[int(device[1:])] += k
         quota.end_interval(spec.interval, set(names), bp.factor, refused)
@@ -213,6 +212,13 @@ def run_loop(spec: Loop) -> dict:
     return out
 
 
+def _steady(spec: Loop) -> range:
+    """The seconds of the steady state: the second half (the first half's second quarter
+    with `drop_to`, before the drop)."""
+    half = int(spec.seconds // 2)
+    return range(half // 2, half) if spec.drop_to else range(half, int(spec.seconds))
+
+
 def summarise(spec: Loop, folded: np.ndarray, per_second: np.ndarray,
               factors: list[tuple[float, float]], ignoring: set[int]) -> dict:
     """The run's numbers: folded/capacity in the steady state (the second half; the first
@@ -221,7 +227,7 @@ def summarise(spec: Loop, folded: np.ndarray, per_second: np.ndarray,
     come back to 1 after a drop, and fairness (`run_loop` adds the share of the compliant
     devices' updates sent in that window that the update quota refused: held or shed)."""
     half = int(spec.seconds // 2)
-    window = range(half // 2, half) if spec.drop_to else range(half, int(spec.seconds))
+    window = _steady(spec)
     steady = [per_second[k] for k in window if _loaded(k, spec)]
     times = np.array([t for t, _ in factors])
     f = np.array([v for _, v in factors])

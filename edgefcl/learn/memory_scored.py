@@ -25,8 +25,8 @@ from torch import Tensor
 
 from edgefcl.config import ConfigError
 from edgefcl.data.types import DataError
-from edgefcl.learn.memory import Featurizer, Scoring
-from edgefcl.learn.memory_balanced import BalancedMemory, Replacement
+from edgefcl.learn.memory import Featurizer, Replacement, Scoring
+from edgefcl.learn.memory_balanced import BalancedMemory
 from edgefcl.learn.selection import Candidates
 
 MAX_NEW_GROUPS_AHEAD = 3
