@@ -4,8 +4,9 @@ computation (`--batch-clients`).
 Each client first draws what its `local_epochs` steps train on (`StreamLearner.epoch_inputs`:
 its own generators, in its own order, so the draws are the ones it makes alone). Clients whose
 steps have the same shapes, architecture and optimizer settings then step together: their
-parameters and BatchNorm statistics are stacked along a new first axis, one `torch.func.vmap`
-of `functional_call` runs the forward, one backward of the sum of the clients' mean losses
+parameters and BatchNorm statistics are stacked along a new first axis, one forward runs them
+all (batched matrix products for a chain of Linear layers, `grouped_layers`, else one
+`torch.func.vmap` of `functional_call`), one backward of the sum of the clients' mean losses
 gives each client its own gradient, and the optimizer's kernel (`LocalOptimizer.apply`: fused
 Adam, or SGD) updates every client's rows with that client's own state in one call. The
 results are written back to every client's model, so a client may step alone in the next tick
@@ -43,6 +44,7 @@ from edgefcl.federation.messages import Update
 from edgefcl.learn.bayes import is_bayesian
 from edgefcl.learn.client import Client
 from edgefcl.learn.compiled_step import PROTOTYPE_HEAD
+from edgefcl.learn.grouped_layers import grouped_forward
 from edgefcl.learn.learner import PendingBatch, StreamLearner
 from edgefcl.learn.memory_fleet import choose_together
 from edgefcl.learn.optimizers import LocalOptimizer
@@ -106,6 +108,12 @@ def _rows(parts: Sequence[np.ndarray], start: int, n: int) -> np.ndarray:
             out.append(part[lo:hi])
         offset += len(part)
     return np.concatenate(out)
+
+
+def _by_client(stacked: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The rows of the `stacked` tensors (views), client by client: the order in which the
+    optimizer states of a stacked step are listed."""
+    return [row for rows in zip(*(t.unbind() for t in stacked), strict=True) for row in rows]
 
 
 class FleetTrainer:
@@ -300,12 +308,13 @@ class FleetTrainer:
         self.stacked_steps += len(members)
 
     def _forward(self, model: nn.Module, architecture: Key, train: bool) -> Callable:
-        """The stacked forward of models like `model` (vmap of `functional_call` over a
-        stacked first axis of parameters, buffers and inputs), in train or eval mode."""
+        """The stacked forward of models like `model` over a stacked first axis of
+        parameters, buffers and inputs, in train or eval mode: batched matrix products for a
+        chain of Linear layers (`grouped_layers`), else vmap of `functional_call`."""
         key = (architecture, train)
         if key not in self._forwards:
             meta = copy.deepcopy(model).to("meta").train(train)
-            self._forwards[key] = vmap(
+            self._forwards[key] = grouped_forward(meta) or vmap(
                 lambda params, buffers, x: functional_call(meta, (params, buffers), (x,)))
         return self._forwards[key]
 
@@ -341,7 +350,7 @@ class FleetTrainer:
         # the optimizer steps each client's rows of the stacked parameters (views) with that
         # client's own state, all in one call
         with torch.no_grad():
-            views = [params[n][k] for k in range(len(models)) for n in names]
+            views = _by_client([params[n] for n in names])
         opt = optimizers[0]
         group = _plain_group(opt)
         states = [opt_k.state_of(q) for opt_k, p in zip(optimizers, per_model, strict=True)
@@ -356,8 +365,7 @@ class FleetTrainer:
             with torch.no_grad():
                 # contiguous, as the fused kernel reads each view's memory in the parameter's
                 # layout (a stacked Linear's gradient comes transposed)
-                g = [t.contiguous() for t in g]
-                g_views = [g[i][k] for k in range(len(models)) for i in range(len(names))]
+                g_views = _by_client([t.contiguous() for t in g])
                 type(opt).apply(views, g_views, states, group)  # type: ignore[arg-type]
         with torch.no_grad():
             for k, (model, p) in enumerate(zip(models, per_model, strict=True)):
