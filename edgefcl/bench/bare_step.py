@@ -14,8 +14,9 @@ timed after a warm-up:
   client's own optimizer); its compile time is reported apart;
 - `stacked`: `clients` copies of the model stepped as one computation, as `--batch-clients`
   steps them (`learn/batched.FleetTrainer.train_stacked`: parameters and BatchNorm
-  statistics stacked, one `torch.func.vmap` forward and one backward, the fused Adam kernel
-  over every client's state); the time per client is reported.
+  statistics stacked, one forward (batched matrix products for the MLP, else `torch.func.vmap`)
+  and one backward, the fused Adam kernel over every client's state); the time per client is
+  reported.
 """
 
 from __future__ import annotations
