@@ -265,9 +265,10 @@ class FedConfig:
                                "holds reach this many MiB (a FedBuff-style buffer that bounds "
                                "the aggregator's memory under load; 0: no bound)")
     buffer: int = opt(0, "async: a round also closes once this many updates came in, newer "
-                      "ones of a client that replaced its older included, with min_clients "
-                      "clients among them (FedBuff's K; 0: half the active clients once 100 "
-                      "or more are active, else off; -1: off)")
+                      "ones of a client that replaced its older included, from the quorum's "
+                      "share of the active clients or this many clients, whichever is fewer "
+                      "(FedBuff's K; 0: half the active clients once 100 or more are active, "
+                      "else off; -1: off)")
     fold: str = opt("model", "async: what a round averages: model (the models as sent, the "
                     "paper's rule) | delta (each update's change since the global it was trained "
                     "from, applied to the current global: FedBuff; mix is the server learning "

@@ -74,7 +74,9 @@ class _Round:
     nbytes: int = 0
     """Bytes of the tensors of `updates` (async rounds close at `round_max_mib`)."""
     arrived: int = 0
-    """Updates accepted into the round, replaced ones included (`buffer` counts them)."""
+    """Updates accepted into the round, replaced ones included (`buffer` counts them, but a
+    round closes on them only with the quorum's clients in it, or K when fewer: one device's
+    resent updates alone closed rounds of two among 102 active devices)."""
     carried: dict[str, int] = field(default_factory=dict)
     """client -> seq of an end-of-task update a past round counted, held for the task gate's
     round (`TaskEnds`); not counted again."""
@@ -175,7 +177,9 @@ class Aggregator:
     at least a `quorum` share of the active clients (so that `min_clients` clients that report
     first cannot own a round; clients that leave or go silent stop counting), or as soon as
     the updates it holds reach `round_max_mib` (a buffer that bounds memory under load: as
-    many distinct clients as it takes updates to fill it). A round keeps at
+    many distinct clients as it takes updates to fill it), or once `buffer` updates came in
+    (FedBuff's K, `buffer_size`) from the quorum's share of the active clients, or K of them
+    when that is fewer (so that one device's resent updates cannot close it). A round keeps at
     most one update per client (a newer one replaces the older) and the quorum counts distinct
     clients; the updates are aggregated in client-id order when the round closes.
 
@@ -317,7 +321,7 @@ class Aggregator:
             return None
         carried = self._carry_task_ends()
         n = self._round_clients()
-        if n < self.fed.min_clients or n < math.ceil(self.fed.quorum * len(self.active)):
+        if n < self.fed.min_clients or n < self._quorum():
             self._uncarry(carried)
             return None
         self.counters["closed_gate"] += 1
@@ -489,7 +493,7 @@ class Aggregator:
         if self.active <= rnd.reported:
             return self._close_round(None)
         k = buffer_size(self.fed, len(self.active))
-        if k and rnd.arrived >= k:
+        if k and rnd.arrived >= k and rnd.clients() >= min(k, self._quorum()):
             self.counters["closed_buffer"] += 1  # FedBuff: every K updates
             return self._close_round(None)
         if self._round_full():
@@ -497,9 +501,13 @@ class Aggregator:
             return self._close_round(None)
         timed_out = (now is not None and rnd.opened_at is not None
                      and now - rnd.opened_at >= self.fed.round_timeout)
-        if timed_out and rnd.clients() >= math.ceil(self.fed.quorum * len(self.active)):
+        if timed_out and rnd.clients() >= self._quorum():
             return self._close_round(None)
         return None
+
+    def _quorum(self) -> int:
+        """Clients a round needs before its timeout closes it: `quorum` of the active ones."""
+        return math.ceil(self.fed.quorum * len(self.active))
 
     def _round_full(self) -> bool:
         """The open round's updates reach `round_max_mib` (0: no bound)."""

@@ -211,6 +211,36 @@ def test_a_large_fleet_closes_an_async_round_on_half_of_its_devices():
     assert fleet(100, buffer=7).submit(upd("d0", 1.0), now=0.1) is None
 
 
+def test_one_devices_resent_updates_cannot_close_a_buffered_round():
+    """Attack: `buffer` counts a client's newer update that replaced its older (FedBuff's K),
+    so one device resending 50 updates filled K = 51 of 102 active devices and closed a round
+    of two, without the quorum; two such ids sending 50/s then owned 113 of 118 rounds in
+    60 s (virtual) and took the global to their target. A buffered round now closes only
+    with the quorum's clients in it (or K of them when that is fewer)."""
+    agg = make("async", round_timeout=100.0, min_clients=2, clients=102, max_share=1.0,
+               burn_in=0, jump=1)
+    for i in range(101):
+        agg.join(f"d{i}", now=0.0)
+    agg.join("x", now=0.0)
+    assert agg.submit(upd("d0", 1.0, batch=1), now=0.1) is None
+    assert all(agg.submit(upd("x", -10.0, seq=s, batch=s), now=0.1) is None
+               for s in range(1, 51))
+    assert agg.counters["replaced"] == 49 and agg.rounds == 0
+    closed = [agg.submit(upd(f"d{i}", 1.0, batch=1), now=0.2) for i in range(1, 50)]
+    assert closed[:-1] == [None] * 48  # the 51st client in brings the quorum
+    assert len(closed[-1].participants) == 51 and agg.counters["closed_buffer"] == 1
+
+    few = make("async", round_timeout=100.0, min_clients=2, clients=100, buffer=3,
+               burn_in=0, jump=1)
+    for i in range(99):
+        few.join(f"d{i}", now=0.0)
+    few.join("x", now=0.0)
+    assert all(few.submit(upd("x", -10.0, seq=s, batch=s), now=0.1) is None
+               for s in range(1, 4))  # K = 3 updates, one client
+    assert few.submit(upd("d0", 1.0, batch=1), now=0.1) is None  # 2 of the K = 3 clients
+    assert few.submit(upd("d1", 1.0, batch=1), now=0.1).participants == ("d0", "d1", "x")
+
+
 def test_a_full_async_round_closes_before_the_timeout():
     """`round_max_mib` bounds what an open round holds: 3 updates of 8 bytes reach a 24-byte
     buffer and close the round at once, with 6 active clients and no timeout; a replaced

@@ -586,6 +586,23 @@ def test_a_status_that_costs_too_much_to_scan_is_refused_before_decoding(tmp_pat
     d.store.close()
 
 
+def test_one_devices_resent_updates_do_not_close_a_round_of_a_large_fleet(tmp_path) -> None:
+    # 102 devices online close a round on K = 51 updates (`buffer` 0); one honest update and
+    # 50 of one device (each replacing its last, within the inbox's default rate) closed it
+    # with two participants, where the quorum needs 51
+    d = make_daemon(tmp_path, clients=102, round_timeout=5.0)
+    tp = topics(d.cfg.mqtt)
+    for c in [f"h{i:03d}" for i in range(101)] + ["x"]:
+        d.handle(tp.status(c), encode(Message("status", {"state": "online"}, sender=c),
+                                      fleet=FLEET))
+    assert len(d.agg.active) == 102
+    d.handle(tp.update("h000"), update("h000"))
+    for seq in range(1, 51):
+        d.handle(tp.update("x"), update("x", seq=seq, batch=seq, value=-10.0))
+    assert d.agg.counters["replaced"] == 49 and d.agg.rounds == 0
+    d.store.close()
+
+
 def test_a_backlog_after_an_outage_keeps_its_newest_messages() -> None:
     # a device's persistent session delivers 30 queued updates at once when the aggregator
     # comes back: the last one is what counts, and it must not be the one shed
