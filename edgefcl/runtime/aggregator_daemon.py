@@ -21,11 +21,18 @@ from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.fleet_results import FleetResults
 from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
-from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics, wire_dtype
+from edgefcl.runtime.links import (
+    inbox_budget,
+    message_limits,
+    open_link,
+    size_payload_limit,
+    topics,
+    update_limits,
+    wire_dtype,
+)
 from edgefcl.runtime.store import StateStore
 from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
-from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import (
     DEFAULT_MAX_BYTES,
     CodecError,
@@ -35,7 +42,7 @@ from edgefcl.transport.codec import (
     spec_hash,
     tensor_spec,
 )
-from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS
+from edgefcl.transport.topics import UPDATE_KINDS
 
 log = logging.getLogger("edgefcl.aggregator")
 FORMING_S = 120.0
@@ -80,6 +87,7 @@ class AggregatorDaemon:
         if self.payload_from_model:
             size_payload_limit(cfg, initial)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
+        self.update_limits = update_limits(initial)
         budget = inbox_bytes or inbox_budget(cfg.mqtt)
         self.quota = UpdateQuota(max_bytes=budget)  # fair service while backpressure is on
         self.inbox = Inbox(max_bytes=budget,
@@ -235,7 +243,7 @@ class AggregatorDaemon:
             return  # over its fair share under backpressure: waits, undecoded, for a token
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True,  # a damaged update must never be aggregated
-                     limits=STATUS_LIMITS if allowed == STATUS_KINDS else DEFAULT_LIMITS)
+                     limits=message_limits(allowed, self.update_limits))
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import numpy as np
 
@@ -11,9 +12,10 @@ from edgefcl.config import MqttConfig, RunConfig
 from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS
 from edgefcl.federation.heads import library_width
 from edgefcl.federation.registry import get_encoding
+from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS, Limits
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError
 from edgefcl.transport.mqtt import MqttLink
-from edgefcl.transport.topics import Topics
+from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS, Topics
 
 
 def topics(m: MqttConfig) -> Topics:
@@ -38,6 +40,34 @@ def payload_limit(cfg: RunConfig, tensors: dict[str, np.ndarray]) -> int:
     width = library_width(cfg, tensors)
     library = 0 if width is None else MAX_LABELS * (2 * 4 * width + 4 * MAX_LABEL_CHARS + 16)
     return 4 * model + kb + library + (1 << 20)
+
+
+ENVELOPE_OBJECTS = 256
+"""msgpack objects an update may spend outside its tensors and labels (envelope fields)."""
+OBJECTS_PER_TENSOR = 64
+"""msgpack objects an update may spend per model tensor: up to 4 wire tensors (dense; a sparse
+tensor's values and index; Gaussian mean and sigma; an apc knowledge-base pair) of at most 16
+objects each (name, map, dtype, shape, data). Measured: 10-12 a wire tensor (the demo model's
+dense update 208 objects for 18 tensors, Gaussian 275, sparse ResNet-18 1,156)."""
+
+
+def update_limits(tensors: Mapping[str, np.ndarray]) -> Limits:
+    """The structure limits of an update of a model with these tensors: ENVELOPE_OBJECTS,
+    OBJECTS_PER_TENSOR a tensor and 4 per label of the largest label set (class counts and a
+    prototype library's labels), within the codec's defaults. The scan of a payload stops at
+    its limit, about 0.5 us an object: under the default 16,384 objects a device's made-up
+    update cost the main loop 8 ms (the demo model's updates need 208), so one device at its
+    inbox rate (50/s) took 41-49 % of it."""
+    objects = ENVELOPE_OBJECTS + OBJECTS_PER_TENSOR * len(tensors) + 4 * MAX_LABELS
+    return replace(DEFAULT_LIMITS, max_objects=min(objects, DEFAULT_LIMITS.max_objects))
+
+
+def message_limits(kinds: frozenset[str], updates: Limits) -> Limits:
+    """The structure limits a daemon scans a message on a topic that admits `kinds` with:
+    a status's, `updates` (`update_limits`) on a device's update topic, else the defaults."""
+    if kinds == STATUS_KINDS:
+        return STATUS_LIMITS
+    return updates if kinds == UPDATE_KINDS else DEFAULT_LIMITS
 
 
 def size_payload_limit(cfg: RunConfig, tensors: dict[str, np.ndarray]) -> int:

@@ -32,13 +32,20 @@ from edgefcl.federation.shard import ShardWorker
 from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
-from edgefcl.runtime.links import inbox_budget, open_link, size_payload_limit, topics
+from edgefcl.runtime.links import (
+    inbox_budget,
+    message_limits,
+    open_link,
+    size_payload_limit,
+    topics,
+    update_limits,
+)
 from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
-from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
+from edgefcl.transport.bounds import DEFAULT_LIMITS
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
 from edgefcl.transport.partials import decode_grant, encode_claim, encode_partial
-from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS
+from edgefcl.transport.topics import UPDATE_KINDS
 from edgefcl.transport.transport_error import TransportError
 
 log = logging.getLogger("edgefcl.worker")
@@ -74,6 +81,7 @@ class WorkerDaemon:
         self.ahead: dict[str, Update] = {}  # updates based on a global not here yet
         self.backpressure = Backpressure.for_fed(cfg.fed)
         self.max_payload = cfg.mqtt.max_payload or DEFAULT_MAX_BYTES
+        self.update_limits = DEFAULT_LIMITS  # sized from the model with the first global
         self.stop_event = threading.Event()
         self.agg: ShardWorker | None = None
         self.first_global = threading.Event()
@@ -127,6 +135,7 @@ class WorkerDaemon:
     def _size_payloads(self, tensors: Tensors) -> None:
         """Size the payload limit, inbox and pending chunks from the model (`max_payload` 0)."""
         self.max_payload = size_payload_limit(self.cfg, tensors)
+        self.update_limits = update_limits(tensors)
         self.inbox.max_bytes = self.inbox_bytes or inbox_budget(self.cfg.mqtt)
         self.link.limit_payload(self.max_payload)
 
@@ -197,8 +206,7 @@ class WorkerDaemon:
                 t.client_from(topic), (topic, payload), len(payload)):
             return  # over its fair share under backpressure: waits for its next token
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
-                     require_digest=True,
-                     limits=STATUS_LIMITS if allowed == STATUS_KINDS else DEFAULT_LIMITS)
+                     require_digest=True, limits=message_limits(allowed, self.update_limits))
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")

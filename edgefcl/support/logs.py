@@ -53,9 +53,41 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class Repeats(logging.Filter):
+    """Lets through at most `burst` records of one message template (the format string, not
+    its values: what devices send cannot make new templates) per `window` seconds, at WARNING
+    and below; the others are left out and counted, and the next record of the template that
+    is let through says how many. A device sending a rejected message 50 times a second wrote
+    a warning line for each: the log grew with what it sent. The daemons' status counts
+    every rejection by reason either way."""
+
+    def __init__(self, burst: int = 20, window: float = 60.0) -> None:
+        super().__init__()
+        self.burst, self.window = burst, window
+        self._seen: dict[tuple[str, str], tuple[float, int, int]] = {}
+        """(logger, template) -> (window start, records let through in it, left out)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.WARNING or not isinstance(record.msg, str):
+            return True
+        key = (record.name, record.msg)
+        start, shown, left_out = self._seen.get(key, (record.created, 0, 0))
+        if record.created - start >= self.window:
+            start, shown = record.created, 0
+        if shown >= self.burst:
+            self._seen[key] = (start, shown, left_out + 1)
+            return False
+        self._seen[key] = (start, shown + 1, 0)
+        if left_out and isinstance(record.args, tuple):
+            record.msg += " (%d more like this left out)"
+            record.args = (*record.args, left_out)
+        return True
+
+
 def setup_logging(level: int, as_json: bool = False) -> None:
-    """Configure the root logger on stderr."""
+    """Configure the root logger on stderr (repeated warnings rate-limited: `Repeats`)."""
     handler = _StderrHandler()
+    handler.addFilter(Repeats())
     handler.setFormatter(JsonFormatter() if as_json else PlainFormatter(
         "%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()

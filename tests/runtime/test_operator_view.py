@@ -12,7 +12,7 @@ import pytest
 from edgefcl.config import RunConfig, apply
 from edgefcl.runtime.links import topics
 from edgefcl.runtime.status import FleetView, render
-from edgefcl.support.logs import PlainFormatter
+from edgefcl.support.logs import PlainFormatter, Repeats
 from edgefcl.transport.codec import Message, encode
 
 FLEET = "ops"
@@ -69,6 +69,27 @@ def test_device_strings_cannot_forge_log_lines() -> None:
     line = PlainFormatter("%(levelname)s %(message)s").format(record)
     assert "\n" not in line and ESC not in line and "\r" not in line
     assert "claims client dev2\\n2026-01-01 INFO all clients done\\x1b[2K\\r on t" in line
+
+
+def test_a_device_sending_rejected_messages_cannot_flood_the_log() -> None:
+    # the attack: a device at its inbox rate (50/s) with messages the daemon rejects wrote a
+    # warning line for each; now 20 a template a minute, then one line that counts the rest
+    repeats = Repeats(burst=20, window=60.0)
+
+    def record(at: float, level: int = logging.WARNING, client: str = "x") -> logging.LogRecord:
+        r = logging.LogRecord("edgefcl.aggregator", level, __file__, 1,
+                              "rejected update from %s seq %s: %s", (client, 1, "stale"), None)
+        r.created = at
+        return r
+
+    shown = [r for r in (record(i / 50) for i in range(6000)) if repeats.filter(r)]
+    assert len(shown) == 40  # 20 in each of the two minutes
+    assert shown[20].getMessage().endswith("(2980 more like this left out)")
+    assert repeats.filter(record(59.0, logging.ERROR))  # errors always pass
+    other = logging.LogRecord("edgefcl.aggregator", logging.WARNING, __file__, 1,
+                              "client %s silent for %.0f s: no longer waited for", ("a", 9.0),
+                              None)
+    assert repeats.filter(other)  # another template has its own allowance
 
 
 def test_a_silent_aggregator_is_shown_stale_and_a_lost_broker_is_said() -> None:
