@@ -54,12 +54,12 @@ class _StderrHandler(logging.StreamHandler):
 
 
 class Repeats(logging.Filter):
-    """Lets through at most `burst` records of one message template (the format string, not
-    its values: what devices send cannot make new templates) per `window` seconds, at WARNING
-    and below; the others are left out and counted, and the next record of the template that
-    is let through says how many. A device sending a rejected message 50 times a second wrote
-    a warning line for each: the log grew with what it sent. The daemons' status counts
-    every rejection by reason either way."""
+    """Lets through at most `burst` warnings of one message template (the format string, not
+    its values: what devices send cannot make new templates) per `window` seconds; the
+    others are left out and counted, and the next one of the template that is let through
+    says how many. A device sending a rejected message 50 times a second wrote a warning line
+    for each: the log grew with what it sent. Other levels all pass (a round's line, an
+    error), and the daemons' status counts every rejection by reason either way."""
 
     def __init__(self, burst: int = 20, window: float = 60.0) -> None:
         super().__init__()
@@ -68,7 +68,7 @@ class Repeats(logging.Filter):
         """(logger, template) -> (window start, records let through in it, left out)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno > logging.WARNING or not isinstance(record.msg, str):
+        if record.levelno != logging.WARNING or not isinstance(record.msg, str):
             return True
         key = (record.name, record.msg)
         start, shown, left_out = self._seen.get(key, (record.created, 0, 0))
