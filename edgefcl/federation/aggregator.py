@@ -492,7 +492,7 @@ class Aggregator:
             return None
         if self.active <= rnd.reported:
             return self._close_round(None)
-        k = buffer_size(self.fed, len(self.active))
+        k = buffer_size(self.fed, self._population())
         if k and rnd.arrived >= k and rnd.clients() >= min(k, self._quorum()):
             self.counters["closed_buffer"] += 1  # FedBuff: every K updates
             return self._close_round(None)
@@ -505,9 +505,17 @@ class Aggregator:
             return self._close_round(None)
         return None
 
+    def _population(self) -> int:
+        """The clients a round's quorum and K are shares of: the active ones and those whose
+        updates the open round holds (ids that sent and then went offline would otherwise
+        count in the round but not in the shares: 50 such ids closed a round of their own
+        among 100 honest devices, where 99 that stayed active could not)."""
+        rnd = self._round
+        return len(self.active | rnd.updates.keys() | rnd.spilled.keys())
+
     def _quorum(self) -> int:
-        """Clients a round needs before its timeout closes it: `quorum` of the active ones."""
-        return math.ceil(self.fed.quorum * len(self.active))
+        """Clients a round needs before its timeout closes it: `quorum` of `_population`."""
+        return math.ceil(self.fed.quorum * self._population())
 
     def _round_full(self) -> bool:
         """The open round's updates reach `round_max_mib` (0: no bound)."""

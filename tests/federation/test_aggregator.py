@@ -241,6 +241,22 @@ def test_one_devices_resent_updates_cannot_close_a_buffered_round():
     assert few.submit(upd("d1", 1.0, batch=1), now=0.1).participants == ("d0", "d1", "x")
 
 
+def test_ids_that_leave_after_sending_still_count_in_the_quorum():
+    """Attack (a reviewer helper's): an update stays in the open round after its sender goes
+    offline, while the quorum and K were shares of the active clients only: 50 ids that each
+    sent an update and left closed a round of their own among 100 honest devices (99 that
+    stayed active could not). The shares now count the round's clients too."""
+    agg = make("async", round_timeout=100.0, min_clients=2, clients=300, max_share=1.0,
+               burn_in=0, jump=1)
+    for i in range(100):
+        agg.join(f"h{i}", now=0.0)
+    assert all(agg.submit(upd(f"x{j}", -10.0, batch=1), now=0.1) is None for j in range(50))
+    assert all(agg.leave(f"x{j}", now=0.2) is None for j in range(50))
+    assert agg.poll(now=200.0) is None  # timed out: 50 of the 150 is below the quorum
+    closed = [agg.submit(upd(f"h{i}", 1.0, batch=1), now=200.1) for i in range(25)]
+    assert closed[:-1] == [None] * 24 and len(closed[-1].participants) == 75
+
+
 def test_a_full_async_round_closes_before_the_timeout():
     """`round_max_mib` bounds what an open round holds: 3 updates of 8 bytes reach a 24-byte
     buffer and close the round at once, with 6 active clients and no timeout; a replaced
