@@ -257,7 +257,7 @@ def decode_group(parts: dict[str, np.ndarray], shape: tuple[int, ...],
     if len(vkeys) == 1 and len(index) == 1:
         (vkey,), (ikey,) = vkeys, index
         if ikey in INDEX_FORMATS and ikey in forms:
-            pos = decode_positions(ikey, parts[ikey], n)
+            pos = decode_positions(ikey, parts[ikey], n, parts[vkey].size)
             return pos, _values(parts[vkey], pos.size, vkey)
         if ikey == "rows" and "rows" in forms and len(shape) >= 1:
             rows = decode_indices(parts["rows"], shape[0])

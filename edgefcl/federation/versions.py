@@ -105,7 +105,7 @@ def apply_global_delta(delta: Tensors, held: Tensors) -> Tensors:
             raise SparseError("names", f"delta for {name!r} does not match the held global")
         arr = np.array(held[name], copy=True)
         (fmt,) = index
-        pos = decode_positions(fmt, p[fmt], arr.size)
+        pos = decode_positions(fmt, p[fmt], arr.size, p["val"].size)
         if p["val"].dtype != arr.dtype or p["val"].shape != pos.shape:
             raise SparseError("length", f"delta values for {name!r} do not match its indices")
         arr.reshape(-1)[pos] = p["val"]

@@ -40,9 +40,10 @@ def encode_cheapest(pos: np.ndarray, n: int, value_bytes: int,
     return best[1], best[2], best[3]
 
 
-def decode_positions(suffix: str, wire: np.ndarray, n: int) -> np.ndarray:
-    """Positions of index `wire` in format `suffix`; raises SparseError."""
+def decode_positions(suffix: str, wire: np.ndarray, n: int, count: int) -> np.ndarray:
+    """Positions of index `wire` in format `suffix`, for `count` values among `n` entries
+    (`IndexFormat.decode`); raises SparseError."""
     fmt = INDEX_FORMATS.get(suffix)
     if fmt is None:
         raise SparseError("names", f"unknown index format {suffix!r}")
-    return fmt.decode(wire, n)
+    return fmt.decode(wire, n, count)

@@ -18,7 +18,7 @@ class Bitmap:
         mask[pos] = True
         return np.packbits(mask), np.asarray(pos, np.int64)
 
-    def decode(self, wire: np.ndarray, n: int) -> np.ndarray:
+    def decode(self, wire: np.ndarray, n: int, count: int) -> np.ndarray:
         check_flat(wire)
         if wire.dtype != np.uint8:
             raise SparseError("dtype", f"a bitmap is uint8, got {wire.dtype}")
@@ -29,7 +29,7 @@ class Bitmap:
             raise SparseError("index-range", "bits set past the last entry")
         return np.flatnonzero(bits[:n]).astype(np.int64)
 
-    def max_wire_bytes(self, n: int) -> int:
+    def max_wire_bytes(self, n: int, count: int) -> int:
         return (n + 7) // 8
 
 

@@ -1,8 +1,10 @@
 """Index formats `zidx` and `zbits`: another format's array compressed with zlib (stdlib).
 
 Wire: uint8 bytes of zlib(one byte: log2 of the inner itemsize, then the inner array's
-little-endian bytes). Decompression is bounded by the largest valid inner index for the tensor,
-so a small payload cannot expand into a large one (no zip bombs).
+little-endian bytes). Decompression is bounded by the largest valid inner index for the tensor
+and for the number of positions its values say there are, so a small payload cannot expand
+into a large one (no zip bombs: a 2.7 KB index of one value expanded to 1.8 MB, SlimResNet-18's
+largest tensor, before its values were counted).
 """
 
 from __future__ import annotations
@@ -32,11 +34,11 @@ class Deflated:
         raw = head + wire.astype(wire.dtype.newbyteorder("<"), copy=False).tobytes()
         return np.frombuffer(zlib.compress(raw, LEVEL), np.uint8), covered
 
-    def decode(self, wire: np.ndarray, n: int) -> np.ndarray:
+    def decode(self, wire: np.ndarray, n: int, count: int) -> np.ndarray:
         check_flat(wire)
         if wire.dtype != np.uint8:
             raise SparseError("dtype", f"a compressed index is uint8, got {wire.dtype}")
-        limit = 1 + self.inner.max_wire_bytes(n)
+        limit = 1 + self.inner.max_wire_bytes(n, count)
         d = zlib.decompressobj()
         try:
             raw = d.decompress(wire.tobytes(), limit + 1)
@@ -51,10 +53,10 @@ class Deflated:
         itemsize = _ITEMSIZES[raw[0]]
         if (len(raw) - 1) % itemsize:
             raise SparseError("length", f"{len(raw) - 1} bytes are not whole {itemsize}-byte items")
-        return self.inner.decode(np.frombuffer(raw, f"<u{itemsize}", offset=1), n)
+        return self.inner.decode(np.frombuffer(raw, f"<u{itemsize}", offset=1), n, count)
 
-    def max_wire_bytes(self, n: int) -> int:
-        return self.inner.max_wire_bytes(n)
+    def max_wire_bytes(self, n: int, count: int) -> int:
+        return self.inner.max_wire_bytes(n, count)
 
 
 ZGAPS = Deflated(GAPS)

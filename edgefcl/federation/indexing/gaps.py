@@ -87,11 +87,11 @@ class Gaps:
         covered = pad_gaps(pos, value_bytes)
         return encode_indices(covered), covered
 
-    def decode(self, wire: np.ndarray, n: int) -> np.ndarray:
+    def decode(self, wire: np.ndarray, n: int, count: int) -> np.ndarray:
         return decode_indices(wire, n)
 
-    def max_wire_bytes(self, n: int) -> int:
-        return n * 8
+    def max_wire_bytes(self, n: int, count: int) -> int:
+        return 8 * min(count, n)  # one item a position, fillers included
 
 
 GAPS = Gaps()

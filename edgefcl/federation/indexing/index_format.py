@@ -33,12 +33,15 @@ class IndexFormat(Protocol):
         """(wire array, covered positions) for sorted unique `pos` in [0, n)."""
         ...
 
-    def decode(self, wire: np.ndarray, n: int) -> np.ndarray:
-        """Positions (int64, strictly increasing, in [0, n)); raises SparseError."""
+    def decode(self, wire: np.ndarray, n: int, count: int) -> np.ndarray:
+        """Positions (int64, strictly increasing, in [0, n)); raises SparseError. `count`: the
+        positions the tensor's values say there are (what a compressed index may expand to
+        is bounded by it)."""
         ...
 
-    def max_wire_bytes(self, n: int) -> int:
-        """The largest uncompressed wire array a valid index of `n` entries can need."""
+    def max_wire_bytes(self, n: int, count: int) -> int:
+        """The largest uncompressed wire array a valid index of `count` positions among `n`
+        entries can need."""
         ...
 
 
