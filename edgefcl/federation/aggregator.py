@@ -109,12 +109,13 @@ def decode_updates(encoding: Encoding, updates: list[Update], counters: Counter)
         except Exception as e:  # any encoding's decoder: a payload its validator let through
             counters["rejected_decode"] += 1
             log.warning("dropped the update of %s seq %s: its %s payload does not decode (%s)",
-                        u.client, u.seq, encoding.name, type(e).__name__)
+                        u.client, u.seq, encoding.name, type(e).__name__,
+                        extra={"device": u.client})
             continue
         if encoding.form == "dense" and check_variances(decoded.tensors) is not None:
             counters["rejected_variance"] += 1  # a variance under an encoded name (q8 codes)
             log.warning("dropped the update of %s seq %s: a BatchNorm variance <= 0 once "
-                        "decoded", u.client, u.seq)
+                        "decoded", u.client, u.seq, extra={"device": u.client})
             continue
         out.append(decoded)
     return out
@@ -409,7 +410,7 @@ class Aggregator:
         if reason is not None:
             self.counters[f"rejected_{reason}"] += 1
             log.warning("rejected %s from %s seq %s: %s", type(msg).__name__.lower(),
-                        msg.client, msg.seq, reason)
+                        msg.client, msg.seq, reason, extra={"device": msg.client})
             return None
         self.admission.accept(msg)
         if now is not None:

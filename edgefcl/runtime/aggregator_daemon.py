@@ -226,7 +226,7 @@ class AggregatorDaemon:
             self._handle(topic, payload, admitted)
         except CodecError as e:
             self.agg.counters[f"rejected_{e.reason}"] += 1
-            log.warning("rejected payload on %s: %s", topic, e)
+            log.warning("rejected payload on %s: %s", topic, e, extra={"device": topic})
         except Exception:  # a bug reached by input: counted, logged, and the daemon goes on
             self.agg.counters["rejected_internal"] += 1
             log.exception("internal error while handling a message on %s", topic)
@@ -262,7 +262,7 @@ class AggregatorDaemon:
         if sender is not None and msg.client != sender:
             self.agg.counters["rejected_sender"] += 1
             log.warning("rejected %s: claims client %s on the topic of %s",
-                        type(msg).__name__, msg.client, sender)
+                        type(msg).__name__, msg.client, sender, extra={"device": sender})
             return
         self.round_bytes_in += size
         if (self.cfg.fed.mode == "sync" and self.last_answer is not None

@@ -180,7 +180,7 @@ class WorkerDaemon:
             self._handle(topic, payload, admitted)
         except CodecError as e:
             self.agg.counters[f"rejected_{e.reason}"] += 1
-            log.warning("rejected payload on %s: %s", topic, e)
+            log.warning("rejected payload on %s: %s", topic, e, extra={"device": topic})
         except Exception:
             self.agg.counters["rejected_internal"] += 1
             log.exception("internal error while handling a message on %s", topic)

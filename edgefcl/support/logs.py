@@ -53,24 +53,46 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+DEVICE_KEYS = 1024
+"""Devices whose warnings `Repeats` counts apart (beyond, a device shares its template's)."""
+
+
 class Repeats(logging.Filter):
     """Lets through at most `burst` warnings of one message template (the format string, not
-    its values: what devices send cannot make new templates) per `window` seconds; the
-    others are left out and counted, and the next one of the template that is let through
-    says how many. A device sending a rejected message 50 times a second wrote a warning line
-    for each: the log grew with what it sent. Other levels all pass (a round's line, an
-    error), and the daemons' status counts every rejection by reason either way."""
+    its values: what devices send cannot make new templates) and one device (a record's
+    `device`, when the call names one) per `window` seconds; the others are left out and
+    counted, and the next one let through says how many. A device sending a rejected message
+    50 times a second wrote a warning line for each: the log grew with what it sent; counted
+    by template alone, 20 rejections a minute of one device hid every other device's. Other
+    levels all pass (a round's line, an error), and the daemons' status counts every
+    rejection by reason either way. Devices are counted apart up to DEVICE_KEYS at a time
+    (those whose window ended make room)."""
 
     def __init__(self, burst: int = 20, window: float = 60.0) -> None:
         super().__init__()
         self.burst, self.window = burst, window
-        self._seen: dict[tuple[str, str], tuple[float, int, int]] = {}
-        """(logger, template) -> (window start, records let through in it, left out)."""
+        self._seen: dict[tuple[str, str, str | None], tuple[float, int, int]] = {}
+        """(logger, template, device) -> (window start, records let through in it, left
+        out)."""
+        self._devices = 0  # keys with a device
+
+    def _key(self, record: logging.LogRecord) -> tuple[str, str, str | None]:
+        device = getattr(record, "device", None)
+        key = (record.name, record.msg, None if device is None else str(device)[:256])
+        if device is None or key in self._seen or self._devices < DEVICE_KEYS:
+            return key
+        for k, (start, _, left_out) in list(self._seen.items()):  # make room
+            if k[2] is not None and record.created - start >= self.window and not left_out:
+                del self._seen[k]
+                self._devices -= 1
+        return key if self._devices < DEVICE_KEYS else (record.name, record.msg, None)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.WARNING or not isinstance(record.msg, str):
             return True
-        key = (record.name, record.msg)
+        key = self._key(record)
+        if key not in self._seen and key[2] is not None:
+            self._devices += 1
         start, shown, left_out = self._seen.get(key, (record.created, 0, 0))
         if record.created - start >= self.window:
             start, shown = record.created, 0

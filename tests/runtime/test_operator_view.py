@@ -12,7 +12,7 @@ import pytest
 from edgefcl.config import RunConfig, apply
 from edgefcl.runtime.links import topics
 from edgefcl.runtime.status import FleetView, render
-from edgefcl.support.logs import PlainFormatter, Repeats
+from edgefcl.support.logs import DEVICE_KEYS, PlainFormatter, Repeats
 from edgefcl.transport.codec import Message, encode
 
 FLEET = "ops"
@@ -91,6 +91,28 @@ def test_a_device_sending_rejected_messages_cannot_flood_the_log() -> None:
                               "client %s silent for %.0f s: no longer waited for", ("a", 9.0),
                               None)
     assert repeats.filter(other)  # another template has its own allowance
+
+
+def test_one_device_cannot_hide_another_devices_warnings() -> None:
+    # a reviewer helper's attack: counted by template alone, 20 rejections a minute of one
+    # device (under 1 % of its inbox rate) hid an honest device's rejection every minute
+    repeats = Repeats(burst=20, window=60.0)
+
+    def record(at: float, client: str) -> logging.LogRecord:
+        r = logging.LogRecord("edgefcl.aggregator", logging.WARNING, __file__, 1,
+                              "rejected update from %s seq %s: %s", (client, 1, "stale"), None)
+        r.created, r.device = at, client
+        return r
+
+    hidden = 0
+    for minute in range(10):
+        for k in range(20):
+            repeats.filter(record(60 * minute + k, "mallory"))
+        hidden += not repeats.filter(record(60 * minute + 30, "honest"))
+    assert hidden == 0
+    for k in range(3 * DEVICE_KEYS):  # ids that churn cannot grow the table without bound
+        repeats.filter(record(600 + k / 1000, f"id{k}"))
+    assert len(repeats._seen) <= DEVICE_KEYS + 1
 
 
 def test_a_silent_aggregator_is_shown_stale_and_a_lost_broker_is_said() -> None:
