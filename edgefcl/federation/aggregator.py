@@ -37,7 +37,8 @@ BUFFER_FLEET = 100
 
 def buffer_size(fed: FedConfig, active: int) -> int:
     """Updates after which an open async round closes (FedBuff's K; 0: never): `fed.buffer`
-    when set (-1: never), else half the `active` devices once they are BUFFER_FLEET or more.
+    when set (-1: never), else half the `active` devices (`Aggregator._population`) once they
+    are BUFFER_FLEET or more.
     A round that waits for every one of 1,000 devices lasts a whole send period of the last
     one, and the others' newer updates replace theirs in it meanwhile (1,000 sparse devices
     at 2x over the broker with backpressure: 0.71 and 0.85 of the capacity folded; with
