@@ -257,6 +257,23 @@ def test_ids_that_leave_after_sending_still_count_in_the_quorum():
     assert closed[:-1] == [None] * 24 and len(closed[-1].participants) == 75
 
 
+def test_colluding_ids_that_fill_the_round_buffer_do_not_close_a_round_of_their_own():
+    """Attack (a reviewer helper's): a round that reached `round_max_mib` closed with
+    `min_clients` clients, and a device picks its update's size (a sparse update of every
+    entry is 40x an honest one): 57 colluding ids filled 64 MiB among 1,000 active devices and
+    closed a round of their own. A full round of a rule that can spill now spills what it
+    holds and waits for the quorum; here 6 ids fill a 48-byte buffer among 20 devices."""
+    agg = make("async", round_timeout=100.0, min_clients=2, clients=30, max_share=1.0,
+               burn_in=0, jump=1, round_max_mib=48 / 2**20)
+    for i in range(20):
+        agg.join(f"h{i}", now=0.0)
+    assert agg.spills
+    assert all(agg.submit(upd(f"x{j}", -10.0, batch=1), now=0.1) is None for j in range(6))
+    assert agg.counters["spilled"] == 6 and agg.rounds == 0  # 6 of the 26: below the quorum
+    assert all(agg.submit(upd(f"h{i}", 1.0, batch=1), now=0.2) is None for i in range(7))
+    assert len(agg.poll(now=100.2).participants) == 13  # at the timeout, with the quorum
+
+
 def test_a_full_async_round_closes_before_the_timeout():
     """`round_max_mib` bounds what an open round holds: 3 updates of 8 bytes reach a 24-byte
     buffer and close the round at once, with 6 active clients and no timeout; a replaced
