@@ -178,12 +178,15 @@ class Aggregator:
     reported, or once `round_timeout` seconds passed (`poll`) and the updates also come from
     at least a `quorum` share of the active clients (so that `min_clients` clients that report
     first cannot own a round; clients that leave or go silent stop counting), or as soon as
-    the updates it holds reach `round_max_mib` (a buffer that bounds memory under load: as
-    many distinct clients as it takes updates to fill it), or once `buffer` updates came in
-    (FedBuff's K, `buffer_size`) from the quorum's share of the active clients, or K of them
-    when that is fewer (so that one device's resent updates cannot close it). A round keeps at
-    most one update per client (a newer one replaces the older) and the quorum counts distinct
-    clients; the updates are aggregated in client-id order when the round closes.
+    the updates it holds reach `round_max_mib` (a buffer that bounds memory under load) with
+    the quorum's clients in it (below the quorum a rule that can folds what the round holds
+    into its strategy and frees it, `_spill`; the others close with `min_clients`), or once
+    `buffer` updates came in (FedBuff's K, `buffer_size`) from the quorum's share of the
+    clients, or K of them when that is fewer (so that one device's resent updates cannot close
+    it). The quorum and K are shares of the active clients and of those whose updates the
+    round holds (`_population`). A round keeps at most one update per client (a newer one
+    replaces the older) and the quorum counts distinct clients; the updates are aggregated in
+    client-id order when the round closes.
 
     An update the daemon had to shed unread counts as reported (`lost`).
 
