@@ -18,10 +18,12 @@ The root (`ShardRoot`) merges partials in arrival order into one strategy (each 
 sum, so the order changes only float64 rounding), never lets a client count twice in a round
 (a partial naming a client already in the round, or granted to another worker, waits whole for
 the next round: with claims this happens only when a grant outlived its round), and closes a
-round when its distinct participants reach `min_clients`, every live worker has claimed or sent
-a partial since the round opened and every grant has come back as a partial, or
-`round_timeout` seconds after its first partial: a dead worker delays a round by at most the
-timeout.
+round once its distinct participants reach `min_clients` and the quorum's share of the active
+devices (as a single aggregator's round; without the quorum two ids whose partials came first
+owned a round among 102 active devices) and either every live worker has claimed or sent a
+partial since the round opened and every grant has come back as a partial, or
+`round_timeout` seconds passed after its first partial: a dead worker delays a round by at
+most the timeout.
 
 Each process keeps one long-lived strategy (the Aggregator's), as the single aggregator does:
 a worker opens a round on it (`configure_round`) at every flush, adds its share's decoded
@@ -296,8 +298,8 @@ class ShardRoot(Aggregator):
             self.strategy.merge(q.state)
 
     def _maybe_close(self, now: float | None) -> RoundClosed | None:
-        if len(self.in_round) < max(self.fed.min_clients, 1):
-            return None
+        if len(self.in_round) < max(self.fed.min_clients, 1, self._quorum()):
+            return None  # the quorum: two ids whose partials came first owned the round
         rnd = self._round
         timed_out = (now is not None and rnd.opened_at is not None
                      and now - rnd.opened_at >= self.fed.round_timeout)
@@ -307,6 +309,9 @@ class ShardRoot(Aggregator):
 
     def _round_clients(self) -> int:
         return len(self.in_round)
+
+    def _population(self) -> int:
+        return len(self.active | self.in_round.keys())
 
     def _close_now(self, now: float | None) -> RoundClosed | None:
         return self._close_merged(now)

@@ -347,3 +347,30 @@ def test_a_dropped_root_round_leaves_nothing_behind():
         w.submit(u, 101.0)
     closed = root.merge(w.flush(), 101.0) or root.poll(200.0)
     assert closed is not None and closed.global_.version == 1
+
+
+def test_two_ids_whose_partials_come_first_cannot_close_a_sharded_round():
+    # a reviewer helper's attack: the root closed a round once every live worker had flushed
+    # (0.5 s after its first update), with min_clients participants and no quorum, so two
+    # ids among 102 active devices owned it; it now needs the quorum, as a single aggregator
+    fed = FedConfig(mode="async", clients=102, min_clients=2, round_timeout=5.0, burn_in=0,
+                    jump=1, max_share=1.0)
+    initial = {"w": np.zeros(2, np.float32)}
+    root = ShardRoot(initial, fed)
+    for c in [f"h{i}" for i in range(100)] + ["x", "y"]:
+        root.join(c, now=0.0)  # the root learns who is active from device statuses
+    root.worker_online("w0")
+    worker = ShardWorker(initial, fed, worker="w0")
+
+    def update(c: str, value: float) -> Update:
+        return Update(c, 0, 1, 0, 1, 10, {"w": np.full(2, value, np.float32)})
+
+    for c in ("x", "y"):
+        assert worker.submit(update(c, -10.0), now=0.0) is None
+    assert root.merge(worker.flush(root.claim("w0", worker.claimable()), now=0.5), 0.5) is None
+    assert root.poll(0.5) is None and root.poll(10.0) is None  # 2 of 102, also timed out
+    for i in range(49):
+        worker.submit(update(f"h{i}", 1.0), now=1.0)
+    assert root.merge(worker.flush(root.claim("w0", worker.claimable()), now=1.5), 1.5) is None
+    closed = root.poll(1.5)
+    assert closed is not None and len(closed.participants) == 51
