@@ -442,7 +442,8 @@ class Aggregator:
             if self.carries:
                 self.task_ends.keep(msg)
             rnd.arrived += 1
-            if self._round_full() and rnd.clients() < self._round_needs() and self.spills:
+            if self._round_full() and rnd.clients() < self._round_needs(self._quorum()) \
+                    and self.spills:
                 self._spill()
         else:
             self.counters["ticks"] += 1
@@ -497,16 +498,18 @@ class Aggregator:
             return None
         if self.active <= rnd.reported:
             return self._close_round(None)
-        k = buffer_size(self.fed, self._population())
-        if k and rnd.arrived >= k and rnd.clients() >= min(k, self._quorum()):
+        population = self._population()  # once: a set difference over the round's clients
+        quorum = self._quorum(population)
+        k = buffer_size(self.fed, population)
+        if k and rnd.arrived >= k and rnd.clients() >= min(k, quorum):
             self.counters["closed_buffer"] += 1  # FedBuff: every K updates
             return self._close_round(None)
-        if self._round_full() and rnd.clients() >= self._round_needs():
+        if self._round_full() and rnd.clients() >= self._round_needs(quorum):
             self.counters["closed_full"] += 1  # bounded memory: the buffer is full
             return self._close_round(None)
         timed_out = (now is not None and rnd.opened_at is not None
                      and now - rnd.opened_at >= self.fed.round_timeout)
-        if timed_out and rnd.clients() >= self._quorum():
+        if timed_out and rnd.clients() >= quorum:
             return self._close_round(None)
         return None
 
@@ -516,17 +519,19 @@ class Aggregator:
         count in the round but not in the shares: 50 such ids closed a round of their own
         among 100 honest devices, where 99 that stayed active could not)."""
         rnd = self._round
-        return len(self.active | rnd.updates.keys() | rnd.spilled.keys())
+        return len(self.active) + len((rnd.updates.keys() | rnd.spilled.keys()) - self.active)
 
-    def _round_needs(self) -> int:
+    def _round_needs(self, quorum: int) -> int:
         """Clients a full round needs to close rather than spill (`_spill`): `min_clients`,
-        and the quorum's share where the rule can spill (colluding ids whose large updates
-        filled `round_max_mib` closed rounds of their own: 57 among 1,000 active devices)."""
-        return max(self.fed.min_clients, self._quorum() if self.spills else 0)
+        and the `quorum` where the rule can spill (colluding ids whose large updates filled
+        `round_max_mib` closed rounds of their own: 57 among 1,000 active devices)."""
+        return max(self.fed.min_clients, quorum if self.spills else 0)
 
-    def _quorum(self) -> int:
-        """Clients a round needs before its timeout closes it: `quorum` of `_population`."""
-        return math.ceil(self.fed.quorum * self._population())
+    def _quorum(self, population: int | None = None) -> int:
+        """Clients a round needs before its timeout closes it: `quorum` of `_population`
+        (or of `population`, when the caller has it)."""
+        size = self._population() if population is None else population
+        return math.ceil(self.fed.quorum * size)
 
     def _round_full(self) -> bool:
         """The open round's updates reach `round_max_mib` (0: no bound)."""

@@ -311,7 +311,7 @@ class ShardRoot(Aggregator):
         return len(self.in_round)
 
     def _population(self) -> int:
-        return len(self.active | self.in_round.keys())
+        return len(self.active) + len(self.in_round.keys() - self.active)
 
     def _close_now(self, now: float | None) -> RoundClosed | None:
         return self._close_merged(now)
