@@ -75,16 +75,19 @@ class Repeats(logging.Filter):
         """(logger, template, device) -> (window start, records let through in it, left
         out)."""
         self._devices = 0  # keys with a device
+        self._pruned = float("-inf")  # when expired device keys were last removed
 
     def _key(self, record: logging.LogRecord) -> tuple[str, str, str | None]:
         device = getattr(record, "device", None)
         key = (record.name, record.msg, None if device is None else str(device)[:256])
         if device is None or key in self._seen or self._devices < DEVICE_KEYS:
             return key
-        for k, (start, _, left_out) in list(self._seen.items()):  # make room
-            if k[2] is not None and record.created - start >= self.window and not left_out:
-                del self._seen[k]
-                self._devices -= 1
+        if record.created - self._pruned >= 1.0:  # make room, at most once a second
+            self._pruned = record.created
+            for k, (start, _, left_out) in list(self._seen.items()):
+                if k[2] is not None and record.created - start >= self.window and not left_out:
+                    del self._seen[k]
+                    self._devices -= 1
         return key if self._devices < DEVICE_KEYS else (record.name, record.msg, None)
 
     def filter(self, record: logging.LogRecord) -> bool:
