@@ -53,8 +53,9 @@ class Encoding:
     decode: Callable[[Tensors], Tensors] = same
     """Server side, after `validate`: the payload as the rules read it (`form`)."""
     form: str = "dense"
-    """What `decode` yields: dense (whole float32 tensors), sparse (entries relative to a base)
-    or gaussian (mu/sigma pairs); robust rules pick what they apply to from it."""
+    """What `decode` yields: dense (whole float32 tensors), sparse (entries' changes on a
+    base), entries (entries' absolute values: apc) or gaussian (mu/sigma pairs); robust rules
+    pick what they apply to from it."""
     initial: Callable[[Tensors], Tensors] = same
     """The model's federated state -> the first global (its names as globals carry them)."""
     downlink: str = "dense"

@@ -216,6 +216,43 @@ def group_wire(tensors: Tensors) -> dict[str, dict[str, np.ndarray]]:
     return groups
 
 
+def _changes(tensors: Tensors, reference: Tensors
+             ) -> Iterator[tuple[str, str | None, np.ndarray]]:
+    """(wire key, value suffix or None for a whole tensor, float32 change) of every part of a
+    sparse payload that carries a change: its entries' values (changes on the sender's base)
+    and its whole float tensors' difference to `reference`."""
+    for key, t in tensors.items():
+        _, sep, suffix = key.rpartition("::")
+        if not sep:
+            ref = reference.get(key)
+            if ref is not None and t.dtype.kind == "f" and t.shape == ref.shape:
+                yield key, None, (t - ref).ravel()
+        elif suffix == "bf16":
+            yield key, suffix, from_bfloat16(t)
+        elif suffix == "val":
+            yield key, suffix, t.astype(np.float32, copy=False)
+
+
+def change_norm(tensors: Tensors, reference: Tensors) -> float:
+    """L2 norm of the change a checked sparse payload carries (`_changes`): what norm
+    clipping bounds (`robust/clipping.py`), read without decoding an index."""
+    return math.sqrt(sum(float(np.dot(d, d)) for _, _, d in _changes(tensors, reference)))
+
+
+def scaled_change(tensors: Tensors, scale: float, reference: Tensors) -> Tensors:
+    """A checked sparse payload with its change scaled by `scale` <= 1: entry values times
+    `scale` in their wire dtype, whole tensors at `reference` + scale x their difference."""
+    out = dict(tensors)
+    for key, suffix, d in _changes(tensors, reference):
+        if suffix is None:
+            out[key] = (reference[key] + scale * d).astype(tensors[key].dtype)
+        elif suffix == "bf16":
+            out[key] = to_bfloat16((scale * d).astype(np.float32))
+        else:
+            out[key] = (scale * d).astype(tensors[key].dtype)
+    return out
+
+
 def _values(v: np.ndarray, count: int, suffix: str = "val") -> np.ndarray:
     if suffix == "bf16":
         if v.dtype != np.uint16:

@@ -25,6 +25,7 @@ from edgefcl.federation.sparse import (
     index_dtype,
     pad_gaps,
     select,
+    to_bfloat16,
 )
 from edgefcl.federation.strategy import FedAvg, RoundInput
 from edgefcl.federation.versions import (
@@ -204,7 +205,7 @@ def sparse_update(client, pos, vals, n=10, seq=1, base=0, shape=(4,), batch=4, b
 
 
 def make_agg(initial=None, **kw):
-    fed = FedConfig(clients=2, burn_in=2, jump=2, encoding="sparse", **kw)
+    fed = FedConfig(**{"clients": 2, "burn_in": 2, "jump": 2, "encoding": "sparse", **kw})
     return Aggregator(initial or {"w": np.zeros(4, np.float32)}, fed)
 
 
@@ -223,7 +224,8 @@ def test_a_global_devices_would_reject_is_never_published():
     # negative BatchNorm variance travels under its encoded name; the aggregator drops such a
     # round instead of publishing a version every device rejects
     agg = make_agg({"w": np.zeros(4, np.float32),
-                    "bn.running_var": np.ones(2, np.float32)})
+                    "bn.running_var": np.ones(2, np.float32)},
+                   clip_factor=0.0)  # the last line of defence: clipping bounds these first
 
     def send(client, pos, vals, seq, var=None):
         u = sparse_update(client, pos, vals, seq=seq, base=agg.global_.version,
@@ -251,11 +253,44 @@ def test_a_global_devices_would_reject_is_never_published():
 
 
 def test_per_entry_average_over_senders_by_hand():
-    agg = make_agg(max_share=1.0)  # sample-weighted (the default cap weighs two alike)
+    # sample-weighted (the default cap weighs two alike), unclipped (b's change is 4.5x a's)
+    agg = make_agg(max_share=1.0, clip_factor=0.0)
     agg.submit(sparse_update("a", [1], [2.0], n=10))
     closed = agg.submit(sparse_update("b", [1, 3], [4.0, 8.0], n=30))
     # entry 1: (10*2 + 30*4)/40 = 3.5, mixed 0.5 -> 1.75; entry 3: only b -> 8 * 0.5 = 4
     np.testing.assert_allclose(closed.global_.tensors["w"], [0.0, 1.75, 0.0, 4.0])
+
+
+def test_an_entry_no_one_else_sends_is_clipped_like_a_dense_change():
+    # the attack: an entry's value is averaged over the clients that send it, so one device
+    # that alone sends an entry set it by itself, up to the values' bound: +9e5, mixed 0.5,
+    # moved the global's entry by 4.5e5 in one round. A sparse update's change (its entries'
+    # values, changes on its base, and its whole tensors' difference to the global) is now
+    # clipped at 3 x the round's median change norm, as a dense update's is
+    agg = make_agg({"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}, clients=3)
+    for c in ("a", "b"):  # honest: change norm sqrt(0.3^2 + 0.4^2) = 0.5
+        agg.submit(sparse_update(c, [0], [0.3], b=[0.4, 0.0]))
+    closed = agg.submit(sparse_update("z", [3], [9e5], b=[0.0, 0.0]))
+    assert agg.counters["clipped"] == 1
+    # z's change scaled to tau = 3 x 0.5: entry 3 = 1.5 (its sender's alone), mixed 0.5
+    np.testing.assert_allclose(closed.global_.tensors["w"], [0.15, 0.0, 0.0, 0.75], rtol=1e-6)
+    np.testing.assert_allclose(closed.global_.tensors["b"], [0.4 / 3, 0.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_clipped_change_keeps_its_wire_dtype(dtype):
+    agg = make_agg(clients=3)
+    for c in ("a", "b"):
+        agg.submit(sparse_update(c, [0], [0.5]))
+    u = sparse_update("z", [3], [0.0])
+    del u.tensors["w" + VAL]
+    if dtype == "float16":
+        u.tensors["w" + VAL] = np.array([6e4], np.float16)
+    else:
+        u.tensors["w::bf16"] = to_bfloat16(np.array([6e5], np.float32))
+    closed = agg.submit(u)
+    assert agg.counters["clipped"] == 1
+    np.testing.assert_allclose(closed.global_.tensors["w"], [0.25, 0, 0, 0.75], rtol=1e-2)
 
 
 def test_delta_is_rebuilt_on_the_global_the_client_merged():

@@ -5,16 +5,17 @@ a round's accepted updates before the strategy averages them, in order.
 | rule                       | module          | dense | sparse/apc | gaussian | default          |
 |----------------------------|-----------------|-------|------------|----------|------------------|
 | BatchNorm variances > 0    | variance.py     | yes   | dense parts| plain    | always (reject)  |
-| norm clipping of deltas    | clipping.py     | yes   | no         | no       | 3 x median norm  |
+| norm clipping of changes   | clipping.py     | yes   | sparse     | no       | 3 x median norm  |
 | weight share cap           | share.py        | yes   | yes        | plain+mm | 2/n, <= 1/2      |
 | sigma floor                | sigma_floor.py  | no    | no         | yes      | 0.5 x median     |
 | coordinate-wise median     | median.py       | yes   | no         | no       | --aggregation    |
 | trimmed mean               | trimmed_mean.py | yes   | no         | no       | --aggregation    |
 | label room (new labels)    | label_room.py   | library (any encoding)      | 2/n x 1,024, <= 512 |
 
-Clipping and the coordinate-wise rules need whole tensors, which sparse and apc updates are
-not (they carry a subset of entries relative to the client's base), so only the share cap
-protects those; Gaussian updates get the sigma floor (precision rules) and the share cap
+The coordinate-wise rules need whole tensors, which sparse and apc updates are not (they
+carry a subset of entries). A sparse update's entries are changes on its base, so its change
+is clipped like a dense update's (`clipping.py`); apc's entries are absolute values, so only
+the share cap protects those. Gaussian updates get the sigma floor (precision rules) and the share cap
 (sample-weighted parts: plain tensors and moment matching). Conflation counts every client
 once, so the share cap does not apply to its Gaussians; the sigma floor does.
 The label room is applied by the aggregator to the round's prototype libraries (one device's

@@ -1,19 +1,25 @@
-"""Norm clipping: each dense update's delta to the current global is scaled down to at most
-tau in L2 norm (over all float tensors), so a scaled or inflated update moves the global no more
-than an honest one. tau is `fed.clip_norm` when set, else `fed.clip_factor` times the median
-delta norm of the round's updates that moved (adaptive; with two of them the smaller norm, so
-that an inflated update cannot raise its own bound, where their mean would: an honest pair is
-clipped only when one norm is over 3 times the other, at the default factor 3)."""
+"""Norm clipping: each update's change is scaled down to at most tau in L2 norm, so a scaled
+or inflated update moves the global no more than an honest one. A dense update's change is its
+delta to the current global (over all float tensors); a sparse update's is what it carries, its
+entries' values (changes on its base) and its whole tensors' difference to the current global
+(`sparse.change_norm`: the entry an update alone sends is averaged over that one sender, so
+without this it set the entry by itself, up to the values' bound). tau is `fed.clip_norm`
+when set, else `fed.clip_factor` times the median change norm of the round's updates that
+moved (adaptive; with two of them the smaller norm, so that an inflated update cannot raise
+its own bound, where their mean would: an honest pair is clipped only when one norm is over 3
+times the other, at the default factor 3)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
+from edgefcl.federation.sparse import change_norm, scaled_change
 
 
 def delta_norm(tensors: Tensors, global_: Tensors) -> float:
@@ -47,17 +53,31 @@ def clip(update: Update, global_: Tensors, tau: float, norm: float) -> Update:
     return replace(update, tensors=tensors)
 
 
+def clip_sparse(update: Update, global_: Tensors, tau: float, norm: float) -> Update:
+    """A sparse `update` with its change scaled by tau / norm (`sparse.scaled_change`)."""
+    return replace(update, tensors=scaled_change(update.tensors, tau / norm, global_))
+
+
+FORMS: dict[str, tuple[Callable[[Tensors, Tensors], float],
+                       Callable[[Update, Tensors, float, float], Update]]] = {
+    "dense": (delta_norm, clip),
+    "sparse": (change_norm, clip_sparse),
+}
+"""Decoded form -> (the norm of an update's change, the clip that scales it to tau)."""
+
+
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
           counters: Counter, form: str = "dense") -> list[Update]:
-    """Clip dense updates (other forms pass through)."""
-    if form != "dense" or (fed.clip_norm <= 0 and fed.clip_factor <= 0) or not updates:
+    """Clip dense and sparse updates (other forms pass through)."""
+    if form not in FORMS or (fed.clip_norm <= 0 and fed.clip_factor <= 0) or not updates:
         return updates
-    norms = [delta_norm(u.tensors, global_) for u in updates]
+    norm_of, clip_to = FORMS[form]
+    norms = [norm_of(u.tensors, global_) for u in updates]
     tau = fed.clip_norm if fed.clip_norm > 0 else fed.clip_factor * reference_norm(norms)
     out = []
     for u, n in zip(updates, norms, strict=True):
         if n > tau:
             counters["clipped"] += 1
-            u = clip(u, global_, tau, n)
+            u = clip_to(u, global_, tau, n)
         out.append(u)
     return out
