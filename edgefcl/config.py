@@ -329,13 +329,16 @@ class FedConfig:
                                 "set (0: never)")
     max_seq_gap: int = opt(100_000, "largest step of a client's sequence number (also from 0)")
     sample_cap: int = opt(0, "largest num_samples one update may claim (0: batch x batch_size)")
-    clip_factor: float = opt(3.0, "dense and prototype rows: clip each update's delta to the "
-                             "global (each row's change) at this times the round's median "
-                             "delta norm (of two: the smaller) (0: off)")
+    clip_factor: float = opt(3.0, "dense, sparse and prototype rows: clip each update's change "
+                             "(each row's change) at this times the round's median change "
+                             "norm (of two: the smaller) (0: off)")
     clip_norm: float = opt(0.0, "dense: clip deltas at this fixed L2 norm instead (0: adaptive)")
     sender_rate: float = opt(50.0, "messages a second one device may have handled, in bursts "
                              "of up to 2 s of them; more are shed and its status names it as "
                              "flooding (0: no limit)")
+    sender_cpu: float = opt(0.05, "share of the main loop's time reading (decoding and "
+                            "checking) one device's messages may take, in bursts of up to 2 s "
+                            "of it; more are shed and its status names it (0: no limit)")
     max_share: float = opt(0.0, "largest share of a round's sample weight one client may have "
                            "(0: 2 / participants, at most 0.5; 1: off)")
     trim: float = opt(0.2, "trimmed-mean: fraction of values dropped at each end per entry")
@@ -649,6 +652,7 @@ def check_fed(f: FedConfig) -> None:
         (f.clip_factor >= 0 and f.clip_norm >= 0, "clip_factor and clip_norm must be >= 0"),
         (0 <= f.max_share <= 1, "max_share must be in [0, 1]"),
         (f.sender_rate >= 0, "sender_rate must be >= 0 (0: no limit)"),
+        (0 <= f.sender_cpu <= 1, "sender_cpu must be in [0, 1] (0: no limit)"),
         (0 <= f.trim < 0.5, "trim must be in [0, 0.5)"),
         (f.sigma_floor >= 0, "sigma_floor must be >= 0"),
         (f.max_seq_gap >= 1, "max_seq_gap must be >= 1"),

@@ -85,7 +85,7 @@ COMMON: dict[str, frozenset[str]] = {name: frozenset(fields.split()) for name, f
 """The config fields each command's `--help` shows; `--help-all` shows every one."""
 TRUST = frozenset(("roster", "roster_cap", "sample_cap", "client_timeout", "max_seq_gap",
                    "clip_factor", "clip_norm", "max_share", "trim", "sigma_floor",
-                   "max_backpressure", "sender_rate"))
+                   "max_backpressure", "sender_rate", "sender_cpu"))
 """[fed] fields that bound what one device can do: their own help group."""
 GROUPS = {"run": "run", "data": "data", "learn": "learning", "fed": "federation",
           "mqtt": "transport"}

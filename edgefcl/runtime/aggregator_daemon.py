@@ -92,6 +92,7 @@ class AggregatorDaemon:
         self.quota = UpdateQuota(max_bytes=budget)  # fair service while backpressure is on
         self.inbox = Inbox(max_bytes=budget,
                            sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate,
+                           cpu_share=cfg.fed.sender_cpu,
                            over_limit=self.quota.over,
                            is_report=lambda topic: self.topics.kinds_on(topic) == UPDATE_KINDS,
                            supersede=cfg.fed.mode == "async")
@@ -221,15 +222,18 @@ class AggregatorDaemon:
     # -- message handling -----------------------------------------------------------------
     def handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         """Validate and apply one incoming message (or a transfer the link already rejected);
-        never raises: every failure is logged and counted as `rejected_<reason>`."""
-        try:
-            self._handle(topic, payload, admitted)
-        except CodecError as e:
-            self.agg.counters[f"rejected_{e.reason}"] += 1
-            log.warning("rejected payload on %s: %s", topic, e, extra={"device": topic})
-        except Exception:  # a bug reached by input: counted, logged, and the daemon goes on
-            self.agg.counters["rejected_internal"] += 1
-            log.exception("internal error while handling a message on %s", topic)
+        never raises: every failure is logged and counted as `rejected_<reason>`. Its time,
+        but for the updates' submission and the rounds it closes, counts against the sender's
+        CPU share (`Inbox.charging`)."""
+        with self.inbox.charging(self.inbox.sender_of(topic)):
+            try:
+                self._handle(topic, payload, admitted)
+            except CodecError as e:
+                self.agg.counters[f"rejected_{e.reason}"] += 1
+                log.warning("rejected payload on %s: %s", topic, e, extra={"device": topic})
+            except Exception:  # a bug reached by input: counted, logged, the daemon goes on
+                self.agg.counters["rejected_internal"] += 1
+                log.exception("internal error while handling a message on %s", topic)
 
     def _handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         if isinstance(payload, CodecError):
@@ -389,14 +393,15 @@ class AggregatorDaemon:
         round, counted and logged, so that it cannot fail every later step; a lock-step tick is
         then answered without a global, so that devices go on."""
         before = self.agg.mark()
-        try:
-            self._closed(step(), before)
-        except Exception:
-            self.agg.counters["rejected_internal"] += 1
-            log.exception("internal error in the aggregator: the open round is dropped")
-            self.agg.drop_round()
-            if self.cfg.fed.mode == "sync":
-                self._answer(RoundClosed(self.agg.tick, None))
+        with self.inbox.uncharged():  # the fleet's work, not the device's that set it off
+            try:
+                self._closed(step(), before)
+            except Exception:
+                self.agg.counters["rejected_internal"] += 1
+                log.exception("internal error in the aggregator: the open round is dropped")
+                self.agg.drop_round()
+                if self.cfg.fed.mode == "sync":
+                    self._answer(RoundClosed(self.agg.tick, None))
 
     def _pressure(self) -> None:
         """Update the backpressure factor from the inbox's last interval; a changed factor is

@@ -23,6 +23,11 @@ compliant devices' were shed, and the factor locked at its cap: 6x the folds for
 Those refusals are handed back to the quota (`take_refused`): they are part of what the device
 sends, and a device measured by what got past the inbox looked within its limit every other
 interval (1.77x the folds of a compliant device with 20 % ignoring).
+With `cpu_share`, each sender also has a budget of the main loop's time: the daemon reads
+(decodes and checks) each message inside `charging`, which counts the thread's CPU time against
+its sender, and a sender that has spent its share is refused like one over its message rate,
+counted as `over_cpu`: messages that each cost the scan of a made-up payload, or the digest of a
+large valid one, no longer buy one device more of the loop than its share.
 The senders of reports it refused (`is_report`: updates) are handed to the aggregator
 (`take_lost`), whose open round then stops waiting for them. With `supersede` (async), a
 sender's newer report replaces its report still waiting: under overload a queue of small
@@ -35,8 +40,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
+from contextlib import contextmanager
 from itertools import islice
 from typing import Any
 
@@ -50,6 +56,8 @@ MAX_OFFENDERS = 1024
 MAX_LOST = 65_536
 """Senders whose lost reports are remembered between two `take_lost` calls (the roster's
 devices fit; a flood of made-up ids cannot grow it further)."""
+CPU_BURST_S = 2.0
+"""Seconds of its CPU share a sender may spend at once (as its message rate's 2 s burst)."""
 MAX_EVICTIONS = 4
 """Messages of senders over their limit a full inbox sheds to queue one of another sender."""
 
@@ -64,7 +72,8 @@ class Inbox:
                  clock: Callable[[], float] = time.monotonic,
                  over_limit: Callable[[], AbstractSet[str]] | None = None,
                  is_report: Callable[[str], bool] | None = None,
-                 supersede: bool = False) -> None:
+                 supersede: bool = False, cpu_share: float = 0.0,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         self.clock = clock  # a virtual one in the backpressure bench
         self.is_report = is_report  # topics whose messages a round waits for (updates)
         self.supersede = supersede and is_report is not None  # a newer report replaces one
@@ -81,6 +90,12 @@ class Inbox:
         self.per_sender = per_sender
         self.rate = rate  # messages a second per sender, a burst of 2 s (0: no limit)
         self._buckets: dict[str, tuple[float, float]] = {}  # sender -> (tokens, at)
+        self.cpu_share = cpu_share  # seconds of the main loop a second per sender (0: none)
+        self.cpu_clock = cpu_clock  # the handling thread's CPU seconds
+        self._cpu: dict[str, tuple[float, float]] = {}  # sender -> (seconds left, at)
+        self._uncharged = 0.0  # seconds of the message being charged left out of it
+        self._cpu_pruned = float("-inf")  # when `_cpu` was last scanned for full budgets
+        self.over_cpu = 0
         self._queues: dict[str, deque[tuple[str, Any, int]]] = {}
         self._held: Counter[str] = Counter()  # bytes each sender has waiting
         self._turns: deque[str] = deque()  # senders with something waiting, in service order
@@ -233,13 +248,57 @@ class Inbox:
             del self._queues[sender], self._held[sender]
             self._turns.remove(sender)
 
+    @contextmanager
+    def charging(self, sender: str) -> Iterator[None]:
+        """Count the calling thread's CPU time in the block (handling a message of `sender`)
+        against the sender's share (`cpu_share`), also when the block raises, less the time
+        in its `uncharged` blocks."""
+        if self.cpu_share <= 0:
+            yield
+            return
+        t0, self._uncharged = self.cpu_clock(), 0.0
+        try:
+            yield
+        finally:
+            spent = self.cpu_clock() - t0 - self._uncharged
+            with self._cond:
+                now = self.clock()
+                self._cpu[sender] = (self._cpu_left(sender, now) - spent, now)
+                if len(self._cpu) > MAX_OFFENDERS and now - self._cpu_pruned >= 1.0:
+                    # bounded: senders with a full budget go (a scan at most once a second)
+                    full, self._cpu_pruned = CPU_BURST_S * self.cpu_share, now
+                    self._cpu = {k: v for k, v in self._cpu.items()
+                                 if self._cpu_left(k, now) < full}
+
+    @contextmanager
+    def uncharged(self) -> Iterator[None]:
+        """Leave the block's CPU time out of the message being charged (`charging`): the
+        fleet's work that a message sets off, such as submitting an update or closing a
+        round, is no one device's."""
+        t0 = self.cpu_clock()
+        try:
+            yield
+        finally:
+            self._uncharged += self.cpu_clock() - t0
+
+    def _cpu_left(self, sender: str, now: float) -> float:
+        """`sender`'s CPU seconds left (refilled at `cpu_share` a second, at most
+        CPU_BURST_S of it; below 0 after a message that cost more than was left)."""
+        full = CPU_BURST_S * self.cpu_share
+        left, at = self._cpu.get(sender, (full, now))
+        return min(full, left + (now - at) * self.cpu_share)
+
     def _within_rate(self, sender: str) -> bool:
-        """Take a token of `sender`'s bucket (refilled at `rate` a second, holding 2 s of
-        them); False when it has none. The buckets of idle senders are dropped past
-        MAX_OFFENDERS senders, so the table stays bounded."""
+        """Whether `sender` has CPU time left (`charging`), and take a token of its bucket
+        (refilled at `rate` a second, holding 2 s of them); False when it has none. The
+        buckets of idle senders are dropped past MAX_OFFENDERS senders, so the table stays
+        bounded."""
+        now = self.clock()
+        if self.cpu_share > 0 and self._cpu_left(sender, now) <= 0:
+            self.over_cpu += 1
+            return False
         if self.rate <= 0:
             return True
-        now = self.clock()
         burst = 2 * self.rate
         tokens, at = self._buckets.get(sender, (burst, now))
         tokens = min(burst, tokens + (now - at) * self.rate)
@@ -336,4 +395,6 @@ def shed_counters(inbox: Inbox) -> dict[str, Any]:
         out["rejected_inbox_full"] = inbox.shed
     if inbox.over_share:
         out["rejected_over_share"] = inbox.over_share
+    if inbox.over_cpu:
+        out["rejected_over_cpu"] = inbox.over_cpu  # of those, over a sender's CPU share
     return out

@@ -77,6 +77,7 @@ class WorkerDaemon:
         self.quota = UpdateQuota(max_bytes=budget)  # fair service while backpressure is on
         self.inbox = Inbox(max_bytes=budget,
                            sender_of=sender_of(self.topics), rate=cfg.fed.sender_rate,
+                           cpu_share=cfg.fed.sender_cpu,
                            over_limit=self.quota.over)
         self.ahead: dict[str, Update] = {}  # updates based on a global not here yet
         self.backpressure = Backpressure.for_fed(cfg.fed)
@@ -175,15 +176,17 @@ class WorkerDaemon:
         self.flush(granted, time.monotonic())
 
     def handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
-        """Apply one message; never raises (failures are counted as `rejected_<reason>`)."""
-        try:
-            self._handle(topic, payload, admitted)
-        except CodecError as e:
-            self.agg.counters[f"rejected_{e.reason}"] += 1
-            log.warning("rejected payload on %s: %s", topic, e, extra={"device": topic})
-        except Exception:
-            self.agg.counters["rejected_internal"] += 1
-            log.exception("internal error while handling a message on %s", topic)
+        """Apply one message; never raises (failures are counted as `rejected_<reason>`). Its
+        time, but for an update's submission, counts against the sender's CPU share."""
+        with self.inbox.charging(self.inbox.sender_of(topic)):
+            try:
+                self._handle(topic, payload, admitted)
+            except CodecError as e:
+                self.agg.counters[f"rejected_{e.reason}"] += 1
+                log.warning("rejected payload on %s: %s", topic, e, extra={"device": topic})
+            except Exception:
+                self.agg.counters["rejected_internal"] += 1
+                log.exception("internal error while handling a message on %s", topic)
 
     def _handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         if isinstance(payload, CodecError):
@@ -231,7 +234,8 @@ class WorkerDaemon:
                 and agg.admission.may_join(msg.client)):
             self._hold_ahead(msg)
             return
-        agg.submit(msg, now)
+        with self.inbox.uncharged():  # the fleet's work (a spill folds many devices')
+            agg.submit(msg, now)
 
     def _on_status(self, msg: Message, topic: str, now: float) -> None:
         """A device's status: an online roster device's new incarnation restarts its

@@ -4,6 +4,7 @@ driven through `AggregatorDaemon.handle` exactly as the MQTT thread's inbox deli
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgpack
 import numpy as np
@@ -15,7 +16,7 @@ from edgefcl.config import RunConfig, apply
 from edgefcl.data.labels import MAX_LABELS
 from edgefcl.federation.messages import Tick, Update
 from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
-from edgefcl.runtime.inbox import PER_SENDER, Inbox
+from edgefcl.runtime.inbox import CPU_BURST_S, PER_SENDER, Inbox, shed_counters
 from edgefcl.runtime.links import (
     ENVELOPE_OBJECTS,
     OBJECTS_PER_TENSOR,
@@ -609,6 +610,59 @@ def test_an_update_topic_scans_no_more_objects_than_the_models_updates_need(tmp_
         d.handle(tp.update("a"), junk)
     assert d.agg.counters["rejected_limits"] == 2 and d.agg.counters["rejected_kind"] == 0
     d.handle(tp.update("a"), update("a"))  # the model's own update still passes
+    assert d.agg.counters["accepted"] == 1
+    d.store.close()
+
+
+def test_cpu_share_by_hand() -> None:
+    now, cpu = [0.0], [0.0]
+    box = Inbox(1 << 20, cpu_share=0.1, clock=lambda: now[0], cpu_clock=lambda: cpu[0])
+
+    def handle(sender, seconds, fleet_work=0.0):
+        with box.charging(sender):
+            cpu[0] += seconds - fleet_work
+            with box.uncharged():  # e.g. a round's close: not the sender's
+                cpu[0] += fleet_work
+
+    assert box.put("m", b"x")  # a full budget: 0.1 x CPU_BURST_S = 0.2 s
+    handle("m", 0.3, fleet_work=0.15)  # charged 0.15: 0.05 left
+    assert box.put("m", b"x")
+    handle("m", 0.1)  # -0.05 left
+    assert not box.put("m", b"x") and box.over_cpu == 1
+    assert box.put("h", b"x")  # another sender's budget is its own
+    now[0] = 0.5  # refilled 0.1 a second: 0.0 left, still none
+    assert not box.put("m", b"x") and box.over_cpu == 2
+    now[0] = 0.6
+    assert box.put("m", b"x")
+    assert box.worst() == {"m": 2}
+
+
+def test_one_devices_messages_take_no_more_than_its_share_of_the_main_loop(tmp_path) -> None:
+    # the attack: made-up payloads on a device's update topic, each scanned up to the update
+    # limit before it is rejected. Under the inbox's message rate alone (50/s) that took 5 %
+    # of the main loop for the demo model and 14 % for ResNet-18, and valid updates sent as
+    # fast cost their digest each. The main loop's time reading a device's messages is now
+    # charged to that device (`sender_cpu` of each second, in bursts of CPU_BURST_S of it);
+    # the message rate is off here, so the CPU share alone holds it
+    d = make_daemon(tmp_path, sender_rate=0.0)
+    tp = topics(d.cfg.mqtt)
+    pad = list(range(d.update_limits.max_objects - 16))
+    junk = encode(Message("status", {"state": "online", "pad": pad}, sender="m"), fleet=FLEET)
+    used, start, most = 0.0, time.monotonic(), 0.0
+    for _ in range(600):
+        if d.inbox.put(tp.update("m"), junk):
+            item = d.inbox.get(0.0)
+            t0 = time.thread_time()
+            d.handle(*item)
+            spent = time.thread_time() - t0
+            used, most = used + spent, max(most, spent)
+    share = d.cfg.fed.sender_cpu
+    assert d.inbox.over_cpu > 0 and d.agg.counters["rejected_kind"] > 0
+    assert used <= share * (CPU_BURST_S + time.monotonic() - start) + most
+    assert shed_counters(d.inbox)["rejected_over_cpu"] == d.inbox.over_cpu
+    assert d.inbox.worst() == {"m": d.inbox.over_cpu}  # the status names the device
+    assert d.inbox.put(tp.update("a"), update("a"))  # another device's share is its own
+    d.handle(*d.inbox.get(0.0))
     assert d.agg.counters["accepted"] == 1
     d.store.close()
 
