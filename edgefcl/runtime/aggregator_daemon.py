@@ -225,7 +225,7 @@ class AggregatorDaemon:
         never raises: every failure is logged and counted as `rejected_<reason>`. Its time,
         but for the updates' submission and the rounds it closes, counts against the sender's
         CPU share (`Inbox.charging`)."""
-        with self.inbox.charging(self.inbox.sender_of(topic)):
+        with self.inbox.charging(self._charged(topic)):
             try:
                 self._handle(topic, payload, admitted)
             except CodecError as e:
@@ -234,6 +234,10 @@ class AggregatorDaemon:
             except Exception:  # a bug reached by input: counted, logged, the daemon goes on
                 self.agg.counters["rejected_internal"] += 1
                 log.exception("internal error while handling a message on %s", topic)
+
+    def _charged(self, topic: str) -> str | None:
+        """Whose CPU share handling a message on `topic` counts against (None: no one's)."""
+        return self.inbox.sender_of(topic)
 
     def _handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         if isinstance(payload, CodecError):

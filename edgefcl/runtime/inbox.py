@@ -249,11 +249,11 @@ class Inbox:
             self._turns.remove(sender)
 
     @contextmanager
-    def charging(self, sender: str) -> Iterator[None]:
+    def charging(self, sender: str | None) -> Iterator[None]:
         """Count the calling thread's CPU time in the block (handling a message of `sender`)
         against the sender's share (`cpu_share`), also when the block raises, less the time
-        in its `uncharged` blocks."""
-        if self.cpu_share <= 0:
+        in its `uncharged` blocks (`sender` None: no one's)."""
+        if self.cpu_share <= 0 or sender is None:
             yield
             return
         t0, self._uncharged = self.cpu_clock(), 0.0

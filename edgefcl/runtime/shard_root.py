@@ -79,6 +79,14 @@ class RootDaemon(AggregatorDaemon):
         except ValueError:
             return super()._keeps_open(topic)
 
+    def _charged(self, topic: str) -> str | None:
+        """A worker's partial carries its devices' work: charged to no one's CPU share."""
+        try:
+            self.topics.worker_from(topic)
+        except ValueError:
+            return super()._charged(topic)
+        return None
+
     def _handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         try:
             kind, worker = self.topics.worker_from(topic)

@@ -176,9 +176,10 @@ class WorkerDaemon:
         self.flush(granted, time.monotonic())
 
     def handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
-        """Apply one message; never raises (failures are counted as `rejected_<reason>`). Its
-        time, but for an update's submission, counts against the sender's CPU share."""
-        with self.inbox.charging(self.inbox.sender_of(topic)):
+        """Apply one message; never raises (failures are counted as `rejected_<reason>`). A
+        device's, but for an update's submission, counts against the device's CPU share."""
+        own = topic == self.topics.global_  # the root's: no device's
+        with self.inbox.charging(None if own else self.inbox.sender_of(topic)):
             try:
                 self._handle(topic, payload, admitted)
             except CodecError as e:

@@ -64,6 +64,20 @@ def test_two_partials_close_a_round_with_the_weighted_mean(tmp_path):
     assert d.store.round_lines()[-1]["participants"] == ["a", "b", "c"]
 
 
+def test_a_workers_partials_are_not_charged_to_a_devices_cpu_share(tmp_path):
+    # a partial carries many devices' work: under the share of one device (`--sender-cpu`)
+    # the root would refuse a busy worker's partials, and lose its devices' updates
+    d = make_root(tmp_path, sender_cpu=1e-9)
+    d.agg.worker_online("w0")
+    d.agg.worker_online("w1")
+    for _ in range(3):
+        assert d.inbox.put(topic("w0"), encode_partial(partial("w0", ("a",)), fleet=FLEET))
+        d.handle(*d.inbox.get(0.0))
+    assert d.inbox.over_cpu == 0
+    d.handle(d.topics.update("a"), b"junk")  # a device's own message is charged
+    assert not d.inbox.put(d.topics.update("a"), b"junk") and d.inbox.over_cpu == 1
+
+
 def tamper(p: Partial, path: str, value) -> bytes:
     payload = msgpack.unpackb(encode_partial(p, fleet=FLEET), raw=False, strict_map_key=False)
     node = payload
