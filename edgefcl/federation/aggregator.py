@@ -231,6 +231,7 @@ class Aggregator:
         self.tick = 0
         self.rounds = 0
         self.counters: Counter[str] = Counter()
+        self.rule_memory: dict = {}  # what the robust rules keep between batches (clipping)
         self.label_owners: dict[str, str] = {}
         """Library labels one device alone introduced, and that device (`label_room`);
         replaced, never changed in place, so that `mark` holds it by reference."""
@@ -273,7 +274,8 @@ class Aggregator:
         """Add a roster client to the active set (it is expected to report); False (and
         counted as `rejected_roster`) for a client the roster does not admit. Only reports
         prove a client alive: joining again leaves an active client's last report time as it
-        is, and a client that left for silence (`expire`) comes back only with a report."""
+        is (also after it left), and a client that left for silence (`expire`) comes back only
+        with a report."""
         if not self.admission.admit(client):
             self.counters["rejected_roster"] += 1
             return False
@@ -281,8 +283,8 @@ class Aggregator:
             return True
         self.active.add(client)
         self._passed = None
-        if now is not None:
-            self.last_seen[client] = now
+        if now is not None:  # a client that reported before keeps its last report's time:
+            self.last_seen.setdefault(client, now)  # leaving and joining again is no report
         if len(self.active) >= min(self.fed.clients, self.admission.cap):
             self.roster_complete = True
         return True
@@ -410,12 +412,22 @@ class Aggregator:
 
     def submit(self, msg: Update | Tick, now: float | None = None) -> RoundClosed | None:
         """Take one report; returns what closed as a consequence, if anything."""
+        return None if self.rejects(msg) else self.take(msg, now)
+
+    def rejects(self, msg: Update | Tick) -> bool:
+        """Whether `msg` is rejected (`validate`; counted and logged): the checks of one
+        report, apart from what taking it sets off (a daemon charges them to its sender)."""
         reason = self.validate(msg)
-        if reason is not None:
-            self.counters[f"rejected_{reason}"] += 1
-            log.warning("rejected %s from %s seq %s: %s", type(msg).__name__.lower(),
-                        msg.client, msg.seq, reason, extra={"device": msg.client})
-            return None
+        if reason is None:
+            return False
+        self.counters[f"rejected_{reason}"] += 1
+        log.warning("rejected %s from %s seq %s: %s", type(msg).__name__.lower(),
+                    msg.client, msg.seq, reason, extra={"device": msg.client})
+        return True
+
+    def take(self, msg: Update | Tick, now: float | None = None) -> RoundClosed | None:
+        """Take a report that `rejects` let through (`submit` without the checks); returns
+        what closed as a consequence, if anything."""
         self.admission.accept(msg)
         if now is not None:
             self.last_seen[msg.client] = now
@@ -476,7 +488,7 @@ class Aggregator:
             self.strategy.configure_round(RoundInput(self.global_.version,
                                                      self.global_.tensors, self.history.get))
         updates = prepare_round(self.weighed(decoded), self.global_.tensors, self.fed,
-                                self.counters, self.encoding.form)
+                                self.counters, self.encoding.form, self.rule_memory)
         note_round(updates, self.global_.version, self.counters, whole=False)
         for u in updates:
             self.strategy.add(u)
@@ -617,7 +629,7 @@ class Aggregator:
                                                      self.global_.tensors, self.history.get,
                                                      participants))
         updates = prepare_round(self.weighed(decoded), self.global_.tensors, self.fed,
-                                self.counters, self.encoding.form)
+                                self.counters, self.encoding.form, self.rule_memory)
         note_round(updates, self.global_.version, self.counters, whole=not rnd.spilled)
         if rnd.spilled:
             self.counters[f"round_size_{len(participants)}"] += 1

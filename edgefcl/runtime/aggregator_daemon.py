@@ -280,7 +280,8 @@ class AggregatorDaemon:
             # answered again, once per client and tick, so a flood is not amplified
             self.reanswered[msg.client] = self.agg.tick
             self._publish(self.topics.tick, self.last_answer)
-        self._close_safely(lambda: self.agg.submit(msg, now))
+        if not self.agg.rejects(msg):  # the checks: charged to the device, as its decoding
+            self._close_safely(lambda: self.agg.take(msg, now))
         if msg.client in self.agg.admission.roster:  # bounded: never a map of every id
             self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + size
         if msg.client in self.done and msg.client in self.agg.active:

@@ -235,8 +235,10 @@ class WorkerDaemon:
                 and agg.admission.may_join(msg.client)):
             self._hold_ahead(msg)
             return
+        if agg.rejects(msg):  # the checks: charged to the device, as its decoding
+            return
         with self.inbox.uncharged():  # the fleet's work (a spill folds many devices')
-            agg.submit(msg, now)
+            agg.take(msg, now)
 
     def _on_status(self, msg: Message, topic: str, now: float) -> None:
         """A device's status: an online roster device's new incarnation restarts its

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Update
+from edgefcl.federation.robust.clipping import reference_norm
 from edgefcl.federation.robust.share import capped_weights
 from edgefcl.federation.robust.variance import check_variances
 
@@ -41,6 +42,37 @@ def test_clipping_by_hand() -> None:
     assert counters["clipped"] == 1
     g, _ = run_round([upd("a", 1.0), upd("b", 1.0), upd("c", 100.0)], clip_norm=np.sqrt(2) / 2)
     np.testing.assert_allclose(g["w"], [0.5, 0.5], rtol=1e-6)
+
+
+def test_reference_norm_with_the_recent_norms_by_hand() -> None:
+    assert reference_norm([3.0, 1.0, 2.0, 0.0], [9.0] * 5) == 2.0  # three moved: their median
+    assert reference_norm([1.0, 2.0]) == 1.0  # of two the smaller
+    # a tiny update beside an honest one: the smaller raised to the recent median (1.0)
+    assert reference_norm([1e-6, 1.5], [0.8, 1.0, 1.2]) == 1.0
+    assert reference_norm([1e-6, 0.5], [0.8, 1.0, 1.2]) == 0.5  # never past the larger
+    assert reference_norm([5.0, 9e5], [1.0, 1.0, 1.0]) == 5.0  # never below the smaller
+    assert reference_norm([7.0]) == 7.0  # alone, nothing to compare: its own bound
+    assert reference_norm([7.0], [1.0, 2.0]) == 2.0  # alone: the median with the recent
+    assert reference_norm([7.0], [1.0]) == 1.0  # of two the smaller
+
+
+def test_a_tiny_update_does_not_freeze_a_round_of_two() -> None:
+    # a reviewer helper's attack: with two updates the bound was 3 x the smaller norm, so a
+    # device sending a change of 1e-6 clipped its honest partner's to 3e-6: every round of two
+    # (a two-device fleet, an async round closed at its timeout) stopped learning
+    f = FedConfig(clients=2, burn_in=0, jump=1, mode="sync", min_clients=1, mix=1.0)
+    agg = Aggregator({"w": np.zeros(2, np.float32)}, f)
+    for c in "ax":
+        agg.join(c)
+    for seq in range(1, 5):  # honest rounds: the recent norms
+        for c in "ax":
+            agg.submit(Update(c, agg.global_.version, seq, 0, seq, 8,
+                              {"w": agg.global_.tensors["w"] + 1.0}))
+    before = agg.global_.tensors["w"].copy()
+    agg.submit(Update("a", agg.global_.version, 5, 0, 5, 8, {"w": before + 1.0}))
+    closed = agg.submit(Update("x", agg.global_.version, 5, 0, 5, 8, {"w": before + 1e-6}))
+    # the honest change (norm sqrt 2) is within 3 x the recent median: not clipped
+    np.testing.assert_allclose(closed.global_.tensors["w"] - before, [0.5, 0.5], rtol=1e-5)
 
 
 def test_share_cap_water_filling_by_hand() -> None:

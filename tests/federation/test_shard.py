@@ -374,3 +374,41 @@ def test_two_ids_whose_partials_come_first_cannot_close_a_sharded_round():
     assert root.merge(worker.flush(root.claim("w0", worker.claimable()), now=1.5), 1.5) is None
     closed = root.poll(1.5)
     assert closed is not None and len(closed.participants) == 51
+
+
+def test_a_workers_flush_of_one_update_is_clipped_with_its_earlier_flushes():
+    # a reviewer helper's attack: a worker clipped each flush among its own updates, and the
+    # root cannot clip a partial, so a device alone in its worker's flush was its own bound:
+    # an entry it alone sent moved by 4.5e5. A flush of one now takes the worker's recent
+    # norms too (its first flush ever still has none: a known limit)
+    fed = FedConfig(clients=3, min_clients=3, mode="async", encoding="sparse", burn_in=0,
+                    jump=1, round_timeout=1e9)
+    initial = {"w": np.zeros(4, np.float32)}
+    w0, w1 = (ShardWorker(initial, fed, worker=w) for w in ("w0", "w1"))
+    root = ShardRoot(initial, fed)
+    root.worker_online("w0")
+    root.worker_online("w1")
+
+    def sparse(client, pos, vals, seq, base):
+        return Update(client, base, seq, 0, seq, 10,
+                      SparseEncoder(topk=1.0).encode(
+                          {"w": np.zeros(4, np.float32) + np.isin(np.arange(4), pos)
+                           * np.float32(vals)}, {"w": np.zeros(4, np.float32)}), "sparse")
+
+    for c in ("a", "b"):  # round 1: every device honest
+        w0.submit(sparse(c, [0], 0.5, 1, 0), 0.0)
+    w1.submit(sparse("z", [0], 0.5, 1, 0), 0.0)
+    assert root.merge(w0.flush(), 0.0) is None
+    first = root.merge(w1.flush(), 0.0) or root.poll(0.0)
+    assert first is not None and first.global_ is not None
+    for w in (w0, w1):
+        w.set_global(root.global_)
+    before = root.global_.tensors["w"].copy()
+    for c in ("a", "b"):
+        w0.submit(sparse(c, [0], 0.5, 2, 1), 0.0)
+    w1.submit(sparse("z", [3], 9e5, 2, 1), 0.0)  # alone in its worker's flush
+    root.merge(w0.flush(), 0.0)
+    closed = root.merge(w1.flush(), 0.0) or root.poll(0.0)
+    assert closed is not None and closed.global_ is not None
+    assert w1.counters["clipped"] == 1
+    assert abs(closed.global_.tensors["w"][3] - before[3]) <= 0.75 + 1e-6

@@ -277,6 +277,25 @@ def test_an_entry_no_one_else_sends_is_clipped_like_a_dense_change():
     np.testing.assert_allclose(closed.global_.tensors["b"], [0.4 / 3, 0.0], rtol=1e-6)
 
 
+def test_an_update_alone_after_a_spill_is_clipped_with_the_rounds_before():
+    # a reviewer helper's attack: a round that fills `round_max_mib` below its quorum folds
+    # (spills) what it holds, clipped among themselves; the update that arrived after was
+    # clipped alone, as its own bound (3 x its own norm): entry 3 moved by 4.5e5
+    mib = 1.5 * sparse_update("a", [0], [0.5]).nbytes / (1 << 20)  # two honest ones fill it
+    agg = make_agg(clients=5, min_clients=2, mode="async", burn_in=0, jump=1,
+                   round_timeout=1e9, round_max_mib=mib)
+    for c in "abcdz":
+        agg.join(c, 0.0)  # 5 active: a quorum of 3, so two updates that fill the round spill
+    assert agg.submit(sparse_update("a", [0], [0.5], batch=1), 0.0) is None
+    assert agg.submit(sparse_update("b", [0], [0.5], batch=1), 0.0) is None
+    assert agg.counters["spilled"] == 2
+    closed = agg.submit(sparse_update("z", [0, 1, 2, 3], [0.0, 0.0, 0.0, 9e5], batch=1), 0.0)
+    assert closed is not None and closed.global_ is not None
+    # clipped at 3 x the median of 0.5, 0.5 and its own: entry 3 = 1.5, mixed 0.5
+    assert agg.counters["clipped"] == 1
+    np.testing.assert_allclose(closed.global_.tensors["w"][3], 0.75, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_clipped_change_keeps_its_wire_dtype(dtype):
     agg = make_agg(clients=3)

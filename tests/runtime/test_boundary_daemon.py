@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from edgefcl.config import RunConfig, apply
 from edgefcl.data.labels import MAX_LABELS
+from edgefcl.federation.indexing import INDEX_FORMATS
 from edgefcl.federation.messages import Tick, Update
 from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
 from edgefcl.runtime.inbox import CPU_BURST_S, PER_SENDER, Inbox, shed_counters
@@ -105,7 +106,7 @@ def test_an_internal_error_is_counted_and_the_daemon_goes_on(tmp_path, monkeypat
     def boom(*a, **k):
         raise ZeroDivisionError("a bug reached by input")
 
-    monkeypatch.setattr(d.agg, "submit", boom)
+    monkeypatch.setattr(d.agg, "take", boom)
     d.handle(tp.update("a"), update())
     assert d.agg.counters["rejected_internal"] == 1
 
@@ -470,6 +471,37 @@ def test_online_statuses_do_not_keep_a_silent_device_in_lock_step(tmp_path) -> N
     d.store.close()
 
 
+def _ticks_in_a_minute(tmp_path, toggle: bool) -> int:
+    d = make_daemon(tmp_path, mode="sync", clients=3, min_clients=1, roster="a,b,c",
+                    client_timeout=5.0)
+    for c in "abc":
+        d._on_status(c, {"state": "online"}, 0.0)
+    seq, reported, t, nxt = {"a": 0, "b": 0}, -1, 0.0, 4.9
+    while t < 60.0:
+        if d.agg.tick != reported:  # a new tick: the honest a and b report at once
+            reported = d.agg.tick
+            for c in "ab":
+                seq[c] += 1
+                d._close_safely(lambda c=c: d.agg.submit(Tick(c, seq[c], 0, seq[c]), t))
+        if toggle and t >= nxt:  # c: offline then online every 4.9 s, never a report
+            d._on_status("c", {"state": "offline"}, t)
+            d._on_status("c", {"state": "online"}, t)
+            nxt += 4.9
+        d._serve_rounds(t)
+        t = round(t + 0.1, 1)
+    d.store.close()
+    return d.agg.tick
+
+
+def test_offline_online_statuses_do_not_keep_a_silent_device_in_lock_step(tmp_path) -> None:
+    # a reviewer helper's attack: `offline` took the device out of the active set, and
+    # `online` put it back with its report time set to now, so it never went silent and every
+    # tick waited for it: 12 ticks in a minute, against 549 with a plainly silent device
+    silent = _ticks_in_a_minute(tmp_path / "silent", toggle=False)
+    attacked = _ticks_in_a_minute(tmp_path / "toggling", toggle=True)
+    assert attacked >= silent // 2, (silent, attacked)
+
+
 def test_one_devices_done_does_not_end_the_run(tmp_path) -> None:
     # the attack: with --exit-when-done, one device's `done` while the others had not joined
     # yet (or were offline for a moment) ended the run and marked it finished
@@ -664,6 +696,40 @@ def test_one_devices_messages_take_no_more_than_its_share_of_the_main_loop(tmp_p
     assert d.inbox.put(tp.update("a"), update("a"))  # another device's share is its own
     d.handle(*d.inbox.get(0.0))
     assert d.agg.counters["accepted"] == 1
+    d.store.close()
+
+
+def test_a_sparse_updates_checks_are_charged_to_its_sender(tmp_path) -> None:
+    # a reviewer helper's attack: the update's checks ran uncharged with its submission, and
+    # a sparse update's decode every index and value: an update of every entry of two 1M-entry
+    # tensors, its last index out of range (rejected, its sequence number not used up, so the
+    # same bytes again and again), cost 10 ms of checks beside its 4.6 ms charged decode: one
+    # device took 3x its share. The checks are now charged; only taking the update is not
+    n = 1 << 20
+    initial = {f"w{i}": np.zeros((n // 1024, 1024), np.float32) for i in range(2)}
+    cfg = apply(RunConfig(), {"fed": {"clients": 3, "burn_in": 0, "jump": 1, "mode": "async",
+                                      "min_clients": 2, "encoding": "sparse",
+                                      "sender_rate": 0.0},
+                              "mqtt": {"fleet": FLEET, "max_payload": 64 << 20}, "quiet": True})
+    d = AggregatorDaemon(cfg, initial, tmp_path / "state")
+    d.link = Sink()
+    tp = topics(d.cfg.mqtt)
+    bitmap, _ = INDEX_FORMATS["zbits"].encode(np.arange(n), n, 2)  # every entry: tiny
+    t = {"w0::zbits": bitmap, "w0::val": np.full(n, 1e-3, np.float16),
+         "w1::idx": np.array([n], np.uint32), "w1::val": np.ones(1, np.float16)}
+    junk = encode(Update("m", 0, 1, 0, 1, 8, t, encoding="sparse", class_counts={0: 8}),
+                  fleet=FLEET)
+    used, start, most = 0.0, time.monotonic(), 0.0
+    for _ in range(300):
+        if d.inbox.put(tp.update("m"), junk):
+            item = d.inbox.get(0.0)
+            t0 = time.thread_time()
+            d.handle(*item)
+            spent = time.thread_time() - t0
+            used, most = used + spent, max(most, spent)
+    share = d.cfg.fed.sender_cpu
+    assert d.agg.counters["rejected_index-range"] > 0 and d.inbox.over_cpu > 0
+    assert used <= share * (CPU_BURST_S + time.monotonic() - start) + most
     d.store.close()
 
 

@@ -34,9 +34,10 @@ from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.robust import clipping, share, sigma_floor
 from edgefcl.federation.robust.variance import check_variances
 
-Rule = Callable[[list[Update], Tensors, FedConfig, Counter, str], list[Update]]
+Rule = Callable[[list[Update], Tensors, FedConfig, Counter, str, dict], list[Update]]
 """(updates, current global, options, counters, form of the decoded updates: the encoding's
-`form`, dense | sparse | gaussian) -> updates."""
+`form`, dense | sparse | entries | gaussian, memory: what the rules keep from one batch of
+updates to the next, one dict per aggregator) -> updates."""
 
 ROUND_RULES: dict[str, Rule] = {
     "clipping": clipping.apply,
@@ -47,11 +48,14 @@ ROUND_RULES: dict[str, Rule] = {
 
 
 def prepare_round(updates: list[Update], global_: Tensors, fed: FedConfig,
-                  counters: Counter, form: str = "dense") -> list[Update]:
+                  counters: Counter, form: str = "dense",
+                  memory: dict | None = None) -> list[Update]:
     """The round's (decoded) updates after every robust rule (unchanged when all are off);
-    `form` is the encoding's decoded form (dense, sparse or gaussian)."""
+    `form` is the encoding's decoded form; `memory`: the aggregator's dict in which the rules
+    keep what they need of its earlier batches (None: none)."""
+    memory = {} if memory is None else memory
     for rule in ROUND_RULES.values():
-        updates = rule(updates, global_, fed, counters, form)
+        updates = rule(updates, global_, fed, counters, form, memory)
     return updates
 
 

@@ -7,12 +7,15 @@ without this it set the entry by itself, up to the values' bound). tau is `fed.c
 when set, else `fed.clip_factor` times the median change norm of the round's updates that
 moved (adaptive; with two of them the smaller norm, so that an inflated update cannot raise
 its own bound, where their mean would: an honest pair is clipped only when one norm is over 3
-times the other, at the default factor 3)."""
+times the other, at the default factor 3). A batch with fewer than three updates that moved
+(what a round holds after a spill, a shard worker's flush, a round of two) uses the last
+RECENT norms of the aggregator's earlier batches too (`memory`, a clipped update's counted as
+tau; `reference_norm`): an update alone in its batch is not its own bound."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -33,14 +36,28 @@ def delta_norm(tensors: Tensors, global_: Tensors) -> float:
     return float(np.sqrt(total))
 
 
-def reference_norm(norms: list[float]) -> float:
+RECENT = 32
+"""Norms of earlier batches that a batch with fewer than three moved updates is clipped with."""
+
+
+def reference_norm(norms: list[float], recent: Sequence[float] = ()) -> float:
     """The norm the adaptive bound scales: the median of the norms above 0 (an update that
-    does not move cannot pull the bound down to nothing), and of two the smaller one (their
-    mean, the median, would let the larger set its own bound); 0 when none moved."""
+    does not move cannot pull the bound down to nothing); of two the smaller one (their mean,
+    the median, would let the larger set its own bound), raised towards the median of the
+    `recent` norms of earlier batches but not past the larger (a tiny update would otherwise
+    clip an honest one to nothing); one alone, with the recent norms as the first rule has
+    them (else it is its own bound); 0 when none moved."""
     moved = np.asarray([n for n in norms if n > 0], np.float64)
     if moved.size == 0:
         return 0.0
-    return float(moved.min()) if moved.size == 2 else float(np.median(moved))
+    if moved.size >= 3:
+        return float(np.median(moved))
+    usual = float(np.median(recent)) if len(recent) else None
+    if moved.size == 2:
+        low, high = float(moved.min()), float(moved.max())
+        return low if usual is None else max(low, min(high, usual))
+    pool = [float(moved[0]), *recent]
+    return min(pool) if len(pool) == 2 else float(np.median(pool))
 
 
 def clip(update: Update, global_: Tensors, tau: float, norm: float) -> Update:
@@ -67,13 +84,18 @@ FORMS: dict[str, tuple[Callable[[Tensors, Tensors], float],
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
-          counters: Counter, form: str = "dense") -> list[Update]:
-    """Clip dense and sparse updates (other forms pass through)."""
+          counters: Counter, form: str = "dense", memory: dict | None = None) -> list[Update]:
+    """Clip dense and sparse updates (other forms pass through); `memory` keeps the recent
+    norms (`reference_norm`)."""
     if form not in FORMS or (fed.clip_norm <= 0 and fed.clip_factor <= 0) or not updates:
         return updates
     norm_of, clip_to = FORMS[form]
     norms = [norm_of(u.tensors, global_) for u in updates]
-    tau = fed.clip_norm if fed.clip_norm > 0 else fed.clip_factor * reference_norm(norms)
+    recent: deque[float] = deque(maxlen=RECENT) if memory is None else memory.setdefault(
+        f"clip_norms_{form}", deque(maxlen=RECENT))
+    tau = fed.clip_norm if fed.clip_norm > 0 else fed.clip_factor * reference_norm(norms,
+                                                                                    recent)
+    recent.extend(min(n, tau) for n in norms if n > 0)
     out = []
     for u, n in zip(updates, norms, strict=True):
         if n > tau:

@@ -55,7 +55,7 @@ def _cap_class_shares(updates: list[Update], cap: float, counters: Counter) -> l
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
-          counters: Counter, form: str = "dense") -> list[Update]:
+          counters: Counter, form: str = "dense", memory: dict | None = None) -> list[Update]:
     if fed.max_share >= 1 or len(updates) < 2:
         return updates
     cap = fed.max_share if fed.max_share > 0 else default_cap(len(updates))

@@ -27,7 +27,7 @@ SIGMA = "::sigma"
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
-          counters: Counter, form: str = "gaussian") -> list[Update]:
+          counters: Counter, form: str = "gaussian", memory: dict | None = None) -> list[Update]:
     if form != "gaussian" or len(updates) < 2:
         return updates
     names = [k for k in updates[0].tensors if k.endswith(SIGMA)]
