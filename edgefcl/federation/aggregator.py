@@ -488,7 +488,8 @@ class Aggregator:
             self.strategy.configure_round(RoundInput(self.global_.version,
                                                      self.global_.tensors, self.history.get))
         updates = prepare_round(self.weighed(decoded), self.global_.tensors, self.fed,
-                                self.counters, self.encoding.form, self.rule_memory)
+                                self.counters, self.encoding.form, self.rule_memory,
+                                self.strategy)
         note_round(updates, self.global_.version, self.counters, whole=False)
         for u in updates:
             self.strategy.add(u)
@@ -629,7 +630,8 @@ class Aggregator:
                                                      self.global_.tensors, self.history.get,
                                                      participants))
         updates = prepare_round(self.weighed(decoded), self.global_.tensors, self.fed,
-                                self.counters, self.encoding.form, self.rule_memory)
+                                self.counters, self.encoding.form, self.rule_memory,
+                                self.strategy)
         note_round(updates, self.global_.version, self.counters, whole=not rnd.spilled)
         if rnd.spilled:
             self.counters[f"round_size_{len(participants)}"] += 1

@@ -248,6 +248,7 @@ class MomentMatching(GaussianStrategy):
     mu = sum_k w_k mu_k, sigma^2 = sum_k w_k (mu_k^2 + sigma_k^2) - mu^2, w_k = n_k / sum n."""
 
     decomposable = True
+    adds_variances = True
 
     def reset(self) -> None:
         super().reset()

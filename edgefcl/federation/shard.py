@@ -175,7 +175,8 @@ class ShardWorker(Aggregator):
         self.strategy.configure_round(RoundInput(self.global_.version, self.global_.tensors,
                                                  self.history.get, participants))
         updates = prepare_round(self.weighed(decoded), self.global_.tensors, self.fed, c,
-                                self.encoding.form, self.rule_memory)
+                                self.encoding.form, self.rule_memory,
+                                self.strategy)
         note_round(updates, self.global_.version, c, whole=False)
         for u in updates:
             self.strategy.add(u)

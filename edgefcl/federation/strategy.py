@@ -128,6 +128,9 @@ class Strategy:
     weights_by_class: ClassVar[bool] = False
     """True for rules whose weights are per class, not per sample (the share cap then caps
     each update's share of the class-weighted average: `robust/share.py`)."""
+    adds_variances: ClassVar[bool] = False
+    """True for Gaussian rules whose global variance sums the clients' (moment matching): a
+    client's sigma is then bounded above too (`robust/sigma_floor.py`)."""
     multiplies_likelihoods: ClassVar[bool] = False
     """True for rules that multiply the previous global by the clients' likelihoods (FedBNN):
     clients then send likelihoods after the standard-network phase, and Gaussian prototype

@@ -75,6 +75,42 @@ def test_a_tiny_update_does_not_freeze_a_round_of_two() -> None:
     np.testing.assert_allclose(closed.global_.tensors["w"] - before, [0.5, 0.5], rtol=1e-5)
 
 
+def _gaussian_global(rule: str, mu: float, sigma: float) -> dict:
+    """Five honest Gaussian updates (mu 0.1 +- 0.01, sigma 0.1) and one of (mu, sigma)."""
+    rng = np.random.default_rng(0)
+    base = {"w::mu": np.zeros(64, np.float32), "w::sigma": np.full(64, 0.1, np.float32)}
+    agg = Aggregator(dict(base), FedConfig(clients=6, burn_in=0, jump=1, mode="sync",
+                                           min_clients=1, encoding="gaussian",
+                                           aggregation=rule))
+
+    def gauss(c, m, s):
+        return Update(c, 0, 1, 0, 1, 8, {"w::mu": np.asarray(m, np.float32),
+                                         "w::sigma": np.full(64, s, np.float32)},
+                      encoding="gaussian")
+
+    ups = [gauss(f"h{i}", 0.1 + 0.01 * rng.standard_normal(64), 0.1) for i in range(5)]
+    ups.append(gauss("x", np.full(64, mu), sigma))
+    for u in ups:
+        agg.join(u.client)
+    closed = [agg.submit(u) for u in ups][-1]
+    assert closed is not None and closed.global_ is not None
+    return closed.global_.tensors
+
+
+@pytest.mark.parametrize("rule", ["conflation", "fedbnn", "moments"])
+def test_one_gaussian_update_of_six_cannot_move_the_global_mean(rule) -> None:
+    # a reviewer helper's attack: clipping left Gaussian updates out, so one device's mean of
+    # 9e5 with an ordinary sigma (the floor and the precision cap idle) moved the global's to
+    # 7.5e4 (fedbnn: 6.4e4); their means' change is now clipped like a dense delta
+    assert np.abs(_gaussian_global(rule, 9e5, 0.1)["w::mu"]).max() < 1.0
+
+
+def test_one_gaussian_update_of_six_cannot_widen_the_global_sigma() -> None:
+    # the same helper: under moment matching one sigma of 1e6 made the global's 2.9e5; a sigma
+    # is now at most clip_factor x the round's median sigma of its entry
+    assert _gaussian_global("moments", 0.1, 1e6)["w::sigma"].max() < 1.0
+
+
 def test_share_cap_water_filling_by_hand() -> None:
     np.testing.assert_allclose(capped_weights(np.array([1.0, 1.0, 98.0]), 0.5), [1, 1, 2])
     np.testing.assert_allclose(capped_weights(np.array([2.0, 3.0]), 0.9), [2, 3])

@@ -482,7 +482,7 @@ def _ticks_in_a_minute(tmp_path, toggle: bool) -> int:
             reported = d.agg.tick
             for c in "ab":
                 seq[c] += 1
-                d._close_safely(lambda c=c: d.agg.submit(Tick(c, seq[c], 0, seq[c]), t))
+                d._close_safely(lambda c=c, t=t: d.agg.submit(Tick(c, seq[c], 0, seq[c]), t))
         if toggle and t >= nxt:  # c: offline then online every 4.9 s, never a report
             d._on_status("c", {"state": "offline"}, t)
             d._on_status("c", {"state": "online"}, t)

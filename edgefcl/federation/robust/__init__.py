@@ -5,9 +5,9 @@ a round's accepted updates before the strategy averages them, in order.
 | rule                       | module          | dense | sparse/apc | gaussian | default          |
 |----------------------------|-----------------|-------|------------|----------|------------------|
 | BatchNorm variances > 0    | variance.py     | yes   | dense parts| plain    | always (reject)  |
-| norm clipping of changes   | clipping.py     | yes   | sparse     | no       | 3 x median norm  |
+| norm clipping of changes   | clipping.py     | yes   | sparse     | means    | 3 x median norm  |
 | weight share cap           | share.py        | yes   | yes        | plain+mm | 2/n, <= 1/2      |
-| sigma floor                | sigma_floor.py  | no    | no         | yes      | 0.5 x median     |
+| sigma ceiling and floor    | sigma_floor.py  | no    | no         | yes      | 3x, 0.5x median  |
 | coordinate-wise median     | median.py       | yes   | no         | no       | --aggregation    |
 | trimmed mean               | trimmed_mean.py | yes   | no         | no       | --aggregation    |
 | label room (new labels)    | label_room.py   | library (any encoding)      | 2/n x 1,024, <= 512 |
@@ -33,11 +33,14 @@ from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.robust import clipping, share, sigma_floor
 from edgefcl.federation.robust.variance import check_variances
+from edgefcl.federation.strategy import Strategy
 
-Rule = Callable[[list[Update], Tensors, FedConfig, Counter, str, dict], list[Update]]
+Rule = Callable[[list[Update], Tensors, FedConfig, Counter, str, dict, Strategy | None],
+                list[Update]]
 """(updates, current global, options, counters, form of the decoded updates: the encoding's
 `form`, dense | sparse | entries | gaussian, memory: what the rules keep from one batch of
-updates to the next, one dict per aggregator) -> updates."""
+updates to the next, one dict per aggregator, the strategy that averages them: what it
+declares, such as `weights_by_class`) -> updates."""
 
 ROUND_RULES: dict[str, Rule] = {
     "clipping": clipping.apply,
@@ -49,13 +52,13 @@ ROUND_RULES: dict[str, Rule] = {
 
 def prepare_round(updates: list[Update], global_: Tensors, fed: FedConfig,
                   counters: Counter, form: str = "dense",
-                  memory: dict | None = None) -> list[Update]:
+                  memory: dict | None = None, strategy: Strategy | None = None) -> list[Update]:
     """The round's (decoded) updates after every robust rule (unchanged when all are off);
     `form` is the encoding's decoded form; `memory`: the aggregator's dict in which the rules
-    keep what they need of its earlier batches (None: none)."""
+    keep what they need of its earlier batches (None: none); `strategy`: the aggregator's."""
     memory = {} if memory is None else memory
     for rule in ROUND_RULES.values():
-        updates = rule(updates, global_, fed, counters, form, memory)
+        updates = rule(updates, global_, fed, counters, form, memory, strategy)
     return updates
 
 

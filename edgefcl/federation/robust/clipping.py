@@ -1,14 +1,15 @@
-"""Norm clipping: each update's change is scaled down to at most tau in L2 norm, so a scaled
-or inflated update moves the global no more than an honest one. A dense update's change is its
-delta to the current global (over all float tensors); a sparse update's is what it carries, its
-entries' values (changes on its base) and its whole tensors' difference to the current global
-(`sparse.change_norm`: the entry an update alone sends is averaged over that one sender, so
-without this it set the entry by itself, up to the values' bound). tau is `fed.clip_norm`
-when set, else `fed.clip_factor` times the median change norm of the round's updates that
-moved (adaptive; with two of them the smaller norm, so that an inflated update cannot raise
-its own bound, where their mean would: an honest pair is clipped only when one norm is over 3
-times the other, at the default factor 3). A batch with fewer than three updates that moved
-(what a round holds after a spill, a shard worker's flush, a round of two) uses the last
+"""Norm clipping: each update's change is scaled down to at most tau in L2 norm, so a scaled or
+inflated update moves the global no more than an honest one. A dense update's change is its
+delta to the current global (over all float tensors), a Gaussian update's that of its means and
+plain tensors (its sigmas are bounded by `sigma_floor.py`); a sparse update's is what it
+carries, its entries' values (changes on its base) and its whole tensors' difference to the
+current global (`sparse.change_norm`: the entry an update alone sends is averaged over that one
+sender, so without this it set the entry by itself, up to the values' bound). tau is
+`fed.clip_norm` when set, else `fed.clip_factor` times the median change norm of the round's
+updates that moved (adaptive; with two of them the smaller norm, so that an inflated update
+cannot raise its own bound, where their mean would: an honest pair is clipped only when one norm
+is over 3 times the other, at the default factor 3). A batch with fewer than three updates that
+moved (what a round holds after a spill, a shard worker's flush, a round of two) uses the last
 RECENT norms of the aggregator's earlier batches too (`memory`, a clipped update's counted as
 tau; `reference_norm`): an update alone in its batch is not its own bound."""
 
@@ -22,7 +23,9 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
+from edgefcl.federation.robust.sigma_floor import SIGMA
 from edgefcl.federation.sparse import change_norm, scaled_change
+from edgefcl.federation.strategy import Strategy
 
 
 def delta_norm(tensors: Tensors, global_: Tensors) -> float:
@@ -66,8 +69,14 @@ def clip(update: Update, global_: Tensors, tau: float, norm: float) -> Update:
     tensors = {k: ((global_[k].astype(np.float64)
                     + s * (t.astype(np.float64) - global_[k].astype(np.float64))).astype(t.dtype)
                    if k in global_ and t.dtype.kind == "f" and t.shape == global_[k].shape
-                   else t) for k, t in update.tensors.items()}
+                   and not k.endswith(SIGMA) else t) for k, t in update.tensors.items()}
     return replace(update, tensors=tensors)
+
+
+def means_norm(tensors: Tensors, global_: Tensors) -> float:
+    """A Gaussian update's change: of its means and plain tensors (its sigmas are bounded by
+    `sigma_floor.py`; `clip` leaves them as they are)."""
+    return delta_norm({k: t for k, t in tensors.items() if not k.endswith(SIGMA)}, global_)
 
 
 def clip_sparse(update: Update, global_: Tensors, tau: float, norm: float) -> Update:
@@ -79,14 +88,16 @@ FORMS: dict[str, tuple[Callable[[Tensors, Tensors], float],
                        Callable[[Update, Tensors, float, float], Update]]] = {
     "dense": (delta_norm, clip),
     "sparse": (change_norm, clip_sparse),
+    "gaussian": (means_norm, clip),
 }
 """Decoded form -> (the norm of an update's change, the clip that scales it to tau)."""
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
-          counters: Counter, form: str = "dense", memory: dict | None = None) -> list[Update]:
-    """Clip dense and sparse updates (other forms pass through); `memory` keeps the recent
-    norms (`reference_norm`)."""
+          counters: Counter, form: str = "dense", memory: dict | None = None,
+          strategy: Strategy | None = None) -> list[Update]:
+    """Clip dense, sparse and Gaussian updates (other forms pass through); `memory` keeps the
+    recent norms (`reference_norm`)."""
     if form not in FORMS or (fed.clip_norm <= 0 and fed.clip_factor <= 0) or not updates:
         return updates
     norm_of, clip_to = FORMS[form]

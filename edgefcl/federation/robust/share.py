@@ -20,14 +20,7 @@ import numpy as np
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.share_cap import capped_groups, capped_weights, default_cap  # noqa: F401
-from edgefcl.federation.strategy import sample_weight
-
-
-def _weights_by_class(fed: FedConfig, form: str) -> bool:
-    from edgefcl.federation.rules import DENSE_RULES  # the registry imports the robust rules
-
-    rule = DENSE_RULES.get(fed.aggregation) if form == "dense" else None
-    return rule is not None and rule.weights_by_class
+from edgefcl.federation.strategy import Strategy, sample_weight
 
 
 def class_shares(updates: list[Update]) -> np.ndarray:
@@ -55,11 +48,12 @@ def _cap_class_shares(updates: list[Update], cap: float, counters: Counter) -> l
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
-          counters: Counter, form: str = "dense", memory: dict | None = None) -> list[Update]:
+          counters: Counter, form: str = "dense", memory: dict | None = None,
+          strategy: Strategy | None = None) -> list[Update]:
     if fed.max_share >= 1 or len(updates) < 2:
         return updates
     cap = fed.max_share if fed.max_share > 0 else default_cap(len(updates))
-    if _weights_by_class(fed, form):
+    if strategy is not None and strategy.weights_by_class:
         return _cap_class_shares(updates, cap, counters)
     w = np.array([sample_weight(u) for u in updates], np.float64)
     new = capped_weights(w, cap)

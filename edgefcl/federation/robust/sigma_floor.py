@@ -1,5 +1,11 @@
-"""Sigma floor and precision cap for Gaussian updates, for any number of updates and every
-precision-weighted rule (conflation, fedbnn):
+"""Sigma ceiling, sigma floor and precision cap for Gaussian updates, for any number of updates
+and every rule (conflation, fedbnn, moments):
+0. under a rule whose sigmas add up (`Strategy.adds_variances`: moments), every `::sigma`
+   entry is lowered to at most `fed.clip_factor` times the round's median sigma of that entry
+   (of two, the smaller), so one update cannot widen the global: a sigma of 1e6 among five of
+   0.1 made the global's 2.9e5 (under the precision-weighted rules a wide sigma weighs
+   nothing, and FedBNN's likelihood sigmas are wide by nature: 1.6 million entries a run
+   would be lowered);
 1. every `::sigma` entry is raised to at least `fed.sigma_floor` times the round's median
    sigma of that entry (the median of two is their mean), so a tiny sigma gets no enormous
    precision;
@@ -13,6 +19,7 @@ of the cap (an entry only one update informs is that update's alone)
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import replace
 
@@ -22,12 +29,14 @@ from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.share_cap import capped_columns, default_cap
 from edgefcl.federation.sigma_bounds import LIK_SIGMA_MAX, median_floor
+from edgefcl.federation.strategy import Strategy
 
 SIGMA = "::sigma"
 
 
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
-          counters: Counter, form: str = "gaussian", memory: dict | None = None) -> list[Update]:
+          counters: Counter, form: str = "gaussian", memory: dict | None = None,
+          strategy: Strategy | None = None) -> list[Update]:
     if form != "gaussian" or len(updates) < 2:
         return updates
     names = [k for k in updates[0].tensors if k.endswith(SIGMA)]
@@ -36,10 +45,15 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
     for k in names:
         sigmas = np.stack([u.tensors[k] for u in updates]).astype(np.float64)
         raised = sigmas
+        if (fed.clip_factor > 0 and len(updates) >= 3 and strategy is not None
+                and strategy.adds_variances):
+            raised = np.minimum(sigmas, sigma_ceiling(sigmas, fed.clip_factor))
+            counters["sigma_ceiled"] += int((raised < sigmas).sum())
         if fed.sigma_floor > 0:
-            raised = np.maximum(sigmas, median_floor(sigmas, fed.sigma_floor,
-                                                     informative_only=True))
-            counters["sigma_floored"] += int((raised > sigmas).sum())
+            floored = np.maximum(raised, median_floor(sigmas, fed.sigma_floor,
+                                                      informative_only=True))
+            counters["sigma_floored"] += int((floored > raised).sum())
+            raised = floored
         if fed.max_share < 1:
             capped = precision_capped(raised, cap)
             counters["sigma_share_capped"] += int((capped > raised).sum())
@@ -48,9 +62,21 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
     out = []
     for i, u in enumerate(updates):
         changed = {k: new[k][i].astype(u.tensors[k].dtype) for k in names
-                   if (new[k][i] > u.tensors[k]).any()}
+                   if (new[k][i] != u.tensors[k]).any()}
         out.append(replace(u, tensors=u.tensors | changed) if changed else u)
     return out
+
+
+def sigma_ceiling(sigmas: np.ndarray, factor: float) -> np.ndarray:
+    """`factor` x the median of `sigmas` (updates x ...) per entry, over the updates that
+    inform it (uninformative likelihood entries, sigma >= LIK_SIGMA_MAX, left out: they keep
+    their sigma), of two the smaller; infinite where none informs it."""
+    informed = np.where(sigmas < LIK_SIGMA_MAX, sigmas, np.nan)
+    count = (~np.isnan(informed)).sum(0)
+    with warnings.catch_warnings():  # an entry nobody informs: an all-NaN median
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ref = np.where(count == 2, np.nanmin(informed, 0), np.nanmedian(informed, 0))
+    return np.where(count > 0, factor * np.nan_to_num(ref, nan=np.inf), np.inf)
 
 
 def precision_capped(sigmas: np.ndarray, cap: float) -> np.ndarray:
