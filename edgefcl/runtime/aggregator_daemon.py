@@ -322,7 +322,7 @@ class AggregatorDaemon:
                     self.agg.admission.session(client, inc):
                 self.agg.counters["new_sessions"] += 1
                 log.info("%s: new device incarnation %s (sequence numbers start again)",
-                         client, inc)
+                         client, inc, extra={"device": client})
         elif state in ("offline", "done") and not self.agg.admission.admit(client):
             self.agg.counters["rejected_roster"] += 1  # (a learned roster with room learns it)
         elif state in ("offline", "done"):

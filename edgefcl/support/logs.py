@@ -60,13 +60,14 @@ DEVICE_KEYS = 1024
 class Repeats(logging.Filter):
     """Lets through at most `burst` warnings of one message template (the format string, not
     its values: what devices send cannot make new templates) and one device (a record's
-    `device`, when the call names one) per `window` seconds; the others are left out and
-    counted, and the next one let through says how many. A device sending a rejected message
-    50 times a second wrote a warning line for each: the log grew with what it sent; counted
-    by template alone, 20 rejections a minute of one device hid every other device's. Other
-    levels all pass (a round's line, an error), and the daemons' status counts every
-    rejection by reason either way. Devices are counted apart up to DEVICE_KEYS at a time
-    (those whose window ended make room)."""
+    `device`, when the call names one) per `window` seconds, and as many info lines that name
+    a device; the others are left out and counted, and the next one let through says how
+    many. A device sending a rejected message 50 times a second wrote a warning line for
+    each: the log grew with what it sent; counted by template alone, 20 rejections a minute of
+    one device hid every other device's; a device's statuses that each announced a new
+    incarnation wrote an info line each. Other lines all pass (a round's line, an error), and
+    the daemons' status counts every rejection by reason either way. Devices are counted
+    apart up to DEVICE_KEYS at a time (those whose window ended make room)."""
 
     def __init__(self, burst: int = 20, window: float = 60.0) -> None:
         super().__init__()
@@ -91,7 +92,9 @@ class Repeats(logging.Filter):
         return key if self._devices < DEVICE_KEYS else (record.name, record.msg, None)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING or not isinstance(record.msg, str):
+        limited = record.levelno == logging.WARNING or (
+            record.levelno == logging.INFO and getattr(record, "device", None) is not None)
+        if not limited or not isinstance(record.msg, str):
             return True
         key = self._key(record)
         if key not in self._seen and key[2] is not None:

@@ -4,6 +4,7 @@ driven through `AggregatorDaemon.handle` exactly as the MQTT thread's inbox deli
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import msgpack
@@ -25,6 +26,7 @@ from edgefcl.runtime.links import (
     topics,
     update_limits,
 )
+from edgefcl.support.logs import Repeats
 from edgefcl.transport.bounds import DEFAULT_LIMITS
 from edgefcl.transport.codec import Message, encode
 
@@ -500,6 +502,36 @@ def test_offline_online_statuses_do_not_keep_a_silent_device_in_lock_step(tmp_pa
     silent = _ticks_in_a_minute(tmp_path / "silent", toggle=False)
     attacked = _ticks_in_a_minute(tmp_path / "toggling", toggle=True)
     assert attacked >= silent // 2, (silent, attacked)
+
+
+def test_a_device_cannot_write_a_log_line_per_status(tmp_path) -> None:
+    # a reviewer helper's attack: statuses whose incarnation alternates "x", "y" each reset
+    # the device's session and logged a line at INFO, the daemons' level, which the log's
+    # limit (`Repeats`, warnings only) let through: 2,999 lines in a minute at 50/s
+    class Count(logging.Handler):
+        lines = 0
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines += 1
+
+    h = Count(logging.INFO)
+    h.addFilter(Repeats())
+    lg = logging.getLogger("edgefcl")
+    old = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    d = make_daemon(tmp_path, roster="a,b")
+    tp = topics(d.cfg.mqtt)
+    try:
+        for i in range(3000):  # one minute at the inbox's rate
+            body = {"state": "online", "incarnation": "xy"[i % 2]}
+            d.handle(tp.status("a"), encode(Message("status", body, sender="a"), fleet=FLEET))
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+        d.store.close()
+    assert d.agg.counters["new_sessions"] == 2999  # every one still counted
+    assert h.lines <= 40, h.lines
 
 
 def test_one_devices_done_does_not_end_the_run(tmp_path) -> None:
