@@ -1,14 +1,18 @@
 """Label room: the prototype library's MAX_LABELS slots are shared by the fleet, so that one
 device cannot fill them with labels it invents (the open label space's share cap).
 
-A label in the library that one device alone introduced is that device's (`owners`) until
-another device sends it too; then it is shared. A device may own at most `quota` labels: the
-share cap's bound (`fed.max_share`; 0: twice an equal share of the roster, at most half) of
-MAX_LABELS, and none at all with `max_share` >= 1 (off). Each round the new labels enter in
-this order while the library has room: those two devices or more sent, then each device's own
-in name order, taken in turns (one each per turn, devices in id order) up to its quota. A new
-label left out is left out of that round's tables (`prototype_labels_left_out`, one per row);
-it may enter later, when its sender has room again or another device sends it too.
+Every label in the library is charged to one device (`owners`): the one that introduced it,
+or of the devices that introduced it in the same round the one with the most room left. A
+device may be charged at most `quota` labels: the share cap's bound (`fed.max_share`; 0: twice
+an equal share of the roster, at most half) of MAX_LABELS, and none at all with `max_share` >= 1
+(off). A label stays charged when other devices send it later: freed once another device sent
+it, two colluding devices that each resent the other's labels of the last round had their
+quotas freed every round and took 1,022 of the 1,024 slots. Each round the new labels enter in
+this order while the library has room: those two devices or more sent (charged to the sender
+with the most room; left out when none has room), then each device's own in name order, taken
+in turns (one each per turn, devices in id order) up to its quota. A new label left out is left
+out of that round's tables (`prototype_labels_left_out`, one per row); it may enter later, when
+a sender of it has room.
 """
 
 from __future__ import annotations
@@ -36,24 +40,27 @@ def admit(tables: Sequence[LabelRows], senders: Sequence[str], library: LabelRow
           owners: dict[str, str], limit: int, counters: Counter
           ) -> tuple[list[LabelRows], dict[str, str]]:
     """`tables` (sent by `senders`, one each) without the rows of the new labels that do not
-    enter the `library` this round, and the owners after the round (label -> the device that
-    alone introduced it; a new dict, `owners` is left as it is)."""
+    enter the `library` this round, and the owners after the round (label -> the device it is
+    charged to; a new dict, `owners` is left as it is)."""
     owners = dict(owners)
     known = set(library.labels)
-    sent_by: dict[str, set[str]] = {}
+    new: dict[str, set[str]] = {}
     for client, t in zip(senders, tables, strict=True):
         for label in t.labels:
-            sent_by.setdefault(label, set()).add(client)
-    for label, clients in sent_by.items():  # another device sends it: shared from now on
-        if label in owners and clients - {owners[label]}:
-            del owners[label]
-    new = {label: clients for label, clients in sent_by.items() if label not in known}
+            if label not in known:
+                new.setdefault(label, set()).add(client)
     if not new:
         return list(tables), owners
     room = MAX_LABELS - len(known)
-    enter = sorted(label for label, clients in new.items() if len(clients) > 1)[:room]
-    room -= len(enter)
     held = Counter(owners.values())
+    enter: list[str] = []
+    for label in sorted(lb for lb, clients in new.items() if len(clients) > 1):
+        payer = min(new[label], key=lambda c: (held[c], c))  # the most room, then by id
+        if room > 0 and held[payer] < limit:
+            enter.append(label)
+            owners[label] = payer
+            held[payer] += 1
+            room -= 1
     own: dict[str, list[str]] = {}
     for label in sorted(new):
         if len(new[label]) == 1:
