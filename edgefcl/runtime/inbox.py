@@ -23,11 +23,12 @@ compliant devices' were shed, and the factor locked at its cap: 6x the folds for
 Those refusals are handed back to the quota (`take_refused`): they are part of what the device
 sends, and a device measured by what got past the inbox looked within its limit every other
 interval (1.77x the folds of a compliant device with 20 % ignoring).
-With `cpu_share`, each sender also has a budget of the main loop's time: the daemon reads
+With `cpu_share`, each sender also has a budget of the main loop's time: the daemon handles
 (decodes and checks) each message inside `charging`, which counts the thread's CPU time against
-its sender, and a sender that has spent its share is refused like one over its message rate,
-counted as `over_cpu`: messages that each cost the scan of a made-up payload, or the digest of a
-large valid one, no longer buy one device more of the loop than its share.
+its sender, and a sender that has spent its share is refused while other senders' messages
+wait, like one over its message rate, counted as `over_cpu`: messages that each cost the scan
+of a made-up payload, or the digest of a large valid one, no longer buy one device more of a
+busy loop than its share.
 The senders of reports it refused (`is_report`: updates) are handed to the aggregator
 (`take_lost`), whose open round then stops waiting for them. With `supersede` (async), a
 sender's newer report replaces its report still waiting: under overload a queue of small
@@ -289,12 +290,16 @@ class Inbox:
         return min(full, left + (now - at) * self.cpu_share)
 
     def _within_rate(self, sender: str) -> bool:
-        """Whether `sender` has CPU time left (`charging`), and take a token of its bucket
+        """Whether `sender` has CPU time left (`charging`) or no other sender has a message
+        waiting (an idle loop's time is no one's: a device of a large model, 70-200 ms an
+        update, was refused at one update a second by a loop with nothing else to do), and
+        take a token of its bucket
         (refilled at `rate` a second, holding 2 s of them); False when it has none. The
         buckets of idle senders are dropped past MAX_OFFENDERS senders, so the table stays
         bounded."""
         now = self.clock()
-        if self.cpu_share > 0 and self._cpu_left(sender, now) <= 0:
+        if (self.cpu_share > 0 and self._cpu_left(sender, now) <= 0
+                and len(self._turns) > (sender in self._queues)):  # others wait: contended
             self.over_cpu += 1
             return False
         if self.rate <= 0:

@@ -13,6 +13,7 @@ from edgefcl.federation.messages import Update
 from edgefcl.federation.robust.clipping import reference_norm
 from edgefcl.federation.robust.share import capped_weights
 from edgefcl.federation.robust.variance import check_variances
+from edgefcl.federation.shard import ShardRoot, ShardWorker
 
 ZERO = {"w": np.zeros(2, np.float32)}
 
@@ -75,6 +76,25 @@ def test_a_tiny_update_does_not_freeze_a_round_of_two() -> None:
     np.testing.assert_allclose(closed.global_.tensors["w"] - before, [0.5, 0.5], rtol=1e-5)
 
 
+def test_an_inflated_update_cannot_grow_its_own_bound_through_the_memory() -> None:
+    # a reviewer helper's attack on the memory: a pair's norms went in clipped at tau (3 x the
+    # reference), half of them the attacker's, and the bound grew about 1.5x every 16 rounds:
+    # the global moved -387 in round 208, where the smaller norm of two held it to -1
+    f = FedConfig(clients=2, burn_in=0, jump=1, mode="sync", min_clients=1, mix=1.0)
+    agg = Aggregator({"w": np.zeros(2, np.float32)}, f)
+    for c in "ax":
+        agg.join(c)
+    moves = []
+    for seq in range(1, 209):
+        g = agg.global_.tensors["w"].copy()
+        agg.submit(Update("a", agg.global_.version, seq, 0, seq, 8, {"w": g + 1.0}))
+        x = g + 1.0 if seq <= 8 else np.full(2, -9e5, np.float32)
+        closed = agg.submit(Update("x", agg.global_.version, seq, 0, seq, 8, {"w": x}))
+        moves.append(float(closed.global_.tensors["w"][0] - g[0]))
+    assert moves[8] == -1.0  # the first attacked round: honest +1, x clipped to -3
+    assert min(moves) >= -1.01, (moves[99], moves[-1])
+
+
 def _gaussian_global(rule: str, mu: float, sigma: float) -> dict:
     """Five honest Gaussian updates (mu 0.1 +- 0.01, sigma 0.1) and one of (mu, sigma)."""
     rng = np.random.default_rng(0)
@@ -109,6 +129,47 @@ def test_one_gaussian_update_of_six_cannot_widen_the_global_sigma() -> None:
     # the same helper: under moment matching one sigma of 1e6 made the global's 2.9e5; a sigma
     # is now at most clip_factor x the round's median sigma of its entry
     assert _gaussian_global("moments", 0.1, 1e6)["w::sigma"].max() < 1.0
+
+
+def _gauss(client: str, sigma: float) -> Update:
+    return Update(client, 0, 1, 0, 1, 8, {"w::mu": np.full(64, 0.1, np.float32),
+                                          "w::sigma": np.full(64, sigma, np.float32)},
+                  encoding="gaussian")
+
+
+GAUSS_BASE = {"w::mu": np.zeros(64, np.float32), "w::sigma": np.full(64, 0.1, np.float32)}
+
+
+def test_one_sigma_of_two_cannot_widen_the_moments_global() -> None:
+    # the same helper again: the ceiling applied from three updates on, so a round of two
+    # gave a global sigma of 5.0e5
+    agg = Aggregator(dict(GAUSS_BASE), FedConfig(clients=2, burn_in=0, jump=1, mode="sync",
+                                                 min_clients=1, encoding="gaussian",
+                                                 aggregation="moments"))
+    for c in ("h", "x"):
+        agg.join(c)
+    agg.submit(_gauss("h", 0.1))
+    closed = agg.submit(_gauss("x", 1e6))
+    assert closed.global_.tensors["w::sigma"].max() < 1.0
+
+
+def test_one_sigma_alone_in_a_workers_flush_cannot_widen_the_moments_global() -> None:
+    # and alone in a shard worker's flush (the root merges sums: it cannot bound a sigma),
+    # among five honest ones in the other worker's: 2.9e5
+    fed = FedConfig(mode="async", clients=6, min_clients=6, encoding="gaussian",
+                    aggregation="moments", burn_in=0, jump=1, round_timeout=1e9)
+    root = ShardRoot(dict(GAUSS_BASE), fed)
+    workers = [ShardWorker(dict(GAUSS_BASE), fed, worker=w) for w in ("w0", "w1")]
+    for w in workers:
+        root.worker_online(w.worker)
+    for i in range(5):
+        assert workers[0].submit(_gauss(f"h{i}", 0.1), 0.0) is None
+    assert workers[1].submit(_gauss("x", 1e6), 0.0) is None
+    closed = None
+    for w in workers:
+        assert root.merge(w.flush(root.claim(w.worker, w.claimable())), 0.0) is None
+        closed = root.poll(0.0) or closed
+    assert closed.global_.tensors["w::sigma"].max() < 1.0
 
 
 def test_share_cap_water_filling_by_hand() -> None:

@@ -688,6 +688,7 @@ def test_cpu_share_by_hand() -> None:
             with box.uncharged():  # e.g. a round's close: not the sender's
                 cpu[0] += fleet_work
 
+    assert box.put("h", b"x")  # another sender's message waits: the loop is contended
     assert box.put("m", b"x")  # a full budget: 0.1 x CPU_BURST_S = 0.2 s
     handle("m", 0.3, fleet_work=0.15)  # charged 0.15: 0.05 left
     assert box.put("m", b"x")
@@ -699,6 +700,12 @@ def test_cpu_share_by_hand() -> None:
     now[0] = 0.6
     assert box.put("m", b"x")
     assert box.worst() == {"m": 2}
+    handle("m", 0.5)  # -0.49 left
+    while box.get(0.0) is not None:  # h's messages (and m's) taken: nobody else waits
+        pass
+    assert box.put("m", b"x")  # an idle loop's time is no one's
+    assert box.put("h", b"x")  # h waits again: m is refused
+    assert not box.put("m", b"x") and box.over_cpu == 3
 
 
 def test_one_devices_messages_take_no_more_than_its_share_of_the_main_loop(tmp_path) -> None:
@@ -712,22 +719,41 @@ def test_one_devices_messages_take_no_more_than_its_share_of_the_main_loop(tmp_p
     tp = topics(d.cfg.mqtt)
     pad = list(range(d.update_limits.max_objects - 16))
     junk = encode(Message("status", {"state": "online", "pad": pad}, sender="m"), fleet=FLEET)
+    honest = encode(Message("status", {"state": "online"}, sender="a"), fleet=FLEET)
     used, start, most = 0.0, time.monotonic(), 0.0
-    for _ in range(600):
-        if d.inbox.put(tp.update("m"), junk):
-            item = d.inbox.get(0.0)
+    for _ in range(600):  # an honest device's status waits at each of m's: the loop is busy
+        d.inbox.put(tp.status("a"), honest)
+        d.inbox.put(tp.update("m"), junk)
+        while (item := d.inbox.get(0.0)) is not None:
             t0 = time.thread_time()
             d.handle(*item)
             spent = time.thread_time() - t0
-            used, most = used + spent, max(most, spent)
+            if item[0] == tp.update("m"):
+                used, most = used + spent, max(most, spent)
     share = d.cfg.fed.sender_cpu
     assert d.inbox.over_cpu > 0 and d.agg.counters["rejected_kind"] > 0
     assert used <= share * (CPU_BURST_S + time.monotonic() - start) + most
     assert shed_counters(d.inbox)["rejected_over_cpu"] == d.inbox.over_cpu
     assert d.inbox.worst() == {"m": d.inbox.over_cpu}  # the status names the device
-    assert d.inbox.put(tp.update("a"), update("a"))  # another device's share is its own
+    assert d.inbox.put(tp.update("b"), update("b"))  # another device's share is its own
     d.handle(*d.inbox.get(0.0))
     assert d.agg.counters["accepted"] == 1
+    d.store.close()
+
+
+def test_an_idle_daemon_does_not_refuse_an_honest_device_over_its_cpu_share(tmp_path) -> None:
+    # a reviewer helper's finding: a device of a large model (ResNet-18, 45 MB updates: 70 to
+    # 200 ms each to handle) sending one update a second was refused 13-14 times in 40 by a
+    # daemon with nothing else to do; here the share is cut to 0.1 ms a second instead
+    d = make_daemon(tmp_path, sender_cpu=1e-4)
+    now = [0.0]
+    d.inbox.clock = lambda: now[0]  # one update a second
+    tp = topics(d.cfg.mqtt)
+    for seq in range(1, 21):
+        now[0] += 1.0
+        assert d.inbox.put(tp.update("a"), update("a", seq=seq, batch=seq))
+        d.handle(*d.inbox.get(0.0))
+    assert d.inbox.over_cpu == 0 and d.agg.counters["accepted"] == 20
     d.store.close()
 
 
@@ -751,14 +777,17 @@ def test_a_sparse_updates_checks_are_charged_to_its_sender(tmp_path) -> None:
          "w1::idx": np.array([n], np.uint32), "w1::val": np.ones(1, np.float16)}
     junk = encode(Update("m", 0, 1, 0, 1, 8, t, encoding="sparse", class_counts={0: 8}),
                   fleet=FLEET)
+    honest = encode(Message("status", {"state": "online"}, sender="a"), fleet=FLEET)
     used, start, most = 0.0, time.monotonic(), 0.0
-    for _ in range(300):
-        if d.inbox.put(tp.update("m"), junk):
-            item = d.inbox.get(0.0)
+    for _ in range(300):  # an honest device's status waits at each of m's: the loop is busy
+        d.inbox.put(tp.status("a"), honest)
+        d.inbox.put(tp.update("m"), junk)
+        while (item := d.inbox.get(0.0)) is not None:
             t0 = time.thread_time()
             d.handle(*item)
             spent = time.thread_time() - t0
-            used, most = used + spent, max(most, spent)
+            if item[0] == tp.update("m"):
+                used, most = used + spent, max(most, spent)
     share = d.cfg.fed.sender_cpu
     assert d.agg.counters["rejected_index-range"] > 0 and d.inbox.over_cpu > 0
     assert used <= share * (CPU_BURST_S + time.monotonic() - start) + most

@@ -10,8 +10,9 @@ updates that moved (adaptive; with two of them the smaller norm, so that an infl
 cannot raise its own bound, where their mean would: an honest pair is clipped only when one norm
 is over 3 times the other, at the default factor 3). A batch with fewer than three updates that
 moved (what a round holds after a spill, a shard worker's flush, a round of two) uses the last
-RECENT norms of the aggregator's earlier batches too (`memory`, a clipped update's counted as
-tau; `reference_norm`): an update alone in its batch is not its own bound."""
+RECENT norms of the aggregator's earlier batches too (`memory`: a batch's norms, a clipped
+one's counted as tau, or a pair's reference; `reference_norm`): an update alone in its batch
+is not its own bound."""
 
 from __future__ import annotations
 
@@ -104,9 +105,12 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
     norms = [norm_of(u.tensors, global_) for u in updates]
     recent: deque[float] = deque(maxlen=RECENT) if memory is None else memory.setdefault(
         f"clip_norms_{form}", deque(maxlen=RECENT))
-    tau = fed.clip_norm if fed.clip_norm > 0 else fed.clip_factor * reference_norm(norms,
-                                                                                    recent)
-    recent.extend(min(n, tau) for n in norms if n > 0)
+    ref = reference_norm(norms, recent)
+    tau = fed.clip_norm if fed.clip_norm > 0 else fed.clip_factor * ref
+    moved = [n for n in norms if n > 0]
+    # a pair is remembered by its reference: its norms, clipped at tau, let an inflated update
+    # fill half the memory and raise its own bound about 1.5x every 16 rounds
+    recent.extend([ref] if len(moved) == 2 else [min(n, tau) for n in moved])
     out = []
     for u, n in zip(updates, norms, strict=True):
         if n > tau:

@@ -2,10 +2,10 @@
 and every rule (conflation, fedbnn, moments):
 0. under a rule whose sigmas add up (`Strategy.adds_variances`: moments), every `::sigma`
    entry is lowered to at most `fed.clip_factor` times the round's median sigma of that entry
-   (of two, the smaller), so one update cannot widen the global: a sigma of 1e6 among five of
-   0.1 made the global's 2.9e5 (under the precision-weighted rules a wide sigma weighs
-   nothing, and FedBNN's likelihood sigmas are wide by nature: 1.6 million entries a run
-   would be lowered);
+   (of two, the smaller; one alone, the current global's), so one update cannot widen the
+   global: a sigma of 1e6 among five of 0.1 made the global's 2.9e5 (under the
+   precision-weighted rules a wide sigma weighs nothing, and FedBNN's likelihood sigmas are
+   wide by nature: 1.6 million entries a run would be lowered);
 1. every `::sigma` entry is raised to at least `fed.sigma_floor` times the round's median
    sigma of that entry (the median of two is their mean), so a tiny sigma gets no enormous
    precision;
@@ -37,7 +37,10 @@ SIGMA = "::sigma"
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
           counters: Counter, form: str = "gaussian", memory: dict | None = None,
           strategy: Strategy | None = None) -> list[Update]:
-    if form != "gaussian" or len(updates) < 2:
+    if form != "gaussian" or not updates:
+        return updates
+    ceiled = fed.clip_factor > 0 and strategy is not None and strategy.adds_variances
+    if len(updates) < 2 and not ceiled:
         return updates
     names = [k for k in updates[0].tensors if k.endswith(SIGMA)]
     cap = fed.max_share if fed.max_share > 0 else default_cap(len(updates))
@@ -45,10 +48,14 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
     for k in names:
         sigmas = np.stack([u.tensors[k] for u in updates]).astype(np.float64)
         raised = sigmas
-        if (fed.clip_factor > 0 and len(updates) >= 3 and strategy is not None
-                and strategy.adds_variances):
-            raised = np.minimum(sigmas, sigma_ceiling(sigmas, fed.clip_factor))
+        if ceiled:  # one alone (a spill, a worker's flush): against the global's sigma
+            ceiling = (sigma_ceiling(sigmas, fed.clip_factor) if len(updates) > 1
+                       else fed.clip_factor * global_[k].astype(np.float64))
+            raised = np.minimum(sigmas, ceiling)
             counters["sigma_ceiled"] += int((raised < sigmas).sum())
+        if len(updates) < 2:
+            new[k] = raised
+            continue
         if fed.sigma_floor > 0:
             floored = np.maximum(raised, median_floor(sigmas, fed.sigma_floor,
                                                       informative_only=True))
