@@ -329,9 +329,10 @@ class FedConfig:
                                 "set (0: never)")
     max_seq_gap: int = opt(100_000, "largest step of a client's sequence number (also from 0)")
     sample_cap: int = opt(0, "largest num_samples one update may claim (0: batch x batch_size)")
-    clip_factor: float = opt(3.0, "dense, sparse and prototype rows: clip each update's change "
-                             "(each row's change) at this times the round's median change "
-                             "norm (of two: the smaller) (0: off)")
+    clip_factor: float = opt(3.0, "dense, sparse, Gaussian means and prototype rows: clip each "
+                             "update's change (each row's change) at this times the round's "
+                             "median change norm (of two: the smaller); moments: bound each "
+                             "sigma at this times the round's median (0: off)")
     clip_norm: float = opt(0.0, "dense: clip deltas at this fixed L2 norm instead (0: adaptive)")
     sender_rate: float = opt(50.0, "messages a second one device may have handled, in bursts "
                              "of up to 2 s of them; more are shed and its status names it as "

@@ -233,7 +233,7 @@ class Aggregator:
         self.counters: Counter[str] = Counter()
         self.rule_memory: dict = {}  # what the robust rules keep between batches (clipping)
         self.label_owners: dict[str, str] = {}
-        """Library labels one device alone introduced, and that device (`label_room`);
+        """Library labels and the device each is charged to (`label_room`);
         replaced, never changed in place, so that `mark` holds it by reference."""
         self.gate = TaskGate()
         """Async: the last task each client finished (`task_gate.py`)."""

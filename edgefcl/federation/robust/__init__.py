@@ -15,8 +15,9 @@ a round's accepted updates before the strategy averages them, in order.
 The coordinate-wise rules need whole tensors, which sparse and apc updates are not (they
 carry a subset of entries). A sparse update's entries are changes on its base, so its change
 is clipped like a dense update's (`clipping.py`); apc's entries are absolute values, so only
-the share cap protects those. Gaussian updates get the sigma floor (precision rules) and the
-share cap (sample-weighted parts: plain tensors and moment matching). Conflation counts every client
+the share cap protects those. Gaussian updates get their means' change clipped, the sigma
+ceiling (moment matching), the sigma floor (precision rules) and the share cap
+(sample-weighted parts: plain tensors and moment matching). Conflation counts every client
 once, so the share cap does not apply to its Gaussians; the sigma floor does.
 The label room is applied by the aggregator to the round's prototype libraries (one device's
 invented labels cannot fill the global library); like the share cap, `max_share` sets it.

@@ -8,11 +8,11 @@ sender, so without this it set the entry by itself, up to the values' bound). ta
 `fed.clip_norm` when set, else `fed.clip_factor` times the median change norm of the round's
 updates that moved (adaptive; with two of them the smaller norm, so that an inflated update
 cannot raise its own bound, where their mean would: an honest pair is clipped only when one norm
-is over 3 times the other, at the default factor 3). A batch with fewer than three updates that
-moved (what a round holds after a spill, a shard worker's flush, a round of two) uses the last
-RECENT norms of the aggregator's earlier batches too (`memory`: a batch's norms, a clipped
-one's counted as tau, or a pair's reference; `reference_norm`): an update alone in its batch
-is not its own bound."""
+is over 3 times the other, at the default factor 3; raised towards the recent norms below). A
+batch with fewer than three updates that moved (what a round holds after a spill, a shard
+worker's flush, a round of two) uses the last RECENT norms of the aggregator's earlier batches
+too (`memory`: a batch's norms, a clipped one's counted as tau, or a pair's reference;
+`reference_norm`): an update alone in its batch is not its own bound."""
 
 from __future__ import annotations
 
