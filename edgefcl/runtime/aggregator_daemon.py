@@ -223,8 +223,8 @@ class AggregatorDaemon:
     def handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         """Validate and apply one incoming message (or a transfer the link already rejected);
         never raises: every failure is logged and counted as `rejected_<reason>`. Its time,
-        but for the updates' submission and the rounds it closes, counts against the sender's
-        CPU share (`Inbox.charging`)."""
+        but for taking an update that passed its checks and the rounds that closes, counts
+        against the sender's CPU share (`Inbox.charging`)."""
         with self.inbox.charging(self._charged(topic)):
             try:
                 self._handle(topic, payload, admitted)

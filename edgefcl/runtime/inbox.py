@@ -293,10 +293,9 @@ class Inbox:
         """Whether `sender` has CPU time left (`charging`) or no other sender has a message
         waiting (an idle loop's time is no one's: a device of a large model, 70-200 ms an
         update, was refused at one update a second by a loop with nothing else to do), and
-        take a token of its bucket
-        (refilled at `rate` a second, holding 2 s of them); False when it has none. The
-        buckets of idle senders are dropped past MAX_OFFENDERS senders, so the table stays
-        bounded."""
+        take a token of its bucket (refilled at `rate` a second, holding 2 s of them); False
+        when it has none. The buckets of idle senders are dropped past MAX_OFFENDERS senders,
+        so the table stays bounded."""
         now = self.clock()
         if (self.cpu_share > 0 and self._cpu_left(sender, now) <= 0
                 and len(self._turns) > (sender in self._queues)):  # others wait: contended

@@ -177,7 +177,8 @@ class WorkerDaemon:
 
     def handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         """Apply one message; never raises (failures are counted as `rejected_<reason>`). A
-        device's, but for an update's submission, counts against the device's CPU share."""
+        device's, but for taking an update that passed its checks, counts against the
+        device's CPU share."""
         own = topic == self.topics.global_  # the root's: no device's
         with self.inbox.charging(None if own else self.inbox.sender_of(topic)):
             try:
