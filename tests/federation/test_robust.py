@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -170,6 +172,33 @@ def test_one_sigma_alone_in_a_workers_flush_cannot_widen_the_moments_global() ->
         assert root.merge(w.flush(root.claim(w.worker, w.claimable())), 0.0) is None
         closed = root.poll(0.0) or closed
     assert closed.global_.tensors["w::sigma"].max() < 1.0
+
+
+def test_one_sigma_alone_in_each_flush_cannot_grow_the_moments_global() -> None:
+    # a fourth reviewer helper: one alone was capped at 3x the global's sigma, which the cap
+    # then widened: sent alone in a worker's flush every round, 1e6 took the global's from 0.1
+    # to 14.8 in 40 rounds (12 % a round); one alone is now at most the global's
+    fed = FedConfig(mode="async", clients=6, min_clients=6, encoding="gaussian",
+                    aggregation="moments", burn_in=0, jump=1, round_timeout=1e9)
+    root = ShardRoot(dict(GAUSS_BASE), fed)
+    workers = [ShardWorker(dict(GAUSS_BASE), fed, worker=w) for w in ("w0", "w1")]
+    for w in workers:
+        root.worker_online(w.worker)
+    widest = 0.0
+    for r in range(1, 41):
+        v = root.global_.version
+        for i in range(5):
+            workers[0].submit(replace(_gauss(f"h{i}", 0.1), base_version=v, seq=r, batch=r),
+                              0.0)
+        workers[1].submit(replace(_gauss("x", 1e6), base_version=v, seq=r, batch=r), 0.0)
+        closed = None
+        for w in workers:
+            root.merge(w.flush(root.claim(w.worker, w.claimable())), 0.0)
+            closed = root.poll(0.0) or closed
+        widest = max(widest, float(closed.global_.tensors["w::sigma"].max()))
+        for w in workers:
+            w.set_global(closed.global_)
+    assert widest < 1.0
 
 
 def test_share_cap_water_filling_by_hand() -> None:

@@ -11,8 +11,8 @@ cannot raise its own bound, where their mean would: an honest pair is clipped on
 is over 3 times the other, at the default factor 3; raised towards the recent norms below). A
 batch with fewer than three updates that moved (what a round holds after a spill, a shard
 worker's flush, a round of two) uses the last RECENT norms of the aggregator's earlier batches
-too (`memory`: a batch's norms, a clipped one's counted as tau, or a pair's reference;
-`reference_norm`): an update alone in its batch is not its own bound."""
+too (`memory`: a batch's norms, a clipped one's counted as tau, or the reference of a batch of
+one or two; `reference_norm`): an update alone in its batch is not its own bound."""
 
 from __future__ import annotations
 
@@ -108,9 +108,10 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
     ref = reference_norm(norms, recent)
     tau = fed.clip_norm if fed.clip_norm > 0 else fed.clip_factor * ref
     moved = [n for n in norms if n > 0]
-    # a pair is remembered by its reference: its norms, clipped at tau, let an inflated update
-    # fill half the memory and raise its own bound about 1.5x every 16 rounds
-    recent.extend([ref] if len(moved) == 2 else [min(n, tau) for n in moved])
+    # a batch of one or two is remembered by its reference: a pair's norms, clipped at tau,
+    # let an inflated update fill half the memory and raise its own bound about 1.5x every 16
+    # rounds, and so did one alone taking turns with honest ones
+    recent.extend([ref] if len(moved) < 3 else [min(n, tau) for n in moved])
     out = []
     for u, n in zip(updates, norms, strict=True):
         if n > tau:
