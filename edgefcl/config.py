@@ -339,9 +339,10 @@ class FedConfig:
                              "flooding (0: no limit)")
     sender_cpu: float = opt(0.05, "share of the main loop's time handling (decoding and "
                             "checking) one device's messages may take, in bursts of up to 2 s "
-                            "of it; more are shed and its status names it (0: no limit). It "
-                            "depends on the host and the model: 0.05 lets a device send 5-7 "
-                            "dense ResNet-18 updates (4.4 MB) a second on a 2-core EPYC")
+                            "of it; beyond it the device is served only when no device within "
+                            "its share waits (0: no limit). It depends on the host and the "
+                            "model: 0.05 is 5-7 dense ResNet-18 updates (4.4 MB) a second on a "
+                            "2-core EPYC")
     max_share: float = opt(0.0, "largest share of a round's sample weight one client may have "
                            "(0: 2 / participants, at most 0.5; 1: off)")
     trim: float = opt(0.2, "trimmed-mean: fraction of values dropped at each end per entry")

@@ -4,6 +4,7 @@ driven through `AggregatorDaemon.handle` exactly as the MQTT thread's inbox deli
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -688,24 +689,21 @@ def test_cpu_share_by_hand() -> None:
             with box.uncharged():  # e.g. a round's close: not the sender's
                 cpu[0] += fleet_work
 
-    assert box.put("h", b"x")  # another sender's message waits: the loop is contended
-    assert box.put("m", b"x")  # a full budget: 0.1 x CPU_BURST_S = 0.2 s
-    handle("m", 0.3, fleet_work=0.15)  # charged 0.15: 0.05 left
-    assert box.put("m", b"x")
+    handle("m", 0.3, fleet_work=0.15)  # a full budget, 0.1 x CPU_BURST_S = 0.2 s: 0.05 left
+    assert box.put("m", b"1") and box.put("h", b"1")
+    assert box.get(0.0) == ("m", b"1")  # time left: its turn
     handle("m", 0.1)  # -0.05 left
-    assert not box.put("m", b"x") and box.over_cpu == 1
-    assert box.put("h", b"x")  # another sender's budget is its own
+    assert box.put("m", b"2") and box.put("h", b"2")
+    assert box.get(0.0) == ("h", b"1")  # h's turn anyway
+    assert box.get(0.0) == ("h", b"2") and box.over_cpu == 1  # m passed over, keeps its place
+    assert box.get(0.0) == ("m", b"2")  # nobody within a share waits: m is served
+    assert box.put("m", b"3") and box.put("h", b"3")
     now[0] = 0.5  # refilled 0.1 a second: 0.0 left, still none
-    assert not box.put("m", b"x") and box.over_cpu == 2
+    assert box.get(0.0) == ("h", b"3") and box.over_cpu == 2
     now[0] = 0.6
-    assert box.put("m", b"x")
-    assert box.worst() == {"m": 2}
-    handle("m", 0.5)  # -0.49 left
-    while box.get(0.0) is not None:  # h's messages (and m's) taken: nobody else waits
-        pass
-    assert box.put("m", b"x")  # an idle loop's time is no one's
-    assert box.put("h", b"x")  # h waits again: m is refused
-    assert not box.put("m", b"x") and box.over_cpu == 3
+    assert box.put("m", b"4") and box.put("h", b"4")
+    assert [box.get(0.0) for _ in range(3)] == [("m", b"3"), ("h", b"4"), ("m", b"4")]
+    assert shed_counters(box) == {"deferred_over_cpu": 2}
 
 
 def test_one_devices_messages_take_no_more_than_its_share_of_the_main_loop(tmp_path) -> None:
@@ -715,26 +713,27 @@ def test_one_devices_messages_take_no_more_than_its_share_of_the_main_loop(tmp_p
     # fast cost their digest each. The main loop's time reading a device's messages is now
     # charged to that device (`sender_cpu` of each second, in bursts of CPU_BURST_S of it);
     # the message rate is off here, so the CPU share alone holds it
-    d = make_daemon(tmp_path, sender_rate=0.0)
+    d = make_daemon(tmp_path, sender_rate=0.0, clients=16)
     tp = topics(d.cfg.mqtt)
     pad = list(range(d.update_limits.max_objects - 16))
     junk = encode(Message("status", {"state": "online", "pad": pad}, sender="m"), fleet=FLEET)
     honest = encode(Message("status", {"state": "online"}, sender="a"), fleet=FLEET)
     used, start, most = 0.0, time.monotonic(), 0.0
-    for _ in range(600):  # an honest device's status waits at each of m's: the loop is busy
-        d.inbox.put(tp.status("a"), honest)
+    for i in range(600):  # honest devices' statuses always wait: the loop is busy
+        d.inbox.put(tp.status(f"h{i % 10}"), honest)
         d.inbox.put(tp.update("m"), junk)
-        while (item := d.inbox.get(0.0)) is not None:
-            t0 = time.thread_time()
-            d.handle(*item)
-            spent = time.thread_time() - t0
-            if item[0] == tp.update("m"):
-                used, most = used + spent, max(most, spent)
+        item = d.inbox.get(0.0)  # one message a turn
+        t0 = time.thread_time()
+        d.handle(*item)
+        spent = time.thread_time() - t0
+        if item[0] == tp.update("m"):
+            used, most = used + spent, max(most, spent)
     share = d.cfg.fed.sender_cpu
     assert d.inbox.over_cpu > 0 and d.agg.counters["rejected_kind"] > 0
     assert used <= share * (CPU_BURST_S + time.monotonic() - start) + most
-    assert shed_counters(d.inbox)["rejected_over_cpu"] == d.inbox.over_cpu
-    assert d.inbox.worst() == {"m": d.inbox.over_cpu}  # the status names the device
+    assert shed_counters(d.inbox)["deferred_over_cpu"] == d.inbox.over_cpu
+    while d.inbox.get(0.0) is not None:  # what still waits
+        pass
     assert d.inbox.put(tp.update("b"), update("b"))  # another device's share is its own
     d.handle(*d.inbox.get(0.0))
     assert d.agg.counters["accepted"] == 1
@@ -754,6 +753,28 @@ def test_an_idle_daemon_does_not_refuse_an_honest_device_over_its_cpu_share(tmp_
         assert d.inbox.put(tp.update("a"), update("a", seq=seq, batch=seq))
         d.handle(*d.inbox.get(0.0))
     assert d.inbox.over_cpu == 0 and d.agg.counters["accepted"] == 20
+    d.store.close()
+
+
+def test_honest_devices_whose_updates_come_together_are_served_not_dropped(tmp_path) -> None:
+    # a fourth reviewer helper: refused at `put` while another device's message waited, the
+    # updates of three honest devices of a large model (0.1 s each to handle, deterministic
+    # here) sent together once a second were dropped 28 times in 60 by a loop busy 0.6 s of
+    # each second; over its share a device now waits for its turn
+    d = make_daemon(tmp_path, clients=3, min_clients=3)
+    ticks = itertools.count()
+    d.inbox.cpu_clock = lambda: 0.1 * next(ticks)
+    now = [0.0]
+    d.inbox.clock = lambda: now[0]
+    tp = topics(d.cfg.mqtt)
+    for seq in range(1, 21):
+        now[0] += 1.0
+        for c in "abc":
+            assert d.inbox.put(tp.update(c), update(c, seq=seq, batch=seq,
+                                                    base=d.agg.global_.version))
+        while (item := d.inbox.get(0.0)) is not None:
+            d.handle(*item)
+    assert d.agg.counters["accepted"] == 60 and d.agg.rounds == 20
     d.store.close()
 
 
@@ -779,15 +800,15 @@ def test_a_sparse_updates_checks_are_charged_to_its_sender(tmp_path) -> None:
                   fleet=FLEET)
     honest = encode(Message("status", {"state": "online"}, sender="a"), fleet=FLEET)
     used, start, most = 0.0, time.monotonic(), 0.0
-    for _ in range(300):  # an honest device's status waits at each of m's: the loop is busy
-        d.inbox.put(tp.status("a"), honest)
+    for i in range(300):  # honest devices' statuses always wait: the loop is busy
+        d.inbox.put(tp.status(f"h{i % 10}"), honest)
         d.inbox.put(tp.update("m"), junk)
-        while (item := d.inbox.get(0.0)) is not None:
-            t0 = time.thread_time()
-            d.handle(*item)
-            spent = time.thread_time() - t0
-            if item[0] == tp.update("m"):
-                used, most = used + spent, max(most, spent)
+        item = d.inbox.get(0.0)  # one message a turn
+        t0 = time.thread_time()
+        d.handle(*item)
+        spent = time.thread_time() - t0
+        if item[0] == tp.update("m"):
+            used, most = used + spent, max(most, spent)
     share = d.cfg.fed.sender_cpu
     assert d.agg.counters["rejected_index-range"] > 0 and d.inbox.over_cpu > 0
     assert used <= share * (CPU_BURST_S + time.monotonic() - start) + most
