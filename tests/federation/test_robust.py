@@ -142,6 +142,17 @@ def _gauss(client: str, sigma: float) -> Update:
 GAUSS_BASE = {"w::mu": np.zeros(64, np.float32), "w::sigma": np.full(64, 0.1, np.float32)}
 
 
+def _moments_shards() -> tuple[ShardRoot, list[ShardWorker]]:
+    """A root and two online workers of a moment-matching fleet of six."""
+    fed = FedConfig(mode="async", clients=6, min_clients=6, encoding="gaussian",
+                    aggregation="moments", burn_in=0, jump=1, round_timeout=1e9)
+    root = ShardRoot(dict(GAUSS_BASE), fed)
+    workers = [ShardWorker(dict(GAUSS_BASE), fed, worker=w) for w in ("w0", "w1")]
+    for w in workers:
+        root.worker_online(w.worker)
+    return root, workers
+
+
 def test_one_sigma_of_two_cannot_widen_the_moments_global() -> None:
     # the same helper again: the ceiling applied from three updates on, so a round of two
     # gave a global sigma of 5.0e5
@@ -158,12 +169,7 @@ def test_one_sigma_of_two_cannot_widen_the_moments_global() -> None:
 def test_one_sigma_alone_in_a_workers_flush_cannot_widen_the_moments_global() -> None:
     # and alone in a shard worker's flush (the root merges sums: it cannot bound a sigma),
     # among five honest ones in the other worker's: 2.9e5
-    fed = FedConfig(mode="async", clients=6, min_clients=6, encoding="gaussian",
-                    aggregation="moments", burn_in=0, jump=1, round_timeout=1e9)
-    root = ShardRoot(dict(GAUSS_BASE), fed)
-    workers = [ShardWorker(dict(GAUSS_BASE), fed, worker=w) for w in ("w0", "w1")]
-    for w in workers:
-        root.worker_online(w.worker)
+    root, workers = _moments_shards()
     for i in range(5):
         assert workers[0].submit(_gauss(f"h{i}", 0.1), 0.0) is None
     assert workers[1].submit(_gauss("x", 1e6), 0.0) is None
@@ -178,12 +184,7 @@ def test_one_sigma_alone_in_each_flush_cannot_grow_the_moments_global() -> None:
     # a fourth reviewer helper: one alone was capped at 3x the global's sigma, which the cap
     # then widened: sent alone in a worker's flush every round, 1e6 took the global's from 0.1
     # to 14.8 in 40 rounds (12 % a round); one alone is now at most the global's
-    fed = FedConfig(mode="async", clients=6, min_clients=6, encoding="gaussian",
-                    aggregation="moments", burn_in=0, jump=1, round_timeout=1e9)
-    root = ShardRoot(dict(GAUSS_BASE), fed)
-    workers = [ShardWorker(dict(GAUSS_BASE), fed, worker=w) for w in ("w0", "w1")]
-    for w in workers:
-        root.worker_online(w.worker)
+    root, workers = _moments_shards()
     widest = 0.0
     for r in range(1, 41):
         v = root.global_.version
