@@ -725,6 +725,26 @@ def test_cpu_share_by_hand() -> None:
     assert shed_counters(box) == {"deferred_over_cpu": 2}
 
 
+def test_the_cpu_share_looks_past_many_senders_over_theirs_and_counts_each_once() -> None:
+    # a fifth reviewer helper: the scan stopped at 64 senders, so 65 over their share in
+    # front of an honest one were served first; and each message served while one waited
+    # counted it again (50 for one deferral)
+    now, cpu = [0.0], [0.0]
+    box = Inbox(1 << 24, cpu_share=0.1, clock=lambda: now[0], cpu_clock=lambda: cpu[0])
+
+    def spend(sender, seconds):
+        with box.charging(sender):
+            cpu[0] += seconds
+
+    for i in range(65):
+        spend(f"s{i}", 1.0)
+        assert box.put(f"s{i}", b"x")
+    for i in range(50):
+        assert box.put(f"h{i}", b"x")
+    assert [box.get(0.0)[0] for _ in range(50)] == [f"h{i}" for i in range(50)]
+    assert box.over_cpu == 65
+
+
 def test_one_devices_messages_take_no_more_than_its_share_of_the_main_loop(tmp_path) -> None:
     # the attack: made-up payloads on a device's update topic, each scanned up to the update
     # limit before it is rejected. Under the inbox's message rate alone (50/s) that took 5 %
