@@ -19,7 +19,7 @@ from edgefcl.federation.heads import RowsRule, rows_rule
 from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.registry import get_encoding, get_rule
-from edgefcl.federation.robust import check_variances, prepare_round
+from edgefcl.federation.robust import check_variances, copy_memory, load_memory, prepare_round
 from edgefcl.federation.round_weights import weigh
 from edgefcl.federation.schedule import eligible
 from edgefcl.federation.sparse_global import sparse_step
@@ -232,6 +232,7 @@ class Aggregator:
         self.rounds = 0
         self.counters: Counter[str] = Counter()
         self.rule_memory: dict = {}  # what the robust rules keep between batches (clipping)
+        self._rejoined: set[str] = set()  # clients that rejoined late since their last report
         self.label_owners: dict[str, str] = {}
         """Library labels and the device each is charged to (`label_room`);
         replaced, never changed in place, so that `mark` holds it by reference."""
@@ -274,8 +275,8 @@ class Aggregator:
         """Add a roster client to the active set (it is expected to report); False (and
         counted as `rejected_roster`) for a client the roster does not admit. Only reports
         prove a client alive: joining again leaves an active client's last report time as it
-        is (also after it left), and a client that left for silence (`expire`) comes back only
-        with a report."""
+        is, and after it left too (`_rejoin_time`), and a client that left for silence
+        (`expire`) comes back only with a report."""
         if not self.admission.admit(client):
             self.counters["rejected_roster"] += 1
             return False
@@ -283,11 +284,24 @@ class Aggregator:
             return True
         self.active.add(client)
         self._passed = None
-        if now is not None:  # a client that reported before keeps its last report's time:
-            self.last_seen.setdefault(client, now)  # leaving and joining again is no report
+        if now is not None:
+            self._rejoin_time(client, now)
         if len(self.active) >= min(self.fed.clients, self.admission.cap):
             self.roster_complete = True
         return True
+
+    def _rejoin_time(self, client: str, now: float) -> None:
+        """A joining client's last report time: now for a new one; a client that reported
+        before keeps its own (leaving and joining again is no report: offline and online
+        statuses every few seconds held lock-step to 12 ticks a minute), except once after
+        each report when it is older than `client_timeout` (back after a long outage, it is
+        waited for as long again)."""
+        seen = self.last_seen.get(client)
+        if seen is None:
+            self.last_seen[client] = now
+        elif now - seen > self.fed.client_timeout > 0 and client not in self._rejoined:
+            self._rejoined.add(client)
+            self.last_seen[client] = now
 
     def expire(self, now: float) -> RoundClosed | None:
         """Active clients silent for more than `client_timeout` seconds leave the active set;
@@ -429,6 +443,7 @@ class Aggregator:
         """Take a report that `rejects` let through (`submit` without the checks); returns
         what closed as a consequence, if anything."""
         self.admission.accept(msg)
+        self._rejoined.discard(msg.client)
         if now is not None:
             self.last_seen[msg.client] = now
         self.silent.discard(msg.client)
@@ -594,14 +609,15 @@ class Aggregator:
         return out, result if held_back else None
 
     def mark(self) -> tuple:
-        """What `restore` goes back to: the global, the round count, the label owners and the
-        model sparse globals fold into."""
-        return self.global_, self.rounds, self.label_owners, self._server
+        """What `restore` goes back to: the global, the round count, the label owners, the
+        model sparse globals fold into and the robust rules' memory."""
+        return (self.global_, self.rounds, self.label_owners, self._server,
+                copy_memory(self.rule_memory))
 
     def restore(self, mark: tuple) -> None:
         """Go back to `mark`: the rounds since made globals that were never saved nor
         announced (the daemon failed to), so they never happened."""
-        previous, self.rounds, self.label_owners, self._server = mark
+        previous, self.rounds, self.label_owners, self._server, self.rule_memory = mark
         self.history.drop_after(previous.version)
         self.global_ = previous
 
@@ -691,7 +707,8 @@ class Aggregator:
                 "participants": list(self.global_.participants), "tick": self.tick,
                 "rounds": self.rounds, "last_seq": dict(self.last_seq),
                 "admission": self.admission.state(), "counters": dict(self.counters),
-                "label_owners": dict(self.label_owners), "tasks_finished": self.gate.state()}
+                "label_owners": dict(self.label_owners), "tasks_finished": self.gate.state(),
+                "rule_memory": {k: list(v) for k, v in self.rule_memory.items()}}
 
     def load_state(self, state: dict) -> None:
         """Resume from `state()` output, with the global's prototype library under
@@ -706,5 +723,6 @@ class Aggregator:
         self.admission.load_state(state.get("admission", {"last_seq": state.get("last_seq", {})}))
         self.counters = Counter(state.get("counters", {}))
         self.label_owners = {str(k): str(v) for k, v in state.get("label_owners", {}).items()}
+        self.rule_memory = load_memory(state.get("rule_memory", {}))
         self.gate.load_state(state.get("tasks_finished", {}))
         self._passed = None

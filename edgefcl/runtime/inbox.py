@@ -254,6 +254,7 @@ class Inbox:
         if not mine:  # `put` appends the new message at once
             del self._queues[sender], self._held[sender]
             self._turns.remove(sender)
+            self._deferred.discard(sender)
 
     @contextmanager
     def charging(self, sender: str | None) -> Iterator[None]:

@@ -97,6 +97,30 @@ def test_an_inflated_update_cannot_grow_its_own_bound_through_the_memory() -> No
     assert min(moves) >= -1.01, (moves[99], moves[-1])
 
 
+def _three_updates(agg: Aggregator) -> None:
+    for c, v in zip("abc", (1.0, 1.1, 1.2), strict=True):
+        agg.join(c)
+        agg.submit(Update(c, 0, 1, 0, 1, 8, {"w": np.full(2, v, np.float32)}))
+
+
+def test_the_clipping_memory_is_saved_and_a_dropped_round_forgets_its_norms() -> None:
+    # a reviewer helper: the memory was neither in the saved state (after a restart a lone
+    # update was its own bound again) nor in `mark` (a dropped round's norms stayed)
+    f = FedConfig(clients=3, burn_in=0, jump=1, mode="sync", min_clients=1)
+    agg = Aggregator({"w": np.zeros(2, np.float32)}, f)
+    _three_updates(agg)
+    assert len(agg.rule_memory["clip_norms_dense"]) == 3
+    fresh = Aggregator({"w": np.zeros(2, np.float32)}, f)
+    fresh.load_state(agg.state())
+    assert {k: list(v) for k, v in fresh.rule_memory.items()} == \
+        {k: list(v) for k, v in agg.rule_memory.items()}
+    other = Aggregator({"w": np.zeros(2, np.float32)}, f)
+    before = other.mark()
+    _three_updates(other)
+    other.restore(before)
+    assert not any(other.rule_memory.values())
+
+
 def _gaussian_global(rule: str, mu: float, sigma: float) -> dict:
     """Five honest Gaussian updates (mu 0.1 +- 0.01, sigma 0.1) and one of (mu, sigma)."""
     rng = np.random.default_rng(0)

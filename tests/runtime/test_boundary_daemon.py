@@ -535,6 +535,25 @@ def test_a_device_cannot_write_a_log_line_per_status(tmp_path) -> None:
     assert h.lines <= 40, h.lines
 
 
+def test_a_device_back_after_a_long_outage_is_waited_for_once_more(tmp_path) -> None:
+    # a reviewer helper: with its report time kept on rejoining, an honest device back after
+    # more than client_timeout offline (a reboot) was expired at once; it now gets one more
+    # timeout after each report (the offline/online attack above gets no more than that)
+    d = make_daemon(tmp_path, mode="sync", clients=2, min_clients=1, client_timeout=60.0)
+    for c in "ab":
+        d._on_status(c, {"state": "online"}, 0.0)
+    d._close_safely(lambda: d.agg.submit(Tick("a", 1, 0, 1), 0.0))  # a's last report
+    d._on_status("a", {"state": "offline"}, 1.0)
+    d._on_status("a", {"state": "online"}, 1000.0)
+    d._serve_rounds(1001.0)
+    assert "a" in d.agg.active
+    d._on_status("a", {"state": "offline"}, 1002.0)
+    d._on_status("a", {"state": "online"}, 1100.0)  # no report since: no second grace
+    d._serve_rounds(1101.0)
+    assert "a" not in d.agg.active
+    d.store.close()
+
+
 def test_one_devices_done_does_not_end_the_run(tmp_path) -> None:
     # the attack: with --exit-when-done, one device's `done` while the others had not joined
     # yet (or were offline for a moment) ended the run and marked it finished
@@ -696,6 +715,27 @@ def _cpu_past_share(d: AggregatorDaemon, junk: bytes, turns: int) -> float:
         if item[0] == tp.update("m"):
             used, most = used + spent, max(most, spent)
     return used - d.cfg.fed.sender_cpu * (CPU_BURST_S + time.monotonic() - start) - most
+
+
+def test_the_cpu_share_forgets_a_sender_whose_queue_was_shed() -> None:
+    # a reviewer helper: a sender passed over and then shed from a full inbox stayed in the
+    # set of senders passed over for good (200 made-up ids: 200 entries)
+    cpu, over = [0.0], set()
+    box = Inbox(max_bytes=100, max_items=2, cpu_share=0.05, clock=lambda: 0.0,
+                cpu_clock=lambda: cpu[0], over_limit=lambda: over)
+    for i in range(200):
+        s = f"x{i}"
+        with box.charging(s):
+            cpu[0] += 1.0
+        box.put(s, b"a")
+        over.add(s)
+        box.put("honest", b"b")
+        box.get(0)
+        box.put("honest", b"b")
+        box.put(f"y{i}", b"c")  # sheds s's message: the inbox is full
+        while box.get(0) is not None:
+            pass
+    assert box.over_cpu >= 200 and len(box._deferred) < 50
 
 
 def test_cpu_share_by_hand() -> None:

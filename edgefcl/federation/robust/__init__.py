@@ -27,7 +27,7 @@ plain one, bit for bit.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 from edgefcl.config import FedConfig
@@ -51,6 +51,16 @@ ROUND_RULES: dict[str, Rule] = {
 """Rules applied, in this order, to a round's updates (sorted by client) before averaging."""
 
 
+def copy_memory(memory: dict) -> dict:
+    """A copy of the rules' memory (a round dropped after it changed goes back to this)."""
+    return {k: deque(v, v.maxlen) for k, v in memory.items()}
+
+
+def load_memory(saved: dict) -> dict:
+    """The rules' memory from `{name: list of norms}` (an aggregator's saved state)."""
+    return {str(k): deque((float(x) for x in v), clipping.RECENT) for k, v in saved.items()}
+
+
 def prepare_round(updates: list[Update], global_: Tensors, fed: FedConfig,
                   counters: Counter, form: str = "dense",
                   memory: dict | None = None, strategy: Strategy | None = None) -> list[Update]:
@@ -63,4 +73,4 @@ def prepare_round(updates: list[Update], global_: Tensors, fed: FedConfig,
     return updates
 
 
-__all__ = ["ROUND_RULES", "check_variances", "prepare_round"]
+__all__ = ["ROUND_RULES", "check_variances", "copy_memory", "load_memory", "prepare_round"]
