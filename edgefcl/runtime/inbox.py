@@ -353,12 +353,12 @@ class Inbox:
             now = self.clock()
             for i, sender in enumerate(islice(self._turns, MAX_SCAN)):
                 if self._cpu_left(sender, now) > 0:
+                    passed = set(islice(self._turns, i)) - self._deferred
+                    self._deferred |= passed
+                    self.over_cpu += len(passed)
                     del self._turns[i]
                     self._deferred.discard(sender)
                     return sender
-                if sender not in self._deferred:
-                    self._deferred.add(sender)
-                    self.over_cpu += 1
         sender = self._turns.popleft()
         self._deferred.discard(sender)
         return sender

@@ -27,6 +27,7 @@ plain one, bit for bit.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -56,9 +57,16 @@ def copy_memory(memory: dict) -> dict:
     return {k: deque(v, v.maxlen) for k, v in memory.items()}
 
 
-def load_memory(saved: dict) -> dict:
-    """The rules' memory from `{name: list of norms}` (an aggregator's saved state)."""
-    return {str(k): deque((float(x) for x in v), clipping.RECENT) for k, v in saved.items()}
+def load_memory(saved: object) -> dict:
+    """The rules' memory from `{name: list of norms}` (an aggregator's saved state); what is
+    not a list of finite norms >= 0 is left out (an empty memory is always safe: a NaN norm
+    made every bound NaN, and nothing was clipped)."""
+    if not isinstance(saved, dict):
+        return {}
+    return {str(k): deque(map(float, v), clipping.RECENT) for k, v in saved.items()
+            if isinstance(v, list) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                and x >= 0 for x in v)}
 
 
 def prepare_round(updates: list[Update], global_: Tensors, fed: FedConfig,
