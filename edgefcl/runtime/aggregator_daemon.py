@@ -19,6 +19,7 @@ from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.versions import delta_downlink, downlink_message, pull_downlink
 from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.fleet_results import FleetResults
+from edgefcl.runtime.handling import handle_safely
 from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import (
@@ -225,15 +226,8 @@ class AggregatorDaemon:
         never raises: every failure is logged and counted as `rejected_<reason>`. Its time,
         but for taking an update that passed its checks and the rounds that closes, counts
         against the sender's CPU share (`Inbox.charging`)."""
-        with self.inbox.charging(self._charged(topic)):
-            try:
-                self._handle(topic, payload, admitted)
-            except CodecError as e:
-                self.agg.counters[f"rejected_{e.reason}"] += 1
-                log.warning("rejected payload on %s: %s", topic, e, extra={"device": topic})
-            except Exception:  # a bug reached by input: counted, logged, the daemon goes on
-                self.agg.counters["rejected_internal"] += 1
-                log.exception("internal error while handling a message on %s", topic)
+        handle_safely(lambda: self._handle(topic, payload, admitted), topic,
+                      self._charged(topic), self.inbox, self.agg.counters, log)
 
     def _charged(self, topic: str) -> str | None:
         """Whose CPU share handling a message on `topic` counts against (None: no one's)."""

@@ -30,6 +30,7 @@ from edgefcl.config import RunConfig
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.shard import ShardWorker
 from edgefcl.runtime.backpressure import Backpressure
+from edgefcl.runtime.handling import handle_safely
 from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import (
@@ -180,15 +181,9 @@ class WorkerDaemon:
         device's, but for taking an update that passed its checks, counts against the
         device's CPU share."""
         own = topic == self.topics.global_  # the root's: no device's
-        with self.inbox.charging(None if own else self.inbox.sender_of(topic)):
-            try:
-                self._handle(topic, payload, admitted)
-            except CodecError as e:
-                self.agg.counters[f"rejected_{e.reason}"] += 1
-                log.warning("rejected payload on %s: %s", topic, e, extra={"device": topic})
-            except Exception:
-                self.agg.counters["rejected_internal"] += 1
-                log.exception("internal error while handling a message on %s", topic)
+        handle_safely(lambda: self._handle(topic, payload, admitted), topic,
+                      None if own else self.inbox.sender_of(topic), self.inbox,
+                      self.agg.counters, log)
 
     def _handle(self, topic: str, payload: bytes | CodecError, admitted: bool = False) -> None:
         if isinstance(payload, CodecError):
