@@ -411,9 +411,11 @@ class Aggregator:
             return None if self.fed.mode == "sync" else "tick-in-async"
         if msg.encoding != self.encoding.name:
             return "encoding"
-        reason = self.encoding.validate(msg.tensors, self.spec) or check_variances(msg.tensors)
+        reason, checked = self.encoding.checked(msg.tensors, self.spec)
+        reason = reason or check_variances(msg.tensors)
         if reason is not None:
             return reason
+        msg.checked = checked
         reason = self._rows.check(msg.prototypes, self.global_.prototypes)
         if reason is not None:
             return reason

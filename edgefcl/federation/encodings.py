@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from edgefcl.config import ConfigError, FedConfig
-from edgefcl.federation.messages import Tensors
+from edgefcl.federation.messages import Checked, Tensors
 from edgefcl.federation.rules import DENSE_RULES
 from edgefcl.federation.strategy import Spec, Strategy, check_dense
 
@@ -52,6 +52,10 @@ class Encoding:
     """Aggregation name -> the Strategy that aggregates this encoding's (decoded) updates."""
     decode: Callable[[Tensors], Tensors] = same
     """Server side, after `validate`: the payload as the rules read it (`form`)."""
+    check: Callable[[Tensors, Spec], tuple[str | None, Checked | None]] | None = None
+    """`validate` that also returns what it decoded, for the rule to reuse (`Update.checked`;
+    None: `validate` alone)."""
+    """Server side, after `validate`: the payload as the rules read it (`form`)."""
     form: str = "dense"
     """What `decode` yields: dense (whole float32 tensors), sparse (entries' changes on a
     base), entries (entries' absolute values: apc) or gaussian (mu/sigma pairs); robust rules
@@ -76,6 +80,12 @@ class Encoding:
     exportable: bool = False
     """Its global tensors are the model's own state (an operator can export them as they
     are: `runtime/fleet_results.py`)."""
+
+    def checked(self, tensors: Tensors, spec: Spec) -> tuple[str | None, Checked | None]:
+        """(the reason to reject `tensors`, or None; what validating them decoded, or None)."""
+        if self.check is None:
+            return self.validate(tensors, spec), None
+        return self.check(tensors, spec)
 
     def strategy(self, aggregation: str, fed: FedConfig, spec: Spec) -> Strategy:
         """The run's long-lived strategy for `aggregation`; ConfigError for an unknown one."""

@@ -36,6 +36,8 @@ class Update:
     class_counts: dict[int, int] | None = None
     prototypes: LabelRows | None = None
     """Rows of the labels this client trained on (head `prototypes`, library shared)."""
+    checked: Checked | None = field(default=None, compare=False, repr=False)
+    """What the aggregator's validation decoded from `tensors` (server side, never sent)."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -44,8 +46,28 @@ class Update:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its tensors as held in memory (what a round's memory bound counts)."""
-        return sum(np.asarray(t).nbytes for t in self.tensors.values())
+        """Bytes of its tensors as held in memory, with what validating them decoded (what a
+        round's memory bound counts)."""
+        held = sum(np.asarray(t).nbytes for t in self.tensors.values())
+        return held + (self.checked.nbytes if self.checked is not None else 0)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A payload as the aggregator's validation decoded it, kept on its update so that the
+    rule that folds it need not decode it again. It belongs to the very `tensors` and `spec`
+    it was decoded from: an update copied with other tensors (a clipped one) or a rule with
+    another spec decodes afresh (`for_`)."""
+
+    tensors: Tensors
+    spec: dict[str, tuple[int, ...]]
+    value: object
+    nbytes: int
+    """Bytes it holds beyond the tensors."""
+
+    def for_(self, tensors: Tensors, spec: dict[str, tuple[int, ...]]) -> object | None:
+        """The decoded value if it was decoded from `tensors` against `spec`, else None."""
+        return self.value if tensors is self.tensors and spec == self.spec else None
 
 
 @dataclass

@@ -42,12 +42,13 @@ from edgefcl.federation.indexing.gaps import (  # noqa: F401  (re-exported)
     pad_gaps,
 )
 from edgefcl.federation.indexing.index_format import SparseError
-from edgefcl.federation.messages import Tensors, Update
+from edgefcl.federation.messages import Checked, Tensors, Update
 from edgefcl.federation.strategy import (
     Spec,
     Strategy,
     check_tensor,
     sample_weight,
+    value_reason,
 )
 from edgefcl.federation.value_bound import MAX_VALUE
 
@@ -265,12 +266,12 @@ def _values(v: np.ndarray, count: int, suffix: str = "val") -> np.ndarray:
         raise SparseError("length", f"{v.size} values for {count} entries")
     if suffix == "bf16":
         v = from_bfloat16(v)
-    if not np.isfinite(v).all():
-        raise SparseError("nonfinite", "NaN or Inf values")
-    out = v.astype(np.float64)
-    if out.size and np.abs(out).max() > MAX_VALUE:
-        raise SparseError("range", f"values beyond {MAX_VALUE:g} in magnitude")
-    return out
+    reason = value_reason(v)
+    if reason == "nonfinite":
+        raise SparseError(reason, "NaN or Inf values")
+    if reason is not None:
+        raise SparseError(reason, f"values beyond {MAX_VALUE:g} in magnitude")
+    return v.astype(np.float64)
 
 
 def decode_group(parts: dict[str, np.ndarray], shape: tuple[int, ...],
@@ -373,7 +374,7 @@ def entries(payload: Payload, base: Tensors | None) -> Iterator[tuple[str, np.nd
     are when `base` is None (absolute encodings)."""
     for name, (pos, vals) in payload.entries.items():
         if base is not None:
-            vals = np.asarray(base[name], np.float64).ravel()[pos] + vals
+            vals = np.asarray(base[name]).ravel()[pos].astype(np.float64) + vals
         yield name, pos, vals
 
 
@@ -407,7 +408,9 @@ class SparseFedAvg(Strategy):
     def add(self, update: Update) -> None:
         base = self._base(update.base_version)
         spec = {k: v.shape for k, v in base.items()}
-        payload = decode_payload(update.tensors, spec, self.forms)
+        checked = update.checked.for_(update.tensors, spec) if update.checked else None
+        payload = checked if isinstance(checked, Payload) else decode_payload(
+            update.tensors, spec, self.forms)
         w = sample_weight(update)
         for name, pos, vals in entries(payload, base):
             self.acc.add(name, base[name].size, pos, vals, w)
@@ -450,12 +453,31 @@ def check_sparse(tensors: Tensors, spec: Spec) -> str | None:
     return payload_reason(tensors, spec, SparseFedAvg.forms)
 
 
+def checked_sparse(tensors: Tensors, spec: Spec) -> tuple[str | None, Checked | None]:
+    """`check_sparse`, keeping the decoded payload for `SparseFedAvg.add`: positions as int32
+    (int64 past 2**31 entries) and values as float32, which hold every value the wire can
+    carry exactly (float16, bfloat16, float32), so that the fold reads the same numbers."""
+    try:
+        payload = decode_payload(tensors, spec, SparseFedAvg.forms)
+    except SparseError as e:
+        return e.reason, None
+    compact, extra = {}, 0
+    for name, (pos, vals) in payload.entries.items():
+        pos = pos.astype(np.int32) if math.prod(spec[name]) < 2**31 else pos
+        vals = vals.astype(np.float32)
+        compact[name] = (pos, vals)
+        extra += pos.nbytes + vals.nbytes
+    payload.entries = compact
+    return None, Checked(tensors, dict(spec), payload, extra)
+
+
 SPARSE = Encoding(
     name="sparse",
     help="top-k of the delta to the last global, error feedback",
     make_encoder=lambda fed: SparseEncoder(fed.topk, fed.threshold, fed.value_dtype, fed.mix,
                                            fed.index_format),
     validate=check_sparse,
+    check=checked_sparse,
     rules={"fedavg": SparseFedAvg},
     form="sparse",
     downlink="sparse",

@@ -13,6 +13,7 @@ to another process (`partial()`, msgpack-able) and fold one in (`merge(partial)`
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,11 +82,19 @@ def check_tensor(t: np.ndarray, shape: tuple[int, ...]) -> str | None:
         return "shape"
     if t.dtype != np.float32:
         return "dtype"
-    if not np.isfinite(t).all():
-        return "nonfinite"
-    if t.size and np.abs(t).max() > MAX_VALUE:
-        return "range"
-    return None
+    return value_reason(t)
+
+
+def value_reason(t: np.ndarray) -> str | None:
+    """"nonfinite" if `t` holds a NaN or an infinity, "range" if a value beyond MAX_VALUE in
+    magnitude, else None: one pass (the largest magnitude is NaN or infinite exactly when a
+    value is)."""
+    if not t.size:
+        return None
+    largest = float(np.abs(t).max())
+    if largest <= MAX_VALUE:
+        return None
+    return "range" if math.isfinite(largest) else "nonfinite"
 
 
 def check_dense(tensors: Tensors, spec: Spec) -> str | None:

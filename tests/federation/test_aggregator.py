@@ -113,6 +113,8 @@ def test_leaving_client_does_not_stall_tick():
     (Update("a", 0, 1, 0, 4, 10, {"w": np.zeros(3, np.float32)}), "shape"),
     (Update("a", 0, 1, 0, 4, 10, {"w": np.zeros(2, np.float64)}), "dtype"),
     (Update("a", 0, 1, 0, 4, 10, {"w": np.array([0, np.nan], np.float32)}), "nonfinite"),
+    (Update("a", 0, 1, 0, 4, 10, {"w": np.array([2e6, -np.inf], np.float32)}), "nonfinite"),
+    (Update("a", 0, 1, 0, 4, 10, {"w": np.array([0, -2e6], np.float32)}), "range"),
     (Update("a", 0, 1, 0, 1, 10, {"w": np.zeros(2, np.float32)}), "not-eligible"),
     (Update("a", 0, 1, 0, 3, 10, {"w": np.zeros(2, np.float32)}), "not-eligible"),
 ])
