@@ -396,6 +396,9 @@ def decode(
     scan(payload, limits)
     intact = integrity.check(payload)
     if intact is False:
+        if integrity.sealed_before_sha256(payload):
+            raise CodecError("digest", "payload sealed with the BLAKE2b digest of an older "
+                             "edgefcl build: update the sender")
         raise CodecError("digest", "payload digest mismatch: the bytes were damaged after encoding")
     if intact is None and require_digest:
         raise CodecError("digest", "payload carries no digest; encode it with edgefcl's codec")

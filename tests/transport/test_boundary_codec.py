@@ -79,6 +79,25 @@ def test_digest_is_checked_before_decoding() -> None:
     assert _reason(bytes(flipped), require_digest=True) in ("digest", "malformed")
 
 
+def test_the_digest_is_sha256_truncated_and_an_older_blake2b_seal_is_named() -> None:
+    import hashlib
+
+    good = codec.encode(Update("c", 0, 1, 0, 1, 1, {"w": np.ones(2, np.float32)}), fleet=FLEET)
+    body, digest = good[:-16], good[-16:]
+    assert digest == hashlib.sha256(body).digest()[:16]  # by hand
+    # a payload sealed by a build before SHA-256 (BLAKE2b-128) is rejected as a digest
+    # mismatch that says to update the sender, not as damaged bytes
+    old = body + hashlib.blake2b(body, digest_size=16).digest()
+    with pytest.raises(CodecError, match="older edgefcl build") as e:
+        codec.decode(old, FLEET, require_digest=True)
+    assert e.value.reason == "digest"
+    damaged = bytearray(good)
+    damaged[-1] ^= 1
+    with pytest.raises(CodecError, match="damaged") as e:
+        codec.decode(bytes(damaged), FLEET, require_digest=True)
+    assert e.value.reason == "digest"
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.recursive(
     st.none() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.binary(max_size=8)

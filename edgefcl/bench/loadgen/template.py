@@ -2,7 +2,7 @@
 
 An `UpdateTemplate` packs the tensors of one update once. Each message only changes the
 client, base version, sequence number and mini-batch counter: they are packed after the
-tensors (a msgpack map has no key order), and the BLAKE2b digest that seals every payload
+tensors (a msgpack map has no key order), and the SHA-256 digest that seals every payload
 (`edgefcl.transport.integrity`) is resumed from the state after the constant prefix instead of
 hashing the tensors again. The result is byte for byte a payload the codec accepts
 (`codec.decode(..., require_digest=True)`), and one the aggregator's admission accepts from an
@@ -11,8 +11,6 @@ schedule, so every update is new progress.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import msgpack
 import numpy as np
@@ -41,7 +39,7 @@ class UpdateTemplate:
         assert n_keys < 16, "a msgpack fixmap holds at most 15 keys"
         self.prefix = bytes([0x80 | n_keys]) + b"".join(_pack(k) + _pack(v)
                                                          for k, v in fixed.items())
-        self._hash = hashlib.blake2b(self.prefix, digest_size=integrity.DIGEST_BYTES)
+        self._hash = integrity.digester(self.prefix)
         self._trailer = _pack(integrity.DIGEST_KEY) + bytes([0xC4, integrity.DIGEST_BYTES])
 
     def payload(self, client: str, base_version: int, seq: int) -> bytes:
@@ -51,7 +49,7 @@ class UpdateTemplate:
         tail += self._trailer
         h = self._hash.copy()
         h.update(tail)
-        return b"".join((self.prefix, tail, h.digest()))
+        return b"".join((self.prefix, tail, h.digest()[:integrity.DIGEST_BYTES]))
 
     def __len__(self) -> int:
         return len(self.payload("c0000", 0, 0))
