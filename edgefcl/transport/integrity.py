@@ -13,8 +13,8 @@ SHA-256 rather than BLAKE2b: the x86 SHA extensions (AMD Zen, Intel from Ice Lak
 crypto extensions compute it in hardware, 0.25 ms for a 380 KB dense update on the 2-core
 development machine against 0.68 ms for the BLAKE2b-128 that builds before it sealed with (a
 third of what the aggregator spent on such an update). On CPUs without them it is slower than
-BLAKE2b (not measured here). A payload sealed the older way is still told apart (`sealed_before_sha256`),
-so that its rejection says what to fix.
+BLAKE2b (not measured here). A payload sealed the older way is still told apart
+(`sealed_before_sha256`), so that its rejection says what to fix.
 """
 
 from __future__ import annotations
