@@ -55,7 +55,6 @@ class Encoding:
     check: Callable[[Tensors, Spec], tuple[str | None, Checked | None]] | None = None
     """`validate` that also returns what it decoded, for the rule to reuse (`Update.checked`;
     None: `validate` alone)."""
-    """Server side, after `validate`: the payload as the rules read it (`form`)."""
     form: str = "dense"
     """What `decode` yields: dense (whole float32 tensors), sparse (entries' changes on a
     base), entries (entries' absolute values: apc) or gaussian (mu/sigma pairs); robust rules
