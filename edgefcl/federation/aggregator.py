@@ -261,6 +261,15 @@ class Aggregator:
         (`_spill`) instead of growing past `round_max_mib` (`round_spills`)."""
         return round_spills(self.fed, self.global_.prototypes is not None)
 
+    @property
+    def keeps_decoded(self) -> bool:
+        """Whether an update keeps what validating it decoded until its fold (`Update.checked`,
+        counted in the round's bytes): where the round's byte bound holds whatever it holds,
+        rounds that spill. Elsewhere (lock-step rounds, rules that hold every update) that
+        bound is the start-up check on the wire's bytes (`check_round_memory`), and the fold
+        decodes afresh."""
+        return self.spills
+
     def _new_strategy(self) -> Strategy:
         """The run's one strategy (it lives as long as the aggregator)."""
         return self.encoding.strategy(self.fed.aggregation, self.fed, self.spec)
@@ -415,7 +424,8 @@ class Aggregator:
         reason = reason or check_variances(msg.tensors)
         if reason is not None:
             return reason
-        msg.checked = checked
+        if self.keeps_decoded:
+            msg.checked = checked
         reason = self._rows.check(msg.prototypes, self.global_.prototypes)
         if reason is not None:
             return reason

@@ -115,6 +115,7 @@ class ShardWorker(Aggregator):
         self.worker = worker
 
     spills = False  # a full worker flushes instead
+    keeps_decoded = True  # and its flush holds the bound
     carries = False  # the root closes the task gate's round
 
     def _maybe_close(self, now: float | None) -> RoundClosed | None:

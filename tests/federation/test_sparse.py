@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgefcl.config import ConfigError, FedConfig, RunConfig, apply
+from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, apply
 from edgefcl.federation.aggregator import Aggregator
+from edgefcl.federation.indexing import INDEX_FORMATS
+from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import GlobalModel, Tick, Update
 from edgefcl.federation.sparse import (
     IDX,
@@ -37,6 +39,7 @@ from edgefcl.federation.versions import (
     downlink_message,
     global_delta,
 )
+from edgefcl.runtime.roles import check_round_memory
 from edgefcl.transport import codec
 
 # -- index coding ---------------------------------------------------------------------------
@@ -318,24 +321,68 @@ def test_the_fold_reuses_what_validation_decoded_and_only_for_the_same_tensors(m
     # (0.42 ms of the 1.7 ms a demo update cost the daemon); the fold now reuses the first
     import edgefcl.federation.sparse as sparse_mod
 
-    agg = make_agg(clients=3)
-    a = sparse_update("a", [0, 2], [0.5, 0.25])
-    assert agg.submit(a) is None
+    agg = make_agg(clients=3, mode="async", burn_in=0, jump=1, round_timeout=1e9)
+    for c in "abz":
+        agg.join(c, 0.0)
+    a = sparse_update("a", [0, 2], [0.5, 0.25], batch=1)
+    assert agg.submit(a, 0.0) is None
     assert a.checked is not None and a.checked.nbytes == 2 * (4 + 4)  # int32 + float32
     assert a.nbytes == sum(t.nbytes for t in a.tensors.values()) + 16  # counted in the round
-    assert agg.submit(sparse_update("b", [0], [0.5])) is None
+    assert agg.submit(sparse_update("b", [0], [0.5], batch=1), 0.0) is None
     decoded = []
     real = sparse_mod.decode_payload
     monkeypatch.setattr(sparse_mod, "decode_payload",
                         lambda *args, **kw: decoded.append(1) or real(*args, **kw))
-    u = sparse_update("z", [3], [9e5])  # clipped at the close: new tensors, decoded afresh
-    closed = agg.submit(u)
+    u = sparse_update("z", [3], [9e5], batch=1)  # clipped: new tensors, decoded afresh
+    closed = agg.submit(u, 0.0)
     assert agg.counters["clipped"] == 1
     assert len(decoded) == 2  # z at arrival, and z's clipped copy at the fold: a, b reused
     # by hand, each entry over its senders, mixed 0.5: entry 0 (0.5 + 0.5) / 2, entry 2 a's
     # alone, entry 3 z's clipped to 3 x the median change norm (a's sqrt(0.5^2 + 0.25^2))
     np.testing.assert_allclose(closed.global_.tensors["w"],
                                [0.25, 0, 0.125, 0.5 * 3 * math.sqrt(0.3125)], rtol=1e-6)
+
+
+def full_update(client, shape, dtype=np.float16, batch=4):
+    """A valid sparse update that sends every entry (bitmap index): 2-4 B an entry on the
+    wire, 8 B more decoded."""
+    n = math.prod(shape)
+    wire, covered = INDEX_FORMATS["bits"].encode(np.arange(n, dtype=np.int64), n, 2)
+    return Update(client, 0, 1, 0, batch, 10, {"w::bits": wire,
+                                            "w::val": np.full(covered.size, 1e-3, dtype)},
+                  "sparse")
+
+
+def test_rounds_that_hold_every_update_keep_no_decoded_payload():
+    # a reviewer helper's finding: a rule that cannot spill (a prototype library here) holds
+    # every update until min_clients, bounded only by the start-up check on the wire's bytes
+    # (min_clients x 4 B per entry <= round_max_mib); with the decoded payload kept beside
+    # each update two of three held 5.06 MiB under a bound of 3
+    fed = FedConfig(clients=3, min_clients=3, encoding="sparse", mode="async",
+                    round_max_mib=3.0, burn_in=2, jump=2, quorum=1.0)
+    cfg = RunConfig(learn=LearnConfig(method="fedavg", head="prototypes"), fed=fed)
+    initial = {"w": np.zeros((512, 512), np.float32)}  # 1 MiB
+    check_round_memory(cfg, initial)  # accepted: 3 x 1 MiB <= 3 MiB
+    agg = Aggregator(initial, fed, prototypes=LabelRows.empty(2))
+    assert not agg.spills and not agg.keeps_decoded
+    for c in "ab":
+        assert agg.submit(full_update(c, (512, 512))) is None
+    assert agg.counters["accepted"] == 2
+    assert agg._round.nbytes <= fed.round_max_mib * (1 << 20)
+    assert all(u.checked is None for u in agg._round.updates.values())
+
+
+def test_an_update_kept_for_the_task_gate_keeps_no_decoded_payload():
+    # it outlives its round: a carried update decodes afresh, and the gate's budget counts
+    # its own bytes (with the decoded payload the same budget kept 5x fewer devices)
+    agg = make_agg(clients=3, mode="async", burn_in=0, jump=1, round_timeout=1e9,
+                   task_gate=1, gate_carry_mib=64)
+    assert agg.keeps_decoded and agg.carries
+    u = full_update("a", (4,), batch=1)
+    assert agg.submit(u, 0.0) is None
+    assert u.checked is not None
+    kept, size = agg.task_ends.kept["a"]
+    assert kept.checked is None and size == sum(t.nbytes for t in u.tensors.values())
 
 
 def test_a_decoded_payload_is_reused_for_its_own_tensors_and_spec_only():
