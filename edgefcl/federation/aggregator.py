@@ -420,12 +420,13 @@ class Aggregator:
             return None if self.fed.mode == "sync" else "tick-in-async"
         if msg.encoding != self.encoding.name:
             return "encoding"
-        reason, checked = self.encoding.checked(msg.tensors, self.spec)
+        if self.keeps_decoded:
+            reason, msg.checked = self.encoding.checked(msg.tensors, self.spec)
+        else:  # nothing decoded is kept: no copy made to be dropped
+            reason = self.encoding.validate(msg.tensors, self.spec)
         reason = reason or check_variances(msg.tensors)
         if reason is not None:
             return reason
-        if self.keeps_decoded:
-            msg.checked = checked
         reason = self._rows.check(msg.prototypes, self.global_.prototypes)
         if reason is not None:
             return reason
