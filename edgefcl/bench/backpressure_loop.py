@@ -5,7 +5,10 @@ run against a model of the rest, driven by an event queue instead of wall time (
 seed gives the same numbers, in well under a second per run):
 
 - devices: `devices` devices, each with an update due every `devices / (offered x capacity)`
-  seconds, sent when its `Pacer` takes it (devices that ignore the factor send every one);
+  seconds (a `slower` share of them `slower_by` times less often, the others more often, so
+  that the fleet still offers `offered` x capacity), sent when its `Pacer` takes it (devices
+  that ignore the factor send every one), and `newcomers` new ids a second that each send one
+  update;
   `pacing` sets the phases of their due times: `random` (uniform over a period),
   `synchronised` (every device due at the same instant) or `bursty` (synchronised, and due
   only in the first 10 s of every 40 s);
@@ -42,7 +45,7 @@ PACINGS = ("random", "synchronised", "bursty")
 BURST_ON, BURST_EVERY = 10.0, 40.0
 SIZE = 1024
 """Bytes of one simulated update (only the inbox's budget in updates matters)."""
-DUE, STATUS, SEND, RELEASE = 0, 1, 2, 3
+DUE, STATUS, SEND, RELEASE, NEW = 0, 1, 2, 3, 4
 DEFERRED = -2
 """A status event put off until the main loop finished what it was doing."""
 
@@ -78,6 +81,16 @@ class Loop:
     receive_share: float = 0.0
     """Of an update's cost, the share spent receiving it (paho's network thread shares the CPU
     with the main loop): charged for every update that arrives, folded, superseded or shed."""
+    slower: float = 0.0
+    """Fraction of the devices due `slower_by` times less often (`offered` counts them)."""
+    slower_by: float = 1.0
+    newcomers: float = 0.0
+    """New device ids a second, each sending one update and then nothing (active, as a joined
+    device, for CLIENT_TIMEOUT_S): the honest devices' cost of counting them."""
+
+
+CLIENT_TIMEOUT_S = 120.0
+"""How long a device that went quiet stays active (the aggregator's default `client_timeout`)."""
 
 
 def _due_after(t: float, spec: Loop, period: float) -> float:
@@ -109,14 +122,20 @@ def run_loop(spec: Loop) -> dict:
     bp.spread_for(spec.devices)
     rng = np.random.default_rng(spec.seed)
     n = spec.devices
-    period = n / (spec.offered * spec.capacity)
-    phases = rng.random(n) * period if spec.pacing == "random" else np.zeros(n)
+    slower = rng.permutation(n)[:round(spec.slower * n)] if spec.slower else np.zeros(0, int)
+    periods = np.full(n, (n - len(slower) + len(slower) / spec.slower_by) / (
+        spec.offered * spec.capacity))
+    periods[slower] *= spec.slower_by
+    phases = rng.random(n) * periods if spec.pacing == "random" else np.zeros(n)
     ignoring = set(rng.permutation(n)[:round(spec.ignoring * n)].tolist())
     pacers = [Pacer(f"d{i}", spec.seed) for i in range(n)]
-    for p in pacers:  # as a device does from its mini-batch times (DeviceRunner._pace)
-        p.period, p.spreading = period, bp.spread
+    for p, period in zip(pacers, periods, strict=True):  # as a device does from its mini-batch
+        p.period, p.spreading = float(period), bp.spread  # times (DeviceRunner._pace)
     names = [f"d{i}" for i in range(n)]
+    joined: dict[str, float] = {}  # newcomers: id -> when it sent its one update
     events = [(float(phases[i]), DUE, i) for i in range(n)]
+    events += [((k + 1) / spec.newcomers, NEW, n + k)
+               for k in range(int(spec.seconds * spec.newcomers))]
     events.append((spec.interval, STATUS, -1))
     events += [(k * RELEASE_EVERY, RELEASE, -1)
                for k in range(1, int(spec.seconds / RELEASE_EVERY) + 1)]
@@ -134,6 +153,9 @@ def run_loop(spec: Loop) -> dict:
     def fold(device: str, at: float) -> float:
         i = int(device[1:])
         done = at + (1.0 - spec.receive_share - spec.round_share) / spec.capacity
+        if i >= n:  # a newcomer's
+            per_second[min(int(done), len(per_second) - 1)] += 1
+            return done
         if not spec.rounds:
             folded[i] += 1
             per_second[min(int(done), len(per_second) - 1)] += 1
@@ -157,7 +179,7 @@ def run_loop(spec: Loop) -> dict:
                 device, _ = inbox.get(0)
                 if quota.admit(device, device):
                     busy = fold(device, busy)
-                elif steady.start <= busy < steady.stop:
+                elif steady.start <= busy < steady.stop and int(device[1:]) < n:
                     held[int(device[1:])] += 1
             if released and busy <= until:
                 busy = fold(released.popleft(), busy)
@@ -177,8 +199,12 @@ def run_loop(spec: Loop) -> dict:
             break
         serve(t)
         now[0] = t
+        if kind == NEW:
+            joined[f"d{i}"] = t
+            inbox.put(f"d{i}", payload)
+            continue
         if kind == DUE:
-            heapq.heappush(events, (_due_after(t, spec, period), DUE, i))
+            heapq.heappush(events, (_due_after(t, spec, float(periods[i])), DUE, i))
             if pacers[i].take(t) or i in ignoring:
                 if spec.jitter == "off":
                     arrive(i, t)
@@ -195,12 +221,14 @@ def run_loop(spec: Loop) -> dict:
             heapq.heappush(events, (busy, STATUS, DEFERRED))
             continue
         heapq.heappush(events, (t + spec.interval, STATUS, -1))
+        active = set(names) | {d for d, at in joined.items() if t - at < CLIENT_TIMEOUT_S}
         bp.observe(inbox.load().less(quota.refused), spec.interval)
         refused = inbox.take_refused()  # messages of devices over the limit a full inbox shed
         if steady.start <= t < steady.stop:
             for device, k in refused.items():
-                held[int(device[1:])] += k
-        quota.end_interval(spec.interval, set(names), bp.factor, refused)
+                if int(device[1:]) < n:
+                    held[int(device[1:])] += k
+        quota.end_interval(spec.interval, active, bp.factor, refused)
         for p in pacers:
             p.factor, p.spreading = bp.factor, bp.spread
         factors.append((t, bp.factor))
@@ -274,7 +302,9 @@ CASES = [{"pacing": "random", "offered": 1.0}, {"pacing": "random", "offered": 2
          {"pacing": "random", "offered": 1.0, **SPARSE_ROUNDS},
          {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS},
          {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS, "max_factor": 1.0},
-         {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS, "rounds": 500}]
+         {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS, "rounds": 500},
+         {"pacing": "random", "offered": 2.0, "slower": 0.5, "slower_by": 4.8},
+         {"pacing": "random", "offered": 2.0, "newcomers": 2.0}]
 """The cases of the default table (fields of `Loop`)."""
 
 
@@ -284,8 +314,12 @@ def _label(case: dict, devices: int) -> str:
         text += f" -> {case['drop_to']:g}x"
     if case.get("ignoring"):
         text += f", {case['ignoring']:.0%} ignoring"
-    if "capacity" in case and not case.get("rounds"):  # each device's due updates a second
+    if case.get("slower"):
+        text += f", {case['slower']:.0%} due {case['slower_by']:g}x less often"
+    elif "capacity" in case and not case.get("rounds"):  # each device's due updates a second
         text += f", devices at {case['offered'] * case['capacity'] / devices:g}/s"
+    if case.get("newcomers"):
+        text += f", {case['newcomers']:g} new ids a second"
     if case.get("rounds"):
         text += f", rounds of {case['rounds']}"
     if case.get("max_factor") == 1.0:

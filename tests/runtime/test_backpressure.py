@@ -596,6 +596,20 @@ def test_slow_devices_that_ignore_the_factor_get_at_most_1_5x_too(capacity: floa
     assert r["ignoring_over_compliant"] <= 1.5 and r["folded_over_capacity"] >= 0.9
 
 
+def test_the_loop_offers_its_load_over_devices_of_two_paces_and_new_ids():
+    """Half of the devices due 4 times less often still offer `offered` x capacity in all (at
+    1x everything is folded); 50 new ids a second, each sending once, add
+    their updates on top (0.525 of a capacity of 2,000 a second at 0.5x)."""
+    from edgefcl.bench.backpressure_loop import Loop, run_loop
+
+    mixed = run_loop(Loop(offered=1.0, capacity=100.0, slower=0.5, slower_by=4.0,
+                          seconds=120.0))
+    assert mixed["folded_over_capacity"] == pytest.approx(1.0, abs=0.03)
+    assert mixed["factor_steady_max"] <= 1.25
+    new = run_loop(Loop(offered=0.5, capacity=2000.0, newcomers=50.0))
+    assert new["folded_over_capacity"] == pytest.approx(0.525, abs=0.01)
+
+
 def test_sparse_rounds_at_capacity_do_not_ratchet_the_factor_up():
     """Rounds that wait for all 1,000 devices: an interval that ends in a round's close reads
     as behind and the next drains it. Rising on each such interval took the factor to 2.3-5.4
