@@ -37,12 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefcl.bench.loadgen.pacing import PACINGS, in_burst, loaded
 from edgefcl.runtime.backpressure import Backpressure, Pacer
 from edgefcl.runtime.inbox import Inbox
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
 
-PACINGS = ("random", "synchronised", "bursty")
-BURST_ON, BURST_EVERY = 10.0, 40.0
 SIZE = 1024
 """Bytes of one simulated update (only the inbox's budget in updates matters)."""
 DUE, STATUS, SEND, RELEASE, NEW = 0, 1, 2, 3, 4
@@ -98,15 +97,7 @@ def _due_after(t: float, spec: Loop, period: float) -> float:
     drop, at the lower load)."""
     if spec.drop_to and t >= spec.seconds / 2:
         period *= spec.offered / spec.drop_to
-    nxt = t + period
-    if spec.pacing == "bursty" and nxt % BURST_EVERY >= BURST_ON:
-        nxt = (nxt // BURST_EVERY + 1) * BURST_EVERY + nxt % period
-    return nxt
-
-
-def _loaded(second: int, spec: Loop) -> bool:
-    """Whether the devices have updates due in `second` (bursty: its on-windows)."""
-    return spec.pacing != "bursty" or second % BURST_EVERY < BURST_ON
+    return in_burst(t + period, period) if spec.pacing == "bursty" else t + period
 
 
 def run_loop(spec: Loop) -> dict:
@@ -256,7 +247,7 @@ def summarise(spec: Loop, folded: np.ndarray, per_second: np.ndarray,
     devices' updates sent in that window that the update quota refused: held or shed)."""
     half = int(spec.seconds // 2)
     window = _steady(spec)
-    steady = [per_second[k] for k in window if _loaded(k, spec)]
+    steady = [per_second[k] for k in window if loaded(k, spec.pacing)]
     times = np.array([t for t, _ in factors])
     f = np.array([v for _, v in factors])
     level = f[(times >= window.start) & (times < window.stop)]

@@ -44,6 +44,7 @@ from edgefcl.bench.loadgen.devices import (
     run_devices,
 )
 from edgefcl.bench.loadgen.fleet_options import FleetOptions
+from edgefcl.bench.loadgen.pacing import PACINGS, loaded, loaded_seconds
 from edgefcl.config import ConfigError, RunConfig, dump_toml
 from edgefcl.federation.versions import delta_downlink
 
@@ -154,9 +155,9 @@ class Fleet:
     ctx: mp.context.BaseContext
     rate: object = None
     """Updates/s per device (a shared float the device processes read)."""
-    synchronised: object = None
-    """Whether every device's first update falls due at once when `go` is set (a shared
-    flag; else at random phases)."""
+    pacing: object = None
+    """How the devices' updates fall due from when `go` is set (a shared index into
+    PACINGS)."""
     procs: list = field(default_factory=list)
     counters: dict = field(default_factory=dict)
 
@@ -171,7 +172,7 @@ class Fleet:
 def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: str, root: str,
                 encoding: str, tensors: dict, go, stop, burn_in: int = 4, jump: int = 2,
                 max_backpressure: float = 8.0, deltas: bool = False) -> Fleet:
-    f = Fleet(ctx, ctx.Value("d", opts.rate), ctx.Value("b", False))
+    f = Fleet(ctx, ctx.Value("d", opts.rate), ctx.Value("i", PACINGS.index("random")))
     procs = opts.procs(n)
     bounds = np.linspace(0, n, procs + 1).astype(int)
     for j in range(procs):
@@ -181,7 +182,7 @@ def start_fleet(ctx, opts: FleetOptions, n: int, host: str, port: int, fleet: st
                           globals=opts.globals, deltas=deltas)
         counters = {name: ctx.Value("q", 0) for name in COUNTERS}
         p = ctx.Process(target=run_devices, args=(spec, counters, go, stop, f.rate,
-                                                  f.synchronised), daemon=True,
+                                                  f.pacing), daemon=True,
                         name=f"devices-{j}")
         p.start()
         f.procs.append(p)
@@ -280,10 +281,11 @@ def daemon_commands(opts: FleetOptions, base: list[str], state: Path) -> list[tu
 def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: Fleet,
                      fleet_name: str, encoding: str, initial_npz: Path, workdir: Path,
                      go, extra: tuple[str, ...] = (), tag: str = "",
-                     duration: float = 0.0) -> dict:
+                     duration: float = 0.0, pacing: str = "random") -> dict:
     """The same fleet against the `edgefcl aggregator` daemon (async mode, its own process),
     or a root and `opts.workers` workers; `extra` daemon flags, `tag` in file names, measured
-    for `duration` s (default `opts.duration`)."""
+    for `duration` s (default `opts.duration`); bursty `pacing` adds the folded rate while
+    the devices have updates due (`updates_per_s_loaded`)."""
     if duration:
         opts = dataclasses.replace(opts, duration=duration)
     root = cfg.mqtt.topic_root
@@ -349,6 +351,8 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
     intervals = list(np.diff([t for t, _ in rounds])) if len(rounds) > 1 else []
     if intervals:  # updates folded into the rounds that closed in the window, per second
         rate = sum(k for _, k in rounds[1:]) / (rounds[-1][0] - rounds[0][0])
+    if pacing == "bursty":
+        fair["updates_per_s_loaded"] = loaded_rate(rounds, wall0, wall0 + opts.warmup, wall1)
     return {
         "published_per_s": published, "updates_per_s": rate,
         "round_latency_p50_s": percentile(intervals, 50),
@@ -448,7 +452,8 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
        it sheds, so the saturating phase under-reads it, 0.5x at 1,000 devices);
     3. X x the capacity offered for --duration s, backpressure on, then off, the devices paced
        by --pacing (1 and 2 start them at random phases: a synchronised fleet without
-       backpressure measures its bursts, not the tier).
+       backpressure measures its bursts, not the tier; bursty devices are measured while
+       they have updates due).
     Folded rates count the updates in the rounds closed in each window."""
     off = ("--max-backpressure", "1")
     on = ("--max-backpressure", str(max(cfg.fed.max_backpressure, 1.0)))
@@ -458,15 +463,16 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
         args = (opts, n, cfg, broker, fleet, fleet_name, encoding, initial_npz, workdir, go)
 
         def phase(name: str, rate: float, flags: tuple[str, ...], seconds: float,
-                  synchronised: bool = False) -> dict:
+                  pacing: str = "random") -> dict:
             if not rate > 0:
                 raise ConfigError("bench fleet --overload: the aggregator folded nothing in the "
                                   "capacity window (no round closed); raise "
                                   "--capacity-duration")
             fleet.rate.value = rate / n
-            fleet.synchronised.value = synchronised
+            fleet.pacing.value = PACINGS.index(pacing)
             print(f"{n} devices, {name}: {rate:.1f} updates/s offered", flush=True)
-            r = aggregator_phase(*args, extra=flags, tag=f"-{name}", duration=seconds)
+            r = aggregator_phase(*args, extra=flags, tag=f"-{name}", duration=seconds,
+                                 pacing=pacing)
             phases[name] = {"phase": name, "offered_per_s": rate, **r}
             print(overload_table([phases[name]]).splitlines()[1], flush=True)
             return phases[name]
@@ -481,10 +487,10 @@ def run_overload(opts: FleetOptions, n: int, cfg: RunConfig, tensors: dict, init
         capacity = max(p["updates_per_s"] for p in phases.values())
         x = f"{opts.overload:g}x"
         for name, flags in ((f"{x}-backpressure", on), (f"{x}-no-backpressure", off)):
-            phase(name, opts.overload * capacity, flags, opts.duration,
-                  opts.pacing == "synchronised")
-    for r in phases.values():
-        r["ratio_to_capacity"] = r["updates_per_s"] / capacity if capacity else None
+            phase(name, opts.overload * capacity, flags, opts.duration, opts.pacing)
+    for r in phases.values():  # bursty: while the devices have updates due
+        r["ratio_to_capacity"] = r.get("updates_per_s_loaded", r["updates_per_s"]) / (
+            capacity) if capacity else None
     return {"devices": n, "payload": opts.payload, "overload": opts.overload,
             "payload_bytes": len_payload(tensors, encoding, fleet_name),
             "capacity_saturating_per_s": saturating["updates_per_s"],
@@ -519,6 +525,14 @@ def fairness(folded: Counter, n: int, ignoring: float) -> dict:
         out["ignoring_over_compliant"] = (out["folded_median_ignoring"]
                                           / max(out["folded_median_compliant"], 1e-9))
     return out
+
+
+def loaded_rate(rounds: list[tuple[float, int]], start: float, t0: float, t1: float) -> float:
+    """Updates a second folded in the `rounds` ((close time, updates)) that closed while
+    devices paced bursty from `start` had updates due, over those seconds of [t0, t1]."""
+    seconds = loaded_seconds(t0 - start, t1 - start, "bursty")
+    folded = sum(k for t, k in rounds if t0 <= t <= t1 and loaded(t - start, "bursty"))
+    return folded / seconds if seconds else 0.0
 
 
 def read_rounds(path: Path, t0: float, t1: float) -> list[tuple[float, int]]:

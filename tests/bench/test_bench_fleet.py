@@ -123,7 +123,7 @@ def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
     from edgefcl.bench.fleet import bench_fleet
 
     opts = FleetOptions([6], payload="sparse", rate=3.0, duration=3.0, overload=2.0,
-                        capacity_duration=3.0, warmup=1.5, pacing="synchronised",
+                        capacity_duration=3.0, warmup=1.5, pacing="bursty",
                         ignoring=0.2, globals="every")
     bench_fleet(opts, RunConfig(), tmp_path)
     saved = json.loads((tmp_path / "bench_fleet.json").read_text())
@@ -138,7 +138,11 @@ def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
     assert on["offered_per_s"] == pytest.approx(2 * o["capacity_per_s"])
     for p in o["phases"]:
         assert p["max_updates_per_client_round"] == 1 and p["aggregator_rss_mb"] > 10
-        assert p["ratio_to_capacity"] == pytest.approx(p["updates_per_s"] / o["capacity_per_s"])
+        # bursty devices (the 2x phases) are measured while they have updates due: here the
+        # whole window, in the first burst
+        folded = p.get("updates_per_s_loaded", p["updates_per_s"])
+        assert ("updates_per_s_loaded" in p) == (p["phase"].startswith("2x"))
+        assert p["ratio_to_capacity"] == pytest.approx(folded / o["capacity_per_s"])
         assert p["backpressure_mean"] >= 1.0 and p["aggregator_hwm_mb"] >= 10
         assert p["broker_rss_mb"]["max"] >= p["broker_rss_mb"]["start"] > 0
         # every device receives the globals (--globals every): the deltas of the rounds' globals
@@ -149,6 +153,28 @@ def test_overload_measures_capacity_then_offers_twice_it(tmp_path):
         one["updates_per_s"]  # folded / a share <= 1
     assert all(p["folded_median_ignoring"] >= 0 and "ignoring_over_compliant" in p
                for p in o["phases"])  # d00000 and d00005 ignore the factor
+
+
+def test_bursty_devices_are_due_only_in_the_first_10_s_of_every_40_s():
+    from edgefcl.bench.loadgen.pacing import in_burst, loaded, loaded_seconds
+
+    assert in_burst(5.0, 3.0) == 5.0  # in the first window
+    # 12 s is past it: the same phase of a 3 s period (12 mod 3 = 0) in the next, 40 s
+    assert in_burst(12.0, 3.0) == 40.0
+    assert in_burst(13.5, 3.0, start=1.0) == 41.5  # 12.5 after the start: 40 + 0.5, + 1
+    assert loaded(45.0, "bursty") and not loaded(39.0, "bursty") and loaded(39.0, "random")
+    # a window from 3 s to 60 s: 3-10 and 40-50 loaded, 17 s; to 45 s: 12 s
+    assert loaded_seconds(3.0, 60.0, "bursty") == 17.0
+    assert loaded_seconds(3.0, 45.0, "bursty") == 12.0
+    assert loaded_seconds(3.0, 60.0, "random") == 57.0
+
+
+def test_bursty_phases_count_the_rounds_folded_while_devices_send():
+    from edgefcl.bench.fleet import loaded_rate
+
+    start = 1000.0  # rounds closed at 5 s (10 updates), 20 s (10; between bursts), 45 s (20)
+    rounds = [(start + 5, 10), (start + 20, 10), (start + 45, 20)]
+    assert loaded_rate(rounds, start, start + 3, start + 60) == 30 / 17
 
 
 def test_the_ignoring_devices_are_a_fraction_spread_over_the_numbers():

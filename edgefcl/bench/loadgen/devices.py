@@ -15,12 +15,14 @@ the device's id, so the fleet's sends stay spread over time as the factor change
 fleet would send in bursts). The rate is a shared value the bench may change between phases
 (`rate`, updates/s per device).
 
-Pacing: with the shared flag `synchronised` (the bench may change it between phases) every
-device's first update falls due at the same instant, as streams replayed in step or a fleet
-powered on at once, and only the devices' own send delay (`Pacer.delay`, once the aggregator
-advertises `spread_sends`) spreads them; without it each device starts at a random phase of
-its period. A fraction `ignoring` of the devices (`ignores`) never consult their pacer: they
-send every due update whatever the factor, as a device that does not follow the protocol.
+Pacing: with the shared `pacing` (an index into PACINGS; the bench may change it between
+phases) `synchronised`, every device's first update falls due at the same instant, as streams
+replayed in step or a fleet powered on at once, and only the devices' own send delay
+(`Pacer.delay`, once the aggregator advertises `spread_sends`) spreads them; `bursty` is
+synchronised with updates due only in the first 10 s of every 40 s (`pacing.in_burst`, as
+in `bench backpressure`); `random` starts each device at a random phase of its period. A
+fraction `ignoring` of the devices (`ignores`) never consult their pacer: they send every due
+update whatever the factor, as a device that does not follow the protocol.
 
 Downlink (`globals`): with `every` each device subscribes to the global and its deltas as
 DeviceRunner does; with `pull` it subscribes after each update it sends and leaves once a global
@@ -41,6 +43,7 @@ import msgpack
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
+from edgefcl.bench.loadgen.pacing import PACINGS, in_burst
 from edgefcl.bench.loadgen.template import UpdateTemplate
 from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
 
@@ -128,13 +131,13 @@ def _new_client(cid: str, host: str, port: int) -> mqtt.Client:
     return c
 
 
-def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=None) -> None:
+def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, pacing=None) -> None:
     """Process main: connect `spec.count` devices, publish while `go` is set, until `stop`.
 
     `counters` maps the names in COUNTERS to shared integers (multiprocessing.Value); `rate`, a
-    shared float, overrides `spec.rate` when given (read every turn of the loop);
-    `synchronised`, a shared flag read whenever `go` is set: every device's first update
-    falls due at that instant (else at a random phase of its period).
+    shared float, overrides `spec.rate` when given (read every turn of the loop); `pacing`, a
+    shared index into PACINGS read whenever `go` is set (default: random; see the module's
+    docstring).
     """
     raise_fd_limit()
     template = UpdateTemplate(spec.tensors, spec.encoding, spec.fleet, burn_in=spec.burn_in,
@@ -213,7 +216,8 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
         going = go.is_set()
         period = 1.0 / (rate.value if rate is not None else spec.rate)
         if going and not was_going:  # each device's first update falls due
-            phase = 0.0 if synchronised is not None and synchronised.value else period
+            mode = PACINGS[pacing.value] if pacing is not None else "random"
+            start, phase = now, period if mode == "random" else 0.0
             for d in devices:
                 d.due = now + rng.random() * phase
                 d.send_at = None
@@ -249,6 +253,8 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, synchronised=No
                     d.send_at = now + d.pacer.delay(period)
                     timeout = 0.0
                 d.due += period
+                if mode == "bursty":
+                    d.due = in_burst(d.due, period, start)
                 if d.due < now - period:  # this loop cannot keep up: do not burst later
                     lagged += 1
                     d.due = now + period

@@ -6,6 +6,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from edgefcl.bench.loadgen.pacing import PACINGS
 from edgefcl.config import ConfigError
 
 DEVICES_PER_PROC = 250
@@ -34,9 +35,10 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
                    "times it for --duration s with backpressure on and off (default 0: off)")
     g.add_argument("--capacity-duration", type=float, default=20.0, metavar="S",
                    help="--overload: seconds measured per capacity phase (default: 20)")
-    g.add_argument("--pacing", choices=["random", "synchronised"], default="random",
+    g.add_argument("--pacing", choices=PACINGS, default="random",
                    help="the devices' first updates fall due at random phases or all at "
-                   "once (then only their send delay spreads them) (default: random)")
+                   "once (then only their send delay spreads them); bursty: all at once, "
+                   "and only in the first 10 s of every 40 s (default: random)")
     g.add_argument("--ignoring", type=float, default=0.0, metavar="F",
                    help="fraction of the devices that ignore the backpressure factor "
                    "(default: 0)")
