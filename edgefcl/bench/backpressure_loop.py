@@ -213,7 +213,7 @@ def run_loop(spec: Loop) -> dict:
             continue
         heapq.heappush(events, (t + spec.interval, STATUS, -1))
         active = set(names) | {d for d, at in joined.items() if t - at < CLIENT_TIMEOUT_S}
-        bp.observe(inbox.load().less(quota.refused), spec.interval)
+        bp.observe(inbox.load().less(quota.refused), spec.interval, quota.rise)
         refused = inbox.take_refused()  # messages of devices over the limit a full inbox shed
         if steady.start <= t < steady.stop:
             for device, k in refused.items():

@@ -407,7 +407,7 @@ class AggregatorDaemon:
         re-published on the retained config (devices follow it there)."""
         spread = self.backpressure.spread
         line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
-                                         self.status_every)
+                                         self.status_every, self.quota.rise)
         self.backpressure.spread_for(len(self.agg.active))
         limit = self.quota.end_interval(self.status_every, set(self.agg.active),
                                         self.backpressure.factor, self.inbox.take_refused())

@@ -27,6 +27,10 @@ shed, messages the main loop took out, and the mean inbox fill. The factor (>= 1
   up with about f x b, so the factor goes to f x b / BUSY at once (a load that drops, or a
   rise that overshot, is followed within one interval rather than by x DECAY per interval).
 
+Whatever the rule, the factor rises at least as far as the update quota asks (`rise`,
+"share"): when its typical device sends over its fair share, the quota would hold compliant
+devices to it with the others, and its refusals are not load (`UpdateQuota.rise`).
+
 The interval after a rise is not measured (the factor holds): devices react within one update
 period, so that interval's arrivals still mix the old and the new rate, and measuring them would
 raise the factor twice for one overload.
@@ -61,7 +65,7 @@ STEP = 1.1
 DECAY = 0.9
 BUSY = 0.9
 """The main loop's busy share the factor comes down to at once when the loop idles more."""
-REASONS = ("shed", "fill", "behind")
+REASONS = ("shed", "fill", "behind", "share")
 SPREAD_FLEET = 100
 """Active (or expected: `fed.clients`) devices from which an aggregator asks its fleet to
 spread its sends at once (a smaller fleet is asked after its inbox first sheds)."""
@@ -123,8 +127,9 @@ class Backpressure:
     def enabled(self) -> bool:
         return self.max_factor > 1.0
 
-    def update(self, load: Load) -> float:
-        """The new factor after an interval with `load` (also sets `reason` and `busy`)."""
+    def update(self, load: Load, rise: float = 1.0) -> float:
+        """The new factor after an interval with `load` (also sets `reason` and `busy`), at
+        least `rise` times the factor before (the update quota's ask: "share")."""
         self.busy = round(1.0 - load.idle, 2)
         if not self.enabled:
             return self.factor
@@ -153,15 +158,19 @@ class Backpressure:
             if behind:  # but the loop idled: remembered as the first of two, not held
                 self._behind = load
             new, why = prev * min(DECAY, (1.0 - load.idle) / BUSY), self.reason
+        if rise > 1.0 and new < prev * rise and 1.0 - load.idle >= BUSY:  # (an idle loop
+            # has room: the rates the quota judges lag a load that dropped)
+            new, why = prev * rise, "share"
         self.factor = round(min(max(new, 1.0), self.max_factor), 2)
         self._settling = self.factor > prev
         self.reason = why if self.factor > 1.0 else ""
         return self.factor
 
-    def observe(self, load: Load, seconds: float) -> str | None:
-        """`update` with an interval's load; a log line when the factor changed, else None."""
+    def observe(self, load: Load, seconds: float, rise: float = 1.0) -> str | None:
+        """`update` with an interval's load and the quota's `rise`; a log line when the
+        factor changed, else None."""
         before = self.factor
-        if self.update(load) == before:  # off: it only notes the busy share
+        if self.update(load, rise) == before:  # off: it only notes the busy share
             return None
         why = self.reason if self.factor > before else "down"
         return (f"backpressure {self.factor:.2f} ({why}; last {seconds:g} s: offered "

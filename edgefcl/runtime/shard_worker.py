@@ -283,7 +283,7 @@ class WorkerDaemon:
         """Update the backpressure factor from the inbox's last interval (the root relays the
         highest of its workers' factors to the devices)."""
         line = self.backpressure.observe(self.inbox.load().less(self.quota.refused),
-                                         self.status_every)
+                                         self.status_every, self.quota.rise)
         refused = self.inbox.take_refused()
         recent = self.quota.recent() | set(refused)
         self.backpressure.spread_for(len(recent))

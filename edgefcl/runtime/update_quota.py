@@ -97,6 +97,10 @@ factor they got 1.6x the compliant share over 600 s on the virtual clock, 1.2x n
 A device seen once has no period: made-up device ids are not counted longer."""
 MIN_RATE = 1e-3
 """A device whose smoothed rate falls below this (updates a second) leaves `recent()`."""
+TYPICAL = 0.25
+"""The quantile of the sending devices' rates that `rise` compares with the fair share: the
+typical device, which is compliant while at most three quarters of the fleet ignore the
+factor (the median is an ignoring device's rate when half of the fleet does)."""
 
 
 class UpdateQuota:
@@ -135,6 +139,16 @@ class UpdateQuota:
         self.fair = 0.0
         """The last interval's updates let through a second, over the devices sending
         (SENDING_INTERVALS)."""
+        self.rise = 1.0
+        """How much the backpressure factor should rise (1: not at all): the TYPICAL
+        device's rate over the limit's fair part (FAIR_SLACK x `fair`), when that device sends
+        at least once in SLOW_INTERVALS intervals. Quota refusals are not load, so under a
+        factor too low for the load the quota held every device to its share, compliant or
+        not, and the factor never learnt it: with half of 1,000 devices due every 0.5 s
+        ignoring the factor, 26 % of the compliant devices' updates waited (mean of 5 virtual
+        seeds), 4 % with the rise. Slower fleets answer a rise only a device period later, and
+        risen at once their factor overshot (3 seeds: devices at 0.28/s folded 0.82 of
+        capacity, 0.92 before)."""
         self._over: frozenset[str] = frozenset()
         self._sent: dict[str, int] = {}  # active device -> the last interval it sent in
 
@@ -308,9 +322,13 @@ class UpdateQuota:
         if len(self.shed) > 1024:  # bounded: the worst offenders
             self.shed = Counter(dict(self.shed.most_common(512)))
         kept = {d: self._tokens(d, clock) for d in keep if d in self.tokens}  # at the old rate
+        self.rise = 1.0
         if factor <= 1.0 or not self.rates or self.intervals < WARMUP:
             self.limit, self.tokens, self._over = None, {}, frozenset()
             return
+        typical = float(np.quantile([judged[d] for d in senders], TYPICAL)) if senders else 0.0
+        if self.fair > 0 and typical * seconds * SLOW_INTERVALS >= 1.0:
+            self.rise = max(1.0, typical / (FAIR_SLACK * self.fair))
         self.limit = min(self.ratio * median, FAIR_SLACK * self.fair)
         self.refill = max(self.limit, MIN_REFILL)
         self.burst = self.refill * seconds + 1.0  # an interval's worth, and one more

@@ -95,6 +95,21 @@ def test_an_idle_main_loop_brings_the_factor_down_at_once():
     assert bp.update(Load(offered=1000, shed=10, taken=900, fill=0.3, idle=0.5)) > 1.98
 
 
+def test_the_quotas_ask_lifts_a_factor_that_would_sink():
+    """The update quota's `rise` (its typical device sends over its share): a factor that
+    would decay (x 0.9) rises to 2 x 1.5 = 3 instead ("share"), then holds an interval; a
+    rise of its own that is higher wins, and an ask of 1 changes nothing."""
+    bp = Backpressure(max_factor=8)
+    bp.factor, bp.reason = 2.0, "shed"
+    assert bp.update(Load(offered=100, shed=0, taken=100, fill=0.2), rise=1.5) == 3.0
+    assert bp.reason == "share"
+    assert bp.update(Load(offered=100, shed=0, taken=100, fill=0.2), rise=1.5) == 3.0  # held
+    assert bp.update(Load(offered=300, shed=100, taken=150, fill=0.9), rise=1.5) == 6.0
+    assert bp.reason == "shed"
+    bp.update(Load(offered=0, shed=0, taken=0, fill=0.0))
+    assert bp.update(Load(offered=100, shed=0, taken=100, fill=0.2), rise=1.0) == 5.4
+
+
 def test_a_round_close_in_an_interval_the_loop_idled_through_is_not_behind():
     # rounds of 1,000 at 2x in the virtual loop: the shed burst of the start lifted the factor
     # to 3.33, and the next interval ended in a round's close (taken < offered) although the
@@ -594,6 +609,18 @@ def test_slow_devices_that_ignore_the_factor_get_at_most_1_5x_too(capacity: floa
 
     r = run_loop(Loop(offered=2.0, ignoring=0.5, capacity=capacity, seconds=seconds))
     assert r["ignoring_over_compliant"] <= 1.5 and r["folded_over_capacity"] >= 0.9
+
+
+def test_compliant_devices_are_not_held_for_the_ones_that_ignore_the_factor():
+    """Half of 1,000 devices due every 0.5 s ignore the factor. The quota held both halves to
+    the fair share, so its refusals (not load) left the factor low (1.07-1.55) and 68 % of
+    the compliant devices' updates waited for tokens on this seed; the quota's ask (`rise`)
+    keeps the factor where the compliant devices send within their share."""
+    from edgefcl.bench.backpressure_loop import Loop, run_loop
+
+    r = run_loop(Loop(offered=2.0, ignoring=0.5))
+    assert r["compliant_held"] <= 0.15 and r["ignoring_over_compliant"] <= 1.5
+    assert r["folded_over_capacity"] >= 0.95
 
 
 def test_the_loop_offers_its_load_over_devices_of_two_paces_and_new_ids():

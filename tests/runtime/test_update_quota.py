@@ -358,3 +358,42 @@ def test_a_waiting_update_is_dropped_when_a_newer_one_of_its_device_passes() -> 
     quota.end_interval(2.0, {"a", "b"}, 1.0)
     assert quota.admit("a", "u5") and quota.release(everything=True) == []
     assert quota.shed["a"] == 1 and quota.fields() == {"waiting_superseded": 1}
+
+
+def test_a_fleet_whose_typical_device_sends_over_its_share_asks_the_factor_to_rise() -> None:
+    """Under a factor too low for the load the quota holds every device to its share, and its
+    refusals are not load, so the factor never learns: 20 devices each sending 2 a second
+    under a limit from a fair share of 1/s (20 passed a second). The devices' 25th
+    percentile rate, 2/s, over the limit's fair part (1.1 x 1/s) asks for a rise of
+    2 / 1.1 = 1.82; a fleet whose typical device sends within its share asks for none, and
+    nor does one whose quarter device sends less than once in SLOW_INTERVALS intervals (its
+    rate is the time between its updates; the factor's rise takes a device period to show)."""
+    clock = Clock()
+    q = UpdateQuota(clock=clock)
+    devices = {f"d{i}" for i in range(20)}
+
+    def interval(rate: float, passed: int) -> None:
+        for _ in range(int(rate * 2)):
+            clock.t += 2 / max(rate * 2, 1)
+            for d in sorted(devices):
+                q.admit(d, d)
+        q.passed = passed  # what the daemon let through (the others waited for tokens)
+        q.end_interval(2.0, devices, 2.0)
+
+    interval(2.0, 80)  # a fair share of 2/s: within it
+    assert q.rise == 1.0
+    interval(2.0, 40)
+    assert q.fair == 1.0 and q.rise == pytest.approx(2.0 / 1.1, rel=0.01)
+    interval(2.0, 80)  # 2/s passed each: no rise
+    assert q.rise == 1.0
+    interval(2.0, 0)  # nothing passed (a stalled main loop): no rise either
+    assert q.rise == 1.0
+    slow = UpdateQuota(clock=Clock())
+    for t in range(0, 60, 2):  # 20 devices each sending once in 8 s, far over a share of 0
+        slow.clock.t = float(t)
+        for i in range(20):
+            if (t // 2) % 4 == i % 4:
+                slow.admit(f"d{i}", i)
+        slow.passed = 0
+        slow.end_interval(2.0, devices, 2.0)
+    assert slow.limit is not None and slow.rise == 1.0
