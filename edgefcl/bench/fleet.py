@@ -351,8 +351,8 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
     intervals = list(np.diff([t for t, _ in rounds])) if len(rounds) > 1 else []
     if intervals:  # updates folded into the rounds that closed in the window, per second
         rate = sum(k for _, k in rounds[1:]) / (rounds[-1][0] - rounds[0][0])
-    if pacing == "bursty":
-        fair["updates_per_s_loaded"] = loaded_rate(rounds, wall0, wall0 + opts.warmup, wall1)
+    loaded_in = {"updates_per_s_loaded": loaded_rate(rounds, wall0, wall0 + opts.warmup,
+                                                     wall1)} if pacing == "bursty" else {}
     return {
         "published_per_s": published, "updates_per_s": rate,
         "round_latency_p50_s": percentile(intervals, 50),
@@ -370,7 +370,7 @@ def aggregator_phase(opts: FleetOptions, n: int, cfg: RunConfig, broker, fleet: 
                     for b in (last, *watcher.workers.values())),
         "backpressure_mean": float(np.mean(factors)) if factors else 1.0,
         "backpressure_max": max(factors, default=1.0),
-        "aggregator_hwm_mb": hwm, "busy": busy, **fair,
+        "aggregator_hwm_mb": hwm, "busy": busy, **fair, **loaded_in,
         "downlink_mb_per_s": (fleet.total("downlink_bytes") - before["downlink_bytes"])
         / (t1 - t0) / 1e6,
         "broker_rss_mb": {"start": broker_rss[0], "max": max(broker_rss),

@@ -206,6 +206,7 @@ def test_overload_options_are_checked():
     FleetOptions([10], overload=1.0).check()  # the capacity offered, backpressure on and off
     for bad in (FleetOptions([10], overload=0.5), FleetOptions([10], overload=0.99),
                 FleetOptions([10], overload=2, capacity_duration=0),
-                FleetOptions([10], ignoring=1.0), FleetOptions([10], ignoring=-0.1)):
+                FleetOptions([10], ignoring=1.0), FleetOptions([10], ignoring=-0.1),
+                FleetOptions([10], pacing="sometimes")):
         with pytest.raises(ConfigError):
             bad.check()

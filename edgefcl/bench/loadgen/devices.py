@@ -209,7 +209,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, pacing=None) ->
         sel.register(d.client.socket(), d.events, d)
 
     rng = random.Random(spec.seed + spec.first)
-    was_going = False
+    was_going, mode, start = False, "random", 0.0
     next_misc = 0.0
     while not stop.is_set():
         now = time.monotonic()

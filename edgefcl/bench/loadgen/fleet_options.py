@@ -88,6 +88,8 @@ class FleetOptions:
             raise ConfigError("--rate and --duration must be > 0, --device-procs >= 0")
         if self.globals not in GLOBALS:
             raise ConfigError(f"--globals must be one of {', '.join(GLOBALS)}")
+        if self.pacing not in PACINGS:
+            raise ConfigError(f"--pacing must be one of {', '.join(PACINGS)}")
         if not 0 <= self.ignoring < 1:
             raise ConfigError(f"--ignoring must be in [0, 1), got {self.ignoring}")
         if self.overload and (self.overload < 1 or not self.capacity_duration > 0):
