@@ -21,7 +21,9 @@ undecoded, for its next token, and the older ones shed (an update supersedes the
 counted per device (status: flooding); one that passes drops its device's waiting one
 (`superseded`). A backlog a device's session delivers after an outage thus ends with its last
 update counted.
-With the factor at 1 nothing is limited: spare capacity goes to whoever uses it.
+With the factor at 1 nothing is limited: spare capacity goes to whoever uses it. When the
+fleet's typical device sends over its share, the quota asks the factor to rise (`rise`), so
+that compliant devices are slowed by the factor rather than held here.
 """
 
 from __future__ import annotations
