@@ -28,7 +28,7 @@ shed, messages the main loop took out, and the mean inbox fill. The factor (>= 1
   rise that overshot, is followed within one interval rather than by x DECAY per interval).
 
 Whatever the rule, the factor rises at least as far as the update quota asks (`rise`,
-"share"): when its typical device sends over its fair share, the quota would hold compliant
+"share"): when nearly every device sends over its fair share, the quota would hold compliant
 devices to it with the others, and its refusals are not load (`UpdateQuota.rise`).
 
 The interval after a rise is not measured (the factor holds): devices react within one update
