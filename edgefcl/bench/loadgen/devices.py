@@ -15,7 +15,7 @@ the device's id, so the fleet's sends stay spread over time as the factor change
 fleet would send in bursts). The rate is a shared value the bench may change between phases
 (`rate`, updates/s per device).
 
-Pacing: with the shared `pacing` (an index into PACINGS; the bench may change it between
+Pacing: with the shared `pacing_index` (into PACINGS; the bench may change it between
 phases) `synchronised`, every device's first update falls due at the same instant, as streams
 replayed in step or a fleet powered on at once, and only the devices' own send delay
 (`Pacer.delay`, once the aggregator advertises `spread_sends`) spreads them; `bursty` is
@@ -131,13 +131,13 @@ def _new_client(cid: str, host: str, port: int) -> mqtt.Client:
     return c
 
 
-def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, pacing=None) -> None:
+def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, pacing_index=None) -> None:
     """Process main: connect `spec.count` devices, publish while `go` is set, until `stop`.
 
     `counters` maps the names in COUNTERS to shared integers (multiprocessing.Value); `rate`, a
-    shared float, overrides `spec.rate` when given (read every turn of the loop); `pacing`, a
-    shared index into PACINGS read whenever `go` is set (default: random; see the module's
-    docstring).
+    shared float, overrides `spec.rate` when given (read every turn of the loop);
+    `pacing_index`, a shared index into PACINGS read whenever `go` is set (default: random;
+    see the module's docstring).
     """
     raise_fd_limit()
     template = UpdateTemplate(spec.tensors, spec.encoding, spec.fleet, burn_in=spec.burn_in,
@@ -209,15 +209,15 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, pacing=None) ->
         sel.register(d.client.socket(), d.events, d)
 
     rng = random.Random(spec.seed + spec.first)
-    was_going, mode, start = False, "random", 0.0
+    was_going, pacing, start = False, "random", 0.0
     next_misc = 0.0
     while not stop.is_set():
         now = time.monotonic()
         going = go.is_set()
         period = 1.0 / (rate.value if rate is not None else spec.rate)
         if going and not was_going:  # each device's first update falls due
-            mode = PACINGS[pacing.value] if pacing is not None else "random"
-            start, phase = now, period if mode == "random" else 0.0
+            pacing = PACINGS[pacing_index.value] if pacing_index is not None else "random"
+            start, phase = now, period if pacing == "random" else 0.0
             for d in devices:
                 d.due = now + rng.random() * phase
                 d.send_at = None
@@ -253,7 +253,7 @@ def run_devices(spec: DeviceSpec, counters, go, stop, rate=None, pacing=None) ->
                     d.send_at = now + d.pacer.delay(period)
                     timeout = 0.0
                 d.due += period
-                if mode == "bursty":
+                if pacing == "bursty":
                     d.due = in_burst(d.due, period, start)
                 if d.due < now - period:  # this loop cannot keep up: do not burst later
                     lagged += 1

@@ -36,9 +36,8 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-duration", type=float, default=20.0, metavar="S",
                    help="--overload: seconds measured per capacity phase (default: 20)")
     g.add_argument("--pacing", choices=PACINGS, default="random",
-                   help="the devices' first updates fall due at random phases or all at "
-                   "once (then only their send delay spreads them); bursty: all at once, "
-                   "and only in the first 10 s of every 40 s (default: random)")
+                   help="first updates due at random phases or all at once; bursty: all "
+                   "at once, in the first 10 s of every 40 s (default: random)")
     g.add_argument("--ignoring", type=float, default=0.0, metavar="F",
                    help="fraction of the devices that ignore the backpressure factor "
                    "(default: 0)")
