@@ -160,6 +160,13 @@ def run_loop(spec: Loop) -> dict:
         members.clear()
         return done
 
+    def hold(device: str, k: int) -> None:
+        """Count `k` updates of `device` the quota refused (a fleet device's, not a
+        newcomer's)."""
+        i = int(device[1:])
+        if i < n:
+            held[i] += k
+
     released: deque[str] = deque()  # the quota's, handled one after each inbox message
 
     def serve(until: float) -> None:
@@ -170,8 +177,8 @@ def run_loop(spec: Loop) -> dict:
                 device, _ = inbox.get(0)
                 if quota.admit(device, device):
                     busy = fold(device, busy)
-                elif steady.start <= busy < steady.stop and int(device[1:]) < n:
-                    held[int(device[1:])] += 1
+                elif steady.start <= busy < steady.stop:
+                    hold(device, 1)
             if released and busy <= until:
                 busy = fold(released.popleft(), busy)
         if not len(inbox) and not released and busy < until:
@@ -217,8 +224,7 @@ def run_loop(spec: Loop) -> dict:
         refused = inbox.take_refused()  # messages of devices over the limit a full inbox shed
         if steady.start <= t < steady.stop:
             for device, k in refused.items():
-                if int(device[1:]) < n:
-                    held[int(device[1:])] += k
+                hold(device, k)
         quota.end_interval(spec.interval, active, bp.factor, refused)
         for p in pacers:
             p.factor, p.spreading = bp.factor, bp.spread

@@ -14,7 +14,7 @@ def in_burst(due: float, period: float, start: float = 0.0) -> float:
     """`due` when it falls in an on-window of bursty pacing (the first BURST_ON s of every
     BURST_EVERY s from `start`), else the same phase of its period in the next one."""
     rel = due - start
-    if rel % BURST_EVERY < BURST_ON:
+    if loaded(rel, "bursty"):
         return due
     return start + (rel // BURST_EVERY + 1) * BURST_EVERY + rel % period
 
