@@ -71,6 +71,10 @@ SPREAD_FLEET = 100
 spread its sends at once (a smaller fleet is asked after its inbox first sheds)."""
 MAX_DELAY_S = 10.0
 """The longest send delay of a device (`Pacer.delay`)."""
+PAUSE_PERIODS = 2.0
+"""A gap between due updates longer than this many periods is a pause, and counts as this
+many in the measured period (`Pacer.take`): devices due every 0.5 s in bursts 30 s apart
+measured 9.35 s after each quiet spell, and delayed their sends over the whole 10 s burst."""
 
 
 @dataclass(frozen=True)
@@ -259,12 +263,13 @@ class Pacer:
         return self.phase * (min(self.period, MAX_DELAY_S) if period is None else period)
 
     def take(self, now: float | None = None) -> bool:
-        """Called for every due update (at time `now`, to measure the period): True to send
-        it, False to hold it back."""
+        """Called for every due update (at time `now`, to measure the period, a pause counted
+        as PAUSE_PERIODS periods): True to send it, False to hold it back."""
         if now is not None:
             if self._due_at is not None:
                 gap = now - self._due_at
-                self.period = gap if not self.period else 0.7 * self.period + 0.3 * gap
+                self.period = gap if not self.period else (
+                    0.7 * self.period + 0.3 * min(gap, PAUSE_PERIODS * self.period))
             self._due_at = now
         self.credit += 1.0 / self.factor  # below 1 after a send: never a burst
         if self.credit >= 1.0 - 1e-9:
