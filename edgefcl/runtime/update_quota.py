@@ -5,7 +5,10 @@ While the aggregator advertises a factor above 1, each active device may have it
 handled at most at `ratio` (1.2) times the fleet's median device rate, or at FAIR_SLACK (1.1)
 times its fair share of what the aggregator let through in the last interval (those updates
 over the devices sending) when that is lower (with half the fleet ignoring the factor the
-median is an ignoring device's rate; the fair share is not). A fraction p of ignoring devices
+median is an ignoring device's rate; the fair share is not; a device's rate in the median is
+its judged rate or its last interval's, whichever is higher: judged from the times of its last
+updates, a fleet back from a quiet spell read 0.1/s sending 0.5/s, and its own median held
+every device a few updates into the burst). A fraction p of ignoring devices
 held at s x the fair share settle at s (1 - p) / (1 - s p) times a compliant device's rate:
 1.22x at p = 0.5 with s = 1.1 (1.5x with 1.2, measured 1.63x with the bucket's allowance; s = 1
 measured 1.17x but the tier folded 0.84 of its capacity, as the share chases the compliant
@@ -270,7 +273,8 @@ class UpdateQuota:
         many others that sent in the last KEEP_S (the rest are forgotten, so the tables stay
         bounded by twice the active set), counting the updates the
         inbox refused before they reached `admit` (`inbox_refused`, `Inbox.take_refused`),
-        then set the next interval's limit (`factor` > 1: `ratio` x the median rate) and
+        then set the next interval's limit (`factor` > 1: `ratio` x the median rate, each
+        device's rate taken as judged or as this interval's, whichever is higher) and
         refill the buckets. Returns a log line when the limit was set, lifted or moved by a
         tenth or more."""
         before = self.limit
@@ -321,7 +325,7 @@ class UpdateQuota:
         # silent device active for its client timeout; OWN_PERIODS)
         self.fair = self.passed / seconds / max(len(senders), 1)
         judged = {d: self._rate(d, clock)[0] for d in keep}
-        median = float(np.median([judged[d] for d in senders])) if senders else 0.0
+        median = float(np.median([max(judged[d], now[d]) for d in senders])) if senders else 0.0
         self.refused = self.passed = 0
         self.intervals += 1
         if len(self.shed) > 1024:  # bounded: the worst offenders

@@ -397,3 +397,30 @@ def test_a_fleet_whose_typical_device_sends_over_its_share_asks_the_factor_to_ri
         slow.passed = 0
         slow.end_interval(2.0, devices, 2.0)
     assert slow.limit is not None and slow.rise == 1.0
+
+
+def test_a_fleet_back_from_a_quiet_spell_is_judged_by_its_rate_now():
+    """Ten devices sent one update a second, went quiet for 30 s and came back at that pace.
+    At the first close after the spell, each one's rate from its last 4 updates spans the
+    spell (3 gaps over 33 s: 0.091/s); the median of those set a limit of 1.2 x 0.091 =
+    0.109/s where they send 1/s. Taken with the interval's own rate (2 updates in 2 s),
+    the median is 1/s and the fair share binds: 1.1 x 20 passed / 2 s / 10 devices."""
+    now = [0.0]
+    quota = UpdateQuota(clock=lambda: now[0])
+    names = [f"d{i}" for i in range(10)]
+    for t in (1.0, 2.0):  # before the spell, factor 2 (the limit is set from the 2nd close)
+        now[0] = t
+        for d in names:
+            assert quota.admit(d)
+    quota.end_interval(2.0, set(names), 2.0)
+    now[0] = 32.0  # the quiet spell: the idle loop brought the factor to 1 (no limit)
+    for _ in range(15):
+        quota.end_interval(2.0, set(names), 1.0)
+    assert quota.limit is None
+    for t in (33.0, 34.0):
+        now[0] = t
+        for d in names:
+            assert quota.admit(d)
+    quota.end_interval(2.0, set(names), 2.0)
+    assert quota.fair == pytest.approx(1.0)
+    assert quota.limit == pytest.approx(1.1)
