@@ -424,3 +424,24 @@ def test_a_fleet_back_from_a_quiet_spell_is_judged_by_its_rate_now():
     quota.end_interval(2.0, set(names), 2.0)
     assert quota.fair == pytest.approx(1.0)
     assert quota.limit == pytest.approx(1.1)
+
+
+def test_an_interval_in_which_no_device_sent_leaves_the_rates_as_they_were():
+    """It says nothing of any device's rate. Decayed by the quiet spells of a fleet that sends
+    in bursts, the smoothed rates of the devices ignoring the factor started each burst near 0,
+    and they passed unheld for its first intervals (1.56x the compliant median, 1.34x now)."""
+    now = [0.0]
+    quota = UpdateQuota(clock=lambda: now[0])
+    for t in (0.5, 1.0):
+        now[0] = t
+        quota.admit("a")
+    quota.admit("b")
+    quota.end_interval(2.0, {"a", "b"}, 2.0)
+    assert quota.rates == pytest.approx({"a": 1.0, "b": 0.5})
+    now[0] = 4.0
+    quota.end_interval(2.0, {"a", "b"}, 2.0)  # nobody sent: as they were (not 0.7, 0.35)
+    assert quota.rates == pytest.approx({"a": 1.0, "b": 0.5})
+    now[0] = 5.0
+    quota.admit("b")
+    quota.end_interval(2.0, {"a", "b"}, 2.0)  # b sent: a's rate decays, b's holds
+    assert quota.rates == pytest.approx({"a": 0.7, "b": 0.5})
