@@ -408,7 +408,7 @@ def test_a_fleet_back_from_a_quiet_spell_is_judged_by_its_rate_now():
     now = [0.0]
     quota = UpdateQuota(clock=lambda: now[0])
     names = [f"d{i}" for i in range(10)]
-    for t in (1.0, 2.0):  # before the spell, factor 2 (the limit is set from the 2nd close)
+    for t in (1.0, 2.0):  # before the spell, at factor 2
         now[0] = t
         for d in names:
             assert quota.admit(d)
