@@ -72,9 +72,12 @@ spread its sends at once (a smaller fleet is asked after its inbox first sheds).
 MAX_DELAY_S = 10.0
 """The longest send delay of a device (`Pacer.delay`)."""
 PAUSE_PERIODS = 2.0
-"""A gap between due updates longer than this many periods is a pause, and counts as this
-many in the measured period (`Pacer.take`): devices due every 0.5 s in bursts 30 s apart
-measured 9.35 s after each quiet spell, and delayed their sends over the whole 10 s burst."""
+"""A gap between due updates longer than this many periods, after one that was not, is a pause,
+and counts as this many in the measured period (`Pacer.take`): devices due every 0.5 s in
+bursts 30 s apart measured 9.35 s after each quiet spell, and delayed their sends over the
+whole 10 s burst. A second long gap in a row counts whole: the device slowed down (capped each
+time, the period grew 1.3x an update after a fleet's load dropped to a tenth, the delays
+covered a part of the new period, and the inbox shed)."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,7 @@ class Pacer:
         """Whether sends are delayed (`delay`): as the aggregator advertises
         (`spread_sends`)."""
         self._due_at: float | None = None
+        self._long = False  # whether the last gap was over PAUSE_PERIODS periods
 
     def delay(self, period: float | None = None) -> float:
         """Seconds to wait before sending an update taken now: 0 unless the aggregator asks
@@ -268,8 +272,11 @@ class Pacer:
         if now is not None:
             if self._due_at is not None:
                 gap = now - self._due_at
-                self.period = gap if not self.period else (
-                    0.7 * self.period + 0.3 * min(gap, PAUSE_PERIODS * self.period))
+                long = bool(self.period) and gap > PAUSE_PERIODS * self.period
+                if long and not self._long:  # a pause, unless the next gap is long too
+                    gap = PAUSE_PERIODS * self.period
+                self._long = long
+                self.period = gap if not self.period else 0.7 * self.period + 0.3 * gap
             self._due_at = now
         self.credit += 1.0 / self.factor  # below 1 after a send: never a burst
         if self.credit >= 1.0 - 1e-9:

@@ -533,10 +533,13 @@ def test_a_quiet_spell_does_not_stretch_a_pacers_period():
     assert p.period == pytest.approx(0.65)
     p.take(now=32.0)
     assert p.period == pytest.approx(0.7 * 0.65 + 0.3 * 0.5)
-    slower = Pacer("d2", seed=0)  # a device that slows down follows within a few updates
-    for k in range(12):
-        slower.take(now=(0.5 * k) if k < 4 else 1.5 + 4.0 * (k - 3))
-    assert slower.period > 3.0
+    slower = Pacer("d2", seed=0)  # a device that slows down: its second long gap counts
+    for k in range(4):  # whole (a reviewer helper's case: capped at 2 periods each time, the
+        slower.take(now=0.5 * k)  # period grew 1.3x an update after a drop to 0.1x, and the
+    slower.take(now=5.5)  # delays of the fleet's sends covered a part of it: the inbox shed)
+    assert slower.period == pytest.approx(0.65)
+    slower.take(now=10.5)
+    assert slower.period == pytest.approx(0.7 * 0.65 + 0.3 * 5.0)
 
 
 def test_an_aggregator_asks_a_large_or_shedding_fleet_to_spread_its_sends():
@@ -679,12 +682,12 @@ def test_bursty_devices_are_not_held_for_the_quiet_spell_before_their_burst():
     broker, the tier folded 0.15-0.29 of its capacity (the broker's bursty runs: 0.15-0.75).
     The median now takes each device's rate in the last interval where that is higher. That
     alone let the devices ignoring the factor pass unheld early in each burst (1.56x the
-    compliant median), their smoothed rates decayed by the quiet spell: an interval in which
-    nobody sent now leaves the rates as they were."""
+    compliant median), their smoothed rates decayed by the quiet spell: a quiet interval now
+    leaves the rates of the devices that did not send as they were (QUIET_SHARE)."""
     from edgefcl.bench.backpressure_loop import Loop, run_loop
 
     r = run_loop(Loop(pacing="bursty", offered=2.0))
-    assert r["folded_over_capacity"] >= 0.95 and r["compliant_held"] <= 0.06
+    assert r["folded_over_capacity"] >= 0.95 and r["compliant_held"] <= 0.09
     half = run_loop(Loop(pacing="bursty", offered=2.0, ignoring=0.5))
     assert half["ignoring_over_compliant"] <= 1.45 and half["folded_over_capacity"] >= 0.95
     dense = run_loop(Loop(pacing="bursty", offered=2.0, receive_share=0.5, seconds=120.0))

@@ -429,7 +429,7 @@ def test_a_fleet_back_from_a_quiet_spell_is_judged_by_its_rate_now():
 def test_an_interval_in_which_no_device_sent_leaves_the_rates_as_they_were():
     """It says nothing of any device's rate. Decayed by the quiet spells of a fleet that sends
     in bursts, the smoothed rates of the devices ignoring the factor started each burst near 0,
-    and they passed unheld for its first intervals (1.56x the compliant median, 1.34x now)."""
+    and they passed unheld for its first intervals (1.56x the compliant median, 1.39x now)."""
     now = [0.0]
     quota = UpdateQuota(clock=lambda: now[0])
     for t in (0.5, 1.0):
@@ -445,3 +445,27 @@ def test_an_interval_in_which_no_device_sent_leaves_the_rates_as_they_were():
     quota.admit("b")
     quota.end_interval(2.0, {"a", "b"}, 2.0)  # b sent: a's rate decays, b's holds
     assert quota.rates == pytest.approx({"a": 0.7, "b": 0.5})
+
+
+def test_a_trickle_of_updates_does_not_make_a_quiet_interval_count():
+    """An interval in which fewer than a tenth of the devices sent keeps the rates of those that
+    did not: a made-up id sending once in each quiet interval kept the fleet's rates decaying
+    (a reviewer helper's case: half of a bursty fleet ignoring the factor, 0.5 new ids a
+    second, got 1.64x the compliant median)."""
+    now = [0.0]
+    quota = UpdateQuota(clock=lambda: now[0])
+    names = [f"d{i}" for i in range(20)]
+    now[0] = 1.0
+    for d in names:
+        quota.admit(d)
+    quota.end_interval(2.0, set(names), 2.0)
+    assert quota.rates["d0"] == pytest.approx(0.5)
+    now[0] = 3.0
+    quota.admit("d0")  # 1 of 20 sent: d1's rate stays, d0's is smoothed
+    quota.end_interval(2.0, set(names), 2.0)
+    assert quota.rates["d1"] == pytest.approx(0.5) and quota.rates["d0"] == pytest.approx(0.5)
+    now[0] = 5.0
+    for d in names[:2]:  # 2 of 20 sent: a tenth, so the others' rates decay
+        quota.admit(d)
+    quota.end_interval(2.0, set(names), 2.0)
+    assert quota.rates["d5"] == pytest.approx(0.35)
