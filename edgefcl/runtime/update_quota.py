@@ -272,8 +272,11 @@ class UpdateQuota:
 
     def recent(self) -> set[str]:
         """Devices that sent this interval, or recently enough (a smoothed rate of at least
-        MIN_RATE): the active set of a daemon that keeps none (an aggregator worker)."""
-        return set(self.counts) | {d for d, r in self.rates.items() if r >= MIN_RATE}
+        MIN_RATE, and an update in the last KEEP_S: quiet intervals keep rates, QUIET_SHARE):
+        the active set of a daemon that keeps none (an aggregator worker)."""
+        clock = self.clock()
+        return set(self.counts) | {d for d, r in self.rates.items() if r >= MIN_RATE
+                                   and clock - (self.times.last(d) or -KEEP_S) < KEEP_S}
 
     def end_interval(self, seconds: float, active: set[str], factor: float,
                      inbox_refused: Counter[str] | None = None) -> str | None:

@@ -469,3 +469,23 @@ def test_a_trickle_of_updates_does_not_make_a_quiet_interval_count():
         quota.admit(d)
     quota.end_interval(2.0, set(names), 2.0)
     assert quota.rates["d5"] == pytest.approx(0.35)
+
+
+def test_a_worker_forgets_a_device_quiet_for_keep_s_however_quiet_the_fleet():
+    """A worker's active set is `recent()`. Quiet intervals keep the rates of the devices that
+    did not send, so in a fleet where fewer than a tenth send each interval made-up ids that
+    sent once would have kept their rates, and their place in the tables, for ever."""
+    from edgefcl.runtime.update_quota import KEEP_S
+
+    now = [0.0]
+    quota = UpdateQuota(clock=lambda: now[0])
+    fleet = {f"d{i}" for i in range(100)}
+    for d in fleet:
+        quota.admit(d)
+    quota.admit("sybil")
+    quota.end_interval(2.0, quota.recent(), 2.0)
+    for k in range(1, int(KEEP_S / 2.0) + 2):  # one honest device sends each interval
+        now[0] = 2.0 * k
+        quota.admit(f"d{k % 100}")
+        quota.end_interval(2.0, quota.recent(), 2.0)
+    assert "sybil" not in quota.recent() and "sybil" not in quota.rates
