@@ -275,8 +275,13 @@ class UpdateQuota:
         MIN_RATE, and an update in the last KEEP_S: quiet intervals keep rates, QUIET_SHARE):
         the active set of a daemon that keeps none (an aggregator worker)."""
         clock = self.clock()
-        return set(self.counts) | {d for d, r in self.rates.items() if r >= MIN_RATE
-                                   and clock - (self.times.last(d) or -KEEP_S) < KEEP_S}
+        return set(self.counts) | {d for d, r in self.rates.items()
+                                   if r >= MIN_RATE and self._seen_within(d, clock, KEEP_S)}
+
+    def _seen_within(self, device: str, clock: float, seconds: float) -> bool:
+        """Whether `device` sent in the `seconds` before `clock`."""
+        last = self.times.last(device)
+        return last is not None and clock - last < seconds
 
     def end_interval(self, seconds: float, active: set[str], factor: float,
                      inbox_refused: Counter[str] | None = None) -> str | None:
