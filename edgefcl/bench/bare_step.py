@@ -16,7 +16,8 @@ timed after a warm-up:
   steps them (`learn/batched.FleetTrainer.train_stacked`: parameters and BatchNorm
   statistics stacked, one forward (batched matrix products for the MLP, else `torch.func.vmap`)
   and one backward, the fused Adam kernel over every client's state); the time per client is
-  reported.
+  reported; with `compile_step`, also with the stacked step compiled as `--compile-step on`
+  compiles it (`stacked_compiled`), its compile time apart.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from torch import nn
 from edgefcl.build import Setup, make_optimizer
 from edgefcl.config import RunConfig
 from edgefcl.learn.batched import FleetTrainer
-from edgefcl.learn.compiled_step import CompiledLoss, Loss, graphs_compiled, plain_loss
+from edgefcl.learn.compiled_step import (
+    CompiledLoss,
+    Loss,
+    graphs_compiled,
+    plain_loss,
+    stacked_loss,
+)
 from edgefcl.learn.learner import resolve_device
 from edgefcl.learn.optimizers import LocalOptimizer
 
@@ -118,6 +125,15 @@ def bare_step_refs(cfg: RunConfig, setup: Setup, seconds: float = 2.0, clients: 
     inputs = [[(x, y)] * steps for _ in range(k)]
     out["stacked_ms_per_client"] = _timed(lambda: trainer.train_stacked(models, opts, inputs),
                                           seconds, sync) / k
+    if compile_step:
+        timings = Counter()
+        loss = CompiledLoss(device, timings, min_uses=1, fn=stacked_loss)
+        trainer.train_stacked(models, opts, inputs, loss_of=loss)  # compiles
+        if loss.compiled_steps:
+            out["stacked_compile_s"] = timings["compile"]
+            out["stacked_compiled_ms_per_client"] = _timed(
+                lambda: trainer.train_stacked(models, opts, inputs, loss_of=loss),
+                seconds, sync) / k
     return out
 
 
@@ -134,6 +150,11 @@ def print_refs(refs: dict) -> None:
             print(f"  {label} {refs[f'{key}_ms']:.2f}{extra}")
         elif f"{key}_skipped" in refs:
             print(f"  {label}: skipped ({refs[f'{key}_skipped']})")
-    print(f"  {refs['stacked_clients']} clients stacked (--batch-clients) "
-          f"{refs['stacked_ms_per_client']:.2f} per client "
-          f"({refs['eager_ms'] / refs['stacked_ms_per_client']:.2f}x eager)")
+    for key, label in (("stacked", "stacked (--batch-clients)"),
+                       ("stacked_compiled", "stacked and compiled")):
+        if f"{key}_ms_per_client" in refs:
+            ms = refs[f"{key}_ms_per_client"]
+            extra = (f", compile {refs['stacked_compile_s']:.1f} s"
+                     if key == "stacked_compiled" else "")
+            print(f"  {refs['stacked_clients']} clients {label} {ms:.2f} per client "
+                  f"({refs['eager_ms'] / ms:.2f}x eager{extra})")

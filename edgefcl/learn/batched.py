@@ -30,11 +30,11 @@ lock-step MQTT runtime (one process per client) are compared with `--batch-clien
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
@@ -43,13 +43,16 @@ from edgefcl.data.types import Batch
 from edgefcl.federation.messages import Update
 from edgefcl.learn.bayes import is_bayesian
 from edgefcl.learn.client import Client
-from edgefcl.learn.compiled_step import PROTOTYPE_HEAD
+from edgefcl.learn.compiled_step import PROTOTYPE_HEAD, CompiledLoss, stacked_loss
 from edgefcl.learn.grouped_layers import grouped_forward
 from edgefcl.learn.learner import PendingBatch, StreamLearner
 from edgefcl.learn.memory_fleet import choose_together
 from edgefcl.learn.optimizers import LocalOptimizer
 
 Key = tuple[object, ...]
+_FORWARDS: dict[Key, Callable] = {}
+"""(architecture, train) -> the stacked forward of such models, shared by the process's
+trainers: a compiled stacked step (`--compile-step`) is compiled once per forward."""
 
 
 def _plain_group(opt: LocalOptimizer) -> dict | None:
@@ -123,15 +126,20 @@ class FleetTrainer:
     `stacked_scores` the candidate sets scored stacked."""
 
     def __init__(self) -> None:
-        self._forwards: dict[Key, Callable] = {}  # (architecture, train) -> stacked forward
         self._layouts: dict[StreamLearner, Key | None] = {}  # None: steps alone
+        self._losses: dict[Key, CompiledLoss] = {}  # layout -> its compiled stacked loss
         self.stacked_steps = 0
         self.alone_steps = 0
         self.stacked_scores = 0
+        self.stacked_compiled_steps = 0
 
     def counts(self) -> dict[str, int]:
-        """What a run's results report of the stacking."""
-        return {"stacked_steps": self.stacked_steps, "stacked_scores": self.stacked_scores}
+        """What a run's results report of the stacking (`stacked_compiled_steps`: the
+        clients' local steps that a compiled stacked step made, where there were some)."""
+        out = {"stacked_steps": self.stacked_steps, "stacked_scores": self.stacked_scores}
+        if self._losses:
+            out["stacked_compiled_steps"] = self.stacked_compiled_steps
+        return out
 
     def step(self, clients: Sequence[Client], batches: Sequence[Batch]) -> list[Update | None]:
         """Each client learns its batch (as `Client.step` does); returns their updates."""
@@ -303,20 +311,39 @@ class FleetTrainer:
         self.alone_steps += 1
 
     def _stacked(self, key: Key, members: list[tuple[StreamLearner, list]]) -> None:
-        self.train_stacked([m[0].model for m in members], [m[0].opt for m in members],
-                           [m[1] for m in members], key[:2])
+        learners = [m[0] for m in members]
+        loss = self._loss(key[:-1], learners[0])
+        seconds, steps = (loss.timings["compile"], loss.compiled_steps) if loss else (0.0, 0)
+        self.train_stacked([lr.model for lr in learners], [lr.opt for lr in learners],
+                           [m[1] for m in members], key[:2], loss or stacked_loss)
         self.stacked_steps += len(members)
+        if loss is not None:  # its compile time is the clients', not training
+            for lr in learners:
+                lr.timings["compile"] += (loss.timings["compile"] - seconds) / len(learners)
+            self.stacked_compiled_steps += (loss.compiled_steps - steps) * len(learners)
 
-    def _forward(self, model: nn.Module, architecture: Key, train: bool) -> Callable:
+    def _loss(self, layout: Key, learner: StreamLearner) -> CompiledLoss | None:
+        """The compiled stacked loss of `layout`'s group, when its clients compile their own
+        steps (`--compile-step`), else None (eager)."""
+        if not isinstance(learner.loss, CompiledLoss):
+            return None
+        if layout not in self._losses:
+            own = learner.loss  # the same policy as the clients' own steps
+            self._losses[layout] = CompiledLoss(learner.device, Counter(), own.min_uses,
+                                                own.max_shapes, fn=stacked_loss)
+        return self._losses[layout]
+
+    @staticmethod
+    def _forward(model: nn.Module, architecture: Key, train: bool) -> Callable:
         """The stacked forward of models like `model` over a stacked first axis of
         parameters, buffers and inputs, in train or eval mode: batched matrix products for a
         chain of Linear layers (`grouped_layers`), else vmap of `functional_call`."""
         key = (architecture, train)
-        if key not in self._forwards:
+        if key not in _FORWARDS:
             meta = copy.deepcopy(model).to("meta").train(train)
-            self._forwards[key] = grouped_forward(meta) or vmap(
+            _FORWARDS[key] = grouped_forward(meta) or vmap(
                 lambda params, buffers, x: functional_call(meta, (params, buffers), (x,)))
-        return self._forwards[key]
+        return _FORWARDS[key]
 
     @torch.no_grad()
     def peek_stacked(self, models: Sequence[nn.Module], xs: torch.Tensor,
@@ -334,11 +361,13 @@ class FleetTrainer:
     def train_stacked(self, models: Sequence[nn.Module],
                       optimizers: Sequence[LocalOptimizer],
                       inputs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
-                      architecture: Key | None = None) -> None:
+                      architecture: Key | None = None,
+                      loss_of: Callable[..., torch.Tensor] = stacked_loss) -> None:
         """One optimizer step of every model per (x, y) of its `inputs` (the same shapes and
         optimizer settings for all, see `stackable`), all models at once, in train mode: models
         and optimizers end as if each had stepped alone. `architecture` names the models'
-        shared layout, to reuse its stacked forward (default: read from the first model)."""
+        shared layout, to reuse its stacked forward (default: read from the first model);
+        `loss_of`: `stacked_loss`, or a `CompiledLoss` of it."""
         first = models[0]
         forward = self._forward(first, architecture or _architecture(first), train=True)
         names = [n for n, _ in first.named_parameters()]
@@ -358,10 +387,9 @@ class FleetTrainer:
         for epoch in range(len(inputs[0])):
             xs = torch.stack([own[epoch][0] for own in inputs])
             ys = torch.stack([own[epoch][1] for own in inputs])
-            logits = forward(params, buffers, xs)
             # the sum of the clients' mean losses: each client's gradient is its own
-            loss = F.cross_entropy(logits.flatten(0, 1), ys.flatten(), reduction="sum")
-            g = torch.autograd.grad(loss / ys.shape[1], [params[n] for n in names])
+            loss = loss_of(forward, params, buffers, xs, ys)
+            g = torch.autograd.grad(loss, [params[n] for n in names])
             with torch.no_grad():
                 # contiguous, as the fused kernel reads each view's memory in the parameter's
                 # layout (a stacked Linear's gradient comes transposed)

@@ -16,6 +16,10 @@ learner's `timings["compile"]`, not to `train`.
 When the compiler fails (no C++ toolchain, an unsupported model, torch's recompile limit), the
 process says so once and every step runs eager from then on. Only the plain loss of a
 fixed-head, non-Bayesian model is compiled (`step_loss`); a method's penalty is added eagerly.
+
+The stacked step of `--batch-clients` (`learn/batched.py`) is compiled the same way
+(`stacked_loss`: the stacked forward, BatchNorm statistics included, and the clients' summed
+losses), with the same policy, when its clients' own steps are compiled.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ RECOMPILE_LIMIT = 64
 """torch's graphs per compiled function (its default, 8, is 4 architectures of 2 shapes: a
 sweep of `--compare` over several models would silently run eager past it)."""
 
-_COMPILED: dict[str, Callable] = {}  # torch.compile mode -> the compiled plain loss
-_READY: set[tuple[str, str, tuple]] = set()  # (mode, architecture, shape) compiled
+_COMPILED: dict[tuple[Callable, str], Callable] = {}  # (loss, torch.compile mode) -> compiled
+_READY: set[tuple] = set()  # (mode, loss, architecture, shape) compiled
 _BROKEN: set[str] = set()  # modes whose compiler failed in this process
 _SAID: set[str] = set()  # reasons already logged (once per process)
 
@@ -62,6 +66,16 @@ def compile_step(learn: LearnConfig) -> bool:
 def plain_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     """The cross-entropy of `model`'s outputs on `x` against the class numbers `y`."""
     return F.cross_entropy(model(x), y)
+
+
+def stacked_loss(forward: Callable, params: dict[str, Tensor], buffers: dict[str, Tensor],
+                 xs: Tensor, ys: Tensor) -> Tensor:
+    """The sum over K stacked clients of each one's mean cross-entropy: `forward(params,
+    buffers, xs)` gives the (K, N, C) logits of the clients' parameters and buffers (stacked
+    along the first axis) on their samples `xs` (K, N, ...), against `ys` (K, N). Each client's
+    gradient is its own."""
+    logits = forward(params, buffers, xs)
+    return F.cross_entropy(logits.flatten(0, 1), ys.flatten(), reduction="sum") / ys.shape[1]
 
 
 def step_loss(model: nn.Module, prototypes: bool, compiled: bool, device: torch.device,
@@ -94,12 +108,38 @@ def _say(reason: str, level: int = logging.WARNING) -> None:
         log.log(level, "compile-step: %s; those steps run eager", reason)
 
 
-def _compiled(mode: str) -> Callable:
-    if mode not in _COMPILED:
+def _compiled(fn: Callable, mode: str) -> Callable:
+    if (fn, mode) not in _COMPILED:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    RECOMPILE_LIMIT)
-        _COMPILED[mode] = torch.compile(plain_loss, mode=mode, dynamic=False)
-    return _COMPILED[mode]
+        _COMPILED[fn, mode] = torch.compile(fn, mode=mode, dynamic=False)
+    return _COMPILED[fn, mode]
+
+
+def _model_signature(args: tuple) -> str:
+    model = args[0]
+    return f"{type(model).__qualname__}:{model!r}"
+
+
+def _model_throwaway(args: tuple) -> tuple:
+    return copy.deepcopy(args[0]), *args[1:]
+
+
+def _stacked_signature(args: tuple) -> str:
+    return repr(args[0])  # the stacked forward: one per architecture and mode (batched.py)
+
+
+def _stacked_throwaway(args: tuple) -> tuple:
+    forward, params, buffers, xs, ys = args
+    return (forward, {n: p.detach().clone().requires_grad_() for n, p in params.items()},
+            {n: b.clone() for n, b in buffers.items()}, xs, ys)
+
+
+_COPIES: dict[Callable, tuple[Callable[[tuple], str], Callable[[tuple], tuple]]] = {
+    plain_loss: (_model_signature, _model_throwaway),
+    stacked_loss: (_stacked_signature, _stacked_throwaway)}
+"""Per compilable loss: what names its architecture, and the copy of its arguments that the
+throw-away first step runs on (it must not move the clients' weights or statistics)."""
 
 
 def graphs_compiled() -> int:
@@ -108,13 +148,15 @@ def graphs_compiled() -> int:
 
 
 class CompiledLoss:
-    """`plain_loss`, compiled for each of the first `max_shapes` step shapes trained on
-    `min_uses` times, eager otherwise (see the module docstring). `timings["compile"]` gets
-    the seconds of each shape's first compiled step (compiling included); `compiled_steps` and
-    `eager_steps` count the steps of each kind."""
+    """`fn` (`plain_loss` or `stacked_loss`), compiled for each of the first `max_shapes` step
+    shapes trained on `min_uses` times, eager otherwise (see the module docstring); its last
+    two arguments are the samples and their labels. `timings["compile"]` gets the seconds of
+    each shape's first compiled step (compiling included); `compiled_steps` and `eager_steps`
+    count the steps of each kind."""
 
     def __init__(self, device: torch.device, timings: Counter[str], min_uses: int = 16,
-                 max_shapes: int = 2) -> None:
+                 max_shapes: int = 2, fn: Callable[..., Tensor] = plain_loss) -> None:
+        self.fn = fn
         self.device = device
         self.cuda = device.type == "cuda"
         self.mode = "reduce-overhead" if self.cuda else "default"
@@ -126,57 +168,58 @@ class CompiledLoss:
         self.compiled_steps = 0
         self.eager_steps = 0
 
-    def __call__(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    def __call__(self, *args: Any) -> Tensor:
         """The step's loss: compiled for a steady shape, eager for any other."""
         if self.mode not in _BROKEN:
+            x, y = args[-2:]
             shape = (tuple(x.shape), x.dtype, tuple(y.shape))
             if shape in self.shapes:
-                return self._replay(model, x, y)
+                return self._replay(args)
             if len(self.shapes) < self.max_shapes:
                 self.uses[shape] += 1
                 if self.uses[shape] >= self.min_uses:
-                    return self._first(shape, model, x, y)
+                    return self._first(shape, args)
         self.eager_steps += 1
-        return plain_loss(model, x, y)
+        return self.fn(*args)
 
-    def _replay(self, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    def _replay(self, args: tuple) -> Tensor:
         if self.cuda:  # a new step: the graphs' outputs of the last one are no longer read
             torch.compiler.cudagraph_mark_step_begin()
         try:
-            loss = _compiled(self.mode)(model, x, y)
+            loss = _compiled(self.fn, self.mode)(*args)
         except Exception as e:  # noqa: BLE001  (a graph that fails later: eager instead)
-            return self._broken(e, model, x, y)
+            return self._broken(e, args)
         self.compiled_steps += 1
         return loss
 
-    def _first(self, shape: tuple, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        """The first compiled step of `shape`: a throw-away step of a copy of the model
+    def _first(self, shape: tuple, args: tuple) -> Tensor:
+        """The first compiled step of `shape`: a throw-away step on a copy of the weights
         compiles the forward and the backward (compiled lazily, at its first call) unless this
         process did already, so that neither counts as training."""
-        key = (self.mode, f"{type(model).__qualname__}:{model!r}", shape)
+        signature, throwaway = _COPIES[self.fn]
+        key = (self.mode, self.fn, signature(args), shape)
         t0 = time.perf_counter()
         try:
             if key not in _READY:
                 graphs = graphs_compiled()
                 try:
-                    _compiled(self.mode)(copy.deepcopy(model), x, y).backward()
+                    _compiled(self.fn, self.mode)(*throwaway(args)).backward()
                 except Exception as e:  # noqa: BLE001  (no toolchain, an unsupported op)
-                    return self._broken(e, model, x, y)
+                    return self._broken(e, args)
                 if graphs_compiled() == graphs:
-                    return self._broken(None, model, x, y)
+                    return self._broken(None, args)
                 _READY.add(key)
-                log.info("compile-step: compiled the step on %d samples in %.1f s", shape[0][0],
-                         time.perf_counter() - t0)
+                log.info("compile-step: compiled the step on %s samples in %.1f s",
+                         "x".join(map(str, shape[2])), time.perf_counter() - t0)
             self.shapes.add(shape)
-            loss = self._replay(model, x, y)
+            loss = self._replay(args)
             if self.cuda:  # this client's graphs recorded
                 torch.cuda.synchronize(self.device)
             return loss
         finally:
             self.timings["compile"] += time.perf_counter() - t0
 
-    def _broken(self, error: Exception | None, model: nn.Module, x: Tensor, y: Tensor
-                ) -> Tensor:
+    def _broken(self, error: Exception | None, args: tuple) -> Tensor:
         """The compiler failed (`error`; None: it made no graph): every step of this process
         in this mode runs eager from now on, this one included."""
         _BROKEN.add(self.mode)
@@ -184,4 +227,4 @@ class CompiledLoss:
              f"torch.compile failed ({type(error).__name__}: "
              f"{str(error).splitlines()[0][:160]})")
         self.eager_steps += 1
-        return plain_loss(model, x, y)
+        return self.fn(*args)

@@ -15,11 +15,12 @@ from torch._dynamo.utils import counters
 from edgefcl.build import new_client
 from edgefcl.config import FedConfig, LearnConfig
 from edgefcl.learn import compiled_step
+from edgefcl.learn.batched import FleetTrainer
 from edgefcl.learn.compiled_step import CompiledLoss, compile_step, plain_loss, step_counts
 from edgefcl.learn.model_heads import library_model_head
 from edgefcl.learn.models import build_model
 from edgefcl.learn.params import get_tensors
-from tests.learn.test_batched import CUDA, batch, close
+from tests.learn.test_batched import CUDA, assert_same_clients, batch, clients, close
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +89,7 @@ def _mlp_step(**kw):
 
 
 def test_a_compiler_failure_falls_back_to_eager_for_the_process(monkeypatch, caplog) -> None:
-    def broken(mode):
+    def broken(fn, mode):
         def fail(*args):
             raise RuntimeError("no C++ compiler\nsecond line")
         return fail
@@ -134,3 +135,34 @@ def test_steps_it_cannot_compile_run_eager_and_say_why(head, caplog) -> None:
     client.step(batch("mlp", 0, 0, [0, 1], 0))
     b = batch("mlp", 0, 1, [0, 1], 0)
     assert np.isfinite(client.evaluate(b.x, b.y))
+
+
+@pytest.mark.parametrize("model,device", [
+    ("mlp", "cpu"), pytest.param("cnn", "cpu", marks=pytest.mark.slow),
+    pytest.param("cnn", "cuda", marks=CUDA)])
+def test_a_compiled_stacked_step_matches_the_eager_one(model, device) -> None:
+    """With --compile-step and --batch-clients the stacked step compiles too (its steady
+    shapes, by the clients' own policy): each client ends where the eager stacked step leaves
+    it, BatchNorm statistics and optimizer state included, and the compile time is the
+    clients' compile time, not their training."""
+    eager = clients(model, device=device)
+    compiled = clients(model, device=device, compile_step="on")
+    for c in compiled:  # compile a shape at its second use
+        c.learner.loss = c.learner.head.loss = CompiledLoss(torch.device(device),
+                                                            c.learner.timings, min_uses=2)
+    plain, fast = FleetTrainer(), FleetTrainer()
+    graphs = counters["stats"]["unique_graphs"]
+    ticks = [(0, i, [0, 1]) for i in range(1, 5)] + [(1, i, [2, 3]) for i in range(1, 4)]
+    for task, i, classes in ticks:
+        batches = [batch(model, task, i, classes, k) for k in range(3)]
+        plain.step(eager, batches)
+        fast.step(compiled, batches)
+    assert_same_clients(eager, compiled)
+    # 3 local steps a tick: the first tick's shape (no replay yet) compiles at its second
+    # step, the later shape (batch and replay draw) likewise: 2 of 21 steps run eager
+    assert fast.counts()["stacked_compiled_steps"] == 3 * (21 - 2)
+    assert "stacked_compiled_steps" not in plain.counts()
+    assert counters["stats"]["unique_graphs"] > graphs
+    for c in compiled:
+        assert c.learner.timings["compile"] > 0
+        assert c.learner.loss.compiled_steps == 0  # every step of theirs was stacked
