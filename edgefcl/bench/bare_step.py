@@ -127,13 +127,16 @@ def bare_step_refs(cfg: RunConfig, setup: Setup, seconds: float = 2.0, clients: 
                                           seconds, sync) / k
     if compile_step:
         timings = Counter()
-        loss = CompiledLoss(device, timings, min_uses=1, fn=stacked_loss)
-        trainer.train_stacked(models, opts, inputs, loss_of=loss)  # compiles
-        if loss.compiled_steps:
-            out["stacked_compile_s"] = timings["compile"]
+        stacked = CompiledLoss(device, timings, min_uses=1, fn=stacked_loss)
+        graphs = graphs_compiled()
+        trainer.train_stacked(models, opts, inputs, loss_of=stacked)  # compiles
+        if stacked.compiled_steps:
+            out["stacked_compile_s"] = timings["compile"] if graphs_compiled() > graphs else None
             out["stacked_compiled_ms_per_client"] = _timed(
-                lambda: trainer.train_stacked(models, opts, inputs, loss_of=loss),
+                lambda: trainer.train_stacked(models, opts, inputs, loss_of=stacked),
                 seconds, sync) / k
+        else:
+            out["stacked_compiled_skipped"] = "torch.compile failed or made no graph; see the log"
     return out
 
 
@@ -152,9 +155,13 @@ def print_refs(refs: dict) -> None:
             print(f"  {label}: skipped ({refs[f'{key}_skipped']})")
     for key, label in (("stacked", "stacked (--batch-clients)"),
                        ("stacked_compiled", "stacked and compiled")):
+        k = refs["stacked_clients"]
         if f"{key}_ms_per_client" in refs:
             ms = refs[f"{key}_ms_per_client"]
-            extra = (f", compile {refs['stacked_compile_s']:.1f} s"
-                     if key == "stacked_compiled" else "")
-            print(f"  {refs['stacked_clients']} clients {label} {ms:.2f} per client "
+            extra = "" if key == "stacked" else (
+                ", compiled earlier in this process" if refs["stacked_compile_s"] is None
+                else f", compile {refs['stacked_compile_s']:.1f} s")
+            print(f"  {k} clients {label} {ms:.2f} per client "
                   f"({refs['eager_ms'] / ms:.2f}x eager{extra})")
+        elif f"{key}_skipped" in refs:
+            print(f"  {k} clients {label}: skipped ({refs[f'{key}_skipped']})")

@@ -67,8 +67,10 @@ def _plain_group(opt: LocalOptimizer) -> dict | None:
 
 
 def _architecture(model: nn.Module) -> Key:
-    """The model's class and the names and shapes of its state."""
-    return type(model), tuple((n, tuple(t.shape)) for n, t in model.state_dict().items())
+    """The model's class, its description (settings no state shape shows, as BatchNorm's
+    momentum) and the names and shapes of its state."""
+    return (type(model), repr(model),
+            tuple((n, tuple(t.shape)) for n, t in model.state_dict().items()))
 
 
 def batch_clients(learn: LearnConfig) -> bool:
@@ -131,15 +133,10 @@ class FleetTrainer:
         self.stacked_steps = 0
         self.alone_steps = 0
         self.stacked_scores = 0
-        self.stacked_compiled_steps = 0
 
     def counts(self) -> dict[str, int]:
-        """What a run's results report of the stacking (`stacked_compiled_steps`: the
-        clients' local steps that a compiled stacked step made, where there were some)."""
-        out = {"stacked_steps": self.stacked_steps, "stacked_scores": self.stacked_scores}
-        if self._losses:
-            out["stacked_compiled_steps"] = self.stacked_compiled_steps
-        return out
+        """What a run's results report of the stacking."""
+        return {"stacked_steps": self.stacked_steps, "stacked_scores": self.stacked_scores}
 
     def step(self, clients: Sequence[Client], batches: Sequence[Batch]) -> list[Update | None]:
         """Each client learns its batch (as `Client.step` does); returns their updates."""
@@ -197,7 +194,7 @@ class FleetTrainer:
             t0 = learners[0].clock.now()
             x = [torch.from_numpy(batches[i].x).to(lr.device)
                  for i, lr in zip(members, learners, strict=True)]
-            logits = self.peek_stacked([lr.model for lr in learners], torch.stack(x), key[:2])
+            logits = self.peek_stacked([lr.model for lr in learners], torch.stack(x), key[0])
             share = (learners[0].clock.now() - t0) / len(members)
             for k, (i, lr) in enumerate(zip(members, learners, strict=True)):
                 xs[i], peeks[i] = x[k], logits[k]
@@ -231,7 +228,7 @@ class FleetTrainer:
             for k, v in enumerate(views):
                 padded[k, :, :v.shape[1]] = v
             logits = self.peek_stacked([lr.score_model for lr in learners],  # type: ignore[misc]
-                                       padded.flatten(1, 2), key[:2])
+                                       padded.flatten(1, 2), key[0])
             logits = logits.reshape(len(views), views[0].shape[0], n, -1)
             share = (learners[0].clock.now() - t0) / len(members)
             for k, (i, lr) in enumerate(zip(members, learners, strict=True)):
@@ -273,7 +270,7 @@ class FleetTrainer:
             for at in range(0, y.shape[1], per):
                 xb = torch.from_numpy(np.stack([_rows([x for x, _ in tests[i]], at, per)
                                                 for i in members])).to(dev)
-                pred = self.peek_stacked(models, xb, key[:2]).argmax(-1)
+                pred = self.peek_stacked(models, xb, key[0]).argmax(-1)
                 right[:, at:at + per] = pred.eq(y[:, at:at + per].to(dev))
             sizes = [len(y) for _, y in tests[members[0]]]
             counts = torch.stack([part.sum(1) for part in right.split(sizes, 1)], 1).cpu()
@@ -303,7 +300,7 @@ class FleetTrainer:
         learner = client.learner
         if learner not in self._layouts:
             self._layouts[learner] = None if not stackable(client) else (
-                *_architecture(learner.model), repr(_plain_group(learner.opt)), learner.device)
+                _architecture(learner.model), repr(_plain_group(learner.opt)), learner.device)
         return self._layouts[learner]
 
     def _alone(self, learner: StreamLearner, inputs: Iterable) -> None:
@@ -313,14 +310,17 @@ class FleetTrainer:
     def _stacked(self, key: Key, members: list[tuple[StreamLearner, list]]) -> None:
         learners = [m[0] for m in members]
         loss = self._loss(key[:-1], learners[0])
-        seconds, steps = (loss.timings["compile"], loss.compiled_steps) if loss else (0.0, 0)
+        before = (loss.timings["compile"], loss.compiled_steps, loss.eager_steps) if loss else ()
         self.train_stacked([lr.model for lr in learners], [lr.opt for lr in learners],
-                           [m[1] for m in members], key[:2], loss or stacked_loss)
+                           [m[1] for m in members], key[0], loss or stacked_loss)
         self.stacked_steps += len(members)
-        if loss is not None:  # its compile time is the clients', not training
+        if loss is not None:  # each client's share: compile time (not training), and its
+            # local steps, compiled or eager, counted by its own loss as if it stepped alone
+            seconds, compiled, eager = before
             for lr in learners:
                 lr.timings["compile"] += (loss.timings["compile"] - seconds) / len(learners)
-            self.stacked_compiled_steps += (loss.compiled_steps - steps) * len(learners)
+                lr.loss.compiled_steps += loss.compiled_steps - compiled  # type: ignore[union-attr]
+                lr.loss.eager_steps += loss.eager_steps - eager  # type: ignore[union-attr]
 
     def _loss(self, layout: Key, learner: StreamLearner) -> CompiledLoss | None:
         """The compiled stacked loss of `layout`'s group, when its clients compile their own

@@ -51,7 +51,7 @@ sweep of `--compare` over several models would silently run eager past it)."""
 
 _COMPILED: dict[tuple[Callable, str], Callable] = {}  # (loss, torch.compile mode) -> compiled
 _READY: set[tuple] = set()  # (mode, loss, architecture, shape) compiled
-_BROKEN: set[str] = set()  # modes whose compiler failed in this process
+_BROKEN: set[tuple[Callable, str]] = set()  # (loss, mode) whose compile failed in the process
 _SAID: set[str] = set()  # reasons already logged (once per process)
 
 
@@ -170,7 +170,7 @@ class CompiledLoss:
 
     def __call__(self, *args: Any) -> Tensor:
         """The step's loss: compiled for a steady shape, eager for any other."""
-        if self.mode not in _BROKEN:
+        if (self.fn, self.mode) not in _BROKEN:
             x, y = args[-2:]
             shape = (tuple(x.shape), x.dtype, tuple(y.shape))
             if shape in self.shapes:
@@ -220,9 +220,9 @@ class CompiledLoss:
             self.timings["compile"] += time.perf_counter() - t0
 
     def _broken(self, error: Exception | None, args: tuple) -> Tensor:
-        """The compiler failed (`error`; None: it made no graph): every step of this process
-        in this mode runs eager from now on, this one included."""
-        _BROKEN.add(self.mode)
+        """The compiler failed (`error`; None: it made no graph): every step of this loss in
+        this process and mode runs eager from now on, this one included."""
+        _BROKEN.add((self.fn, self.mode))
         _say("torch.compile made no graph (its recompile limit?)" if error is None else
              f"torch.compile failed ({type(error).__name__}: "
              f"{str(error).splitlines()[0][:160]})")

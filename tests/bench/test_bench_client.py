@@ -147,6 +147,7 @@ def test_bare_step_references_report_each_variant(compiled):
         assert refs["compile_s"] is None or refs["compile_s"] > 0  # None: compiled before
         again = bare_step_refs(cfg, prepare(cfg, 0), seconds=0.2, clients=3)
         assert again["compile_s"] is None  # this process compiled it: no compile time to show
+        assert again["stacked_compile_s"] is None
     assert refs["stacked_ms_per_client"] > 0  # BatchNorm models too (the default is a CNN)
     assert ("stacked_compiled_ms_per_client" in refs) == compiled
     assert "fused_ms" in refs or "fused_skipped" in refs

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgefcl.build import new_client
+from edgefcl.build import make_optimizer, new_client
 from edgefcl.config import FedConfig, LearnConfig
 from edgefcl.data.types import Batch
 from edgefcl.learn.batched import FleetTrainer, stackable
@@ -184,3 +184,19 @@ def test_stacked_evaluation_gives_each_client_its_own_accuracy(model, device):
         own = np.array([c.evaluate(x, y) for x, y in sets])
         assert np.abs(acc - own).max() <= 1 / 37, (acc, own)  # one argmax flip at most
     assert all(c.model.training for c in cs)  # modes untouched
+
+
+def test_models_that_differ_only_in_a_setting_do_not_share_a_stacked_forward():
+    """Two trainers of one process (two runs) whose CNNs differ only in BatchNorm's momentum,
+    which no state shape shows: each stacked step updates the statistics with its own."""
+    bn = "features.0.1.running_mean"
+    for momentum in (0.3, 0.9):
+        torch.manual_seed(0)
+        models = [build_model("cnn", (1, 8, 8), 4, bn_momentum=momentum) for _ in range(2)]
+        own = build_model("cnn", (1, 8, 8), 4, bn_momentum=momentum)
+        own.load_state_dict(models[0].state_dict())
+        opts = [make_optimizer(m, LearnConfig()) for m in models]
+        x, y = torch.randn(2, 5, 1, 8, 8), torch.randint(0, 4, (2, 5))
+        FleetTrainer().train_stacked(models, opts, [[(x[k], y[k])] for k in range(2)])
+        own.train()(x[0])
+        close(models[0].state_dict()[bn], own.state_dict()[bn], momentum)

@@ -25,9 +25,11 @@ from tests.learn.test_batched import CUDA, assert_same_clients, batch, clients, 
 
 @pytest.fixture(autouse=True)
 def fresh_process_state(monkeypatch):
-    """Each test sees the process as new: nothing compiled, broken or said yet."""
+    """Each test sees the process as new: nothing compiled, broken or said yet (dynamo's
+    caches too: a shape another test compiled would make no new graph, read as a failure)."""
     for name in ("_READY", "_BROKEN", "_SAID"):
         monkeypatch.setattr(compiled_step, name, set())
+    torch._dynamo.reset()
 
 
 def cnn_client(cid: str, compiled: str = "off", device: str = "cpu"):
@@ -159,10 +161,38 @@ def test_a_compiled_stacked_step_matches_the_eager_one(model, device) -> None:
         fast.step(compiled, batches)
     assert_same_clients(eager, compiled)
     # 3 local steps a tick: the first tick's shape (no replay yet) compiles at its second
-    # step, the later shape (batch and replay draw) likewise: 2 of 21 steps run eager
-    assert fast.counts()["stacked_compiled_steps"] == 3 * (21 - 2)
-    assert "stacked_compiled_steps" not in plain.counts()
+    # step, the later shape (batch and replay draw) likewise: 2 of 21 steps run eager; each
+    # client counts its stacked steps as its own
+    assert step_counts(c.learner.loss for c in compiled) == {"compiled_steps": 3 * 19,
+                                                           "eager_steps": 3 * 2}
+    assert fast.stacked_steps == 3 * 7
     assert counters["stats"]["unique_graphs"] > graphs
     for c in compiled:
         assert c.learner.timings["compile"] > 0
-        assert c.learner.loss.compiled_steps == 0  # every step of theirs was stacked
+
+
+def test_a_stacked_step_that_cannot_compile_leaves_the_clients_own_compiled() -> None:
+    """vmap of a model may fail to compile where the model alone compiles: the stacked steps
+    run eager from then on, each client's own steps still compile."""
+    real = compiled_step._compiled
+
+    def picky(fn, mode):
+        if fn is not compiled_step.stacked_loss:
+            return real(fn, mode)
+
+        def fail(*args):
+            raise RuntimeError("vmap not supported")
+        return fail
+
+    compiled = clients("mlp", compile_step="on")
+    for c in compiled:
+        c.learner.loss = c.learner.head.loss = CompiledLoss(torch.device("cpu"),
+                                                            c.learner.timings, min_uses=2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiled_step, "_compiled", picky)
+        trainer = FleetTrainer()
+        for i in range(1, 4):
+            trainer.step(compiled, [batch("mlp", 0, i, [0, 1], k) for k in range(3)])
+        for i in range(4, 9):  # client 0 alone: its own compiled loss
+            compiled[0].step(batch("mlp", 0, i, [0, 1], 0))
+    assert compiled[0].learner.loss.compiled_steps > 0
