@@ -319,8 +319,9 @@ class FleetTrainer:
             seconds, compiled, eager = before
             for lr in learners:
                 lr.timings["compile"] += (loss.timings["compile"] - seconds) / len(learners)
-                lr.loss.compiled_steps += loss.compiled_steps - compiled  # type: ignore[union-attr]
-                lr.loss.eager_steps += loss.eager_steps - eager  # type: ignore[union-attr]
+                if isinstance(lr.loss, CompiledLoss):
+                    lr.loss.compiled_steps += loss.compiled_steps - compiled
+                    lr.loss.eager_steps += loss.eager_steps - eager
 
     def _loss(self, layout: Key, learner: StreamLearner) -> CompiledLoss | None:
         """The compiled stacked loss of `layout`'s group, when its clients compile their own

@@ -14,7 +14,7 @@ snapshot's ONNX export, the stacked path's `functional_call`). The compile time 
 learner's `timings["compile"]`, not to `train`.
 
 When the compiler fails (no C++ toolchain, an unsupported model, torch's recompile limit), the
-process says so once and every step runs eager from then on. Only the plain loss of a
+process says so once and every step of that loss runs eager from then on. Only the plain loss of a
 fixed-head, non-Bayesian model is compiled (`step_loss`); a method's penalty is added eagerly.
 
 The stacked step of `--batch-clients` (`learn/batched.py`) is compiled the same way

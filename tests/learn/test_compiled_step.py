@@ -171,7 +171,8 @@ def test_a_compiled_stacked_step_matches_the_eager_one(model, device) -> None:
         assert c.learner.timings["compile"] > 0
 
 
-def test_a_stacked_step_that_cannot_compile_leaves_the_clients_own_compiled() -> None:
+def test_a_stacked_step_that_cannot_compile_leaves_the_clients_own_compiled(
+        monkeypatch) -> None:
     """vmap of a model may fail to compile where the model alone compiles: the stacked steps
     run eager from then on, each client's own steps still compile."""
     real = compiled_step._compiled
@@ -188,11 +189,12 @@ def test_a_stacked_step_that_cannot_compile_leaves_the_clients_own_compiled() ->
     for c in compiled:
         c.learner.loss = c.learner.head.loss = CompiledLoss(torch.device("cpu"),
                                                             c.learner.timings, min_uses=2)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compiled_step, "_compiled", picky)
-        trainer = FleetTrainer()
-        for i in range(1, 4):
-            trainer.step(compiled, [batch("mlp", 0, i, [0, 1], k) for k in range(3)])
-        for i in range(4, 9):  # client 0 alone: its own compiled loss
-            compiled[0].step(batch("mlp", 0, i, [0, 1], 0))
+    monkeypatch.setattr(compiled_step, "_compiled", picky)
+    trainer = FleetTrainer()
+    for i in range(1, 4):
+        trainer.step(compiled, [batch("mlp", 0, i, [0, 1], k) for k in range(3)])
+    assert trainer.stacked_steps == 9
+    assert step_counts(c.learner.loss for c in compiled)["compiled_steps"] == 0
+    for i in range(4, 9):  # client 0 alone: its own compiled loss
+        compiled[0].step(batch("mlp", 0, i, [0, 1], 0))
     assert compiled[0].learner.loss.compiled_steps > 0
