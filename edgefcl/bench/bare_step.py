@@ -32,7 +32,7 @@ from torch import nn
 
 from edgefcl.build import Setup, make_optimizer
 from edgefcl.config import RunConfig
-from edgefcl.learn.batched import FleetTrainer
+from edgefcl.learn.batched import FleetTrainer, architecture_of
 from edgefcl.learn.compiled_step import (
     CompiledLoss,
     Loss,
@@ -123,17 +123,18 @@ def bare_step_refs(cfg: RunConfig, setup: Setup, seconds: float = 2.0, clients: 
     opts = [make_optimizer(m, cfg.learn) for m in models]
     trainer = FleetTrainer()
     inputs = [[(x, y)] * steps for _ in range(k)]
-    out["stacked_ms_per_client"] = _timed(lambda: trainer.train_stacked(models, opts, inputs),
-                                          seconds, sync) / k
+    arch = architecture_of(models[0])  # once, not in every timed call
+    out["stacked_ms_per_client"] = _timed(
+        lambda: trainer.train_stacked(models, opts, inputs, arch), seconds, sync) / k
     if compile_step:
         timings = Counter()
         stacked = CompiledLoss(device, timings, min_uses=1, fn=stacked_loss)
         graphs = graphs_compiled()
-        trainer.train_stacked(models, opts, inputs, loss_of=stacked)  # compiles
+        trainer.train_stacked(models, opts, inputs, arch, stacked)  # compiles
         if stacked.compiled_steps:
             out["stacked_compile_s"] = timings["compile"] if graphs_compiled() > graphs else None
             out["stacked_compiled_ms_per_client"] = _timed(
-                lambda: trainer.train_stacked(models, opts, inputs, loss_of=stacked),
+                lambda: trainer.train_stacked(models, opts, inputs, arch, stacked),
                 seconds, sync) / k
         else:
             out["stacked_compiled_skipped"] = "torch.compile failed or made no graph; see the log"

@@ -66,9 +66,10 @@ def _plain_group(opt: LocalOptimizer) -> dict | None:
     return group
 
 
-def _architecture(model: nn.Module) -> Key:
-    """The model's class, its description (settings no state shape shows, as BatchNorm's
-    momentum) and the names and shapes of its state."""
+def architecture_of(model: nn.Module) -> Key:
+    """What must match for models to share a stacked forward (`train_stacked`'s and
+    `peek_stacked`'s `architecture`): the model's class, its description (settings no state
+    shape shows, as BatchNorm's momentum) and the names and shapes of its state."""
     return (type(model), repr(model),
             tuple((n, tuple(t.shape)) for n, t in model.state_dict().items()))
 
@@ -300,7 +301,7 @@ class FleetTrainer:
         learner = client.learner
         if learner not in self._layouts:
             self._layouts[learner] = None if not stackable(client) else (
-                _architecture(learner.model), repr(_plain_group(learner.opt)), learner.device)
+                architecture_of(learner.model), repr(_plain_group(learner.opt)), learner.device)
         return self._layouts[learner]
 
     def _alone(self, learner: StreamLearner, inputs: Iterable) -> None:
@@ -309,19 +310,21 @@ class FleetTrainer:
 
     def _stacked(self, key: Key, members: list[tuple[StreamLearner, list]]) -> None:
         learners = [m[0] for m in members]
-        loss = self._loss(key[:-1], learners[0])
-        before = (loss.timings["compile"], loss.compiled_steps, loss.eager_steps) if loss else ()
-        self.train_stacked([lr.model for lr in learners], [lr.opt for lr in learners],
-                           [m[1] for m in members], key[0], loss or stacked_loss)
+        args = ([lr.model for lr in learners], [lr.opt for lr in learners],
+                [m[1] for m in members], key[0])
         self.stacked_steps += len(members)
-        if loss is not None:  # each client's share: compile time (not training), and its
-            # local steps, compiled or eager, counted by its own loss as if it stepped alone
-            seconds, compiled, eager = before
-            for lr in learners:
-                lr.timings["compile"] += (loss.timings["compile"] - seconds) / len(learners)
-                if isinstance(lr.loss, CompiledLoss):
-                    lr.loss.compiled_steps += loss.compiled_steps - compiled
-                    lr.loss.eager_steps += loss.eager_steps - eager
+        loss = self._loss(key[:-1], learners[0])
+        if loss is None:
+            self.train_stacked(*args)
+            return
+        seconds, compiled, eager = loss.timings["compile"], loss.compiled_steps, loss.eager_steps
+        self.train_stacked(*args, loss)
+        for lr in learners:  # each client's share: compile time (not training), and its local
+            # steps, compiled or eager, counted by its own loss as if it stepped alone
+            lr.timings["compile"] += (loss.timings["compile"] - seconds) / len(learners)
+            if isinstance(lr.loss, CompiledLoss):
+                lr.loss.compiled_steps += loss.compiled_steps - compiled
+                lr.loss.eager_steps += loss.eager_steps - eager
 
     def _loss(self, layout: Key, learner: StreamLearner) -> CompiledLoss | None:
         """The compiled stacked loss of `layout`'s group, when its clients compile their own
@@ -353,7 +356,7 @@ class FleetTrainer:
         one stacked forward: what `drift.peek_logits` gives each model alone, within float
         tolerance. The models are unchanged."""
         first = models[0]
-        forward = self._forward(first, architecture or _architecture(first), train=False)
+        forward = self._forward(first, architecture or architecture_of(first), train=False)
         state = [dict(m.named_parameters()) | dict(m.named_buffers()) for m in models]
         params = {n: torch.stack([s[n] for s in state]) for n, _ in first.named_parameters()}
         buffers = {n: torch.stack([s[n] for s in state]) for n, _ in first.named_buffers()}
@@ -370,7 +373,7 @@ class FleetTrainer:
         shared layout, to reuse its stacked forward (default: read from the first model);
         `loss_of`: `stacked_loss`, or a `CompiledLoss` of it."""
         first = models[0]
-        forward = self._forward(first, architecture or _architecture(first), train=True)
+        forward = self._forward(first, architecture or architecture_of(first), train=True)
         names = [n for n, _ in first.named_parameters()]
         per_model = [list(m.parameters()) for m in models]  # in the order of `names`
         params = {n: torch.stack([p[i].detach() for p in per_model]).requires_grad_()
