@@ -318,10 +318,10 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
     whats = b.add_subparsers(dest="what", required=True, metavar="WHAT")
     for name, text in BENCHES.items():
         w = add_command(whats, name, text, text[0].upper() + text[1:] + ".", cmd_bench,
-                        usage="%(prog)s [options]")
+                        usage="%(prog)s [options]", prog=f"edgefcl bench {name}")
         w.set_defaults(**BENCH_DEFAULTS)
         add_bench_arguments(name, w)
-        add_config_flags(w, command="bench", show_all=show_all)
+        add_config_flags(w, command=f"bench {name}", show_all=show_all)
 
     e = add_command(sub, "export", "export a run's global model as ONNX",
                  "Rebuild the final global model of a run directory (`edgefcl simulate --out "

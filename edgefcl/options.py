@@ -80,9 +80,21 @@ COMMON: dict[str, frozenset[str]] = {name: frozenset(fields.split()) for name, f
     "client": "seed dataset method device broker fleet username tls_ca connect_timeout",
     "replay": "seed dataset broker fleet username tls_ca connect_timeout",
     "status": "broker fleet username tls_ca connect_timeout",
-    "bench": "seed seeds out dataset method memory_size device clients mode",
+    "bench client": "seed seeds out dataset method memory_size device clients batch_size",
+    "bench transport": "seed out dataset method clients",
+    "bench fleet": "out max_backpressure topk global_topk",
+    "bench shard": "out",
+    "bench backpressure": "seed seeds out",
+    "bench crash": "out",
+    "bench fuzz": "seed out encoding",
+    "bench flood": "out",
+    "bench async": "seed seeds out",
+    "bench memory": "seed seeds out device",
+    "bench batching": "seed seeds out dataset method memory_size model device clients "
+                      "compile_step threads",
 }.items()}
-"""The config fields each command's `--help` shows; `--help-all` shows every one."""
+"""The config fields each command's `--help` shows (a bench's: those it reads); `--help-all`
+shows every one."""
 TRUST = frozenset(("roster", "roster_cap", "sample_cap", "client_timeout", "max_seq_gap",
                    "clip_factor", "clip_norm", "max_share", "trim", "sigma_floor",
                    "max_backpressure", "sender_rate", "sender_cpu"))
@@ -214,11 +226,13 @@ def daemon_config(args: argparse.Namespace) -> RunConfig:
 
 
 def add_command(sub, name: str, help: str, description: str, func,
-                usage: str | None = None) -> argparse.ArgumentParser:
+                usage: str | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """A subcommand `name` of `sub` that runs `func(args)`, with the logging options;
-    `usage` replaces argparse's list of every flag (e.g. "%(prog)s [options]")."""
+    `usage` replaces argparse's list of every flag (e.g. "%(prog)s [options]"), `prog` the
+    command's name in it (default: the parent's usage, then `name`)."""
     p = sub.add_parser(name, help=help, description=description, parents=[logging_options()],
-                       formatter_class=HelpFormatter, usage=usage)
+                       formatter_class=HelpFormatter, usage=usage,
+                       **({"prog": prog} if prog else {}))
     p.set_defaults(func=func)
     return p
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from edgefcl.cli import build_parser, main
+from edgefcl.cli import BENCHES, build_parser, main
 from edgefcl.config import RunConfig, dump_toml, load_toml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,8 +94,7 @@ def test_help_shows_the_common_options_and_help_all_every_one(capsys, monkeypatc
 
 COMMANDS = [["simulate"], ["aggregator"], ["client"], ["replay"], ["status"], ["broker"],
             ["report"], ["export"], ["predict"], ["bench"],
-            *[["bench", what] for what in ("client", "transport", "fleet", "shard", "crash",
-                                          "fuzz", "flood", "async", "memory")]]
+            *[["bench", what] for what in BENCHES]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
@@ -105,6 +104,27 @@ def test_every_commands_help_fits_60_lines(command, capsys, monkeypatch):
         main([*command, "--help"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) <= 60, "\n".join(lines)
+
+
+@pytest.mark.parametrize("what,shown,hidden", [
+    ("backpressure", ["--devices", "--seed", "--seeds", "--out"],
+     ["--method", "--dataset", "--memory-size", "--clients", "--device "]),
+    ("fleet", ["--devices", "--out", "--max-backpressure", "--topk", "--global-topk"],
+     ["--method", "--memory-size", "--seeds"]),
+    ("crash", ["--count", "--out"], ["--method", "--dataset", "--memory-size"]),
+    ("client", ["--method", "--dataset", "--memory-size", "--device", "--repeats"],
+     ["--max-backpressure"]),
+])
+def test_a_benchs_help_shows_the_options_it_uses(what, shown, hidden, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        main(["bench", what, "--help"])
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: edgefcl bench {what} [options]\n")
+    for flag in shown:
+        assert flag in text, flag
+    for flag in hidden:
+        assert flag not in text, flag
 
 
 def test_hidden_options_still_parse():
