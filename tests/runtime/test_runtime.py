@@ -200,7 +200,7 @@ def test_an_async_fleet_that_pulls_its_globals_learns(embedded_broker, tmp_path)
     to be counted. The run completes and learns, and a device receives at most every global
     plus the retained one again for each update it sends (its subscription delivers it: on
     2 devices and 10 rounds pulling costs more than it saves; it pays at fleet scale, where
-    rounds close faster than a device sends, see docs/guide/scaling.md).
+    rounds close faster than a device sends, see docs/studies/scaling.md).
 
     On a busy machine this tiny fleet's last task now and then ends near 0 on a device,
     with or without pull ("Tiny tasks on a slow link" in docs/async.md: the carried
