@@ -40,25 +40,47 @@ class Replayer:
         self.consumed: dict[str, int] = {}
         self.online: set[str] = set()
         self.refused: dict[str, str] = {}  # client -> why it refused to join
+        self.aggregator_refused: str | None = None  # why the aggregator refused to start
         self.started = time.time()
         self.cond = threading.Condition()
         self.sent: dict[str, int] = dict.fromkeys(streams, 0)
 
-    def _on_status(self, topic: str, payload: bytes) -> None:
+    def _status(self, payload: bytes) -> dict | None:
         try:
             msg = decode(payload, self.cfg.mqtt.fleet, limits=STATUS_LIMITS)
+        except CodecError:
+            return None
+        return msg.body if isinstance(msg, Message) and msg.kind == "status" else None
+
+    def _fresh_refusal(self, body: dict) -> bool:
+        """Whether a status says refused since this replayer started (not a stale one)."""
+        try:
+            return body.get("state") == "refused" and float(body.get("time", 0.0)) >= (
+                self.started - 5.0)
+        except (TypeError, ValueError):
+            return False
+
+    def _on_aggregator_status(self, topic: str, payload: bytes) -> None:
+        body = self._status(payload)
+        if body is not None and self._fresh_refusal(body):
+            with self.cond:
+                self.aggregator_refused = str(body.get("reason", ""))
+                self.cond.notify_all()
+
+    def _on_status(self, topic: str, payload: bytes) -> None:
+        body = self._status(payload)
+        try:
             cid = self.topics.client_from(topic)
-        except (CodecError, ValueError):
+        except ValueError:
             return
-        if not isinstance(msg, Message) or msg.kind != "status":
+        if body is None:
             return
         with self.cond:
-            if msg.body.get("state") == "online":
+            if body.get("state") == "online":
                 self.online.add(cid)
-            elif (msg.body.get("state") == "refused" and cid in self.streams
-                  and float(msg.body.get("time", 0.0)) >= self.started - 5.0):  # not a stale one
-                self.refused[cid] = str(msg.body.get("reason", ""))
-            self.consumed[cid] = int(msg.body.get("consumed", 0))
+            elif cid in self.streams and self._fresh_refusal(body):
+                self.refused[cid] = str(body.get("reason", ""))
+            self.consumed[cid] = int(body.get("consumed", 0))
             self.cond.notify_all()
 
     def run(self) -> dict[str, int]:
@@ -67,10 +89,15 @@ class Replayer:
                          clean_start=True)
         for cid in self.streams:  # its own clients only: another device's flood never reaches it
             link.subscribe(self.topics.status(cid), self._on_status)
+        link.subscribe(self.topics.aggregator_status, self._on_aggregator_status)
         fleet = self.cfg.mqtt.fleet
         with self.cond:
-            ok = self.cond.wait_for(lambda: set(self.streams) <= self.online or self.refused,
-                                    self.wait_online)
+            ok = self.cond.wait_for(lambda: set(self.streams) <= self.online or self.refused
+                                    or self.aggregator_refused is not None, self.wait_online)
+        if self.aggregator_refused is not None:  # said once, not through each device
+            link.close()
+            raise UserError(f"the aggregator of fleet '{fleet}' refused to start: "
+                            f"{self.aggregator_refused}")
         if self.refused:
             link.close()
             cid, why = sorted(self.refused.items())[0]

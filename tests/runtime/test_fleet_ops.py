@@ -190,9 +190,18 @@ def test_finished_state_is_refused_and_devices_do_not_train_alone(fleet):
                                "0", "--source", "local"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     again = edgefcl("aggregator", *common, "--state-dir", str(tmp / "state"))
+    # the stream's replayer, started with it, says the aggregator's refusal itself, in one
+    # line, rather than through a device
+    replay = subprocess.Popen([sys.executable, "-m", "edgefcl", "replay", *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert again.returncode == 2
     assert again.stderr.strip().splitlines()[-1].startswith("edgefcl: error: ")
     assert "holds a finished run" in again.stderr and "--fresh" in again.stderr
     out, err = device.communicate(timeout=120)
     assert device.returncode == 2, (out, err)
     assert "refused to start" in err and "batches" not in out
+    _, err = replay.communicate(timeout=120)
+    assert replay.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("edgefcl: error: the aggregator of fleet 'ops' refused to start:")
+    assert "holds a finished run" in last and "refused to join" not in last
