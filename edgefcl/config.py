@@ -65,7 +65,8 @@ class DataConfig:
         "cifar100:DIR | medmnist:PATH",
     )
     tasks: int = opt(5, "number of class-incremental tasks per client")
-    classes_per_task: int = opt(0, "classes per task (0: all classes spread over the tasks)")
+    classes_per_task: int = opt(0, "classes per task (0: the dataset's classes // tasks; "
+                                "the classes left over are not used)")
     split: str = opt(
         "overlap",
         "overlap: clients share the task sequence with disjoint samples; "

@@ -323,9 +323,11 @@ def test_classes_per_task_and_too_many_tasks():
     assert [len(t.classes) for t in split[1]] == [2, 2, 2]
     auto = split_tasks(ds, DataConfig(tasks=3), 1, seed=1)
     assert [len(t.classes) for t in auto[0]] == [3, 3, 3]  # 10 // 3
-    with pytest.raises(DataError, match="needs 12 classes but the dataset has 10"):
+    with pytest.raises(DataError, match="need 12 classes but the dataset has 10; lower --tasks "
+                       "or --classes-per-task"):
         split_tasks(ds, DataConfig(tasks=4, classes_per_task=3), 2, seed=0)
-    with pytest.raises(DataError, match="has 10"):
+    with pytest.raises(DataError, match=r"^11 tasks need at least 11 classes \(one a task\) "
+                       r"but the dataset has 10; lower --tasks$"):
         split_tasks(ds, DataConfig(tasks=11), 2, seed=0)
     with pytest.raises(ConfigError, match="split must be"):
         split_tasks(ds, DataConfig(split="mixed"), 2, seed=0)

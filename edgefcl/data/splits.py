@@ -83,11 +83,13 @@ def split_tasks(ds: Dataset, cfg: DataConfig, n_clients: int, seed: int) -> list
 def classes_per_task(n_classes: int, cfg: DataConfig) -> int:
     """Classes per task (`cfg.classes_per_task`, or n_classes // tasks when it is 0)."""
     cpt = cfg.classes_per_task or n_classes // cfg.tasks
-    if cpt < 1 or cfg.tasks * cpt > n_classes:
-        raise DataError(
-            f"{cfg.tasks} tasks x {cpt} classes per task needs {cfg.tasks * max(cpt, 1)} "
-            f"classes but the dataset has {n_classes}; lower tasks or classes_per_task"
-        )
+    if cpt < 1:
+        raise DataError(f"{cfg.tasks} tasks need at least {cfg.tasks} classes (one a task) but "
+                        f"the dataset has {n_classes}; lower --tasks")
+    if cfg.tasks * cpt > n_classes:
+        raise DataError(f"{cfg.tasks} tasks x {cpt} classes per task need {cfg.tasks * cpt} "
+                        f"classes but the dataset has {n_classes}; lower --tasks or "
+                        "--classes-per-task")
     return cpt
 
 
