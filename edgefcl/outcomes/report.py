@@ -19,16 +19,9 @@ from edgefcl.learn.export import GLOBAL_FILE
 from edgefcl.outcomes.metrics import CommStats, per_task_final, sample_std
 from edgefcl.outcomes.results import RunResult
 from edgefcl.support.statefiles import make_dir, save_tensors
+from edgefcl.support.units import fmt_bytes
 
 RESULTS, CONFIG, ROUNDS = "results.json", "config.toml", "rounds.jsonl"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
 
 
 def run_table(r: RunResult) -> str:
@@ -318,10 +311,10 @@ def plot_rounds(rounds: list[dict[str, Any]], path: Path, title: str) -> None:
     plt = pyplot()
     x = [int(r["round"]) for r in rounds]
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    ax.bar(x, [r.get("bytes_in", 0) / 1024 for r in rounds], color="tab:gray", alpha=0.5,
-           label="bytes received (KiB)")
+    ax.bar(x, [r.get("bytes_in", 0) / 1e3 for r in rounds], color="tab:gray", alpha=0.5,
+           label="bytes received (kB)")
     ax.set_xlabel("round")
-    ax.set_ylabel("KiB received by the aggregator")
+    ax.set_ylabel("kB received by the aggregator")
     handles, labels = ax.get_legend_handles_labels()
     accs = [(int(r["round"]), r["accuracy"]) for r in rounds if r.get("accuracy") is not None]
     if accs:

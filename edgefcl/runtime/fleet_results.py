@@ -19,6 +19,7 @@ from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.registry import get_encoding
 from edgefcl.outcomes.metrics import forgetting, last_accuracy, sample_std
 from edgefcl.support.statefiles import save_json, save_tensors
+from edgefcl.support.units import fmt_bytes
 from edgefcl.transport.codec import CodecError
 
 log = logging.getLogger("edgefcl.aggregator")
@@ -239,8 +240,8 @@ def fleet_table(state_dir: Path, rounds: list[dict[str, Any]]) -> str:
         accs = [r["accuracy"] for r in rounds if r.get("accuracy") is not None]
         total = sum(r.get("bytes_in", 0) for r in rounds)
         lines.append(f"  rounds {len(rounds)} (last version {rounds[-1].get('version')}), "
-                     f"bytes received {total / 1e6:.2f} MB, "
-                     f"{total / len(rounds) / 1e3:.1f} kB per round")
+                     f"bytes received {fmt_bytes(total)}, "
+                     f"{fmt_bytes(total / len(rounds))} per round")
         if accs:
             lines.append(f"  held-out accuracy of the global: first {accs[0]:.1f} %, best "
                          f"{max(accs):.1f} %, last {accs[-1]:.1f} %")

@@ -19,6 +19,7 @@ from edgefcl.config import RunConfig
 from edgefcl.runtime.bodies import is_int, is_number
 from edgefcl.runtime.links import open_link, topics
 from edgefcl.support.logs import one_line
+from edgefcl.support.units import fmt_bytes
 from edgefcl.transport.codec import CodecError, Message, decode
 from edgefcl.transport.mqtt import MqttLink
 
@@ -158,10 +159,6 @@ def _fmt(v: Any, spec: str = "", none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
-
-
 def render(snap: dict[str, Any]) -> str:
     """The snapshot as a table for a terminal."""
     lines = [f"fleet {snap['fleet']} on {snap['broker']}   "
@@ -182,7 +179,7 @@ def render(snap: dict[str, Any]) -> str:
             f"{a['last_seen_s']:.0f} s ago",
             f"  updates accepted {a['accepted']}, rejected {rej}"
             + (f" ({reasons})" if reasons else "")
-            + f"   bytes in {_mb(a['bytes_in'])}, out {_mb(a['bytes_out'])}",
+            + f"   bytes in {fmt_bytes(a['bytes_in'])}, out {fmt_bytes(a['bytes_out'])}",
             f"  last round {_fmt(a['last_round_age_s'], '.0f')} s ago   fleet accuracy "
             f"{_fmt(a['accuracy'], '.1f')}{' %' if a['accuracy'] is not None else ''}"
             + ("" if a.get("busy") is None else f"   main loop busy {a['busy']:.0%}"),
