@@ -76,7 +76,8 @@ COMMON: dict[str, frozenset[str]] = {name: frozenset(fields.split()) for name, f
     "simulate": "seed seeds compare profile transport out dataset tasks batch_size method "
                 "memory_size model device clients burn_in jump mode encoding aggregation",
     "aggregator": "seed dataset method clients mode min_clients round_timeout encoding "
-                  "aggregation roster client_timeout broker fleet username tls_ca",
+                  "aggregation roster client_timeout broker fleet username tls_ca "
+                  "connect_timeout",
     "client": "seed dataset method device broker fleet username tls_ca connect_timeout",
     "replay": "seed dataset broker fleet username tls_ca connect_timeout",
     "status": "broker fleet username tls_ca connect_timeout",
