@@ -334,17 +334,24 @@ def _label(case: dict, devices: int) -> str:
 
 
 def bench_backpressure(out: Path, seeds: int = 3, base: Loop = Loop()) -> dict:
-    """`edgefcl bench backpressure`: every case of CASES over `seeds` seeds; a table, JSON
-    and a plot of the factor and the folded rate over time."""
+    """`edgefcl bench backpressure`: every case of CASES over `seeds` seeds (a case whose
+    rounds the fleet cannot fill is skipped); a table (mean ± sample std with two seeds or
+    more), JSON and a plot of the factor and the folded rate over time, one panel a case."""
     rows = []
     print(f"{'case':<48}{'folded/capacity':>17}{'settled s':>10}{'factor':>12}"
           f"{'down s':>8}{'ignoring/compliant':>20}{'compliant held':>16}")
     for case in CASES:
+        label = _label(case, base.devices)
+        if case.get("rounds", 0) > base.devices:
+            print(f"{label}: skipped (rounds of {case['rounds']} need {case['rounds']} "
+                  "devices or more)")
+            continue
         runs = [run_loop(replace(base, **case, seed=base.seed + s)) for s in range(seeds)]
         ratio = [r["folded_over_capacity"] for r in runs]
         fair = [r["ignoring_over_compliant"] for r in runs if "ignoring_over_compliant" in r]
-        row = {"case": case, "label": _label(case, base.devices),
-               "folded_over_capacity": [float(np.mean(ratio)), _sd(ratio)],
+        sd = float(np.std(ratio, ddof=1)) if seeds > 1 else None
+        row = {"case": case, "label": label,
+               "folded_over_capacity": [float(np.mean(ratio)), sd],
                "settled_s_max": max(r["settled_s"] for r in runs),
                "factor_steady": [min(r["factor_steady_min"] for r in runs),
                                  max(r["factor_steady_max"] for r in runs)],
@@ -353,7 +360,8 @@ def bench_backpressure(out: Path, seeds: int = 3, base: Loop = Loop()) -> dict:
                "compliant_held_max": max(r["compliant_held"] for r in runs), "runs": runs}
         rows.append(row)
         down = row["down_s_max"]
-        print(f"{row['label']:<48}{np.mean(ratio):>10.3f} ± {_sd(ratio):.3f}"
+        folded = f"{np.mean(ratio):.3f}" + ("" if sd is None else f" ± {sd:.3f}")
+        print(f"{label:<48}{folded:>17}"
               f"{row['settled_s_max']:>10g}"
               f"{row['factor_steady'][0]:>6.2f}-{row['factor_steady'][1]:<5.2f}"
               f"{'-' if down is None else f'{down:g}':>8}"
@@ -367,33 +375,44 @@ def bench_backpressure(out: Path, seeds: int = 3, base: Loop = Loop()) -> dict:
     return report
 
 
-def _sd(values: list[float]) -> float:
-    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
-
-
 def _plot(rows: list[dict], path: Path) -> None:
+    """One panel a case (its first seed): the folded rate over capacity and, on the right
+    axis, the factor."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    colours = plt.get_cmap("tab20").colors
-    for k, row in enumerate(rows):
-        run, label = row["runs"][0], row["label"]
+    cols = min(4, len(rows))
+    nrows = -(-len(rows) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.3 * nrows + 0.6),
+                             sharex=True, sharey=True, squeeze=False)
+    for k, (ax, row) in enumerate(zip(axes.flat, rows, strict=False)):
+        run = row["runs"][0]
         spec = run["spec"]
-        style = {"label": label, "color": colours[k % len(colours)],
-                 "linestyle": "--" if spec["rounds"] else "-"}
-        a.step(run["factor_times"], run["factors"], where="post", **style)
         rate = np.array(run["folded_per_s"][:int(spec["seconds"])]) / spec["capacity"]
         if spec["rounds"]:  # whole rounds close at once: the mean over four of them
             width = max(1, int(np.ceil(4 * spec["rounds"] / spec["capacity"])))
             rate = np.convolve(rate, np.ones(width) / width, mode="same")
-        b.plot(np.arange(len(rate)) + 0.5, rate, **style)
-    a.set_ylabel("backpressure factor")
-    b.set_ylabel("folded / capacity\n(dashed: mean over 4 rounds)")
-    b.set_xlabel("seconds (virtual clock, seed 0)")
-    a.legend(fontsize=7, ncol=2)
+        ax.plot(np.arange(len(rate)) + 0.5, rate, color="tab:blue", lw=1.2)
+        ax.set_ylim(0, 1.1)
+        ax.set_title(row["label"], fontsize=8)
+        ax.tick_params(labelsize=7)
+        factor = ax.twinx()
+        factor.step(run["factor_times"], run["factors"], where="post", color="tab:orange",
+                    lw=1.2)
+        factor.set_ylim(0.5, max(8.5, max(run["factors"], default=1) + 0.5))
+        factor.tick_params(labelsize=7, colors="tab:orange")
+        if k % cols == cols - 1 or k == len(rows) - 1:
+            factor.set_ylabel("factor", fontsize=8, color="tab:orange")
+    for ax in list(axes.flat)[len(rows):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("folded / capacity", fontsize=8, color="tab:blue")
+    for ax in axes[-1, :]:
+        ax.set_xlabel("seconds (virtual clock, seed 0)", fontsize=8)
+    fig.suptitle("Backpressure control loop: folded / capacity (blue; rounds: mean over 4) "
+                 "and the factor (orange, right axis)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
