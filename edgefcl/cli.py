@@ -27,6 +27,7 @@ from edgefcl.options import (
 )
 from edgefcl.runtime.roles import add_role_commands
 from edgefcl.support.logs import setup_logging
+from edgefcl.support.units import fmt_bytes
 from edgefcl.version import __version__
 
 
@@ -120,6 +121,10 @@ BENCH_DEFAULTS = {"datasets": None, "async_rules": None, "profiles": None, "flee
 """Every bench-specific option's default: each `bench WHAT` takes only its own."""
 
 
+BENCH_HELP = {"out": "folder for the JSON, the tables and the plots (default: runs/bench)"}
+"""Config fields whose meaning differs for the benches."""
+
+
 def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
     """The options of `edgefcl bench WHAT` beyond the config flags."""
     if what in ("memory", "async"):
@@ -152,10 +157,10 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--devices", type=int, default=1000, metavar="N",
                        help="devices in the loop")
     if what in ("crash", "fuzz", "flood"):
-        default = {"crash": "100 SIGKILLs", "fuzz": "100000 payloads",
-                   "flood": "1024 MiB per flood"}[what]
-        p.add_argument("--count", type=int, default=0, metavar="N",
-                       help=f"how many (default 0: {default})")
+        what_of = {"crash": "SIGKILLs of the aggregator (default: 100)",
+                   "fuzz": "mutated payloads (default: 100000)",
+                   "flood": "MiB sent in each flood (default: 1024)"}[what]
+        p.add_argument("--count", type=int, default=0, metavar="N", help=what_of)
     if what == "fleet":
         from edgefcl.bench.loadgen.fleet_options import add_fleet_arguments
 
@@ -205,7 +210,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     r = export_run(args.run, args.output, args.exporter)
     print(f"exported the {r['model']} global model of {args.run} to {r['path']} "
-          f"({r['bytes'] / 1024:.1f} KB, {r['exporter']} exporter, dynamic batch); "
+          f"({fmt_bytes(r['bytes'])}, {r['exporter']} exporter, dynamic batch); "
           f"max |torch - onnxruntime| logit = {r['max_abs_diff']:.2e}")
     return 0
 
@@ -321,7 +326,7 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
                         usage="%(prog)s [options]", prog=f"edgefcl bench {name}")
         w.set_defaults(**BENCH_DEFAULTS)
         add_bench_arguments(name, w)
-        add_config_flags(w, command=f"bench {name}", show_all=show_all)
+        add_config_flags(w, command=f"bench {name}", show_all=show_all, helps=BENCH_HELP)
 
     e = add_command(sub, "export", "export a run's global model as ONNX",
                  "Rebuild the final global model of a run directory (`edgefcl simulate --out "

@@ -256,7 +256,8 @@ class FedConfig:
     )
     mix: float = opt(0.5, "weight of the new average against the previous global")
     min_clients: int = opt(2, "eligible updates needed to close a round")
-    mode: str = opt("sync", "sync (lock-step, Algorithm 1) | async (deployment default)")
+    mode: str = opt("sync", "sync (lock-step, Algorithm 1) | async (what a deployed fleet "
+                    "should run: examples/fleet.toml sets it)")
     round_timeout: float = opt(5.0, "async: seconds after which a round closes on quorum")
     quorum: float = opt(0.5, "async: share of the active clients whose updates a round needs "
                         "to close at round_timeout (0: min_clients alone), so that a few "
