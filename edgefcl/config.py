@@ -453,8 +453,12 @@ def read_toml(path: str | Path, what: str = "config file",
 
 
 def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
-    """Load a TOML config file over the defaults (or over `cfg`)."""
-    return apply(cfg or RunConfig(), read_toml(path))
+    """Load a TOML config file over the defaults (or over `cfg`); an error names the file."""
+    values = read_toml(path)
+    try:
+        return apply(cfg or RunConfig(), values)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

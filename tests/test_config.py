@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from edgefcl.config import ConfigError, RunConfig, apply, validate
+from edgefcl.config import ConfigError, RunConfig, apply, load_toml, validate
 from edgefcl.federation.registry import ENCODINGS
 from edgefcl.federation.rules import DENSE_RULES
 from edgefcl.learn.methods import MEMORIES, METHODS, SCORES, Method, load
@@ -28,6 +28,8 @@ def test_defaults_are_valid() -> None:
 @pytest.mark.parametrize("values, message", [
     ({"learn": {"method": "nope"}}, "unknown method 'nope'; choose from"),
     ({"learn": {"nope": 1}}, "unknown key 'nope'"),
+    ({"learn": {"memory_sise": 100}}, "unknown key 'memory_sise' in [learn]; did you mean "
+     "'memory_size'?"),
     ({"learn": "x"}, "[learn] must be a table"),
     ({"fed": {"encoding": "dense", "aggregation": "conflation"}}, "needs --encoding gaussian"),
     ({"fed": {"encoding": "sparse", "aggregation": "median"}},
@@ -50,6 +52,13 @@ def test_bad_values_are_one_line_errors(values: dict, message: str) -> None:
         _checked(values)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_bad_config_file_is_named_in_its_error(tmp_path) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text("[learn]\nmemory_sise = 100\n")
+    with pytest.raises(ConfigError, match=f"^{path}: unknown key 'memory_sise' in \\[learn\\]"):
+        load_toml(path)
 
 
 def test_unknown_method_lists_every_method() -> None:

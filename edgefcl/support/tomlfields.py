@@ -5,6 +5,7 @@ firmware_sim's device profiles."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 
@@ -16,7 +17,9 @@ def coerce_field(cls: type, key: str, value: Any, table: str, error: type[Except
     fields = {f.name: f for f in dataclasses.fields(cls)}
     where = f"[{table}]" if table else "the top level"
     if key not in fields:
-        raise error(f"{prefix}unknown key '{key}' in {where}; known: {', '.join(fields)}")
+        near = difflib.get_close_matches(key, fields, n=1)
+        hint = f"did you mean '{near[0]}'?" if near else f"known: {', '.join(fields)}"
+        raise error(f"{prefix}unknown key '{key}' in {where}; {hint}")
     default = fields[key].default
     name = f"{where} {key}"
     if isinstance(default, bool):
