@@ -237,6 +237,16 @@ def test_report_renders_run_and_compare_directories(tmp_path, capsys):
     assert "A = " in capsys.readouterr().out
 
 
+def test_report_of_a_folder_that_holds_runs_names_them(tmp_path, capsys):
+    (tmp_path / "fleet" / "bi-seed0" / "aggregator").mkdir(parents=True)
+    (tmp_path / "fleet" / "bi-seed0" / "aggregator" / "rounds.jsonl").write_text("")
+    assert main(["report", str(tmp_path / "fleet" / "bi-seed0")]) == 2
+    err = one_line_error(capsys)
+    assert "is neither a run directory" in err
+    assert f"it holds one: edgefcl report {tmp_path}/fleet/bi-seed0/aggregator" in err
+    assert main(["report", str(tmp_path / "fleet" / "bi-seed0" / "aggregator")]) == 0
+
+
 def test_printed_plus_minus_is_the_sample_std():
     from edgefcl.outcomes.metrics import CommStats, sample_std
     from edgefcl.outcomes.report import summarize

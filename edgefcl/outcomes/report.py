@@ -360,6 +360,10 @@ def report_dir(path: Path) -> str:
                         "held-out accuracy of the global per round")
         parts.append(fleet_table(path, rounds))
     if not parts:
+        inner = sorted({p.parent for name in (RESULTS, ROUNDS)
+                        for p in [*path.glob(f"*/{name}"), *path.glob(f"*/*/{name}")]})
+        hint = (f"; it holds one: edgefcl report {inner[0]}" if len(inner) == 1 else
+                f"; it holds {len(inner)}, e.g. edgefcl report {inner[0]}" if inner else "")
         raise DataError(f"{path} is neither a run directory ({RESULTS}) nor an aggregator "
-                        f"state directory ({ROUNDS})")
+                        f"state directory ({ROUNDS}){hint}")
     return "\n".join(parts + [f"plots written to {path}/"])
