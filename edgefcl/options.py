@@ -38,6 +38,25 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """As argparse's, but an unknown flag is the error of the subcommand it was given to,
+        which names that subcommand's help."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._chosen(ns).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+    def _chosen(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        """The innermost subcommand's parser that `ns` went through (self without one)."""
+        parser: argparse.ArgumentParser = self
+        while True:
+            sub = next((a for a in parser._actions
+                        if isinstance(a, argparse._SubParsersAction)), None)
+            name = getattr(ns, sub.dest, None) if sub else None
+            if sub is None or name not in sub.choices:
+                return parser
+            parser = sub.choices[name]
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows an option's default unless its help already states it or it has none; 100

@@ -132,6 +132,21 @@ def test_hidden_options_still_parse():
     assert vars(args)["learn.bn_momentum"] == 0.2 and vars(args)["learn.selection"] == "top"
 
 
+@pytest.mark.parametrize("argv,prog", [
+    (["simulate", "--nope"], "edgefcl simulate"), (["simulate", "--clients", "abc"],
+                                                   "edgefcl simulate"),
+    (["bench", "fleet", "--nope"], "edgefcl bench fleet"), (["status", "--nope"],
+                                                            "edgefcl status"),
+])
+def test_a_bad_flag_points_to_its_commands_help(argv, prog, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{prog}: error: ") and err.endswith(f"(see {prog} --help)")
+    assert len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["simulate", "--method", "nope"], "unknown method"),
     (["simulate", "--dataset", "npz:/does/not/exist.npz"], "exist.npz"),
