@@ -291,6 +291,21 @@ def test_progress_is_plain_lines_when_redirected():
     assert quiet.getvalue() == ""  # at most one line per period
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_progress_counts_the_fleets_mini_batches_in_both_modes(mode):
+    from edgefcl.config import RunConfig, apply
+    from edgefcl.sim.runs import simulate
+
+    cfg = apply(RunConfig(), {"data": {"tasks": 2}, "learn": {"memory_size": 20,
+                                                              "local_epochs": 1},
+                              "fed": {"clients": 2, "burn_in": 2, "jump": 2, "mode": mode}})
+    calls: list[tuple[int, int]] = []
+    result = simulate(cfg, progress=lambda done, total, _: calls.append((done, total)))
+    batches = result.extra["batches"]
+    assert calls[-1] == (batches, batches)  # both clients' mini-batches, as over MQTT
+    assert all(a <= b for (a, _), (b, _) in zip(calls, calls[1:], strict=False))
+
+
 def test_string_labels_travel_with_the_model_to_predict(tmp_path, capsys):
     rng = np.random.default_rng(0)
     names = np.array(["cat", "dog", "emu", "fox"])

@@ -55,14 +55,13 @@ def simulate_lockstep(cfg: RunConfig, method: str, seed: int,
     acc = np.zeros((K, T, T))
     coverage = np.zeros((2, K, T), np.int64)  # prototypes: known labels, unknown test samples
     comm = CommStats()
-    total = max(sum(count_batches(t, cfg.data.batch_size)) for t in setup.tasks)
+    total = sum(sum(count_batches(t, cfg.data.batch_size)) for t in setup.tasks)  # the fleet's
+    done = 0  # mini-batches, as the async and networked runs count them
     active = list(range(K))
-    tick = 0
     trainer = FleetTrainer() if batch_clients(cfg.learn) else None
     if trainer is not None and (why := why_alone(clients[0])) is not None:
         log.warning("batch-clients: %s, so its clients train one after another", why)
     while active:
-        tick += 1
         finished_tasks: list[tuple[int, int]] = []
         closed = None
         tick_up = 0
@@ -99,8 +98,9 @@ def simulate_lockstep(cfg: RunConfig, method: str, seed: int,
             if clients[k].protos is not None:
                 coverage[:, k, t] = clients[k].protos.coverage(
                     [task.y_test for task in setup.tasks[k]])
+        done += len(stepping)
         if progress is not None:
-            progress(min(tick, total), total, f"rounds {agg.rounds}")
+            progress(min(done, total), total, f"rounds {agg.rounds}")
     stacked = {} if trainer is None else trainer.counts()
     return run_result(cfg, method, seed, setup, clients, agg, acc, coverage, comm, start,
                       **stacked)
