@@ -48,7 +48,7 @@ class Replayer:
     def _status(self, payload: bytes) -> dict | None:
         try:
             msg = decode(payload, self.cfg.mqtt.fleet, limits=STATUS_LIMITS)
-        except CodecError:
+        except (CodecError, ValueError):
             return None
         return msg.body if isinstance(msg, Message) and msg.kind == "status" else None
 
@@ -69,18 +69,20 @@ class Replayer:
 
     def _on_status(self, topic: str, payload: bytes) -> None:
         body = self._status(payload)
+        if body is None:
+            return
         try:
             cid = self.topics.client_from(topic)
         except ValueError:
-            return
-        if body is None:
             return
         with self.cond:
             if body.get("state") == "online":
                 self.online.add(cid)
             elif cid in self.streams and self._fresh_refusal(body):
                 self.refused[cid] = str(body.get("reason", ""))
-            self.consumed[cid] = int(body.get("consumed", 0))
+            consumed = body.get("consumed", 0)
+            if isinstance(consumed, int) and not isinstance(consumed, bool):
+                self.consumed[cid] = consumed
             self.cond.notify_all()
 
     def run(self) -> dict[str, int]:
