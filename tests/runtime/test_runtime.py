@@ -195,6 +195,24 @@ def test_another_devices_status_flood_never_reaches_the_replayer(mosquitto):
     assert seen and all(t == tp.status("c0") for t in seen)
 
 
+@pytest.mark.parametrize("body", [{"state": "online", "consumed": "x"},
+                                  {"state": "refused", "time": "soon"},
+                                  {"state": "online", "consumed": [1]}])
+def test_a_malformed_device_status_is_ignored_by_the_replayer(body):
+    """A device's status is untrusted: a count or time of the wrong type changes nothing and
+    raises nothing in the network thread."""
+    from edgefcl.runtime.replayer import Replayer
+    from edgefcl.transport.codec import Message
+
+    cfg = small_config(mqtt={"fleet": "rp"})
+    rep = Replayer(cfg, {"c0": iter([])})
+    tp = topics(cfg.mqtt)
+    rep._on_status(tp.status("c0"), encode(Message("status", body, sender="c0"), fleet="rp"))
+    rep._on_aggregator_status(tp.aggregator_status, encode(Message("status", body, sender="agg"),
+                                                         fleet="rp"))
+    assert rep.consumed in ({}, {"c0": 0}) and not rep.refused and rep.aggregator_refused is None
+
+
 def test_an_async_fleet_that_pulls_its_globals_learns(embedded_broker, tmp_path):
     """`--downlink pull`: each device listens for globals only while an update of its waits
     to be counted. The run completes and learns, and a device receives at most every global
