@@ -243,9 +243,8 @@ def add_role_commands(sub, show_all: bool = False) -> None:
                    help=h("initial global model tensors (default: built from the config's "
                           "model and dataset with --seed)"))
     a.add_argument("--exit-when-done", action="store_true",
-                   help="exit when the fleet is done: every roster client said it is done "
-                   "(or one did and no client was heard for --client-timeout s), or no client "
-                   "came within --client-timeout s")
+                   help="exit when every roster client is done (or one is and none was "
+                   "heard for --client-timeout s), or no client came within that time")
     a.add_argument("--eval-data", metavar="DATASET",
                    help="evaluate every new global on the test split of this dataset spec "
                    "(like --dataset; 'config': the config's dataset) and log its accuracy per "
