@@ -29,7 +29,7 @@ pytestmark = pytest.mark.mqtt
 REPO = Path(__file__).resolve().parents[2]
 FLEET = "prod"
 T = Topics(FLEET)
-USERS = ("aggregator", "operator", "dev1", "dev2", "dev3", "dev4")
+USERS = ("aggregator", "operator", "replayer", "dev1", "dev2", "dev3", "dev4")
 
 
 def _production_conf(port: int, d: Path) -> str:
@@ -158,6 +158,34 @@ def test_control_is_refused_from_a_device_and_taken_from_the_operator(production
     assert not inbox.wait(lambda: len(inbox.got) > 1, 1)
     assert inbox.got == [(T.control, b"operator")]
     for link in (dev1, op, agg):
+        link.close()
+
+
+def test_the_replayer_reads_statuses_and_writes_only_streams(production_broker):
+    """`edgefcl replay` starts a device's stream once the device says it is online, and stops
+    when the aggregator or a device refused: under the shipped ACL it must read both statuses
+    (it read none, and waited its 120 s for devices that were online), and write only the
+    streams."""
+    url, pw, _ = production_broker
+    inbox = _Inbox()
+    rep = _link(url, "replayer", "replayer", pw["replayer"])
+    rep.subscribe(T.status("dev1"), inbox)
+    rep.subscribe(T.aggregator_status, inbox)
+    dev1 = _link(url, "dev1", "dev1", pw["dev1"])
+    agg = _link(url, "aggregator", "aggregator", pw["aggregator"])
+    dev1.publish(T.status("dev1"), b"online", retain=True, wait=True)
+    agg.publish(T.aggregator_status, b"refused", retain=True, wait=True)
+    assert inbox.wait(lambda: len(inbox.got) >= 2, 5), inbox.got
+    assert sorted(inbox.got) == sorted([(T.status("dev1"), b"online"),
+                                        (T.aggregator_status, b"refused")])
+    seen = _Inbox()
+    agg.subscribe(T.status("dev1"), seen)
+    agg.subscribe(T.global_, seen)
+    rep.publish(T.status("dev1"), b"forged", wait=True)  # refused by the ACL
+    rep.publish(T.global_, b"forged global", wait=True)  # refused by the ACL
+    assert seen.wait(lambda: seen.got, 5)  # dev1's retained status
+    assert not seen.wait(lambda: any(p.startswith(b"forged") for _, p in seen.got), 1)
+    for link in (rep, dev1, agg):
         link.close()
 
 
