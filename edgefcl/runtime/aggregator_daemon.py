@@ -140,6 +140,8 @@ class AggregatorDaemon:
         self.store.write_views(state, tensors, rewrite=True, prototypes=library)
         self.agg.load_state(state | {"tensors": tensors, "prototypes": library})
         self.done = set(state.get("done", []))
+        self.bytes_in = {str(c): int(n) for c, n in state.get("bytes_in", {}).items()}
+        self.bytes_out = int(state.get("bytes_out", 0))
         self.rounds_log = self.store.round_lines()[-20:]
         log.info("resumed run %s from %s at version %d (round %d)", self.store.meta()["run_id"],
                  self.state_dir, self.agg.global_.version, self.agg.rounds)
@@ -153,6 +155,7 @@ class AggregatorDaemon:
         tensors = state.pop("tensors")
         state["done"] = sorted(self.done)
         state["spec_hash"] = self.spec_hash
+        state["bytes_in"], state["bytes_out"] = dict(self.bytes_in), self.bytes_out
         line = None
         if closed is not None and closed.global_ is not None:
             line = {"round": self.agg.rounds, "version": closed.global_.version,
@@ -274,10 +277,11 @@ class AggregatorDaemon:
             # answered again, once per client and tick, so a flood is not amplified
             self.reanswered[msg.client] = self.agg.tick
             self._publish(self.topics.tick, self.last_answer)
-        if not self.agg.rejects(msg):  # the checks: charged to the device, as its decoding
+        accepted = not self.agg.rejects(msg)  # the checks: charged to the device
+        if accepted or msg.client in self.agg.admission.roster:  # bounded: never every id;
+            self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + size  # before a
+        if accepted:  # round this closes is saved with the counts
             self._close_safely(lambda: self.agg.take(msg, now))
-        if msg.client in self.agg.admission.roster:  # bounded: never a map of every id
-            self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + size
         if msg.client in self.done and msg.client in self.agg.active:
             # a queued update that arrived after the client's retained "done": it reports
             # nothing more, so no round waits for it
