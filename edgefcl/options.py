@@ -257,7 +257,8 @@ def add_command(sub, name: str, help: str, description: str, func,
     return p
 
 
-DAEMONS = ("aggregator", "client", "replay", "broker", "status")
+DAEMONS = ("aggregator", "client", "replay", "broker")
+"""Commands that log at info by default (`status` is a view: its table is its output)."""
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR}
 

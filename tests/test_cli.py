@@ -163,6 +163,13 @@ def test_bad_input_gives_a_clear_error(argv, needle, capsys):
     assert "Traceback" not in err
 
 
+def test_status_without_a_broker_is_one_line(capfd):
+    assert main(["status", "--broker", "mqtt://127.0.0.1:9", "--connect-timeout", "1",
+                 "--once"]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err.startswith("edgefcl: error: cannot reach the MQTT broker") and "\n" not in err
+
+
 def test_missing_broker_is_a_clear_error(capsys):
     assert main(["replay", "--broker", "mqtt://127.0.0.1:9", "--connect-timeout", "1",
                  "--clients", "1", "--tasks", "1"]) == 2
