@@ -51,6 +51,12 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     from edgefcl.support.statefiles import make_dir
 
     make_dir(state_dir, "--state-dir")
+    from edgefcl.runtime.fleet_results import announce_refusal
+    from edgefcl.runtime.store import StateError, StateStore
+
+    if not (args.fresh or args.resume) and (why := StateStore.finished_run(state_dir)):
+        announce_refusal(cfg, why)  # at once, before the model and data are built
+        raise StateError(why)
     setup = None
     if args.initial:
         if not Path(args.initial).is_file():
@@ -66,9 +72,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
         from edgefcl.runtime.evaluation import GlobalEvaluator
 
         evaluator = GlobalEvaluator.from_config(cfg, args.eval_data, setup)
-    from edgefcl.runtime.fleet_results import announce_refusal
     from edgefcl.runtime.join import fleet_profile
-    from edgefcl.runtime.store import StateError
 
     kind, extra = AggregatorDaemon, {}
     if args.role == "single":

@@ -85,6 +85,11 @@ def global_digest(tensors: Tensors, prototypes: LabelRows | None = None) -> str:
     return tensors_digest(tensors | rows_arrays(prototypes))
 
 
+def _finished(directory: str | Path, meta: dict[str, str]) -> str:
+    return (f"{directory} holds a finished run (run id {meta.get('run_id', '?')}); continue it "
+            "with --resume, or start over with --fresh")
+
+
 class StateStore:
     """The state of one fleet run in `directory` (see the module docstring)."""
 
@@ -141,11 +146,28 @@ class StateStore:
                         f"this one {value!r}); {FRESH_HINT}")
             if meta.get("finished") == "1" and not resume:
                 conn.close()
-                raise StateError(f"{directory} holds a finished run (run id {meta['run_id']}); "
-                                 "continue it with --resume, or start over with --fresh")
+                raise StateError(_finished(directory, meta))
             if meta.get("finished") == "1":
                 store._write_meta({"finished": "0"})
         return store
+
+    @staticmethod
+    def finished_run(directory: str | Path) -> str | None:
+        """Why `directory` refuses a new run because it holds a finished one (None: it does
+        not, or it cannot tell: `open` says what is wrong). Read-only, so that a daemon
+        refuses before it builds its model and data."""
+        path = Path(directory) / DB_NAME
+        if not path.is_file():
+            return None
+        try:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+            try:
+                meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError:
+            return None
+        return _finished(directory, meta) if meta.get("finished") == "1" else None
 
     def meta(self) -> dict[str, str]:
         return dict(self.conn.execute("SELECT key, value FROM meta").fetchall())

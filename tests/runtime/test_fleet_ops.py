@@ -189,7 +189,8 @@ def test_finished_state_is_refused_and_devices_do_not_train_alone(fleet):
     device = subprocess.Popen([sys.executable, "-m", "edgefcl", "client", *common, "--index",
                                "0", "--source", "local"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-    again = edgefcl("aggregator", *common, "--state-dir", str(tmp / "state"))
+    again = edgefcl("aggregator", *common, "--state-dir", str(tmp / "state"), "--eval-data",
+                    "config")
     # the stream's replayer, started with it, says the aggregator's refusal itself, in one
     # line, rather than through a device
     replay = subprocess.Popen([sys.executable, "-m", "edgefcl", "replay", *common],
@@ -197,6 +198,7 @@ def test_finished_state_is_refused_and_devices_do_not_train_alone(fleet):
     assert again.returncode == 2
     assert again.stderr.strip().splitlines()[-1].startswith("edgefcl: error: ")
     assert "holds a finished run" in again.stderr and "--fresh" in again.stderr
+    assert "held-out" not in again.stderr  # refused before it loads its data
     out, err = device.communicate(timeout=120)
     assert device.returncode == 2, (out, err)
     assert "refused to start" in err and "batches" not in out

@@ -12,6 +12,7 @@ import pytest
 from edgefcl.bench import crash as bench_crash
 from edgefcl.federation.label_rows import LabelRows
 from edgefcl.runtime.store import (
+    DB_NAME,
     StateError,
     StateStore,
     global_digest,
@@ -59,9 +60,15 @@ def test_foreign_and_finished_states_are_refused_with_what_to_do(tmp_path) -> No
     save_round(s, 0, T)
     s.mark_finished()
     s.close()
+    assert StateStore.finished_run(tmp_path / "st").endswith("start over with --fresh")
     with pytest.raises(StateError, match="--resume"):
         fresh_store(tmp_path)
     fresh_store(tmp_path, resume=True).close()
+    assert StateStore.finished_run(tmp_path / "st") is None  # resumed: open again
+    assert StateStore.finished_run(tmp_path / "none") is None
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / DB_NAME).write_bytes(b"not sqlite")
+    assert StateStore.finished_run(tmp_path / "junk") is None  # open() says what is wrong
     with pytest.raises(StateError, match="fleet.*--fresh"):
         StateStore.open(tmp_path / "st", fleet="other", spec=SPEC)
     other_spec = tensor_spec({"w": np.ones(4, np.float32)})
