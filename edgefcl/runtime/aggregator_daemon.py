@@ -278,9 +278,11 @@ class AggregatorDaemon:
             self.reanswered[msg.client] = self.agg.tick
             self._publish(self.topics.tick, self.last_answer)
         accepted = not self.agg.rejects(msg)  # the checks: charged to the device
-        if accepted or msg.client in self.agg.admission.roster:  # bounded: never every id;
-            self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + size  # before a
-        if accepted:  # round this closes is saved with the counts
+        # counted before `take`, so that a round this update closes is saved with it; bounded by
+        # the roster (an accepted client is on it or learned by `take`): never a map of every id
+        if accepted or msg.client in self.agg.admission.roster:
+            self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + size
+        if accepted:
             self._close_safely(lambda: self.agg.take(msg, now))
         if msg.client in self.done and msg.client in self.agg.active:
             # a queued update that arrived after the client's retained "done": it reports
