@@ -217,8 +217,9 @@ class AggregatorDaemon:
                     self.results.status() if self.results is not None else {}) | (
                     self.backpressure.fields() | self.quota.fields())
 
-    def _publish_status(self, state: str = "online") -> None:
-        body = self.status() | {"state": state}
+    def _publish_status(self, state: str = "online", finished: bool = False) -> None:
+        """The retained status; `finished`: the run ended (its workers may exit)."""
+        body = self.status() | {"state": state} | ({"finished": True} if finished else {})
         self._publish(self.topics.aggregator_status,
                       encode(Message("status", body), fleet=self.cfg.mqtt.fleet, sender=SENDER),
                       retain=True)
@@ -526,7 +527,7 @@ class AggregatorDaemon:
         if finished and formed:
             self.store.mark_finished()
         self.store.close()
-        self._publish_status("stopped")
+        self._publish_status("stopped", finished=finished and formed)
         self.link.close()
         log.info("aggregator stopped at version %d after %d rounds", self.agg.global_.version,
                  self.agg.rounds)

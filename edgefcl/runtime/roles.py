@@ -46,7 +46,8 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
         group = args.share_group if args.role == "worker" else ""
         return WorkerDaemon(cfg, args.id, share_group=group, upstream=args.upstream,
-                            flush_every=args.flush_every).run()
+                            flush_every=args.flush_every,
+                            exit_when_done=args.exit_when_done).run()
     state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
     from edgefcl.support.statefiles import make_dir
 
@@ -248,11 +249,11 @@ def add_role_commands(sub, show_all: bool = False) -> None:
                           "model and dataset with --seed)"))
     a.add_argument("--exit-when-done", action="store_true",
                    help="exit when every roster client is done (or one is and none was "
-                   "heard for --client-timeout s), or no client came within that time")
+                   "heard for --client-timeout s), or no client came within that time; "
+                   "worker/site: when its root's run finished")
     a.add_argument("--eval-data", metavar="DATASET",
-                   help="evaluate every new global on the test split of this dataset spec "
-                   "(like --dataset; 'config': the config's dataset) and log its accuracy per "
-                   "round in rounds.jsonl")
+                   help="evaluate every new global on this dataset's test split (a --dataset "
+                   "spec; 'config': the config's) and log its accuracy in rounds.jsonl")
     a.add_argument("--fresh", action="store_true",
                    help="discard the state in --state-dir and start a new run (default: off)")
     a.add_argument("--resume", action="store_true",

@@ -43,7 +43,7 @@ from edgefcl.runtime.links import (
 )
 from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
-from edgefcl.transport.bounds import DEFAULT_LIMITS
+from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
 from edgefcl.transport.partials import decode_grant, encode_claim, encode_partial
 from edgefcl.transport.topics import UPDATE_KINDS
@@ -64,8 +64,10 @@ class WorkerDaemon:
 
     def __init__(self, cfg: RunConfig, worker_id: str, *, share_group: str = "aggregators",
                  upstream: str = "", flush_every: float = 0.5, status_every: float = 2.0,
-                 inbox_bytes: int = 0) -> None:
+                 inbox_bytes: int = 0, exit_when_done: bool = False) -> None:
         self.cfg = cfg
+        self.exit_when_done = exit_when_done
+        self.root_seen_online = False  # a retained "finished" of an earlier run stops nothing
         self.id = worker_id
         self.topics = topics(cfg.mqtt)
         self.topics.worker_status(worker_id)  # validates the id
@@ -247,6 +249,24 @@ class WorkerDaemon:
                 and self.agg.admission.admit(client)):  # bounded: roster clients only
             self.agg.admission.session(client, inc)
 
+    def _on_root_status(self, topic: str, payload: bytes) -> None:
+        """The root's retained status: with `exit_when_done`, the worker stops once the root
+        it saw online says its run finished (a root stopped for a restart says nothing of
+        the kind)."""
+        try:
+            msg = decode(payload, self.cfg.mqtt.fleet, limits=STATUS_LIMITS)
+        except (CodecError, ValueError):
+            return
+        if not isinstance(msg, Message) or msg.kind != "status":
+            return
+        state = msg.body.get("state")
+        if state == "online":
+            self.root_seen_online = True
+        elif (self.exit_when_done and self.root_seen_online and state == "stopped"
+              and msg.body.get("finished") is True):
+            log.info("worker %s: the root's run finished; stopping", self.id)
+            self.stop_event.set()
+
     def _on_control(self, msg: Message, topic: str, now: float) -> None:
         """The operator's stop ends the worker."""
         if msg.body.get("command") == "stop":
@@ -307,6 +327,7 @@ class WorkerDaemon:
             self.up = open_link(up_cfg, cid + "-up", clean_start=True, will=will)
         self.up.subscribe(t.global_, self._on_global)
         self.up.subscribe(t.grant(self.id), self._on_grant)
+        self.up.subscribe(t.aggregator_status, self._on_root_status)
         if not self.first_global.wait(m.connect_timeout):
             raise TransportError(f"no global model on {t.global_} within {m.connect_timeout:g} s: "
                                  "start the root aggregator first (--role root)")

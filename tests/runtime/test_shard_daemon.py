@@ -296,3 +296,41 @@ def test_a_worker_folds_only_the_granted_clients_of_its_claim(tmp_path):
     w._latest_grant = encode_grant(w.claims, ["a"], fleet=FLEET, sender="aggregator")
     w._take_grant()
     assert w.partials_sent == 1 and w.agg.claimable() == ("b",)
+
+
+def _root_status(body: dict, sender: str = "aggregator") -> bytes:
+    return encode(Message("status", body, sender=sender), fleet=FLEET)
+
+
+def test_a_worker_told_to_exit_when_done_stops_once_its_root_finished():
+    """`--exit-when-done` on a worker: it stops when the root it saw online says it finished,
+    not on a root that stops for a restart, nor on a retained "finished" of an earlier run."""
+    w = WorkerDaemon(cfg_for(), "w0", exit_when_done=True)
+    t = topics(cfg_for().mqtt)
+    finished = _root_status({"state": "stopped", "finished": True})
+    w._on_root_status(t.aggregator_status, finished)  # retained, from the run before
+    assert not w.stop_event.is_set()
+    w._on_root_status(t.aggregator_status, _root_status({"state": "online"}))
+    w._on_root_status(t.aggregator_status, _root_status({"state": "stopped"}))  # a restart
+    w._on_root_status(t.aggregator_status, b"\x00garbage")
+    w._on_root_status(t.aggregator_status, _root_status({"state": "stopped", "finished": "yes"}))
+    assert not w.stop_event.is_set()
+    w._on_root_status(t.aggregator_status, finished)
+    assert w.stop_event.is_set()
+    stays = WorkerDaemon(cfg_for(), "w1")  # without the flag it runs until stopped
+    stays._on_root_status(t.aggregator_status, _root_status({"state": "online"}))
+    stays._on_root_status(t.aggregator_status, finished)
+    assert not stays.stop_event.is_set()
+
+
+def test_the_root_says_when_its_run_finished(tmp_path):
+    root = make_root(tmp_path)
+    root.link = _Recorder()
+    root._publish_status("stopped", finished=True)
+    root._publish_status("stopped")
+    t = topics(root.cfg.mqtt)
+    from edgefcl.transport.codec import decode
+
+    bodies = [decode(p, FLEET).body for topic, p in root.link.sent
+              if topic == t.aggregator_status]
+    assert bodies[-2]["finished"] is True and "finished" not in bodies[-1]

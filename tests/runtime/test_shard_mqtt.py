@@ -248,3 +248,26 @@ def test_one_flooding_device_costs_honest_devices_under_5_percent_when_sharded(m
         f"(the flooding device in {attacker_rounds}); root counters "
         f"{dict(root.agg.counters)}")
     assert all(sum(c == attacker for c in line["participants"]) <= 1 for line in lines)
+
+
+def test_a_worker_told_to_exit_when_done_stops_when_its_root_finished(mosquitto, tmp_path):
+    """Over Mosquitto: a worker started with --exit-when-done follows the root's retained
+    status and stops once the root says its run finished (the root's last status when it
+    exits with --exit-when-done), so a scripted fleet's `wait` ends."""
+    cfg = cfg_for(mosquitto)
+    root = RootDaemon(cfg, INITIAL, tmp_path / "state", workers=frozenset({"w0"}))
+    threads = [start(root)]
+    watcher = Watcher(mosquitto)
+    watcher.wait(0)
+    worker = WorkerDaemon(cfg, "w0", exit_when_done=True)
+    threads.append(start(worker))
+    deadline = time.monotonic() + 20
+    while root.agg.live_workers != {"w0"} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert root.agg.live_workers == {"w0"} and threads[1].is_alive()
+    root._publish_status("stopped", finished=True)
+    threads[1].join(15)
+    assert not threads[1].is_alive()
+    root.stop_event.set()
+    threads[0].join(10)
+    watcher.link.close()
