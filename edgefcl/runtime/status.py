@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import secrets
 import sys
 import threading
@@ -239,6 +240,28 @@ def live(view: FleetView, link: MqttLink, out: TextIO, interval: float) -> None:
                 h.setStream(stream)
 
 
+SHOWN_FLEET = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""Fleet names `fleets_on` shows (topic levels are untrusted text)."""
+MAX_SHOWN_FLEETS = 20
+
+
+def fleets_on(link: MqttLink, root: str, wait: float) -> list[str]:
+    """The fleets under topic root `root` whose aggregator left a retained status (those the
+    broker lets this user read; at most MAX_SHOWN_FLEETS, plain names only)."""
+    level = len(root.split("/"))
+    seen: set[str] = set()
+
+    def on(topic: str, payload: bytes) -> None:
+        parts = topic.split("/")
+        if (len(parts) == level + 3 and SHOWN_FLEET.fullmatch(parts[level])
+                and len(seen) < MAX_SHOWN_FLEETS):
+            seen.add(parts[level])
+
+    link.subscribe(f"{root}/+/aggregator/status", on)
+    time.sleep(wait)
+    return sorted(seen)
+
+
 def watch(cfg: RunConfig, once: bool = False, as_json: bool = False, wait: float = 1.5,
           interval: float = 2.0, out=None) -> int:
     """Print the fleet's status: one snapshot (`once`, `as_json`, or output not a terminal
@@ -258,8 +281,10 @@ def watch(cfg: RunConfig, once: bool = False, as_json: bool = False, wait: float
             out.write((json.dumps(snap, indent=1) if as_json else render(snap)) + "\n")
             out.flush()
             if snap["aggregator"] is None and not snap["devices"]:
+                there = fleets_on(link, cfg.mqtt.topic_root, max(0.0, wait))
                 print(f"edgefcl status: nothing of fleet '{cfg.mqtt.fleet}' on "
-                      f"{cfg.mqtt.broker}", file=sys.stderr)
+                      f"{cfg.mqtt.broker}" + (f"; fleets there: {', '.join(there)}" if there
+                                              else ""), file=sys.stderr)
                 return 1
             return 0
         try:

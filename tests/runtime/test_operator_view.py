@@ -151,3 +151,24 @@ def test_the_backpressure_factor_and_update_limit_are_shown() -> None:
                     encode(Message("status", {"state": "online", "backpressure": "x"},
                                    sender="aggregator"), fleet=FLEET))
     assert "backpressure" not in render(view.snapshot())  # a wrong type is not shown
+
+
+@pytest.mark.mqtt
+def test_status_of_a_fleet_that_is_not_there_names_the_fleets_that_are(mosquitto, capsys):
+    from edgefcl.runtime.status import watch
+    from edgefcl.transport.mqtt import MqttLink
+
+    link = MqttLink(mosquitto, "agg", clean_start=True).connect()
+    for fleet in ("demo", "ops"):
+        there = apply(RunConfig(), {"mqtt": {"broker": mosquitto, "fleet": fleet}})
+        link.publish(topics(there.mqtt).aggregator_status,
+                     encode(Message("status", {"state": "online"}, sender="aggregator"),
+                            fleet=fleet), retain=True, wait=True)
+    for odd in ("x y", "z" * 100):  # names no fleet can have are not echoed
+        link.publish(f"edgefcl/{odd}/aggregator/status", b"junk", retain=True, wait=True)
+    link.close()
+    typo = apply(RunConfig(), {"mqtt": {"broker": mosquitto, "fleet": "dmeo"}})
+    assert watch(typo, once=True, wait=0.5) == 1
+    err = capsys.readouterr().err
+    assert f"nothing of fleet 'dmeo' on {mosquitto}; fleets there: demo, ops" in err
+    assert "x y" not in err and "zzz" not in err
