@@ -13,7 +13,7 @@ from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS
 from edgefcl.federation.heads import library_width
 from edgefcl.federation.registry import get_encoding
 from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS, Limits
-from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError
+from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode
 from edgefcl.transport.mqtt import MqttLink
 from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS, Topics
 
@@ -68,6 +68,16 @@ def message_limits(kinds: frozenset[str], updates: Limits) -> Limits:
     if kinds == STATUS_KINDS:
         return STATUS_LIMITS
     return updates if kinds == UPDATE_KINDS else DEFAULT_LIMITS
+
+
+def status_body(payload: bytes, fleet: str) -> dict | None:
+    """A status's body, decoded under the status limits (None: not a valid status of `fleet`;
+    its fields are still the sender's claims)."""
+    try:
+        msg = decode(payload, fleet, limits=STATUS_LIMITS)
+    except (CodecError, ValueError):
+        return None
+    return msg.body if isinstance(msg, Message) and msg.kind == "status" else None
 
 
 def size_payload_limit(cfg: RunConfig, tensors: dict[str, np.ndarray]) -> int:

@@ -12,10 +12,9 @@ import numpy as np
 
 from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch
-from edgefcl.runtime.links import open_link, topics
+from edgefcl.runtime.links import open_link, status_body, topics
 from edgefcl.support.errors import UserError
-from edgefcl.transport.bounds import STATUS_LIMITS
-from edgefcl.transport.codec import CodecError, Message, decode, encode, encode_batch
+from edgefcl.transport.codec import Message, encode, encode_batch
 
 log = logging.getLogger("edgefcl.replay")
 
@@ -45,13 +44,6 @@ class Replayer:
         self.cond = threading.Condition()
         self.sent: dict[str, int] = dict.fromkeys(streams, 0)
 
-    def _status(self, payload: bytes) -> dict | None:
-        try:
-            msg = decode(payload, self.cfg.mqtt.fleet, limits=STATUS_LIMITS)
-        except (CodecError, ValueError):
-            return None
-        return msg.body if isinstance(msg, Message) and msg.kind == "status" else None
-
     def _fresh_refusal(self, body: dict) -> bool:
         """Whether a status says refused since this replayer started (not a stale one)."""
         try:
@@ -61,14 +53,14 @@ class Replayer:
             return False
 
     def _on_aggregator_status(self, topic: str, payload: bytes) -> None:
-        body = self._status(payload)
+        body = status_body(payload, self.cfg.mqtt.fleet)
         if body is not None and self._fresh_refusal(body):
             with self.cond:
                 self.aggregator_refused = str(body.get("reason", ""))
                 self.cond.notify_all()
 
     def _on_status(self, topic: str, payload: bytes) -> None:
-        body = self._status(payload)
+        body = status_body(payload, self.cfg.mqtt.fleet)
         if body is None:
             return
         try:

@@ -38,12 +38,13 @@ from edgefcl.runtime.links import (
     message_limits,
     open_link,
     size_payload_limit,
+    status_body,
     topics,
     update_limits,
 )
 from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
-from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
+from edgefcl.transport.bounds import DEFAULT_LIMITS
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
 from edgefcl.transport.partials import decode_grant, encode_claim, encode_partial
 from edgefcl.transport.topics import UPDATE_KINDS
@@ -253,17 +254,12 @@ class WorkerDaemon:
         """The root's retained status: with `exit_when_done`, the worker stops once the root
         it saw online says its run finished (a root stopped for a restart says nothing of
         the kind)."""
-        try:
-            msg = decode(payload, self.cfg.mqtt.fleet, limits=STATUS_LIMITS)
-        except (CodecError, ValueError):
-            return
-        if not isinstance(msg, Message) or msg.kind != "status":
-            return
-        state = msg.body.get("state")
+        body = status_body(payload, self.cfg.mqtt.fleet) or {}
+        state = body.get("state")
         if state == "online":
             self.root_seen_online = True
         elif (self.exit_when_done and self.root_seen_online and state == "stopped"
-              and msg.body.get("finished") is True):
+              and body.get("finished") is True):
             log.info("worker %s: the root's run finished; stopping", self.id)
             self.stop_event.set()
 

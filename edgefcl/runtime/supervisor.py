@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from edgefcl.config import RunConfig
-from edgefcl.runtime.links import open_link, topics
+from edgefcl.runtime.links import open_link, status_body, topics
 from edgefcl.support.errors import UserError
-from edgefcl.transport.bounds import STATUS_LIMITS
-from edgefcl.transport.codec import CodecError, Message, decode
 
 
 class FleetError(UserError):
@@ -137,18 +135,15 @@ class FleetProgress:
         self.link.subscribe(self.topics.aggregator_status, self.on_status)
 
     def on_status(self, topic: str, payload: bytes) -> None:
-        try:
-            msg = decode(payload, self.fleet, limits=STATUS_LIMITS)
-        except CodecError:
-            return
-        if not isinstance(msg, Message) or msg.kind != "status":
+        body = status_body(payload, self.fleet)
+        if body is None:
             return
         if topic == self.topics.aggregator_status:
-            self.aggregator = msg.body
+            self.aggregator = body
             self.aggregator_statuses += 1
-        elif "consumed" in msg.body:
+        elif "consumed" in body:
             cid = self.topics.client_from(topic)
-            self.consumed[cid] = max(self.consumed.get(cid, 0), int(msg.body["consumed"]))
+            self.consumed[cid] = max(self.consumed.get(cid, 0), int(body["consumed"]))
 
     @property
     def batches(self) -> int:
