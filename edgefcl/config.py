@@ -8,6 +8,7 @@ TOML files group keys by section: `[data]`, `[learn]`, `[fed]` and top-level run
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,7 +53,13 @@ def resolve_current_share(share: str, memory: str | None) -> str:
 
 
 class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message says what to fix."""
+    """A configuration value that cannot be used; the message says what to fix. `field`
+    ("learn.memory_size", "run.seed"; "" when no one field is at fault) is the field the
+    message starts with, so that a command can name the flag or file entry that set it."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -458,7 +465,11 @@ def load_toml(path: str | Path, cfg: RunConfig | None = None) -> RunConfig:
     try:
         return apply(cfg or RunConfig(), values)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from e
+        section, _, name = e.field.partition(".")
+        msg = str(e)
+        if section in SECTIONS:  # "memory_size in [learn] must be >= 0"
+            msg = f"{name} in [{section}]{msg[len(name):]}"
+        raise ConfigError(f"{path}: {msg}", e.field) from e
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
@@ -572,30 +583,45 @@ def _check_entry(method: str, fed: FedConfig, learn: LearnConfig) -> None:
                           f"--encoding {bayes} or method vfcl/fedbnn")
 
 
-def require(checks: list[tuple[bool, str]]) -> None:
-    """Raise ConfigError with the message of the first check that fails."""
-    for ok, msg in checks:
+def require(checks: list[tuple[bool, str]], section: Any = None) -> None:
+    """Raise ConfigError with the message of the first check that fails, a float of
+    `section` (a config dataclass) that is not finite first; the error's field is the
+    section's field that the message starts with."""
+    name = "run" if isinstance(section, RunConfig) else next(
+        (k for k, cls in SECTIONS.items() if isinstance(section, cls)), "")
+    fields = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)} \
+        if section is not None else {}
+    finite = [(math.isfinite(v), f"{k} must be a finite number") for k, v in fields.items()
+              if isinstance(v, float)]
+    for ok, msg in finite + checks:
         if not ok:
-            raise ConfigError(msg)
+            first = msg.split(" ", 1)[0]
+            raise ConfigError(msg, f"{name}.{first}" if first in fields else "")
 
 
 def check_data(d: DataConfig) -> None:
     """The [data] values that cannot work."""
     require([
         (d.tasks >= 1, "tasks must be >= 1"),
+        (d.mnist1d_samples >= 10, "mnist1d_samples must be >= 10 (one a class)"),
         (d.batch_size >= 1, "batch_size must be >= 1"),
         (0 < d.imbalance <= 1, "imbalance must be in (0, 1]"),
         (0 <= d.val_fraction < 1, "val_fraction must be in [0, 1)"),
         (0 < d.test_fraction < 1, "test_fraction must be in (0, 1)"),
         (d.split in ("overlap", "non-overlap"),
          f"split must be overlap or non-overlap, got {d.split!r}"),
-    ])
+    ], d)
 
 
 def check_learn(le: LearnConfig) -> None:
     """The [learn] values that cannot work."""
     require([
         (le.memory_size >= 0, "memory_size must be >= 0"),
+        (le.hidden >= 1, "hidden must be >= 1"),
+        (le.lr > 0, "lr must be > 0"),
+        (le.noise_std >= 0, "noise_std must be >= 0"),
+        (le.fedprox_mu >= 0, "fedprox_mu must be >= 0"),
+        (le.threads >= 1, "threads must be >= 1"),
         (le.current_share in (*CURRENT_SHARES, "auto"),
          "current_share must be equal, stream or auto"),
         (le.rescore in ("on_change", "always", "never"),
@@ -629,7 +655,7 @@ def check_learn(le: LearnConfig) -> None:
         (le.apc_l1 >= 0 and le.apc_l2 >= 0 and le.apc_prune >= 0,
          "apc_l1, apc_l2 and apc_prune must be >= 0"),
         (0 < le.apc_send <= 1, "apc_send must be in (0, 1]"),
-    ])
+    ], le)
 
 
 def check_fed(f: FedConfig) -> None:
@@ -641,6 +667,8 @@ def check_fed(f: FedConfig) -> None:
         (f.jump >= 1, "jump must be >= 1"),
         (0 <= f.mix <= 1, "mix must be in [0, 1]"),
         (f.min_clients >= 1, "min_clients must be >= 1"),
+        (f.round_timeout > 0, "round_timeout must be > 0 seconds"),
+        (f.max_staleness >= 0, "max_staleness must be >= 0"),
         (0 <= f.quorum <= 1, "quorum must be in [0, 1] (a share of the active clients)"),
         (f.round_max_mib >= 0, "round_max_mib must be >= 0 (0: no bound)"),
         (f.mode in ("sync", "async"), f"mode must be sync or async, got {f.mode!r}"),
@@ -675,7 +703,7 @@ def check_fed(f: FedConfig) -> None:
         (f.task_gate >= 0, "task_gate must be >= 0 seconds (0: off)"),
         (f.gate_carry_mib >= 0, "gate_carry_mib must be >= 0 (0: off)"),
         (f.in_flight >= 0, "in_flight must be >= 0 (0: off)"),
-    ])
+    ], f)
 
 
 def check_mqtt(m: MqttConfig) -> None:
@@ -685,7 +713,9 @@ def check_mqtt(m: MqttConfig) -> None:
         (m.broker == "" or m.broker.startswith(("mqtt://", "mqtts://")),
          "broker must look like mqtt://HOST:PORT or mqtts://HOST:PORT"),
         (m.chunk_size >= 1024, "chunk_size must be >= 1024 bytes"),
-    ])
+        (m.max_payload >= 0, "max_payload must be >= 0 bytes (0: sized from the model)"),
+        (m.connect_timeout > 0, "connect_timeout must be > 0 seconds"),
+    ], m)
 
 
 def split_credentials(url: str) -> tuple[str, str, str]:
@@ -724,9 +754,10 @@ def validate(cfg: RunConfig) -> None:
     check_fed(cfg.fed)
     check_mqtt(cfg.mqtt)
     require([
+        (cfg.seed >= 0, "seed must be >= 0"),
         (cfg.seeds >= 1, "seeds must be >= 1"),
         (cfg.transport in ("inprocess", "mqtt"), "transport must be inprocess or mqtt"),
-    ])
+    ], cfg)
     for _, method, fed in run_entries(cfg):
         _check_entry(method, fed, cfg.learn)
 

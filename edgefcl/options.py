@@ -211,7 +211,14 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             values[key] = value
         else:
             values.setdefault(section, {})[key] = value
-    return apply(cfg, values)
+    try:
+        return apply(cfg, values)
+    except ConfigError as e:
+        section, _, name = e.field.partition(".")
+        if (values if section == "run" else values.get(section, {})).get(name) is None:
+            raise
+        flag = "--" + name.replace("_", "-")  # the flag given: "--memory-size must be >= 0"
+        raise ConfigError(flag + str(e)[len(name):], e.field) from None
 
 
 def check_runs(cfg: RunConfig) -> None:

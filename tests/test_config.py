@@ -4,6 +4,7 @@ turns them into one line on stderr with exit status 2 (no traceback)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -52,6 +53,28 @@ def test_bad_values_are_one_line_errors(values: dict, message: str) -> None:
         _checked(values)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"seed": -1}, "seed must be >= 0"),
+    ({"data": {"mnist1d_samples": 0}}, "mnist1d_samples must be >= 10"),
+    ({"learn": {"hidden": 0}}, "hidden must be >= 1"),
+    ({"learn": {"lr": 0.0}}, "lr must be > 0"),
+    ({"learn": {"lr": float("inf")}}, "lr must be a finite number"),
+    ({"learn": {"noise_std": -0.1}}, "noise_std must be >= 0"),
+    ({"learn": {"fedprox_mu": -1.0}}, "fedprox_mu must be >= 0"),
+    ({"learn": {"threads": 0}}, "threads must be >= 1"),
+    ({"fed": {"round_timeout": 0.0}}, "round_timeout must be > 0"),
+    ({"fed": {"max_staleness": -1}}, "max_staleness must be >= 0"),
+    ({"fed": {"mix": float("nan")}}, "mix must be a finite number"),
+    ({"mqtt": {"max_payload": -1}}, "max_payload must be >= 0"),
+    ({"mqtt": {"connect_timeout": 0.0}}, "connect_timeout must be > 0"),
+])
+def test_numbers_that_cannot_work_are_refused(values: dict, message: str) -> None:
+    """Each of these once reached the run: a traceback deep in torch or numpy, or a run that
+    trained nothing (lr 0) and said nothing."""
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        _checked(values)
 
 
 def test_a_bad_config_file_is_named_in_its_error(tmp_path) -> None:
@@ -135,3 +158,22 @@ def test_cli_unknown_encoding_or_aggregation_exits_2(args: tuple[str, ...], mess
     out = _cli("simulate", *args)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert message in out.stderr and out.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--memory-size", "-1"), "--memory-size must be >= 0"),
+    (("--threads", "0"), "--threads must be >= 1"),
+    (("--seed", "-5"), "--seed must be >= 0"),
+])
+def test_cli_errors_name_the_flag_given(args: tuple[str, ...], message: str) -> None:
+    out = _cli("simulate", *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"edgefcl: error: {message}"
+
+
+def test_cli_errors_name_the_config_file_field(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[learn]\nmemory_size = -1\n")
+    out = _cli("simulate", "--config", str(path))
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"edgefcl: error: {path}: memory_size in [learn] must be >= 0"

@@ -333,6 +333,12 @@ def test_classes_per_task_and_too_many_tasks():
         split_tasks(ds, DataConfig(split="mixed"), 2, seed=0)
     with pytest.raises(DataError, match="no training samples"):
         split_tasks(synthetic(per_class=2), DataConfig(tasks=5), 3, seed=0)
+    only_0 = synthetic(with_test=True)  # a test set of class 0 alone: 4 tasks untestable
+    keep = only_0.y_test == 0
+    only_0 = dataclasses.replace(only_0, x_test=only_0.x_test[keep], y_test=only_0.y_test[keep])
+    with pytest.raises(DataError, match=r"^task \d \(classes \[\d, \d\]\) got no test "
+                       "samples: too few samples to test it"):
+        split_tasks(only_0, DataConfig(tasks=5), 1, seed=0)
 
 
 def test_non_overlap_orders_differ_and_samples_disjoint():

@@ -73,6 +73,10 @@ def split_tasks(ds: Dataset, cfg: DataConfig, n_clients: int, seed: int) -> list
             if key not in test_cache:
                 m = np.isin(y_te, classes)
                 test_cache[key] = (x_te[m], y_te[m])
+                if not m.any():
+                    raise DataError(
+                        f"task {t} (classes {classes.tolist()}) got no test samples: too few "
+                        "samples to test it; use a larger dataset or fewer tasks")
             tasks.append(
                 TaskData(t, classes, x_tr[tr], y_tr[tr], x_tr[va], y_tr[va], *test_cache[key])
             )
