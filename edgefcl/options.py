@@ -115,6 +115,13 @@ COMMON: dict[str, frozenset[str]] = {name: frozenset(fields.split()) for name, f
 }.items()}
 """The config fields each command's `--help` shows (a bench's: those it reads); `--help-all`
 shows every one."""
+READS: dict[str, frozenset[str]] = {
+    "replay": frozenset({"seed", "method", "head", "clients"}
+                        | {f.name for section in ("data", "mqtt")
+                           for f in dataclasses.fields(SECTIONS[section])}),
+}
+"""The config fields a command reads, where it ignores the others: its `--help-all` lists
+these alone (every flag still parses, so one command line can serve every role)."""
 TRUST = frozenset(("roster", "roster_cap", "sample_cap", "client_timeout", "max_seq_gap",
                    "clip_factor", "clip_norm", "max_share", "trim", "sigma_floor",
                    "max_backpressure", "sender_rate", "sender_cpu"))
@@ -152,7 +159,7 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                         help="TOML config file; flags given on the command line override it")
     sections_ = [("run", RunConfig)] + list(SECTIONS.items())
     helps = helps or {}
-    common = COMMON.get(command)
+    common, reads = COMMON.get(command), READS.get(command)
     groups: dict[str, argparse._ArgumentGroup] = {}
     hidden = 0
     for section, cls in sections_:
@@ -164,8 +171,9 @@ def add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
             title = "trust" if section == "fed" and f.name in TRUST else GROUPS[section]
             group = groups.get(title) or groups.setdefault(
                 title, parser.add_argument_group(f"{title} options"))
-            shown = show_all or common is None or f.name in common
-            hidden += not shown
+            read = reads is None or f.name in reads
+            shown = read and (show_all or common is None or f.name in common)
+            hidden += read and not shown
             flag = "--" + f.name.replace("_", "-")
             text = helps.get(f.name) or (f.metadata.get("help", "") if show_all
                                          else SHORT_HELP.get(f.name, f.metadata.get("help")))

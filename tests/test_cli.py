@@ -239,3 +239,17 @@ def test_a_round_that_cannot_fit_its_memory_bound_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--min-clients 500 x 39 KiB = 19.1 MiB is over --round-max-mib 1" in err
     assert "Traceback" not in err
+
+
+def test_replays_help_all_lists_what_it_reads_and_it_accepts_every_flag(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        main(["replay", "--help-all"])
+    text = capsys.readouterr().out
+    for flag in ("--dataset", "--batch-size", "--tasks", "--seed", "--clients", "--method",
+                 "--head", "--broker", "--fleet"):
+        assert flag + " " in text, flag
+    for flag in ("--memory-size", "--aggregation", "--lr", "--burn-in"):
+        assert flag + " " not in text, flag
+    args = build_parser().parse_args(["replay", "--memory-size", "50", "--burn-in", "3"])
+    assert vars(args)["learn.memory_size"] == 50  # one command line serves every role

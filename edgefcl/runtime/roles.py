@@ -280,7 +280,9 @@ def add_role_commands(sub, show_all: bool = False) -> None:
 
     r = add_command(sub, "replay", "replay a dataset as live per-client streams",
                  "Publish each client's one-pass stream on stream/<id>, starting when the "
-                 "client is online.", cmd_replay,
+                 "client is online. It reads the data options, --seed, --clients, --method, "
+                 "--head and the transport options; it accepts the other config flags and "
+                 "ignores them, so that one command line can serve every role.", cmd_replay,
                  usage="%(prog)s [options]")
     r.add_argument("--rate", type=float, default=0.0,
                    help="mini-batches per second per client (0: as fast as clients consume)")
