@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from edgefcl.transport.bounds import Limits, scan
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, SCHEMA_VERSION, CodecError
 
 DEFAULT_CHUNK_SIZE = 1024 * 1024
@@ -29,6 +30,9 @@ MAX_CHUNKS = 1 << 16
 """Most chunks one transfer may declare (64 MiB in 1 KiB chunks)."""
 
 _KEYS = ("schema", "kind", "id", "index", "count", "size", "digest", "data")
+CHUNK_LIMITS = Limits(max_depth=1, max_objects=1 + 2 * len(_KEYS), max_tensors=0)
+"""A chunk message is one flat map of its eight fields: scanned against this before it is
+unpacked (the prefix test alone let a chunk of millions of objects reach msgpack)."""
 # Chunk maps are packed with a fixed key order, so every chunk starts with these bytes.
 _PREFIX = (
     bytes([0x80 | len(_KEYS)])
@@ -78,7 +82,10 @@ class _Transfer:
     last: float = 0.0
 
 
-def _parse(chunk: bytes) -> dict:
+def _parse(chunk: bytes, max_bytes: int) -> dict:
+    if len(chunk) > max_bytes + CHUNK_OVERHEAD:
+        raise CodecError("oversized", f"chunk message of {len(chunk)} bytes > limit")
+    scan(chunk, CHUNK_LIMITS)
     try:
         m = msgpack.unpackb(chunk, raw=False, strict_map_key=False)
     except Exception:
@@ -170,7 +177,7 @@ class Reassembler:
 
         `source` (e.g. the MQTT topic) namespaces message ids so senders cannot collide.
         """
-        m = _parse(chunk)
+        m = _parse(chunk, self.max_bytes)
         now = self.clock()
         self._expire(now)
         key = (source, m["id"])

@@ -334,7 +334,8 @@ class MqttLink:
             except CodecError as e:
                 with self._lock:
                     self.rejected += 1
-                log.warning("rejected chunked payload on %s: %s", msg.topic, e)
+                log.warning("rejected chunked payload on %s: %s", msg.topic, e,
+                            extra={"device": msg.topic})
                 if self.on_reject is not None:
                     try:
                         self.on_reject(msg.topic, e)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -238,3 +239,23 @@ def test_an_async_fleet_that_pulls_its_globals_learns(embedded_broker, tmp_path)
         pytest.xfail(f"the last task ended near 0 ({final.tolist()}): tiny async tasks "
                      "on a slow link, docs/async.md")
     assert final.mean() > 0.5  # 4 classes in all: chance is 0.25
+
+
+def test_a_chunk_bomb_on_a_status_topic_is_refused_by_its_structure(daemon):
+    """A message with the chunk prefix and an "id" of 4 million empty arrays went to
+    msgpack unscanned on the network thread, under the link's lock: the daemon stalled
+    while it unpacked 285 MiB of objects, then counted it malformed."""
+    from edgefcl.transport.chunks import _PREFIX
+
+    d, cfg, _ = daemon
+    n = 4_000_000
+    rest = {"index": 0, "count": 1, "size": 1, "digest": b"0" * 32, "data": b"x"}
+    bomb = (_PREFIX + msgpack.packb("id") + b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+            + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in rest.items()))
+    link = open_link(cfg.mqtt, "attacker", clean_start=True)
+    topic = topics(cfg.mqtt).status("dev")
+    link.publish(topic, bomb, retain=True, wait=True)  # retained: sent whole, not split
+    assert wait_for(lambda: d.agg.counters["rejected_limits"] == 1), dict(d.agg.counters)
+    assert d.agg.counters["rejected_malformed"] == 0 and d.link.rejected == 1
+    link.publish(topic, b"", retain=True, wait=True)
+    link.close()

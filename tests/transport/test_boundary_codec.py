@@ -152,3 +152,43 @@ def test_pending_bytes_are_bounded_and_the_biggest_holder_pays() -> None:
     assert r.pending_bytes <= 12_000
     got = [r.add(p, source="honest") for p in honest[1:]]
     assert got[-1] == bytes(range(256)) * 20
+
+
+def _chunk_with_id(id_bytes: bytes) -> bytes:
+    """A chunk message whose "id" is any msgpack object (the rest well formed)."""
+    from edgefcl.transport.chunks import _PREFIX
+    rest = {"index": 0, "count": 1, "size": 1, "digest": b"0" * 32, "data": b"x"}
+    return (_PREFIX + msgpack.packb("id") + id_bytes
+            + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in rest.items()))
+
+
+def test_a_chunk_of_millions_of_objects_is_refused_before_it_is_unpacked() -> None:
+    """A chunk message went to msgpack.unpackb unscanned, on the network thread, holding the
+    link's lock: an "id" of 4 million empty arrays took 2.8 s and 285 MiB there."""
+    from edgefcl.transport.chunks import Reassembler
+
+    n = 4_000_000
+    bomb = _chunk_with_id(b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n)
+    r = Reassembler(max_bytes=8 << 20)
+    tracemalloc.start()
+    with pytest.raises(CodecError) as err:
+        r.add(bomb, source="edgefcl/t/update/evil")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert err.value.reason == "limits" and peak < 16 << 20, peak
+    nested = _chunk_with_id(b"\x91" * 3 + b"\xa1a")  # "id": [[["a"]]]: not a chunk's shape
+    with pytest.raises(CodecError, match="limits|malformed"):
+        r.add(nested, source="edgefcl/t/update/evil")
+
+
+def test_a_chunk_larger_than_the_whole_payload_limit_is_refused_by_its_size() -> None:
+    from edgefcl.transport.chunks import CHUNK_OVERHEAD, Reassembler, split
+
+    r = Reassembler(max_bytes=4_000)
+    ok = split(bytes(5_000), 4_000 + CHUNK_OVERHEAD, "ok")  # one chunk of the limit's size
+    with pytest.raises(CodecError, match="oversized"):  # 5,000 > 4,000 by the declared size
+        r.add(ok[0], source="a")
+    big = msgpack.packb({"schema": 1, "kind": "chunk", "id": "big", "index": 0, "count": 2,
+                         "size": 2_000, "digest": b"0" * 32, "data": bytes(1 << 20)})
+    with pytest.raises(CodecError, match="oversized"):  # the message itself is too big
+        r.add(big, source="a")

@@ -20,6 +20,7 @@ from conftest import FLEET, MOSQ_USERS
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.transport import codec
 from edgefcl.transport.broker import free_port, start_mosquitto, wait_port
+from edgefcl.transport.chunks import split
 from edgefcl.transport.mqtt import BrokerUnavailable, MqttLink, TransportError, parse_url
 from edgefcl.transport.topics import Topics
 
@@ -420,3 +421,32 @@ def test_wait_connected_without_subscriptions_is_the_connection():
     assert not link.wait_connected(0.01)
     link._on_connect(SimpleNamespace(subscribe=None), None, None, ok, None)
     assert link.is_connected and link.wait_connected(0.01)
+
+
+def test_one_devices_bad_chunks_do_not_hide_anothers_warning():
+    """The warning for a rejected chunk names its topic as the device, so the log's repeat
+    limit counts each sender apart (by its template alone, 20 of one device's hid all)."""
+    import logging
+
+    from edgefcl.support.logs import Repeats
+
+    link = MqttLink("mqtt://127.0.0.1:1", "t")
+    shown: list[logging.LogRecord] = []
+    repeats = Repeats()
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if repeats.filter(record):
+                shown.append(record)
+
+    bad = split(bytes(3000), 1024, "x")[0][:-1]  # a truncated chunk
+    logger = logging.getLogger("edgefcl.transport.mqtt")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        for topic in ["edgefcl/t/update/evil"] * 25 + ["edgefcl/t/update/honest"]:
+            link._on_message(None, None, SimpleNamespace(topic=topic, payload=bad))
+    finally:
+        logger.removeHandler(handler)
+    assert link.rejected == 26
+    assert [r.device for r in shown].count("edgefcl/t/update/honest") == 1
