@@ -623,14 +623,16 @@ class Aggregator:
 
     def mark(self) -> tuple:
         """What `restore` goes back to: the global, the round count, the label owners, the
-        model sparse globals fold into and the robust rules' memory."""
+        model sparse globals fold into, the robust rules' memory and what the strategy
+        keeps between rounds."""
         return (self.global_, self.rounds, self.label_owners, self._server,
-                copy_memory(self.rule_memory))
+                copy_memory(self.rule_memory), self.strategy.kept())
 
     def restore(self, mark: tuple) -> None:
         """Go back to `mark`: the rounds since made globals that were never saved nor
         announced (the daemon failed to), so they never happened."""
-        previous, self.rounds, self.label_owners, self._server, self.rule_memory = mark
+        previous, self.rounds, self.label_owners, self._server, self.rule_memory, kept = mark
+        self.strategy.load_kept(kept)
         self.history.drop_after(previous.version)
         self.global_ = previous
 
@@ -666,12 +668,14 @@ class Aggregator:
             self.counters[f"round_size_{len(participants)}"] += 1
         for u in updates:
             self.strategy.add(u)
+        kept = self.strategy.kept()
         tensors, server = self.published(self.strategy.result(self.server_global()))
         self.counters.update(self.strategy.counters())
         library, owners = self._next_prototypes(updates)
         candidate = GlobalModel(self.global_.version + 1, tensors, participants, library,
                                 counted=dict(sorted((seqs | carried).items())))
         if self._rejects_global(candidate):
+            self.strategy.load_kept(kept)  # the round never happened
             self._round = _Round()
             return RoundClosed(tick, None)
         self.global_, self.label_owners, self._server = candidate, owners, server
@@ -721,7 +725,8 @@ class Aggregator:
                 "rounds": self.rounds, "last_seq": dict(self.last_seq),
                 "admission": self.admission.state(), "counters": dict(self.counters),
                 "label_owners": dict(self.label_owners), "tasks_finished": self.gate.state(),
-                "rule_memory": {k: list(v) for k, v in self.rule_memory.items()}}
+                "rule_memory": {k: list(v) for k, v in self.rule_memory.items()},
+                "strategy": self.strategy.kept()}
 
     def load_state(self, state: dict) -> None:
         """Resume from `state()` output, with the global's prototype library under
@@ -738,4 +743,6 @@ class Aggregator:
         self.label_owners = {str(k): str(v) for k, v in state.get("label_owners", {}).items()}
         self.rule_memory = load_memory(state.get("rule_memory", {}))
         self.gate.load_state(state.get("tasks_finished", {}))
+        kept = state.get("strategy", {})
+        self.strategy.load_kept(kept if isinstance(kept, dict) else {})
         self._passed = None

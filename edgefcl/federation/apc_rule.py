@@ -19,9 +19,10 @@ from typing import Protocol
 
 import numpy as np
 
-from edgefcl.config import ConfigError
+from edgefcl.config import ConfigError, FedConfig
 from edgefcl.federation.encodings import Encoding
 from edgefcl.federation.messages import Tensors, Update
+from edgefcl.federation.share_cap import default_cap
 from edgefcl.federation.sparse import KB, EntrySums, decode_payload, entries, payload_reason
 from edgefcl.federation.strategy import Spec, Strategy, sample_weight
 
@@ -31,13 +32,31 @@ KB_NEXT = "apc::kb_next"
 class APCFedAvg(Strategy):
     """APC aggregation: B entry-wise over senders (weighted by samples), dense tensors over all
     senders, both mixed with the previous global; knowledge-base contributions go into the
-    ring in the order they are added (client order in lock-step)."""
+    ring in the order they are added (client order in lock-step).
+
+    A contribution is a device's claim, so three rules bound what one device can do to the
+    ring (with `clip_factor` 0 and `max_share` 1 it is the plain ring):
+    - one contribution per device and task: one for a task it already contributed to, or an
+      earlier one, is left out (`kb_repeated`);
+    - each of its tensors is clipped to `clip_factor` x the norm of the global's base tensor
+      it adapts (`kb_clipped`): honest task-adaptive parameters are sparse and small beside
+      the base, an attacker's were written at the value bound, 1e6;
+    - a device holds at most its share of the ring's slots (`max_share`; 0: twice an equal
+      share of `clients`, at most half): once it holds that many, its contribution replaces
+      the one of its own slots the ring would overwrite first (`kb_own_slot`)."""
 
     forms = frozenset({"dense", "idx", "rows"})
 
+    def __init__(self, fed: FedConfig, spec: Spec) -> None:
+        self.owners: list[str] = [""] * fed.apc_kb_size
+        """The device whose contribution each ring slot holds ("": none)."""
+        self.kb_task: dict[str, int] = {}
+        """The task of each device's newest contribution."""
+        super().__init__(fed, spec)
+
     def reset(self) -> None:
         self.acc = EntrySums()
-        self.contributions: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
+        self.contributions: list[tuple[str, int, dict[str, tuple[np.ndarray, np.ndarray]]]] = []
 
     def add(self, update: Update) -> None:
         payload = decode_payload(update.tensors, self.spec, self.forms, kb=True)
@@ -47,7 +66,7 @@ class APCFedAvg(Strategy):
         for name, t in payload.dense.items():
             self.acc.add(name, t.size, None, t, w)
         if payload.kb and self.fed.apc_kb_size > 0:
-            self.contributions.append(payload.kb)
+            self.contributions.append((update.client, int(update.task), payload.kb))
 
     def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray],
                                                    dict[str, np.ndarray]]:
@@ -60,21 +79,74 @@ class APCFedAvg(Strategy):
             out.update(self._knowledge_base(previous))
         return out
 
+    def kept(self) -> dict:
+        return {"kb_owners": list(self.owners), "kb_task": dict(self.kb_task)}
+
+    def load_kept(self, kept: dict) -> None:
+        owners = kept.get("kb_owners")
+        K = self.fed.apc_kb_size
+        ok = isinstance(owners, list) and len(owners) == K and all(
+            isinstance(o, str) for o in owners)
+        self.owners = list(owners) if ok else [""] * K
+        tasks = kept.get("kb_task")
+        self.kb_task = {str(c): t for c, t in tasks.items()
+                        if isinstance(t, int) and not isinstance(t, bool)} \
+            if isinstance(tasks, dict) else {}
+
+    def _slot_quota(self) -> int:
+        """The most ring slots one device may hold."""
+        K, share = self.fed.apc_kb_size, self.fed.max_share
+        if share >= 1:
+            return K
+        return max(1, int(K * (share if share > 0 else default_cap(self.fed.clients))))
+
+    def _clipped(self, contrib: dict[str, tuple[np.ndarray, np.ndarray]], previous: Tensors
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """`contrib` with each tensor's norm at most clip_factor x its base tensor's."""
+        if self.fed.clip_factor <= 0:
+            return contrib
+        out = {}
+        for n, (pos, vals) in contrib.items():
+            norm = float(np.linalg.norm(vals.astype(np.float64)))
+            bound = self.fed.clip_factor * float(
+                np.linalg.norm(np.asarray(previous[n], np.float64)))
+            if norm > bound:
+                self.counts["kb_clipped"] += 1
+                vals = (vals * (bound / norm)).astype(np.float32)
+            out[n] = (pos, vals)
+        return out
+
+    def _slot(self, client: str, nxt: int) -> tuple[int, int]:
+        """The ring slot `client`'s contribution goes to, and the next contribution number:
+        the next slot, or, once it holds its quota, the one of its own that the ring would
+        overwrite first."""
+        K = self.fed.apc_kb_size
+        mine = [(i - nxt) % K for i, o in enumerate(self.owners) if o == client]
+        if len(mine) >= self._slot_quota():
+            self.counts["kb_own_slot"] += 1
+            return (nxt + min(mine)) % K, nxt
+        return nxt % K, nxt + 1
+
     def _knowledge_base(self, previous: Tensors) -> Tensors:
         K = self.fed.apc_kb_size
-        names = sorted({n for c in self.contributions for n in c}
+        names = sorted({n for _, _, c in self.contributions for n in c}
                        | {k[: -len(KB)] for k in previous if k.endswith(KB)})
         kb = {n: (np.array(previous[n + KB], np.float32) if n + KB in previous
                   else np.zeros((K, *self.spec[n]), np.float32)) for n in names}
         nxt = int(previous.get(KB_NEXT, 0))
-        for contrib in self.contributions:
-            slot = nxt % K
+        for client, task, contrib in self.contributions:
+            if task <= self.kb_task.get(client, -1):
+                self.counts["kb_repeated"] += 1
+                continue
+            self.kb_task[client] = task
+            contrib = self._clipped(contrib, previous)
+            slot, nxt = self._slot(client, nxt)
+            self.owners[slot] = client
             for n in names:
                 kb[n][slot] = 0.0
                 if n in contrib:
                     pos, vals = contrib[n]
                     kb[n][slot].reshape(-1)[pos] = vals
-            nxt += 1
         out: Tensors = {n + KB: kb[n] for n in names}
         out[KB_NEXT] = np.array(nxt, np.int64)
         return out

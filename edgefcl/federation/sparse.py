@@ -254,6 +254,42 @@ def scaled_change(tensors: Tensors, scale: float, reference: Tensors) -> Tensors
     return out
 
 
+def _entry_changes(tensors: Tensors, reference: Tensors
+                   ) -> Iterator[tuple[str, np.ndarray | None, np.ndarray, np.ndarray]]:
+    """(wire key, flat positions or None for a whole tensor, float64 change, reference values
+    there) of every part of a checked payload of absolute entries (apc: rows of a tensor and
+    whole tensors) that changes a tensor of `reference`; knowledge-base pairs change none."""
+    for name, parts in group_wire(tensors).items():
+        ref = reference.get(name)
+        if name.endswith(KB) or ref is None:
+            continue
+        flat = np.asarray(ref, np.float64).ravel()
+        if set(parts) == {"dense"}:
+            yield name, None, parts["dense"].astype(np.float64).ravel() - flat, flat
+        elif "rows" in parts and "val" in parts:
+            rows = decode_indices(parts["rows"], ref.shape[0])
+            row_len = math.prod(ref.shape[1:])
+            pos = (rows[:, None] * row_len + np.arange(row_len)[None, :]).ravel()
+            yield name + VAL, pos, parts["val"].astype(np.float64) - flat[pos], flat[pos]
+
+
+def entries_change_norm(tensors: Tensors, reference: Tensors) -> float:
+    """L2 norm of the change a checked payload of absolute entries makes to `reference`
+    (`_entry_changes`): what norm clipping bounds for apc (`robust/clipping.py`)."""
+    return math.sqrt(sum(float(np.dot(d, d)) for _, _, d, _ in _entry_changes(tensors,
+                                                                               reference)))
+
+
+def scaled_entries_change(tensors: Tensors, scale: float, reference: Tensors) -> Tensors:
+    """A checked payload of absolute entries with its change on `reference` scaled by
+    `scale` <= 1, in the wire dtypes (indices and knowledge-base pairs as they are)."""
+    out = dict(tensors)
+    for key, _, d, ref in _entry_changes(tensors, reference):
+        t = tensors[key]
+        out[key] = (ref + scale * d).astype(t.dtype).reshape(t.shape)
+    return out
+
+
 def _values(v: np.ndarray, count: int, suffix: str = "val") -> np.ndarray:
     if suffix == "bf16":
         if v.dtype != np.uint16:

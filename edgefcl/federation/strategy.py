@@ -205,6 +205,16 @@ class Strategy:
         """What this round counted (added to the aggregator's counters when it closes)."""
         return self.counts
 
+    def kept(self) -> dict:
+        """What the rule keeps from one round to the next (JSON-able; a new dict each call):
+        saved with the aggregator's state, and what a dropped round goes back to. None by
+        default."""
+        return {}
+
+    def load_kept(self, kept: dict) -> None:
+        """Take back what `kept()` returned (from a saved state: untrusted shapes are left
+        out)."""
+
     def partial(self) -> dict:
         """The round's weighted sums and weights (msgpack-able), for a coordinator to merge."""
         raise NotImplementedError(f"{type(self).__name__} is not sum-decomposable")

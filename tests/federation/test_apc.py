@@ -138,13 +138,13 @@ def test_decode_global_takes_shared_tensors_and_keeps_local_ones_as_sent():
         np.testing.assert_array_equal(merged[k], want)  # + (now - sent) in a delta merge
 
 
-def apc_update(client, rows, vals, kb=None, n=10, seq=1, batch=4):
+def apc_update(client, rows, vals, kb=None, n=10, seq=1, batch=4, task=0, base=0):
     t = {"w" + ROWS: encode_indices(np.array(rows)), "w" + VAL: np.array(vals, np.float32),
          "b": np.full(2, float(n), np.float32)}
     if kb is not None:
         t["w" + KB + IDX] = encode_indices(np.array(kb[0]))
         t["w" + KB + VAL] = np.array(kb[1], np.float32)
-    return Update(client, 0, seq, 0, batch, n, t, "apc")
+    return Update(client, base, seq, task, batch, n, t, "apc")
 
 
 def make_agg(kb_size=2, **kw):
@@ -153,7 +153,8 @@ def make_agg(kb_size=2, **kw):
 
 
 def test_server_averages_rows_over_senders_and_fills_the_knowledge_base():
-    agg = make_agg(max_share=1.0)  # sample-weighted (the default cap weighs two alike)
+    # sample-weighted (the default cap weighs two alike), the plain ring (no clipping: B is 0)
+    agg = make_agg(max_share=1.0, clip_factor=0.0)
     agg.submit(apc_update("a", [0], [2.0, 2.0], kb=([1], [5.0]), n=10))
     closed = agg.submit(apc_update("b", [0, 1], [6.0, 6.0, 8.0, 8.0], n=30))
     g = closed.global_.tensors
@@ -163,8 +164,8 @@ def test_server_averages_rows_over_senders_and_fills_the_knowledge_base():
     np.testing.assert_array_equal(g["w" + KB], [[[0, 5.0], [0, 0]], [[0, 0], [0, 0]]])
     assert int(g[KB_NEXT]) == 1
     # two more contributions: slot 1, then slot 0 again (ring of 2)
-    agg.submit(apc_update("a", [1], [0, 0], kb=([0], [1.0]), seq=2, batch=6))
-    closed = agg.submit(apc_update("b", [1], [0, 0], kb=([3], [2.0]), seq=2, batch=6))
+    agg.submit(apc_update("a", [1], [0, 0], kb=([0], [1.0]), seq=2, batch=6, task=1))
+    closed = agg.submit(apc_update("b", [1], [0, 0], kb=([3], [2.0]), seq=2, batch=6, task=1))
     g = closed.global_.tensors
     np.testing.assert_array_equal(g["w" + KB], [[[0, 0], [0, 2.0]], [[1.0, 0], [0, 0]]])
     assert int(g[KB_NEXT]) == 3
@@ -181,6 +182,85 @@ def test_aggregator_rejects_bad_apc_rows(rows, vals, reason):
          "b": np.zeros(2, np.float32)}
     agg.submit(Update("a", 0, 1, 0, 4, 10, t, "apc"))
     assert agg.counters[f"rejected_{reason}"] == 1
+
+
+def test_one_device_cannot_own_the_knowledge_base_nor_write_it_at_the_bound():
+    """An attacker sent a contribution at +-1e6 with every update (honest devices send one
+    per finished task), and after a few rounds every slot of the ring was its own."""
+    fed = FedConfig(clients=3, burn_in=2, jump=2, encoding="apc", apc_kb_size=5,
+                    min_clients=3)
+    w = np.ones((2, 2), np.float32)  # the base B: norm 2
+    agg = Aggregator({"w": w, "b": np.zeros(2, np.float32)}, fed)
+    honest = {"h": 0.1, "i": 0.2}
+    for seq in range(1, 9):  # the attacker claims a new task every round
+        for c, v in honest.items():
+            kb = ([0, 3], [v, v]) if seq in (1, 5) else None  # tasks 0 and 1 end
+            agg.submit(apc_update(c, [0], [1, 1], kb=kb, seq=seq, batch=2 + 2 * seq,
+                                  task=(seq >= 5), base=agg.global_.version))
+        closed = agg.submit(apc_update("e", [0], [1, 1], kb=([0, 1, 2, 3], [1e6] * 4),
+                                       seq=seq, batch=2 + 2 * seq, task=seq,
+                                       base=agg.global_.version))
+        assert closed is not None and closed.global_ is not None
+    kb = closed.global_.tensors["w" + KB]
+    norms = np.linalg.norm(kb.reshape(5, -1), axis=1)
+    owners = agg.strategy.owners
+    assert owners.count("e") == 2  # its share: twice an equal one of 3 clients, at most half
+    assert owners.count("h") + owners.count("i") == 3
+    assert norms.max() <= 3 * 2.0 + 1e-5  # clip_factor x the base's norm
+    assert agg.counters["kb_clipped"] == 8 and agg.counters["kb_own_slot"] == 5
+    # a second contribution to a task a device already contributed to is left out
+    agg.submit(apc_update("h", [0], [1, 1], kb=([1], [9.0]), seq=9, batch=20, task=1,
+                          base=agg.global_.version))
+    agg.submit(apc_update("i", [0], [1, 1], seq=9, batch=20, task=1,
+                          base=agg.global_.version))
+    closed = agg.submit(apc_update("e", [0], [1, 1], seq=9, batch=20, task=9,
+                                   base=agg.global_.version))
+    assert agg.counters["kb_repeated"] == 1
+    np.testing.assert_array_equal(closed.global_.tensors["w" + KB], kb)
+    # what the ring's owners are survives a restart
+    again = Aggregator({"w": w, "b": np.zeros(2, np.float32)}, fed)
+    again.load_state(agg.state())
+    assert again.strategy.owners == owners and again.strategy.kb_task == agg.strategy.kb_task
+
+
+def test_a_row_only_one_device_sends_moves_no_further_than_an_honest_change():
+    """apc's rows are absolute values averaged over their senders: a row only the attacker
+    sent (at 1e6, one sample) was set by it alone, 5e5 after one round and 8.75e5 after
+    three. Its change on the global is clipped like a sparse update's."""
+    fed = FedConfig(clients=5, burn_in=2, jump=2, encoding="apc", min_clients=5)
+    w = np.full((4, 4), 0.1, np.float32)
+    agg = Aggregator({"w": w, "b": np.zeros(4, np.float32)}, fed)
+
+    def update(c, seq, rows, value, n=10):
+        return Update(c, agg.global_.version, seq, 0, 2 + 2 * seq, n,
+                      {"w" + ROWS: encode_indices(np.array(rows)),
+                       "w" + VAL: np.full(len(rows) * 4, value, np.float32),
+                       "b": np.zeros(4, np.float32)}, "apc")
+
+    for seq in (1, 2, 3):
+        for i, c in enumerate("hijk"):  # honest devices move rows 0 and 1 a little
+            agg.submit(update(c, seq, [0, 1], 0.1 + 0.01 * (i + seq)))
+        g = agg.submit(update("e", seq, [3], 1e6, n=1)).global_.tensors["w"]
+    assert agg.counters["clipped"] == 3
+    assert abs(g[3, 0] - 0.1) < 1.0  # moved at most about 3 x an honest change a round
+    assert 0.1 < g[0, 0] < 0.2
+
+
+def test_apc_change_norm_and_its_clip_by_hand():
+    from edgefcl.federation.sparse import entries_change_norm, scaled_entries_change
+
+    ref = {"w": np.full((2, 2), 1.0, np.float32), "b": np.zeros(2, np.float32),
+           "w" + KB: np.zeros((3, 2, 2), np.float32)}
+    t = {"w" + ROWS: encode_indices(np.array([1])), "w" + VAL: np.array([4, 5], np.float16),
+         "b": np.array([0, 4], np.float32),
+         "w" + KB + IDX: encode_indices(np.array([0])), "w" + KB + VAL: np.ones(1, np.float32)}
+    # changes: row 1 (4-1, 5-1) = (3, 4), b (0, 4): sqrt(9 + 16 + 16); the kb is no change
+    assert entries_change_norm(t, ref) == pytest.approx(np.sqrt(41))
+    half = scaled_entries_change(t, 0.5, ref)
+    np.testing.assert_array_equal(half["w" + VAL], [2.5, 3.0])
+    assert half["w" + VAL].dtype == np.float16
+    np.testing.assert_array_equal(half["b"], [0, 2])
+    assert half["w" + KB + VAL] is t["w" + KB + VAL] and half["w" + ROWS] is t["w" + ROWS]
 
 
 def test_server_strategy_without_knowledge_base():

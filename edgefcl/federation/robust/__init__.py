@@ -5,7 +5,7 @@ a round's accepted updates before the strategy averages them, in order.
 | rule                       | module          | dense | sparse/apc | gaussian | default          |
 |----------------------------|-----------------|-------|------------|----------|------------------|
 | BatchNorm variances > 0    | variance.py     | yes   | dense parts| plain    | always (reject)  |
-| norm clipping of changes   | clipping.py     | yes   | sparse     | means    | 3 x median norm  |
+| norm clipping of changes   | clipping.py     | yes   | yes        | means    | 3 x median norm  |
 | weight share cap           | share.py        | yes   | yes        | plain+mm | 2/n, <= 1/2      |
 | sigma ceiling and floor    | sigma_floor.py  | no    | no         | yes      | 3x, 0.5x median  |
 | coordinate-wise median     | median.py       | yes   | no         | no       | --aggregation    |
@@ -14,8 +14,9 @@ a round's accepted updates before the strategy averages them, in order.
 
 The coordinate-wise rules need whole tensors, which sparse and apc updates are not (they
 carry a subset of entries). A sparse update's entries are changes on its base, so its change
-is clipped like a dense update's (`clipping.py`); apc's entries are absolute values, so only
-the share cap protects those. Gaussian updates get their means' change clipped, the sigma
+is clipped like a dense update's (`clipping.py`); apc's entries are absolute values, whose
+change is their difference to the global, clipped the same way (the apc knowledge base has
+its own bounds: `apc_rule.APCFedAvg`). Gaussian updates get their means' change clipped, the sigma
 ceiling (moment matching), the sigma floor (precision rules) and the share cap
 (sample-weighted parts: plain tensors and moment matching). Conflation counts every client
 once, so the share cap does not apply to its Gaussians; the sigma floor does.

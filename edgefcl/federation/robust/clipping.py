@@ -4,7 +4,9 @@ delta to the current global (over all float tensors), a Gaussian update's that o
 plain tensors (its sigmas are bounded by `sigma_floor.py`); a sparse update's is what it
 carries, its entries' values (changes on its base) and its whole tensors' difference to the
 current global (`sparse.change_norm`: the entry an update alone sends is averaged over that one
-sender, so without this it set the entry by itself, up to the values' bound). tau is
+sender, so without this it set the entry by itself, up to the values' bound); an apc update's
+(absolute rows and whole tensors) is their difference to the current global
+(`sparse.entries_change_norm`), for the same reason. tau is
 `fed.clip_norm` when set, else `fed.clip_factor` times the median change norm of the round's
 updates that moved (adaptive; with two of them the smaller norm, so that an inflated update
 cannot raise its own bound, where their mean would: an honest pair is clipped only when one norm
@@ -25,7 +27,12 @@ import numpy as np
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.robust.sigma_floor import SIGMA
-from edgefcl.federation.sparse import change_norm, scaled_change
+from edgefcl.federation.sparse import (
+    change_norm,
+    entries_change_norm,
+    scaled_change,
+    scaled_entries_change,
+)
 from edgefcl.federation.strategy import Strategy
 
 
@@ -85,11 +92,18 @@ def clip_sparse(update: Update, global_: Tensors, tau: float, norm: float) -> Up
     return replace(update, tensors=scaled_change(update.tensors, tau / norm, global_))
 
 
+def clip_entries(update: Update, global_: Tensors, tau: float, norm: float) -> Update:
+    """An update of absolute entries (apc) with its change on `global_` scaled by tau / norm
+    (`sparse.scaled_entries_change`)."""
+    return replace(update, tensors=scaled_entries_change(update.tensors, tau / norm, global_))
+
+
 FORMS: dict[str, tuple[Callable[[Tensors, Tensors], float],
                        Callable[[Update, Tensors, float, float], Update]]] = {
     "dense": (delta_norm, clip),
     "sparse": (change_norm, clip_sparse),
     "gaussian": (means_norm, clip),
+    "entries": (entries_change_norm, clip_entries),
 }
 """Decoded form -> (the norm of an update's change, the clip that scales it to tau)."""
 
@@ -97,7 +111,7 @@ FORMS: dict[str, tuple[Callable[[Tensors, Tensors], float],
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
           counters: Counter, form: str = "dense", memory: dict | None = None,
           strategy: Strategy | None = None) -> list[Update]:
-    """Clip dense, sparse and Gaussian updates (other forms pass through); `memory` keeps the
+    """Clip dense, sparse, apc and Gaussian updates (other forms pass through); `memory` keeps the
     recent norms (`reference_norm`)."""
     if form not in FORMS or (fed.clip_norm <= 0 and fed.clip_factor <= 0) or not updates:
         return updates
