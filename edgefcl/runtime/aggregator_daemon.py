@@ -447,13 +447,17 @@ class AggregatorDaemon:
 
     def _keeps_open(self, topic: str) -> bool:
         """Whether a message on `topic` counts as input that keeps an ending run open: the
-        operator's, or a roster client's (ids off the roster cannot delay the end)."""
+        operator's, or a roster client's (ids off the roster cannot delay the end), except
+        the statuses of a client that is done (re-sent, they kept the run open for ever)."""
         if topic == self.topics.control:
             return True
         try:
-            return self.topics.client_from(topic) in self.agg.admission.roster
+            client = self.topics.client_from(topic)
         except ValueError:
             return False
+        if client in self.done and topic == self.topics.status(client):
+            return False
+        return client in self.agg.admission.roster
 
     def _run_over(self, now: float, last_input: float) -> bool:
         """With `exit_when_done`: every roster client reported its stream done (the whole

@@ -85,7 +85,11 @@ class FleetResults:
                 "last_round_time": self.last_round_time}
 
     def on_device_done(self, client: str, body: dict[str, Any]) -> None:
-        """A device said its stream is done; keep what it measured (checked, untrusted)."""
+        """A device said its stream is done; keep what it measured (checked, untrusted). Its
+        first report of this process counts: one that re-sent `done` with a new matrix
+        each time made the daemon rewrite results.json, the model and its state per status."""
+        if client in self.reports:
+            return
         T = self.cfg.data.tasks
         m = _matrix(body.get("accuracy_matrix"), T)
         down = body.get("bytes_down")

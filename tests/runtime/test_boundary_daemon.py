@@ -607,6 +607,37 @@ def test_messages_off_the_roster_do_not_keep_an_ending_run_open(tmp_path) -> Non
     d.store.close()
 
 
+def test_done_statuses_resent_rewrite_nothing_and_do_not_keep_the_run_open(tmp_path) -> None:
+    # the attack: once every client was done, one roster device re-sent `done` with a new
+    # valid accuracy matrix each time: the main loop rewrote results.json, model.npz and the
+    # state once per status (100 in 2 s), and with --exit-when-done the run never ended
+    import json
+
+    from edgefcl.runtime.fleet_results import FleetResults
+
+    d = make_daemon(tmp_path, roster="a,b,c")
+    d.exit_when_done = True
+    d.results = FleetResults(d.cfg, d.state_dir, {}, started=0.0)
+    matrix = (np.eye(5) * 0.5).tolist()
+    for c in "abc":
+        d._on_status(c, {"state": "online"}, 0.0)
+        d._on_status(c, {"state": "done", "accuracy_matrix": matrix}, 1.0)
+    assert d.results.check_done(d.done, d.agg.active, d)
+    first = (d.state_dir / "results.json").read_text()
+    rng = np.random.default_rng(0)
+    rewrites = 0
+    for i in range(100):
+        claim = rng.uniform(0, 1, (5, 5)).tolist()
+        d._on_status("c", {"state": "done", "accuracy_matrix": claim}, 2.0 + i / 50)
+        rewrites += d.results.check_done(d.done, d.agg.active, d)
+    assert rewrites == 0 and (d.state_dir / "results.json").read_text() == first
+    assert json.loads(first)["accuracy_matrix"][2] == (np.eye(5) * 50).tolist()  # c's first
+    tp = topics(d.cfg.mqtt)
+    assert not d._keeps_open(tp.status("c"))  # a done device's statuses: not input
+    assert d._keeps_open(tp.update("c")) and d._keeps_open(tp.status("ghost")) is False
+    d.store.close()
+
+
 def test_a_resumed_run_keeps_what_its_devices_measured(tmp_path) -> None:
     # the operator's trap: `aggregator --resume` on a finished run rewrote results.json
     # without the accuracy, forgetting and matrix (the devices' reports came before it)
