@@ -667,7 +667,7 @@ def check_fed(f: FedConfig) -> None:
         (f.jump >= 1, "jump must be >= 1"),
         (0 <= f.mix <= 1, "mix must be in [0, 1]"),
         (f.min_clients >= 1, "min_clients must be >= 1"),
-        (f.round_timeout > 0, "round_timeout must be > 0 seconds"),
+        (f.round_timeout >= 0, "round_timeout must be >= 0 seconds"),
         (f.max_staleness >= 0, "max_staleness must be >= 0"),
         (0 <= f.quorum <= 1, "quorum must be in [0, 1] (a share of the active clients)"),
         (f.round_max_mib >= 0, "round_max_mib must be >= 0 (0: no bound)"),

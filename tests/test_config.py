@@ -64,7 +64,7 @@ def test_bad_values_are_one_line_errors(values: dict, message: str) -> None:
     ({"learn": {"noise_std": -0.1}}, "noise_std must be >= 0"),
     ({"learn": {"fedprox_mu": -1.0}}, "fedprox_mu must be >= 0"),
     ({"learn": {"threads": 0}}, "threads must be >= 1"),
-    ({"fed": {"round_timeout": 0.0}}, "round_timeout must be > 0"),
+    ({"fed": {"round_timeout": -1.0}}, "round_timeout must be >= 0"),
     ({"fed": {"max_staleness": -1}}, "max_staleness must be >= 0"),
     ({"fed": {"mix": float("nan")}}, "mix must be a finite number"),
     ({"mqtt": {"max_payload": -1}}, "max_payload must be >= 0"),

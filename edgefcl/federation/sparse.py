@@ -264,8 +264,9 @@ def _entry_changes(tensors: Tensors, reference: Tensors
         if name.endswith(KB) or ref is None:
             continue
         flat = np.asarray(ref, np.float64).ravel()
-        if set(parts) == {"dense"}:
-            yield name, None, parts["dense"].astype(np.float64).ravel() - flat, flat
+        whole = parts.get("dense")
+        if whole is not None:
+            yield name, None, whole.astype(np.float64).ravel() - flat, flat
         elif "rows" in parts and "val" in parts:
             rows = decode_indices(parts["rows"], ref.shape[0])
             row_len = math.prod(ref.shape[1:])

@@ -53,6 +53,9 @@ data and model, or waits for the broker, is not heard from at once)."""
 SENDER = "aggregator"
 EXPIRE_EVERY = 0.1
 """Seconds between the main loop's checks for silent devices (`client_timeout` is seconds)."""
+GATE_SETTLE_S = 10.0
+"""How long the task gate must stay below the one announced before the daemon announces it
+closed (a device back behind the others; opening is announced at once)."""
 
 
 class AggregatorDaemon:
@@ -114,6 +117,8 @@ class AggregatorDaemon:
         self.reanswered: dict[str, int] = {}  # client -> tick it was last answered again
         self.gate = (-1, 0)
         """The task gate last announced: (tasks passed, the global version then)."""
+        self._gate_lower_since: float | None = None
+        """Since when the gate has been below the announced one (None: it is not)."""
         self._next_release = 0.0
         self._next_expiry = 0.0
         self.spec = tensor_spec(self.agg.global_.tensors)
@@ -333,7 +338,7 @@ class AggregatorDaemon:
                     self.results.on_device_done(client, body)
             if client in self.agg.active:
                 self._close_safely(lambda: self.agg.leave(client, now))
-        self._announce_gate()
+        self._announce_gate(now)
 
     @property
     def _gated(self) -> bool:
@@ -345,11 +350,22 @@ class AggregatorDaemon:
         aggregator that advertises it)."""
         return {"tasks_passed": self.gate[0], "gate_version": self.gate[1]} if self._gated else {}
 
-    def _announce_gate(self) -> None:
+    def _announce_gate(self, now: float) -> None:
         """When the task gate moved, re-publish the retained config with it and the global
-        version it opened at (after that global)."""
-        if self._gated and self.agg.tasks_passed != self.gate[0]:
-            self.gate = (self.agg.tasks_passed, self.agg.global_.version)
+        version it opened at (after that global): at once when it opened further, once it
+        has held for GATE_SETTLE_S when it closed (a device back behind the others). A
+        device that flapped offline / online moved it with each status, and every device
+        received the config each time."""
+        if not self._gated:
+            return
+        passed = self.agg.tasks_passed
+        if passed >= self.gate[0]:
+            self._gate_lower_since = None
+        elif self._gate_lower_since is None:
+            self._gate_lower_since = now
+        if passed > self.gate[0] or (self._gate_lower_since is not None
+                                     and now - self._gate_lower_since >= GATE_SETTLE_S):
+            self.gate, self._gate_lower_since = (passed, self.agg.global_.version), None
             self._publish_config()
 
     def _closed(self, closed: RoundClosed | None, before: tuple) -> None:
@@ -391,7 +407,7 @@ class AggregatorDaemon:
         if now >= self._next_expiry:  # a scan of every active device: not once per message
             self._next_expiry = now + EXPIRE_EVERY  # (4 % of the main loop at 1,000 devices)
             self._close_safely(lambda: self.agg.expire(now))
-        self._announce_gate()
+        self._announce_gate(now)
 
     def _close_safely(self, step: Callable[[], RoundClosed | None]) -> None:
         """Run one aggregator step that may close a round, then save and announce what

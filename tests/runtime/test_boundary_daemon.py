@@ -18,7 +18,7 @@ from edgefcl.config import RunConfig, apply
 from edgefcl.data.labels import MAX_LABELS
 from edgefcl.federation.indexing import INDEX_FORMATS
 from edgefcl.federation.messages import Tick, Update
-from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+from edgefcl.runtime.aggregator_daemon import GATE_SETTLE_S, AggregatorDaemon
 from edgefcl.runtime.inbox import CPU_BURST_S, PER_SENDER, Inbox, shed_counters
 from edgefcl.runtime.links import (
     ENVELOPE_OBJECTS,
@@ -635,6 +635,31 @@ def test_done_statuses_resent_rewrite_nothing_and_do_not_keep_the_run_open(tmp_p
     tp = topics(d.cfg.mqtt)
     assert not d._keeps_open(tp.status("c"))  # a done device's statuses: not input
     assert d._keeps_open(tp.update("c")) and d._keeps_open(tp.status("ghost")) is False
+    d.store.close()
+
+
+def test_a_device_flapping_its_status_cannot_make_the_config_fan_out(tmp_path) -> None:
+    # the attack: with the task gate (async, on by default), a roster device that never
+    # finished a task alternated offline / online: each status moved the gate (it leaves the
+    # active set, the others have finished task 0; it is back, the gate is -1 again), and the
+    # daemon re-published its retained config, which every device receives, once per status
+    d = make_daemon(tmp_path, clients=4)
+    tp = topics(d.cfg.mqtt)
+    for c in "abc":
+        d._on_status(c, {"state": "online", "finished_task": 0}, 0.0)
+    d._on_status("e", {"state": "online"}, 0.0)
+    d._serve_rounds(0.0)
+    assert d.gate[0] == 0  # announced when a, b and c finished task 0; e is behind since
+    d.link.sent.clear()
+    for i in range(100):  # two seconds at 50 statuses a second
+        now = 1.0 + i / 50
+        d._on_status("e", {"state": "offline" if i % 2 == 0 else "online"}, now)
+        d._serve_rounds(now)
+    assert [t for t, _ in d.link.sent].count(tp.config) == 0 and d.gate[0] == 0
+    d._serve_rounds(2.98 + GATE_SETTLE_S - 0.01)
+    assert d.gate[0] == 0  # e is back, behind: the gate closes once that has held
+    d._serve_rounds(2.98 + GATE_SETTLE_S)
+    assert d.gate[0] == -1 and [t for t, _ in d.link.sent].count(tp.config) == 1
     d.store.close()
 
 
