@@ -74,7 +74,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     results = run_many(cfg, on_done=finished, done=done)
     if several:
         if args.resume:
-            results = with_held_runs(results, out)
+            results, extra = with_held_runs(results, out)
+            if extra:
+                print(f"the summary keeps {len(extra)} finished run"
+                      f"{'s' if len(extra) > 1 else ''} not in this sweep: {', '.join(extra)}")
         summary = write_summary(results, out) if out else summarize(results)
         print()
         print(compare_table(summary))

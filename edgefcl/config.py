@@ -525,6 +525,9 @@ def resolve_fed(method: str, fed: FedConfig, encoding: str | None = None,
 def run_entries(cfg: RunConfig) -> list[tuple[str, str, FedConfig]]:
     """(label, method, federation config) of every run of `--compare` (or `--method`)."""
     entries = [e.strip() for e in cfg.compare.split(",") if e.strip()] or [cfg.learn.method]
+    twice = next((e for i, e in enumerate(entries) if e in entries[:i]), None)
+    if twice is not None:  # its runs would count twice in the mean and its std
+        raise ConfigError(f"--compare names {twice} twice; name each method once")
     out = []
     for e in entries:
         method, enc, agg = parse_entry(e)

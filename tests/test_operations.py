@@ -222,6 +222,27 @@ def test_compare_writes_each_run_as_it_finishes_and_resumes(tmp_path, capsys, mo
     assert "holds a comparison of 4 runs" in one_line_error(capsys)
 
 
+def test_resume_never_mixes_a_run_of_other_options_into_the_summary(tmp_path, capsys):
+    # a researcher's report: a second and a third sweep into the same folder with --resume
+    # (another memory size, another dataset) listed every method side by side in one table
+    out = tmp_path / "mix"
+    assert main(["simulate", *SMALL, "--compare", "fedavg", "--out", str(out)]) == 0
+    other = ["simulate", *SMALL, "--compare", "er", "--out", str(out), "--resume"]
+    capsys.readouterr()
+    assert main([*other, "--memory-size", "20"]) == 2  # fedavg seed 0 there had memory 30
+    assert "holds a run of another configuration (fedavg seed 0)" in one_line_error(capsys)
+    assert main(other) == 0  # the same options: fedavg is kept beside er, and said so
+    assert "the summary keeps 1 finished run not in this sweep: fedavg seed 0" in \
+        capsys.readouterr().out
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["method"], r["seed"]) for r in runs] == [("fedavg", 0), ("er", 0)]
+
+
+def test_a_method_named_twice_is_refused(capsys):
+    assert main(["simulate", *SMALL, "--compare", "er,fedavg,er"]) == 2
+    assert "--compare names er twice" in one_line_error(capsys)
+
+
 def test_report_renders_run_and_compare_directories(tmp_path, capsys):
     out = tmp_path / "cmp"
     assert main(["simulate", *SMALL, "--compare", "fedavg", "--seeds", "2",

@@ -5,6 +5,7 @@ Every ± is the mean ± the sample standard deviation (ddof=1) over seeds (or cl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -159,6 +160,18 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
                                   "use another --out or the same options")
             r.method = label
             done[(label, seed)] = r
+    for d in held or []:  # the summary's other runs are kept beside this sweep's: same options
+        label, seed = str(d.get("method")), int(d.get("seed", -1))
+        if (label, seed) in done or not isinstance(d.get("config"), dict):
+            continue
+        try:
+            same = _comparable(run_config(d["config"])) == _comparable(run_config(_expected(
+                dataclasses.replace(cfg, compare=label, seed=seed, seeds=1), label, seed)))
+        except ConfigError:  # a config this version cannot read: not this sweep's options
+            same = False
+        if not same:
+            raise ConfigError(f"--resume: {out} holds a run of another configuration ({label} "
+                              f"seed {seed}); use another --out or the same options")
     return done
 
 
@@ -171,18 +184,18 @@ def _held_runs(out: Path) -> list[dict[str, Any]] | None:
     return d["runs"] if isinstance(d, dict) and isinstance(d.get("runs"), list) else None
 
 
-def with_held_runs(results: list[RunResult], out: Path) -> list[RunResult]:
-    """`results` and the other runs the summary in `out` already holds: resuming a subset of a
-    comparison keeps the rest of its summary (their folders were checked when written)."""
+def with_held_runs(results: list[RunResult], out: Path) -> tuple[list[RunResult], list[str]]:
+    """`results` and the other runs the summary in `out` already holds, and those others'
+    names ("er seed 2"): resuming a subset of a comparison keeps the rest of its summary
+    (`finished_runs` checked that they have this sweep's options)."""
     mine = {(r.method, r.seed): r for r in results}
     held = [result_from_dict(d) for d in _held_runs(out) or []]
+    extra = [f"{r.method} seed {r.seed}" for r in held if (r.method, r.seed) not in mine]
     merged = [mine.pop((r.method, r.seed), r) for r in held]  # the summary's order
-    return merged + list(mine.values())
+    return merged + list(mine.values()), extra
 
 
 def _expected(cfg: RunConfig, label: str, seed: int) -> dict[str, Any]:
-    import dataclasses
-
     from edgefcl.build import for_method
     from edgefcl.config import run_entries
     from edgefcl.outcomes.results import cfg_dict
