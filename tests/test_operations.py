@@ -270,17 +270,21 @@ def test_report_of_a_folder_that_holds_runs_names_them(tmp_path, capsys):
 
 def test_printed_plus_minus_is_the_sample_std():
     from edgefcl.outcomes.metrics import CommStats, sample_std
-    from edgefcl.outcomes.report import summarize
+    from edgefcl.outcomes.report import compare_table, summarize
     from edgefcl.outcomes.results import RunResult
 
     assert sample_std([1.0, 3.0]) == pytest.approx(math.sqrt(2.0))
-    assert sample_std([5.0]) == 0.0
+    assert sample_std([5.0]) is None  # undefined for one value: no "± 0.0"
 
     def run(a: float) -> RunResult:  # one client, one task: A = a
         return RunResult("m", 0, np.array([[[a]]]), 1, CommStats(), "", {}, 1.0)
 
     s = summarize([run(0.2), run(0.4), run(0.9)])["m"]
     assert s["accuracy_std"] == pytest.approx(float(np.std([20.0, 40.0, 90.0], ddof=1)))
+    one = summarize([run(0.2)])
+    assert one["m"]["accuracy_std"] is None
+    assert compare_table(one).splitlines()[1].split()[:3] == ["m", "1", "20.0"]
+    assert "±" not in compare_table(one).splitlines()[1]
 
 
 def test_unseen_tasks_are_blank():

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefcl.config import ConfigError, FedConfig, RunConfig, validate
-from edgefcl.outcomes.metrics import sample_std
+from edgefcl.outcomes.metrics import or_zero, pm, sample_std
 from edgefcl.outcomes.report import pyplot
 from edgefcl.support.tomlfields import coerce_field
 
@@ -152,8 +152,8 @@ def format_table(rows: list[dict]) -> str:
              "staleness | rounds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dataset']} | {r['profile']} | {r['rule']} | {r['n']} | "
-                     f"{r['accuracy']:.1f} ± {r['accuracy_std']:.1f} | "
-                     f"{r['forgetting']:.1f} ± {r['forgetting_std']:.1f} | "
+                     f"{pm(r['accuracy'], r['accuracy_std'])} | "
+                     f"{pm(r['forgetting'], r['forgetting_std'])} | "
                      f"{r['worst_task']:.1f} | {r['runs_below_50']} | "
                      f"{r['staleness_mean']:.2f} | {r['rounds']:.1f} |")
     return "\n".join(lines)
@@ -176,15 +176,16 @@ def plot(rows: list[dict], path: Path) -> None:
             x = [i + j * width for i, rule in enumerate(rules) if rule in cell]
             ys = [cell[rule] for rule in rules if rule in cell]
             ax.bar(x, [r["accuracy"] for r in ys], width,
-                   yerr=[r["accuracy_std"] for r in ys],
+                   yerr=[or_zero(r["accuracy_std"]) for r in ys],
                    label=profile, capsize=2)
         ax.set_xticks([i + width * (len(profiles) - 1) / 2 for i in range(len(rules))])
         ax.set_xticklabels(rules, rotation=30, ha="right", fontsize=8)
         for r in (r for r in sync if r["dataset"] == ds):
             ax.axhline(r["accuracy"], ls="--", color="0.3", label=f"lock-step ({r['rule']})")
-            ax.axhspan(r["accuracy"] - r["accuracy_std"], r["accuracy"] + r["accuracy_std"],
-                       color="0.85", zorder=0)
-        lo = min(r["accuracy"] - r["accuracy_std"] for r in rows + sync if r["dataset"] == ds)
+            sd = or_zero(r["accuracy_std"])
+            ax.axhspan(r["accuracy"] - sd, r["accuracy"] + sd, color="0.85", zorder=0)
+        lo = min(r["accuracy"] - or_zero(r["accuracy_std"]) for r in rows + sync
+                 if r["dataset"] == ds)
         ax.set_ylim(max(0.0, lo - 5), 100)
         ax.set_ylabel("A (%)")
         ax.set_title(f"{ds}: final average accuracy, mean ± sample std")

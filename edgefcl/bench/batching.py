@@ -28,7 +28,7 @@ import torch
 
 from edgefcl.config import ConfigError, RunConfig
 from edgefcl.learn.compiled_step import compile_step
-from edgefcl.outcomes.metrics import sample_std
+from edgefcl.outcomes.metrics import pm, sample_std
 from edgefcl.outcomes.results import RunResult
 from edgefcl.sim.runs import simulate
 
@@ -72,7 +72,7 @@ def _record(result: RunResult) -> dict:
             "global_sha256": result.global_sha256}
 
 
-def _mean_sd(values: list[float]) -> tuple[float, float]:
+def _mean_sd(values: list[float]) -> tuple[float, float | None]:
     return float(np.mean(values)), sample_std(values)
 
 
@@ -198,5 +198,5 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _pm(value: tuple[float, float], digits: int) -> str:
-    return f"{value[0]:.{digits}f} ± {value[1]:.{digits}f}"
+def _pm(value: tuple[float, float | None], digits: int) -> str:
+    return pm(value[0], value[1], f".{digits}f")

@@ -23,6 +23,7 @@ from edgefcl.learn.models import build_model
 from edgefcl.learn.scoring.perturb import IMAGE_VIEWS, make_perturber, tta_logits, tta_logits_looped
 from edgefcl.learn.scoring.scores import uncertainty
 from edgefcl.ondevice import OnnxModel
+from edgefcl.outcomes.metrics import pm, sample_std
 from edgefcl.sim.runs import simulate
 
 
@@ -296,14 +297,14 @@ def bench_client(cfg: RunConfig, out: Path, repeats: int) -> dict:
                for k in ("train", "score", "score_wait", "score_thread", "memory")}
         acc, fgt = [r.accuracy for r in runs], [r.forgetting for r in runs]
         row.update(scored_per_batch=sum(r.extra["scored_samples"] for r in runs) / n,
-                   accuracy=float(np.mean(acc)), accuracy_std=_sd(acc),
-                   forgetting=float(np.mean(fgt)), forgetting_std=_sd(fgt),
+                   accuracy=float(np.mean(acc)), accuracy_std=sample_std(acc),
+                   forgetting=float(np.mean(fgt)), forgetting_std=sample_std(fgt),
                    wall_s=float(np.mean([r.wall_s for r in runs])))
         report["runs"][rescore] = row
         print(f"{rescore:<10} {row['train']:9.2f} {row['score']:9.2f} {row['score_wait']:8.2f} "
               f"{row['score_thread']:10.2f} {row['memory']:10.2f} "
-              f"{row['scored_per_batch']:13.1f} {row['accuracy']:5.1f} ± {row['accuracy_std']:4.1f}"
-              f" {row['forgetting']:5.1f} ± {row['forgetting_std']:4.1f} {row['wall_s']:7.1f}")
+              f"{row['scored_per_batch']:13.1f} {pm(row['accuracy'], row['accuracy_std']):>12}"
+              f" {pm(row['forgetting'], row['forgetting_std']):>12} {row['wall_s']:7.1f}")
     methods = dict.fromkeys((cfg.learn.method, "cbr"))
     report["device_waits"] = [device_waits(cfg, m) for m in methods]
     print_waits(report["device_waits"])
@@ -377,11 +378,6 @@ def run_bench(what: str, cfg: RunConfig, out: Path, repeats: int,
     path.write_text(json.dumps(report, indent=1, default=_jsonable))
     print(f"\nwritten {path}")
     return 0
-
-
-def _sd(values: list[float]) -> float:
-    """Sample standard deviation (ddof=1; 0 for one value)."""
-    return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
 def _csv(value: str | None) -> list[str]:

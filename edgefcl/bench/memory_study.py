@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import multiprocessing
 import sys
 import time
@@ -32,6 +31,7 @@ from edgefcl.config import CURRENT_SHARES, ConfigError, RunConfig
 from edgefcl.data.loaders import write_digits28
 from edgefcl.learn.methods import METHODS
 from edgefcl.learn.selection import get_selection
+from edgefcl.outcomes.metrics import or_zero, pm, sample_std
 from edgefcl.sim.runs import simulate
 
 DEFAULT_DATASETS = ("digits", "mnist1d", "digits28")
@@ -108,10 +108,9 @@ def _key(dataset: str, per_class: int, rule: str, seed: int) -> str:
     return f"{dataset}|{per_class}|{rule}|{seed}"
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (ddof=1; nan for one value)."""
-    a = np.asarray(values, dtype=float)
-    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else math.nan
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (ddof=1; None for one value)."""
+    return float(np.mean(values)), sample_std(values)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -185,23 +184,24 @@ def format_paired(pairs: list[dict], baseline: str) -> str:
     for rule in dict.fromkeys(p["rule"] for p in mine):
         cell = {(p["dataset"], p["per_class"]): p for p in mine if p["rule"] == rule}
         lines.append(f"| {rule} | " + " | ".join(
-            "{dA:+.1f} ± {dA_std:.1f} / {dF:+.1f} ± {dF_std:.1f}".format(**cell[c])
+            f"{pm(cell[c]['dA'], cell[c]['dA_std'], '+.1f')} / "
+            f"{pm(cell[c]['dF'], cell[c]['dF_std'], '+.1f')}"
             if c in cell else "" for c in cols) + " |")
     return "\n".join(lines)
 
 
 TABLE = {"data": "{dataset}", "M/class": "{per_class}", "rule": "{rule}",
-         "A (%)": "{accuracy:.1f} ± {accuracy_std:.1f}",
-         "F (%)": "{forgetting:.1f} ± {forgetting_std:.1f}", "wall s/run": "{wall_s:.1f}",
-         "scored/batch": "{scored_per_batch:.1f}", "seeds": "{n}"}
-"""The study table's columns: header -> cell format over a `summarize` row."""
+         "A (%)": lambda r: pm(r["accuracy"], r["accuracy_std"]),
+         "F (%)": lambda r: pm(r["forgetting"], r["forgetting_std"]),
+         "wall s/run": "{wall_s:.1f}", "scored/batch": "{scored_per_batch:.1f}", "seeds": "{n}"}
+"""The study table's columns: header -> cell format (or function) over a `summarize` row."""
 
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of `summarize` rows."""
     lines = ["| " + " | ".join(TABLE) + " |", "|" + "---|" * len(TABLE)]
-    lines += ["| " + " | ".join(cell.format(**r) for cell in TABLE.values()) + " |"
-              for r in rows]
+    lines += ["| " + " | ".join(cell(r) if callable(cell) else cell.format(**r)
+                                for cell in TABLE.values()) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -227,7 +227,7 @@ def plot(rows: list[dict], path: Path) -> None:
                  for r in rs]
             style = "--" if rule in BASELINES else "-"
             for i, k in enumerate(("accuracy", "forgetting")):
-                sd = [0.0 if math.isnan(r[k + "_std"]) else r[k + "_std"] for r in rs]
+                sd = [or_zero(r[k + "_std"]) for r in rs]
                 h = axes[i][j].errorbar(x, [r[k] for r in rs], yerr=sd, label=rule, ls=style,
                                         marker="o", capsize=2, lw=1, ms=4,
                                         color=f"C{ri % 10}")

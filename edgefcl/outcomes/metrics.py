@@ -25,10 +25,22 @@ def forgetting(acc: np.ndarray) -> float:
     return float((best - acc[:, -1, :-1]).mean())
 
 
-def sample_std(values) -> float:
-    """Sample standard deviation (ddof=1), what every printed ± means; 0.0 for one value."""
+def sample_std(values) -> float | None:
+    """Sample standard deviation (ddof=1), what every printed ± means; None for fewer than
+    two values, where it is undefined (tables then print the mean alone, JSON null)."""
     v = np.asarray(values, np.float64)
-    return float(v.std(ddof=1)) if v.size > 1 else 0.0
+    return float(v.std(ddof=1)) if v.size > 1 else None
+
+
+def pm(mean: float, std: float | None, spec: str = ".1f") -> str:
+    """`mean ± std` as tables print it (`spec` formats both, a sign the mean alone); the
+    mean alone when `std` is None (one seed)."""
+    return f"{mean:{spec}}" if std is None else f"{mean:{spec}} ± {std:{spec.lstrip('+')}}"
+
+
+def or_zero(std: float | None) -> float:
+    """`std` as an error bar's length: 0 (none drawn) when undefined."""
+    return 0.0 if std is None else std
 
 
 def per_task_final(acc: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from edgefcl.config import ConfigError, RunConfig, apply, dump_toml, load_toml
 from edgefcl.data.types import DataError
 from edgefcl.learn.drift import stream_lines
 from edgefcl.learn.export import GLOBAL_FILE
-from edgefcl.outcomes.metrics import CommStats, per_task_final, sample_std
+from edgefcl.outcomes.metrics import CommStats, or_zero, per_task_final, pm, sample_std
 from edgefcl.outcomes.results import RunResult
 from edgefcl.support.statefiles import make_dir, save_tensors
 from edgefcl.support.units import fmt_bytes
@@ -69,11 +69,11 @@ def compare_table(summary: dict[str, dict[str, float]]) -> str:
              f"{'bytes up':>10} {'time (s)':>9}"]
     for m, s in summary.items():
         lines.append(
-            f"{m:<{w}} {s['seeds']:>5} {s['accuracy_mean']:6.1f} ± {s['accuracy_std']:4.1f} "
-            f"{s['forgetting_mean']:6.1f} ± {s['forgetting_std']:4.1f} "
+            f"{m:<{w}} {s['seeds']:>5} {pm(s['accuracy_mean'], s['accuracy_std']):>14} "
+            f"{pm(s['forgetting_mean'], s['forgetting_std']):>14} "
             f"{s['rounds_mean']:8.0f} {fmt_bytes(s['bytes_up_mean']):>10} "
             f"{s['wall_s_mean']:9.1f}")
-    lines.append("(mean ± sample standard deviation over seeds)")
+    lines.append("(mean ± sample standard deviation over seeds; the mean alone for one seed)")
     return "\n".join(lines)
 
 
@@ -287,20 +287,22 @@ def plot_comparison(summary: dict[str, dict[str, float]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(3.0 + 1.1 * len(methods), 4.0))
     for off, key, label in ((-0.2, "accuracy", "A: final accuracy"),
                             (0.2, "forgetting", "F: forgetting")):
+        sds = [summary[m][f"{key}_std"] for m in methods]
         ax.bar(x + off, [summary[m][f"{key}_mean"] for m in methods], 0.4,
-               yerr=[summary[m][f"{key}_std"] for m in methods], label=label, capsize=3)
+               yerr=None if all(sd is None for sd in sds) else [or_zero(sd) for sd in sds],
+               label=label, capsize=3)
     seeds = sorted({int(summary[m]["seeds"]) for m in methods})
     n = f"{seeds[0]} seed{'s' if seeds[0] != 1 else ''}" if len(seeds) == 1 else \
         f"{'/'.join(map(str, seeds))} seeds"
     ax.set_xticks(x, methods, rotation=20 if len(methods) > 4 else 0)
     ax.set_xlabel("method")
-    ax.set_ylabel("% (mean ± sample std)")
-    low = min([0.0] + [summary[m][f"{k}_mean"] - summary[m][f"{k}_std"] for m in methods
-                       for k in ("accuracy", "forgetting")])
+    ax.set_ylabel("% (mean ± sample std)" if seeds[-1] > 1 else "% (one seed)")
+    low = min([0.0] + [summary[m][f"{k}_mean"] - or_zero(summary[m][f"{k}_std"])
+                       for m in methods for k in ("accuracy", "forgetting")])
     ax.set_ylim(min(0.0, low - 3), 110)
     ax.axhline(0, color="black", lw=0.6)
-    ax.set_title(f"A and F per method over {n}\nbars: mean, error bars: ± sample std (ddof=1)",
-                 fontsize=9)
+    bars = "error bars: ± sample std (ddof=1)" if seeds[-1] > 1 else "no error bars"
+    ax.set_title(f"A and F per method over {n}\nbars: mean, {bars}", fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

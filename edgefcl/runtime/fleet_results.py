@@ -17,7 +17,7 @@ from edgefcl.config import RunConfig, public_dict
 from edgefcl.federation.label_rows import ROWS_KEY
 from edgefcl.federation.messages import GlobalModel
 from edgefcl.federation.registry import get_encoding
-from edgefcl.outcomes.metrics import forgetting, last_accuracy, sample_std
+from edgefcl.outcomes.metrics import forgetting, last_accuracy, pm, sample_std
 from edgefcl.support.statefiles import save_json, save_tensors
 from edgefcl.support.units import fmt_bytes
 from edgefcl.transport.codec import CodecError
@@ -134,8 +134,8 @@ class FleetResults:
             out.update(accuracy=float(np.mean(per_a)), forgetting=float(np.mean(per_f)),
                        accuracy_matrix=np.round(100 * acc, 4).tolist(),
                        matrix_clients=sorted(mats))
-            parts.append(f"A = {np.mean(per_a):.1f} ± {sample_std(per_a):.1f} %, "
-                         f"F = {np.mean(per_f):.1f} ± {sample_std(per_f):.1f} % "
+            parts.append(f"A = {pm(np.mean(per_a), sample_std(per_a))} %, "
+                         f"F = {pm(np.mean(per_f), sample_std(per_f))} % "
                          f"(mean ± sample std over {len(mats)} clients, self-reported)")
         parts.append(f"updates accepted {out['accepted']}, rejected {sum(rejected.values())}")
         if self.accuracy is not None:

@@ -13,6 +13,7 @@ from edgefcl.bench.memory_study import (
     bar_check,
     bench_memory,
     format_paired,
+    format_table,
     paired,
     parse_rule,
     summarize,
@@ -44,7 +45,8 @@ def test_summarize_uses_the_sample_std():
     er = next(r for r in rows if r["rule"] == "er")
     assert er["accuracy"] == 82.0 and er["accuracy_std"] == pytest.approx(math.sqrt(8.0))
     assert er["forgetting_std"] == pytest.approx(math.sqrt(8.0)) and er["n"] == 2
-    assert math.isnan(next(r for r in rows if r["rule"] == "cbr")["accuracy_std"])
+    assert next(r for r in rows if r["rule"] == "cbr")["accuracy_std"] is None
+    assert "| cbr | 90.0 | 5.0 |" in format_table(rows)  # one seed: the mean alone
 
 
 def test_bar_check():
@@ -64,7 +66,8 @@ def test_paired_differences_are_taken_seed_by_seed():
     assert got["cbr"]["n"] == 2 and got["cbr"]["dA"] == 1.5 and got["cbr"]["dF"] == 0.5
     assert got["cbr"]["dA_std"] == pytest.approx(math.sqrt(0.5))
     assert got["cbr"]["dF_std"] == pytest.approx(math.sqrt(4.5))
-    assert got["er"]["n"] == 1 and got["er"]["dA"] == 10.0 and math.isnan(got["er"]["dA_std"])
+    assert got["er"]["n"] == 1 and got["er"]["dA"] == 10.0 and got["er"]["dA_std"] is None
+    assert "| bi | +10.0 / -3.0 |" in format_paired(paired(runs), "er")
     assert "| bi | +1.5 ± 0.7 / +0.5 ± 2.1 |" in format_paired(paired(runs), "cbr")
 
 
