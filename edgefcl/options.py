@@ -291,7 +291,8 @@ def log_level(args: argparse.Namespace) -> int:
 
 def run_command(args: argparse.Namespace, prog: str) -> int:
     """Run `args.func(args)`: bad input, bad data, an unreachable broker and a failed fleet
-    process end with one clear line and exit code 2 (never a traceback), Ctrl-C with 130."""
+    process end with one clear line and exit code 2 (never a traceback), Ctrl-C with 130, a
+    closed output pipe quietly with 141."""
     from edgefcl.data.types import DataError
     from edgefcl.transport.transport_error import TransportError
 
@@ -310,6 +311,9 @@ def run_command(args: argparse.Namespace, prog: str) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `| head`: the reader left; so does the output, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command its pipe closed
 
 
 def one_line(e: BaseException) -> str:

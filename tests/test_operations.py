@@ -118,7 +118,7 @@ BAD_INPUT = [
     (["predict", "--model", "/no/such.onnx", "--input", "{x}", "--output", "/no/dir/p.npy"],
      "does not exist"),
     (["broker", "--port", "70000"], "port must be 0-65535"),
-    (["report", "{x}"], "no such directory"),
+    (["report", "{x}"], "is a file; pass its folder"),
     (["export", "--run", "{tmp}", "--output", "/no/dir/m.onnx"], "not a run directory"),
     (["bench", "nope"], "invalid choice"),
     (["nope"], "invalid choice"),
@@ -256,6 +256,35 @@ def test_report_renders_run_and_compare_directories(tmp_path, capsys):
     assert (out / "comparison.png").stat().st_size > 1000
     assert main(["report", str(out / "fedavg" / "seed1")]) == 0
     assert "A = " in capsys.readouterr().out
+
+
+def test_a_broken_or_foreign_results_file_is_a_one_line_error(tmp_path, capsys):
+    # a researcher's report: `report` and `simulate --resume` on a results.json cut short by
+    # an interrupted write ended in a JSONDecodeError traceback
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "results.json").write_text('{"runs": [')
+    assert main(["report", str(broken)]) == 2
+    assert f"{broken}/results.json: not valid JSON" in one_line_error(capsys)
+    assert main(["simulate", *SMALL, "--compare", "er", "--out", str(broken), "--resume"]) == 2
+    assert "not valid JSON" in one_line_error(capsys)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "results.json").write_text('{"x": 1}')
+    assert main(["report", str(foreign)]) == 2
+    assert "its results.json is neither a run's nor a comparison's" in one_line_error(capsys)
+    assert main(["report", str(foreign / "results.json")]) == 2
+    assert f"is a file; pass its folder: edgefcl report {foreign}" in one_line_error(capsys)
+
+
+def test_output_cut_short_by_a_closed_pipe_is_no_traceback():
+    # `edgefcl simulate --compare ... | head -1`: the second run's table went to a closed pipe
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m edgefcl simulate {' '.join(SMALL)} --compare er,fedavg | head -1"
+    proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.startswith("method er") and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_report_of_a_folder_that_holds_runs_names_them(tmp_path, capsys):

@@ -19,7 +19,7 @@ from edgefcl.learn.drift import stream_lines
 from edgefcl.learn.export import GLOBAL_FILE
 from edgefcl.outcomes.metrics import CommStats, or_zero, per_task_final, pm, sample_std
 from edgefcl.outcomes.results import RunResult
-from edgefcl.support.statefiles import make_dir, save_tensors
+from edgefcl.support.statefiles import atomic_write, load_json, make_dir, save_tensors
 from edgefcl.support.units import fmt_bytes
 
 RESULTS, CONFIG, ROUNDS = "results.json", "config.toml", "rounds.jsonl"
@@ -94,8 +94,8 @@ def write_run(r: RunResult, out: Path) -> None:
     """results.json, config.toml (what `--config` reruns to the same global_sha256), the
     final global and the plots of one run."""
     make_dir(out)
-    (out / RESULTS).write_text(json.dumps(r.to_dict(), indent=1))
-    (out / CONFIG).write_text(dump_toml(run_config(r.config)))
+    atomic_write(out / RESULTS, json.dumps(r.to_dict(), indent=1).encode(), fsync=False)
+    atomic_write(out / CONFIG, dump_toml(run_config(r.config)).encode(), fsync=False)
     if r.global_state is not None:  # rebuilt by `edgefcl export --run` with model_spec
         save_tensors(out / GLOBAL_FILE, r.global_state)
     plot_run(r, out)
@@ -112,7 +112,7 @@ def write_summary(results: list[RunResult], out: Path) -> dict:
     summary = summarize(results)
     make_dir(out)
     payload = {"summary": summary, "runs": [r.to_dict() for r in results]}
-    (out / RESULTS).write_text(json.dumps(payload, indent=1))
+    atomic_write(out / RESULTS, json.dumps(payload, indent=1).encode(), fsync=False)
     plot_comparison(summary, out / "comparison.png")
     return summary
 
@@ -150,7 +150,7 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
             folder = out / label.replace("/", "-") / f"seed{seed}" if several else out
             if not (folder / RESULTS).is_file() or not (folder / CONFIG).is_file():
                 continue
-            d = json.loads((folder / RESULTS).read_text())
+            d = load_json(folder / RESULTS)
             if "runs" in d:
                 continue
             r = result_from_dict(d)
@@ -180,7 +180,7 @@ def _held_runs(out: Path) -> list[dict[str, Any]] | None:
     path = out / RESULTS
     if not path.is_file():
         return None
-    d = json.loads(path.read_text())
+    d = load_json(path)
     return d["runs"] if isinstance(d, dict) and isinstance(d.get("runs"), list) else None
 
 
@@ -351,18 +351,25 @@ def plot_rounds(rounds: list[dict[str, Any]], path: Path, title: str) -> None:
 def report_dir(path: Path) -> str:
     """The table of a run directory, a --compare/--seeds directory or an aggregator state
     directory; (re)writes its plots. Raises DataError for anything else."""
+    if path.is_file():
+        raise DataError(f"{path} is a file; pass its folder: edgefcl report {path.parent}")
     if not path.is_dir():
         raise DataError(f"{path}: no such directory")
     parts = []
     results = path / RESULTS
     if results.is_file():
-        d = json.loads(results.read_text())
-        if "runs" in d:
+        d = load_json(results)
+        state = (path / ROUNDS).is_file() or (path / "state.json").is_file()
+        if not isinstance(d, dict) or ("runs" not in d and "accuracy_matrix" not in d
+                                       and not state):
+            raise DataError(f"{path}: its results.json is neither a run's nor a comparison's "
+                            "(written by edgefcl simulate --out or an aggregator)")
+        if isinstance(d, dict) and "runs" in d:
             runs = [result_from_dict(r) for r in d["runs"]]
             summary = summarize(runs)
             plot_comparison(summary, path / "comparison.png")
             parts += [*(run_table(r) for r in runs), "", compare_table(summary)]
-        elif "accuracy_matrix" in d:
+        elif isinstance(d, dict) and "accuracy_matrix" in d:
             r = result_from_dict(d)
             plot_run(r, path)
             parts.append(run_table(r))

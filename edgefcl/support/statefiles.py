@@ -45,7 +45,12 @@ def save_json(path: Path, obj: Any) -> None:
 
 
 def load_json(path: Path) -> Any:
-    return json.loads(path.read_text())
+    """The JSON in `path`; ConfigError (one line, what to do) when it is not valid JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); a write cut short? delete it, or "
+                          "run what wrote it again") from None
 
 
 def save_tensors(path: Path, tensors: Tensors) -> None:
