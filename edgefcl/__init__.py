@@ -15,7 +15,8 @@ from edgefcl.learn import methods as _methods  # noqa: F401
 from edgefcl.version import __version__
 
 API = {
-    "Learner": "edgefcl.api", "simulate": "edgefcl.api", "RunResult": "edgefcl.api",
+    "Learner": "edgefcl.api", "simulate": "edgefcl.api", "sweep": "edgefcl.api",
+    "RunResult": "edgefcl.api",
     "RunConfig": "edgefcl.config", "DataConfig": "edgefcl.config",
     "LearnConfig": "edgefcl.config", "FedConfig": "edgefcl.config",
     "MqttConfig": "edgefcl.config", "ConfigError": "edgefcl.config",

@@ -21,7 +21,7 @@ import torch
 from numpy.typing import ArrayLike
 
 from edgefcl.build import new_client
-from edgefcl.config import ConfigError, FedConfig, LearnConfig, resolve_head
+from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, resolve_head
 from edgefcl.data.types import Batch
 from edgefcl.federation.heads import HEADS
 from edgefcl.learn.bayes import predict_logits
@@ -30,9 +30,28 @@ from edgefcl.learn.model_heads import head_of, library_model_head
 from edgefcl.learn.models import build_model
 from edgefcl.learn.variational import client_hooks
 from edgefcl.outcomes.results import RunResult
-from edgefcl.sim.runs import simulate
+from edgefcl.runner import run_many
+from edgefcl.sim.runs import simulate as simulate_one
 
-__all__ = ["Learner", "RunResult", "simulate"]
+__all__ = ["Learner", "RunResult", "simulate", "sweep"]
+
+
+def simulate(cfg: RunConfig) -> RunResult:
+    """One run of `cfg` in process (lock-step, or async on the virtual clock with its
+    `profile`): its method, its seed. The same config gives the same `global_sha256`. A config
+    with `compare` or `seeds` > 1 is a sweep: ConfigError, use `sweep`."""
+    if cfg.compare or cfg.seeds > 1:
+        raise ConfigError("simulate runs one method and one seed; edgefcl.sweep(cfg) runs "
+                          "every method of compare for every seed (a RunResult each)")
+    return simulate_one(cfg)
+
+
+def sweep(cfg: RunConfig) -> list[RunResult]:
+    """Every method of `cfg.compare` (or its method) for `cfg.seeds` seeds from `cfg.seed`,
+    in process, as `edgefcl simulate --compare ... --seeds N` runs them: a RunResult each, in
+    that order (labelled by its compare entry); `edgefcl.outcomes.report.summarize` gives
+    their mean ± sample std per method."""
+    return run_many(cfg)
 
 
 class Learner:

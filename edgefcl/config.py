@@ -760,6 +760,8 @@ def validate(cfg: RunConfig) -> None:
         (cfg.seed >= 0, "seed must be >= 0"),
         (cfg.seeds >= 1, "seeds must be >= 1"),
         (cfg.transport in ("inprocess", "mqtt"), "transport must be inprocess or mqtt"),
+        (cfg.profile == "homogeneous" or cfg.fed.mode == "async",
+         f"profile {cfg.profile} needs mode async (lock-step runs have no timing to draw)"),
     ], cfg)
     for _, method, fed in run_entries(cfg):
         _check_entry(method, fed, cfg.learn)

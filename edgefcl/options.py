@@ -219,6 +219,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             values[key] = value
         else:
             values.setdefault(section, {})[key] = value
+    method, compare = values.get("learn", {}).get("method"), values.get("compare")
+    if method and compare:
+        raise ConfigError(f"--method {method} and --compare {compare}: give one (--compare runs "
+                          "each method it names)")
     try:
         return apply(cfg, values)
     except ConfigError as e:

@@ -96,6 +96,19 @@ def test_simulate_returns_the_results_object() -> None:
     assert run.acc.shape == (2, 2, 2) and 0 <= run.accuracy <= 100 and run.rounds > 0
 
 
+def test_a_sweep_is_sweep_and_simulate_refuses_one() -> None:
+    """`simulate` of a config with --compare or several seeds ran bi seed 0 alone, silently."""
+    cfg = edgefcl.RunConfig(data=edgefcl.DataConfig(tasks=2, classes_per_task=2),
+                            learn=edgefcl.LearnConfig(memory_size=20, local_epochs=1),
+                            fed=edgefcl.FedConfig(clients=2, burn_in=2, jump=2),
+                            compare="er,fedavg", seeds=2, quiet=True)
+    with pytest.raises(edgefcl.ConfigError, match="edgefcl.sweep"):
+        edgefcl.simulate(cfg)
+    runs = edgefcl.sweep(cfg)
+    assert [(r.method, r.seed) for r in runs] == [("er", 0), ("er", 1), ("fedavg", 0),
+                                                  ("fedavg", 1)]
+
+
 @pytest.mark.parametrize("build,flags", [
     (lambda: edgefcl.LearnConfig(memory_size=-3), ["--memory-size", "-3"]),
     (lambda: edgefcl.FedConfig(jump=0), ["--jump", "0"]),

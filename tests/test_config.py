@@ -55,6 +55,19 @@ def test_bad_values_are_one_line_errors(values: dict, message: str) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_options_a_run_would_ignore_are_refused() -> None:
+    with pytest.raises(ConfigError, match="^profile heterogeneous needs mode async"):
+        _checked({"profile": "heterogeneous"})  # lock-step has no timing to draw
+    _checked({"profile": "heterogeneous", "fed": {"mode": "async"}})
+
+
+def test_method_beside_compare_is_refused_on_the_command_line() -> None:
+    out = _cli("simulate", "--method", "er", "--compare", "bi")
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "edgefcl: error: --method er and --compare bi: give one (--compare runs each method "
+        "it names)")
+
+
 @pytest.mark.parametrize("values, message", [
     ({"seed": -1}, "seed must be >= 0"),
     ({"data": {"mnist1d_samples": 0}}, "mnist1d_samples must be >= 10"),
