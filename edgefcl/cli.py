@@ -71,7 +71,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             kept = f" ({len(done)} kept)" if done else ""
             print(f"{len(done) + len(ran)}/{total} runs done{kept}, about "
                   f"{per * (todo - len(ran)):.0f} s left", file=sys.stderr, flush=True)
-    results = run_many(cfg, on_done=finished, done=done)
+    try:
+        results = run_many(cfg, on_done=finished, done=done)
+    except KeyboardInterrupt:
+        if out is not None and several and done.keys() | {(r.method, r.seed) for r in ran}:
+            print(f"{len(done) + len(ran)} of {total} runs finished, in {out}; the same "
+                  "command with --resume runs the rest", file=sys.stderr)
+        raise
     if several:
         if args.resume:
             results, extra = with_held_runs(results, out)

@@ -193,6 +193,8 @@ def test_compare_writes_each_run_as_it_finishes_and_resumes(tmp_path, capsys, mo
     monkeypatch.setattr(runner, "run_one", interrupted)
     argv = ["simulate", *SMALL, "--compare", "fedavg,er", "--seeds", "2", "--out", str(out)]
     assert main(argv) == 130  # Ctrl-C during the third run
+    assert (f"2 of 4 runs finished, in {out}; the same command with --resume runs the "
+            "rest") in capsys.readouterr().err
     for seed in (0, 1):
         assert (out / "fedavg" / f"seed{seed}" / "results.json").is_file()
         assert (out / "fedavg" / f"seed{seed}" / "config.toml").is_file()
