@@ -38,6 +38,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         run_dir,
         run_table,
         summarize,
+        why_alone,
         with_held_runs,
         write_run,
         write_summary,
@@ -89,10 +90,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(compare_table(summary))
     if out:
         print(f"results and plots written to {out}/")
-    alone = sorted({f"{r.method} seed {r.seed}" for r in results if r.rounds == 0})
-    if alone:
-        log.warning("the fleet never federated (rounds = 0) in: %s; every client trained "
-                    "alone", ", ".join(alone))
+    for r in (r for r in results if r.rounds == 0):
+        why = why_alone(r)
+        log.warning("the fleet never federated (rounds = 0) in %s seed %d: %s", r.method,
+                    r.seed, f"{why}: values out of bounds usually mean a learning rate too "
+                    "large (--lr)" if "range" in why or "nonfinite" in why else why or
+                    "every client trained alone")
     return 0
 
 

@@ -240,6 +240,16 @@ def test_resume_never_mixes_a_run_of_other_options_into_the_summary(tmp_path, ca
     assert [(r["method"], r["seed"]) for r in runs] == [("fedavg", 0), ("er", 0)]
 
 
+def test_a_fleet_whose_updates_were_all_rejected_says_so(capsys):
+    # a researcher's report: --lr -1 ran, every update was rejected (range), and the run
+    # said "every client trained alone" with "per round: up 17.2 MB" for 0 rounds
+    assert main(["simulate", *SMALL, "--lr", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert "rounds = 0" in out and "per round" not in out
+    assert "the aggregator rejected its updates (range" in err
+    assert "learning rate too large (--lr)" in err
+
+
 def test_a_method_named_twice_is_refused(capsys):
     assert main(["simulate", *SMALL, "--compare", "er,fedavg,er"]) == 2
     assert "--compare names er twice" in one_line_error(capsys)

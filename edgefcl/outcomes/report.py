@@ -35,12 +35,24 @@ def run_table(r: RunResult) -> str:
         f"  final accuracy per task (%): {head}",
         f"  {'':28} {vals}",
         f"  A = {r.accuracy:.1f} %   F = {r.forgetting:.1f} %   rounds = {r.rounds}   "
-        f"up = {fmt_bytes(r.comm.bytes_up)}   down = {fmt_bytes(r.comm.bytes_down)}   "
-        f"per round: up {fmt_bytes(r.comm.bytes_up / max(r.rounds, 1))}, "
-        f"down {fmt_bytes(r.comm.bytes_down / max(r.rounds, 1))}",
+        f"up = {fmt_bytes(r.comm.bytes_up)}   down = {fmt_bytes(r.comm.bytes_down)}"
+        + (f"   per round: up {fmt_bytes(r.comm.bytes_up / r.rounds)}, "
+           f"down {fmt_bytes(r.comm.bytes_down / r.rounds)}" if r.rounds else ""),
         *stream_lines(r.extra),
     ]
     return "\n".join(lines)
+
+
+def why_alone(r: RunResult) -> str:
+    """Why a run's fleet never federated, as far as its aggregator's counters say: the
+    updates it rejected, by reason ("" when it rejected none)."""
+    counters = r.extra.get("aggregator") or {}
+    rejected = {k.removeprefix("rejected_"): v for k, v in counters.items()
+                if k.startswith("rejected_") and isinstance(v, int) and v > 0}
+    if not rejected:
+        return ""
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(rejected.items(), key=lambda kv: -kv[1]))
+    return f"the aggregator rejected its updates ({reasons})"
 
 
 def summarize(results: list[RunResult]) -> dict[str, dict[str, float]]:
