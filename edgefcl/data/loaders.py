@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import pickle
 import random
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,9 @@ def _mnist1d(n_samples: int, seed: int) -> Arrays:
 def _open_npz(path: Path) -> dict[str, np.ndarray]:
     if path.is_dir():
         raise DataError(f"{path} is a folder; expected an .npz file")
+    if not zipfile.is_zipfile(path):  # numpy would try it as a pickle, and say so
+        raise DataError(f"{path} is not an .npz file (numpy.savez writes one: a zip of .npy "
+                        "arrays)")
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
