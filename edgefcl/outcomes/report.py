@@ -352,7 +352,8 @@ def plot_rounds(rounds: list[dict[str, Any]], path: Path, title: str) -> None:
         ax2.set_ylim(0, 105)
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, fontsize=7, loc="upper left")
+    ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+              ncol=2, frameon=False)  # below the plot: inside, it covered the tallest bars
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
