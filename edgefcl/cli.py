@@ -156,7 +156,8 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--per-class", default=BENCH_DEFAULTS["per_class"], metavar="N,N",
                        help="memory sizes in samples per class")
         p.add_argument("--rules", default=BENCH_DEFAULTS["rules"], metavar="RULES",
-                       help="rules METHOD[:SELECTION][+past][@RESCORE]")
+                       help="rules METHOD[:SELECTION][+past][@RESCORE][~SHARE] (SHARE: "
+                       "equal | stream, the current task's share of the memory)")
     if what in ("client", "transport", "batching"):
         p.add_argument("--repeats", type=int, default=3, metavar="N", help="timing repeats")
     if what == "batching":
