@@ -94,12 +94,11 @@ class _BarProgress:
         if self.bar is None:  # created on the first tick, so set-up errors print cleanly
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=self.desc, unit="batch", file=self.stream,
-                            leave=False, dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=done, desc=self.desc, unit="batch",
+                            file=self.stream, leave=False, dynamic_ncols=True)
         self.bar.total = total or None
-        self.bar.n = done
         self.bar.set_postfix_str(status, refresh=False)
-        self.bar.refresh()
+        self.bar.update(done - self.bar.n)  # redrawn at most every 0.1 s, with a smoothed rate
 
     def close(self) -> None:
         if self.bar is not None:
