@@ -271,8 +271,14 @@ def test_invented_classes_do_not_buy_a_class_weighted_round() -> None:
               upd("c", 0.0, n=20, counts={3: 20})]
     evil = upd("z", 1.0, n=60, counts={1000 + i: 1 for i in range(60)})
     g, counters = run_round([*honest, evil], aggregation="class-weighted", clip_factor=0.0)
+    # its 60 claims are more than 8 (4 x the round's lower median claim, at least 8): its
+    # classes fold into one class of its own, one of five class models
+    np.testing.assert_allclose(g["w"], [0.2, 0.2], rtol=1e-6)
+    assert counters["class_claims_bounded"] == 1 and not counters["share_capped"]
+    evil = upd("z", 1.0, n=8, counts={1000 + i: 1 for i in range(8)})  # 8: the share cap's
+    g, counters = run_round([*honest, evil], aggregation="class-weighted", clip_factor=0.0)
     np.testing.assert_allclose(g["w"], [0.5, 0.5], rtol=1e-6)
-    assert counters["share_capped"] == 1
+    assert counters["share_capped"] == 1 and not counters["class_claims_bounded"]
     # rounds where no one holds more than the cap keep the rule as it was: class models
     # 0: a, 1: (a + b) / 2, 2: c, 3: d (shares 3/8, 1/8, 1/4, 1/4)
     g, counters = run_round([upd("a", 1.0, n=20, counts={0: 10, 1: 10}),
@@ -282,6 +288,26 @@ def test_invented_classes_do_not_buy_a_class_weighted_round() -> None:
                             aggregation="class-weighted", clip_factor=0.0)
     np.testing.assert_allclose(g["w"], [(1.0 + 3.0 + 0.0 + 0.0) / 4] * 2, rtol=1e-6)
     assert not counters["share_capped"]
+
+
+def test_invented_classes_cannot_multiply_a_class_weighted_rounds_memory() -> None:
+    # the attack: class-weighted keeps a float64 model per class id in the round; with the
+    # share cap off one update claiming 1,500 invented classes made the round hold 1,500
+    # models (1.5 GiB for a 0.25 MiB model, 3.7 s to close)
+    import tracemalloc
+
+    big = {"w": np.zeros((256, 256), np.float32)}
+    honest = [upd("a", 0.0, shape=(256, 256), n=20, counts={0: 10, 1: 10}),
+              upd("b", 0.0, shape=(256, 256), n=20, counts={2: 20})]
+    evil = upd("z", 1.0, shape=(256, 256), n=1500, counts={1000 + i: 1 for i in range(1500)})
+    tracemalloc.start()
+    g, counters = run_round([*honest, evil], initial=big, aggregation="class-weighted",
+                            clip_factor=0.0, max_share=1.0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert counters["class_claims_bounded"] == 1
+    assert peak < 40 * big["w"].nbytes, peak  # a few models, not 1,500
+    np.testing.assert_allclose(g["w"], np.full((256, 256), 0.25), rtol=1e-6)  # 1 of 4 classes
 
 
 def test_updates_that_do_not_move_do_not_pull_the_bound_to_nothing() -> None:

@@ -6,6 +6,7 @@ a round's accepted updates before the strategy averages them, in order.
 |----------------------------|-----------------|-------|------------|----------|------------------|
 | BatchNorm variances > 0    | variance.py     | yes   | dense parts| plain    | always (reject)  |
 | norm clipping of changes   | clipping.py     | yes   | yes        | means    | 3 x median norm  |
+| class claims bound         | class_claims.py | class-weighted rule         | 4 x lower median |
 | weight share cap           | share.py        | yes   | yes        | plain+mm | 2/n, <= 1/2      |
 | sigma ceiling and floor    | sigma_floor.py  | no    | no         | yes      | 3x, 0.5x median  |
 | coordinate-wise median     | median.py       | yes   | no         | no       | --aggregation    |
@@ -34,7 +35,7 @@ from collections.abc import Callable
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
-from edgefcl.federation.robust import clipping, share, sigma_floor
+from edgefcl.federation.robust import class_claims, clipping, share, sigma_floor
 from edgefcl.federation.robust.variance import check_variances
 from edgefcl.federation.strategy import Strategy
 
@@ -48,6 +49,7 @@ declares, such as `weights_by_class`) -> updates."""
 ROUND_RULES: dict[str, Rule] = {
     "clipping": clipping.apply,
     "sigma_floor": sigma_floor.apply,
+    "class_claims": class_claims.apply,
     "share": share.apply,
 }
 """Rules applied, in this order, to a round's updates (sorted by client) before averaging."""
