@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from edgefcl.federation import heads as _heads  # noqa: F401  (register the names configs
-from edgefcl.federation import registry as _encodings  # noqa: F401  are checked against)
+from edgefcl.data import loaders as _loaders  # noqa: F401  (register the names and
+from edgefcl.federation import heads as _heads  # noqa: F401  forms that configs are
+from edgefcl.federation import registry as _encodings  # noqa: F401  checked against)
 from edgefcl.learn import methods as _methods  # noqa: F401
 from edgefcl.version import __version__
 

@@ -603,8 +603,16 @@ def require(checks: list[tuple[bool, str]], section: Any = None) -> None:
 
 
 def check_data(d: DataConfig) -> None:
-    """The [data] values that cannot work."""
+    """The [data] values that cannot work (the dataset spec's form, once the loaders
+    registered theirs: its files are checked when it loads)."""
+    forms = NAMES.get("datasets", {})
+    kind, colon, path = d.dataset.partition(":")
+    form = forms.get(kind.strip().lower())
     require([
+        (not forms or form is not None,
+         f"dataset '{d.dataset}' is unknown; valid forms: {', '.join(forms.values())}"),
+        (form is None or (":" in form) == bool(path.strip()),
+         f"dataset '{d.dataset}': use {form}" if form else ""),
         (d.tasks >= 1, "tasks must be >= 1"),
         (d.mnist1d_samples >= 10, "mnist1d_samples must be >= 10 (one a class)"),
         (d.batch_size >= 1, "batch_size must be >= 1"),

@@ -46,6 +46,9 @@ def test_defaults_are_valid() -> None:
      "gaussian"),
     ({"fed": {"encoding": "q9"}}, "unknown encoding 'q9'; choose from " + ", ".join(ENCODINGS)),
     ({"data": {"tasks": 0}}, "tasks must be >= 1"),
+    ({"data": {"dataset": "mnist"}}, "dataset 'mnist' is unknown; valid forms: digits, "
+     "mnist1d, npz:PATH"),
+    ({"data": {"dataset": "npz"}}, "dataset 'npz': use npz:PATH"),
     ({"learn": {"compile_step": "yes"}}, "compile_step must be auto, on or off"),
 ])
 def test_bad_values_are_one_line_errors(values: dict, message: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefcl.config import DataConfig
+from edgefcl.config import NAMES, DataConfig
 from edgefcl.data.cache import cached_arrays
 from edgefcl.data.types import DataError, Dataset
 
@@ -30,6 +30,9 @@ SPEC_FORMS = (
     "cifar100:DIR",
     "medmnist:PATH",
 )
+
+NAMES["datasets"] = {form.partition(":")[0]: form for form in SPEC_FORMS}
+"""What configs check a dataset spec's kind against (and whether it takes a path)."""
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
 
