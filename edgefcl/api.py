@@ -78,6 +78,7 @@ class Learner:
         self.task = 0
         self._client: Client | None = None
         self._labels: dict[str, object] = {}  # prototype head: label name -> label as given
+        self._shape: tuple[int, ...] | None = None  # a sample's shape, set by the first batch
 
     @property
     def client(self) -> Client | None:
@@ -100,12 +101,14 @@ class Learner:
         kind = "image" if x.ndim == 4 else "vector"
         self._client = new_client("local", model, le, self.fed, kind, self.seed)
 
-    @staticmethod
-    def _arrays(X: ArrayLike, y: ArrayLike | None = None
+    def _arrays(self, X: ArrayLike, y: ArrayLike | None = None
                 ) -> tuple[np.ndarray, np.ndarray | None]:
         x = np.ascontiguousarray(X, dtype=np.float32)
         if x.ndim < 2:
             raise ValueError(f"X must hold a batch of samples (N, ...), got shape {x.shape}")
+        if self._shape is not None and x.shape[1:] != self._shape:
+            raise ValueError(f"X's samples have shape {x.shape[1:]}; this learner was built "
+                             f"for {self._shape} by its first batch")
         if y is None:
             return x, None
         labels = np.asarray(y)
@@ -128,6 +131,7 @@ class Learner:
                 self._labels.setdefault(str(value), value)
         if self._client is None:
             self._build(x)
+            self._shape = tuple(x.shape[1:])
         learner = self._client.learner
         if task is not None and task != self.task:
             self.task = int(task)

@@ -81,6 +81,10 @@ def test_open_label_space_returns_the_labels_as_given() -> None:
     (lambda L, X: L.learn_many(X, np.full(len(X), 7)), "labels must be integers in 0..2"),
     (lambda L, X: L.learn_many(X, np.zeros(3, int)), "one label per sample"),
     (lambda L, X: L.learn_many(X[0], np.zeros(1, int)), "batch of samples"),
+    (lambda L, X: (L.learn_many(X, np.zeros(len(X), int)), L.predict_many(X[:, :9])),
+     r"X's samples have shape \(9,\); this learner was built for \(64,\)"),
+    (lambda L, X: (L.learn_many(X, np.zeros(len(X), int)), L.learn_many(X[:, :9], [0] * 10)),
+     "built for"),  # torch said "mat1 and mat2 shapes cannot be multiplied"
 ])
 def test_bad_input_is_a_clear_error(call, message) -> None:
     X, _ = digits((0,), 10)
