@@ -91,11 +91,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if out:
         print(f"results and plots written to {out}/")
     for r in (r for r in results if r.rounds == 0):
-        why = why_alone(r)
         log.warning("the fleet never federated (rounds = 0) in %s seed %d: %s", r.method,
-                    r.seed, f"{why}: values out of bounds usually mean a learning rate too "
-                    "large (--lr)" if "range" in why or "nonfinite" in why else why or
-                    "every client trained alone")
+                    r.seed, why_alone(r))
     return 0
 
 

@@ -606,7 +606,7 @@ def check_data(d: DataConfig) -> None:
     """The [data] values that cannot work (the dataset spec's form, once the loaders
     registered theirs: its files are checked when it loads)."""
     forms = NAMES.get("datasets", {})
-    kind, colon, path = d.dataset.partition(":")
+    kind, _, path = d.dataset.partition(":")
     form = forms.get(kind.strip().lower())
     require([
         (not forms or form is not None,

@@ -45,14 +45,16 @@ def run_table(r: RunResult) -> str:
 
 def why_alone(r: RunResult) -> str:
     """Why a run's fleet never federated, as far as its aggregator's counters say: the
-    updates it rejected, by reason ("" when it rejected none)."""
+    updates it rejected, by reason, or that every client trained alone."""
     counters = r.extra.get("aggregator") or {}
     rejected = {k.removeprefix("rejected_"): v for k, v in counters.items()
                 if k.startswith("rejected_") and isinstance(v, int) and v > 0}
     if not rejected:
-        return ""
+        return "every client trained alone"
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(rejected.items(), key=lambda kv: -kv[1]))
-    return f"the aggregator rejected its updates ({reasons})"
+    hint = (": values out of bounds usually mean a learning rate too large (--lr)"
+            if rejected.keys() & {"range", "nonfinite"} else "")
+    return f"the aggregator rejected its updates ({reasons}){hint}"
 
 
 def summarize(results: list[RunResult]) -> dict[str, dict[str, float]]:

@@ -17,8 +17,8 @@ The coordinate-wise rules need whole tensors, which sparse and apc updates are n
 carry a subset of entries). A sparse update's entries are changes on its base, so its change
 is clipped like a dense update's (`clipping.py`); apc's entries are absolute values, whose
 change is their difference to the global, clipped the same way (the apc knowledge base has
-its own bounds: `apc_rule.APCFedAvg`). Gaussian updates get their means' change clipped, the sigma
-ceiling (moment matching), the sigma floor (precision rules) and the share cap
+its own bounds: `apc_rule.APCFedAvg`). Gaussian updates get their means' change clipped, the
+sigma ceiling (moment matching), the sigma floor (precision rules) and the share cap
 (sample-weighted parts: plain tensors and moment matching). Conflation counts every client
 once, so the share cap does not apply to its Gaussians; the sigma floor does.
 The label room is applied by the aggregator to the round's prototype libraries (one device's

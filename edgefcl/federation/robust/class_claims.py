@@ -28,8 +28,8 @@ CLASS_SLACK = 4
 """How many times the reference claim an update may claim."""
 CLASS_FLOOR = 8
 """Claims up to this many classes always pass (a device between two tasks holds both)."""
-RECENT = 64
-"""Claims of earlier batches the reference also takes."""
+RECENT = 32
+"""Claims of earlier batches the reference also takes (as many as a saved memory keeps)."""
 OWN_CLASS = -1
 """The class an over-claiming update's samples are folded into."""
 
