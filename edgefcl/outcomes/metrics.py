@@ -33,8 +33,8 @@ def sample_std(values) -> float | None:
 
 
 def pm(mean: float, std: float | None, spec: str = ".1f") -> str:
-    """`mean ± std` as tables print it (`spec` formats both, a sign the mean alone); the
-    mean alone when `std` is None (one seed)."""
+    """`mean ± std` as tables print it (`spec` formats both; a `+` in it signs the mean
+    only); the mean alone when `std` is None (one seed)."""
     return f"{mean:{spec}}" if std is None else f"{mean:{spec}} ± {std:{spec.lstrip('+')}}"
 
 

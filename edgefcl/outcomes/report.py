@@ -175,10 +175,12 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
             r.method = label
             done[(label, seed)] = r
     for d in held or []:  # the summary's other runs are kept beside this sweep's: same options
-        label, seed = str(d.get("method")), int(d.get("seed", -1))
-        if (label, seed) in done or not isinstance(d.get("config"), dict):
+        label, seed = str(d.get("method")), d.get("seed")
+        if (label, seed) in done:
             continue
         try:
+            if not isinstance(seed, int) or not isinstance(d.get("config"), dict):
+                raise ConfigError("not a run's record")
             same = _comparable(run_config(d["config"])) == _comparable(run_config(_expected(
                 dataclasses.replace(cfg, compare=label, seed=seed, seeds=1), label, seed)))
         except ConfigError:  # a config this version cannot read: not this sweep's options

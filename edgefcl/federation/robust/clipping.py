@@ -111,8 +111,8 @@ FORMS: dict[str, tuple[Callable[[Tensors, Tensors], float],
 def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
           counters: Counter, form: str = "dense", memory: dict | None = None,
           strategy: Strategy | None = None) -> list[Update]:
-    """Clip dense, sparse, apc and Gaussian updates (other forms pass through); `memory` keeps the
-    recent norms (`reference_norm`)."""
+    """Clip dense, sparse, apc and Gaussian updates (other forms pass through); `memory`
+    keeps the recent norms (`reference_norm`)."""
     if form not in FORMS or (fed.clip_norm <= 0 and fed.clip_factor <= 0) or not updates:
         return updates
     norm_of, clip_to = FORMS[form]
