@@ -145,20 +145,38 @@ def test_forged_bodies_from_the_aggregator_are_rejected_not_kept(runner_factory,
     assert r.fleet_config is None and r.aggregator_state is None and not r.answers
     r._on_message(tp.config, body("config", incarnation="x", spec_hash="abc", burn_in=4))
     r._on_message(tp.aggregator_status, body("status", state="online", time=1.0))
+    r.awaited_tick = 1  # it sent tick 1's report
     r._on_message(tp.tick, body("answer", tick=1, version=1, participants=["c000"]))
     assert r.fleet_config["incarnation"] == "x" and r.aggregator_state["state"] == "online"
     assert r.answers[1]["version"] == 1
+
+
+def test_answers_for_ticks_a_device_does_not_wait_on_are_not_kept(runner_factory) -> None:
+    # the attack: every answer was kept (an async device never takes one), so forged
+    # answers of 2,000 long names each, for ticks no one waits on, held 405 MiB
+    r = runner_factory()
+    tp = topics(r.cfg.mqtt)
+    for tick in range(50):
+        r._on_message(tp.tick, body("answer", tick=tick + 10, version=0,
+                                    participants=["x" * 1000] * 100))
+    assert not r.answers and r.rejected == 0
+    r.awaited_tick = 7
+    r._on_message(tp.tick, body("answer", tick=7, version=0, participants=[]))
+    assert list(r.answers) == [7]
 
 
 def test_a_lock_step_device_gives_up_on_an_answered_global_that_never_comes(
         runner_factory) -> None:
     r = runner_factory()
     r.answer_timeout = 0.05
-    r._send = lambda msg, last=False: b""
     tp = topics(r.cfg.mqtt)
     v = r.client.version
-    tick = r.client.seq + 1
-    r._on_message(tp.tick, body("answer", tick=tick, version=v + 5,
-                                participants=[r.cid]))
+
+    def send(msg, last=False) -> bytes:  # the aggregator answers the report at once
+        r._on_message(tp.tick, body("answer", tick=msg.seq, version=v + 5,
+                                    participants=[r.cid]))
+        return b""
+
+    r._send = send
     r._sync_round(None)  # before: waited for version v + 5 for ever
     assert r.client.version == v and r.rejections["answer_unmet"] == 1
