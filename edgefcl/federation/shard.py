@@ -63,6 +63,9 @@ log = logging.getLogger("edgefcl.shard")
 
 MAX_DEFERRED = 64
 """Partials the root holds for the next round (their clients were already in this one)."""
+MAX_ROOT_COUNTERS = 256
+"""Distinct counters the root keeps: a worker's new names past this are left out (6,000
+invented names per partial grew its status past what devices decode)."""
 
 
 class ShardError(ValueError):
@@ -290,7 +293,9 @@ class ShardRoot(Aggregator):
         self._merged.append(p)
         self.counters["accepted"] += len(p.participants)
         self.counters["partials"] += 1
-        self.counters.update(p.counters)
+        for name, n in p.counters.items():  # a worker cannot grow the root's status unbounded
+            if name in self.counters or len(self.counters) < MAX_ROOT_COUNTERS:
+                self.counters[name] += n
         return None
 
     def _rebuild(self) -> None:

@@ -17,6 +17,7 @@ ids it is configured with.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +28,10 @@ from edgefcl.transport.codec_error import CodecError
 from edgefcl.transport.topics import validate_id
 
 SEP = "/"
+COUNTER_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+"""What a worker's counter may be called (the names the aggregator's counters have)."""
+MAX_PARTIAL_COUNTERS = 128
+"""Counters one partial may carry (a worker counts a few dozen kinds)."""
 NONNEGATIVE = ("weight", "weights", "prec", "count")
 """Path levels whose values (and everything under them) must not be negative."""
 GAUSSIAN_SUFFIX = "::mu"
@@ -140,8 +145,9 @@ def check_partial_message(msg: object, spec: dict[str, tuple[int, ...]], *,
         if path.rsplit(SEP, 1)[-1] in NONNEGATIVE and v < 0:
             raise CodecError("negative", f"partial scalar {path!r} is negative")
     checked = {str(p): _check_tensor(str(p), t, spec) for p, t in tensors.items()}
-    clean_counters = {str(k): int(v) for k, v in counters.items()
-                      if type(v) is int and 0 <= v < 1 << 53}
+    clean_counters = dict(sorted(
+        (k, v) for k, v in counters.items() if isinstance(k, str) and COUNTER_NAME.fullmatch(k)
+        and type(v) is int and 0 <= v < 1 << 53)[:MAX_PARTIAL_COUNTERS])
     return Partial(worker, version, tuple(parts), {c: int(s) for c, s in seqs.items()},
                    unflatten(checked, scalars), clean_counters)
 

@@ -51,6 +51,28 @@ def topic(worker="w0") -> str:
     return topics(cfg_for().mqtt).partial(worker)
 
 
+def test_a_workers_counters_cannot_grow_the_roots_status(tmp_path):
+    # the attack (one worker, or a bug in one): partials carrying 6,000 invented counter
+    # names each grew the root's counters to 24,002, its status to 404 KB and past the
+    # codec's limits, so devices never saw the aggregator online and `edgefcl status` lost it
+    from edgefcl.transport.codec import decode
+
+    d = make_root(tmp_path, clients=40)
+    d.agg.worker_online("w0")
+    d.agg.worker_online("w1")
+    for i in range(4):
+        p = partial("w0", (f"c{i}",))
+        p.counters = {**{f"junk_{i}_{j}\x1b[2J": 1 for j in range(6000)},
+                      **{f"made_up_{i}_{j}": 1 for j in range(600)}, "clipped": 2}
+        d.handle(topic("w0"), encode_partial(p, fleet=FLEET))
+    assert d.agg.counters["clipped"] == 8 and d.agg.counters["partials"] == 4
+    assert not any("\x1b" in k for k in d.agg.counters)
+    assert len(d.agg.counters) <= 300
+    status = encode(Message("status", d.status()), fleet=FLEET, sender="aggregator")
+    decode(status, FLEET, require_digest=True)  # within the limits devices decode with
+    d.store.close()
+
+
 def test_two_partials_close_a_round_with_the_weighted_mean(tmp_path):
     d = make_root(tmp_path)
     d.agg.worker_online("w0")
