@@ -45,6 +45,8 @@ from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregator import (
     Aggregator,
@@ -63,9 +65,21 @@ log = logging.getLogger("edgefcl.shard")
 
 MAX_DEFERRED = 64
 """Partials the root holds for the next round (their clients were already in this one)."""
+DEFERRED_MODELS = 64
+"""What the held partials may weigh together, in float64 copies of the global, at least
+DEFERRED_FLOOR bytes (partials padded with extra tensors, 16 of 42 MiB, held 672 MiB for a
+1 MiB model; 64 of the root's 64 MiB payload limit would be 4 GiB)."""
+DEFERRED_FLOOR = 16 << 20
 MAX_ROOT_COUNTERS = 256
 """Distinct counters the root keeps: a worker's new names past this are left out (6,000
 invented names per partial grew its status past what devices decode)."""
+
+
+def state_bytes(state: object) -> int:
+    """Bytes of the arrays a partial's (nested) state holds."""
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    return int(state.nbytes) if isinstance(state, np.ndarray) else 0
 
 
 class ShardError(ValueError):
@@ -213,7 +227,12 @@ class ShardRoot(Aggregator):
         self.granted: dict[str, str] = {}
         """client -> the worker whose partial of the open round may hold it (`claim`)."""
         self.deferred: list[Partial] = []
+        self._deferred_budget = max(DEFERRED_FLOOR, DEFERRED_MODELS * 8 * sum(
+            int(np.size(t)) for t in initial.values()))
         self._merged: list[Partial] = []
+
+    def _deferred_bytes(self) -> int:
+        return sum(state_bytes(p.state) for p in self.deferred)
 
     def load_state(self, state: dict) -> None:
         """Resume from `state()` output; the open round starts over on the loaded global."""
@@ -261,7 +280,8 @@ class ShardRoot(Aggregator):
         self.reported.add(p.worker)
         if set(p.participants) & set(self.in_round) or any(
                 self.granted.get(c, p.worker) != p.worker for c in p.participants):
-            if len(self.deferred) >= MAX_DEFERRED:
+            if len(self.deferred) >= MAX_DEFERRED or (
+                    self._deferred_bytes() + state_bytes(p.state) > self._deferred_budget):
                 self.counters["rejected_partial_deferred_full"] += 1
                 return "deferred_full"
             self.deferred.append(p)

@@ -11,6 +11,7 @@ import pytest
 from edgefcl.config import RunConfig, apply
 from edgefcl.federation.messages import GlobalModel, Update
 from edgefcl.federation.shard import Partial, ShardWorker
+from edgefcl.federation.shard import state_bytes as shard_state_bytes
 from edgefcl.runtime.links import NullLink, topics
 from edgefcl.runtime.shard_root import RootDaemon
 from edgefcl.runtime.shard_worker import WorkerDaemon
@@ -70,6 +71,37 @@ def test_a_workers_counters_cannot_grow_the_roots_status(tmp_path):
     assert len(d.agg.counters) <= 300
     status = encode(Message("status", d.status()), fleet=FLEET, sender="aggregator")
     decode(status, FLEET, require_digest=True)  # within the limits devices decode with
+    d.store.close()
+
+
+def test_partials_held_for_the_next_round_are_bounded_by_bytes(tmp_path):
+    # the attack: partials naming a client already in the round wait for the next one, at
+    # most 64, but of any size: padded with tensors named after the global's, 16 of 42 MiB
+    # held 672 MiB for a 1 MiB model
+    big = {"w": np.zeros((256, 256), np.float32)}  # budget: 64 float64 copies, 32 MiB
+    cfg = apply(cfg_for(), {"mqtt": {"max_payload": 16 << 20}})
+    d = RootDaemon(cfg, big, tmp_path / "state", workers=frozenset({"w0", "w1"}))
+    d.link = NullLink()
+    d.agg.worker_online("w0")
+    d.agg.worker_online("w1")
+
+    def big_partial() -> Partial:
+        w = ShardWorker(big, cfg.fed, worker="w0")
+        w.submit(Update("a", 0, 1, 0, 1, 4, {"w": np.ones((256, 256), np.float32)},
+                        class_counts={0: 4}), 0.0)
+        return w.flush()
+
+    d.handle(topic("w0"), encode_partial(big_partial(), fleet=FLEET))
+    d.handle(topic("w0"), encode_partial(big_partial(), fleet=FLEET))
+    assert len(d.agg.deferred) == 1  # an honest one waits
+    padded = big_partial()
+    for j in range(20):  # 10 MiB of padding, each named after the global's tensor
+        padded.state[f"pad{j}"] = {"w": np.zeros((256, 256), np.float64)}
+    payload = encode_partial(padded, fleet=FLEET)
+    for _ in range(16):
+        d.handle(topic("w0"), payload)
+    held = sum(shard_state_bytes(p.state) for p in d.agg.deferred)
+    assert held <= 32 << 20 and d.agg.counters["rejected_partial_deferred_full"] >= 13
     d.store.close()
 
 
