@@ -65,7 +65,8 @@ class Fleet:
                                    self.rng)
             stack.callback(fleet.procs.stop_all, grace=0)
             fleet.start(opts.rate)
-            progress = FleetProgress(cfg, layout.total)
+            progress = FleetProgress(cfg, layout.total,
+                                     {c: e.count for c, e in layout.expected.items()})
             stack.callback(progress.close)
             byzantine = None
             if opts.byzantine > 0:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from edgefcl.config import RunConfig
+from edgefcl.data.workload import client_id
+from edgefcl.runtime.bodies import is_int
 from edgefcl.runtime.links import open_link, status_body, topics
 from edgefcl.support.errors import UserError
 
@@ -120,12 +122,18 @@ class Supervisor:
 
 class FleetProgress:
     """The fleet's progress from its status topics: batches consumed per device (the most each
-    reported) and the aggregator's last status (with how many arrived)."""
+    reported, of the fleet's own devices, at most its stream's) and the aggregator's last
+    status (with how many arrived). `streams`: each device's batches (default: the replayed
+    clients c000, c001, ... of `cfg`, each at most `total`). One status claiming 10**18
+    batches had every drill that waits on the fleet's progress fire at once."""
 
-    def __init__(self, cfg: RunConfig, total: int) -> None:
+    def __init__(self, cfg: RunConfig, total: int, streams: dict[str, int] | None = None
+                 ) -> None:
         self.fleet = cfg.mqtt.fleet
         self.topics = topics(cfg.mqtt)
         self.total = total
+        self.streams = streams if streams is not None else {
+            client_id(k): total for k in range(cfg.fed.clients)}
         self.consumed: dict[str, int] = {}
         self.aggregator: dict[str, Any] = {}
         self.aggregator_statuses = 0
@@ -141,9 +149,10 @@ class FleetProgress:
         if topic == self.topics.aggregator_status:
             self.aggregator = body
             self.aggregator_statuses += 1
-        elif "consumed" in body:
-            cid = self.topics.client_from(topic)
-            self.consumed[cid] = max(self.consumed.get(cid, 0), int(body["consumed"]))
+        else:
+            cid, n = self.topics.client_from(topic), body.get("consumed")
+            if cid in self.streams and is_int(n) and n >= 0:
+                self.consumed[cid] = min(max(self.consumed.get(cid, 0), n), self.streams[cid])
 
     @property
     def batches(self) -> int:
@@ -151,8 +160,8 @@ class FleetProgress:
 
     @property
     def fraction(self) -> float:
-        """Batches consumed / batches in all streams."""
-        return self.batches / max(self.total, 1)
+        """Batches consumed / batches in all streams (at most 1)."""
+        return min(1.0, self.batches / max(self.total, 1))
 
     def close(self) -> None:
         self.link.close()

@@ -113,3 +113,29 @@ def test_firmware_overrides_only_the_runner_hooks():
     overridden = {n for n, v in vars(Firmware).items()
                   if callable(v) and n != "__init__" and hasattr(DeviceRunner, n)}
     assert overridden and not {n for n in overridden if n.startswith("_")}, overridden
+
+
+def test_fleet_progress_counts_only_the_fleets_devices_and_their_streams(monkeypatch):
+    # the attack: one status claiming 10**18 batches made the fleet's progress 10**15, so
+    # every drill waiting on it (kill_at, cut_at, broker restarts) fired at once; a float or
+    # a list raised in the network callback, a traceback per message
+    from edgefcl.config import RunConfig, apply
+    from edgefcl.runtime import supervisor
+    from edgefcl.transport.codec import Message, encode
+
+    monkeypatch.setattr(supervisor, "open_link", lambda *a, **k: type(
+        "Link", (), {"subscribe": lambda *a, **k: None, "close": lambda self: None})())
+    cfg = apply(RunConfig(), {"fed": {"clients": 2}, "mqtt": {"fleet": "f"}, "quiet": True})
+    p = supervisor.FleetProgress(cfg, 100)
+
+    def status(cid: str, consumed: object) -> None:
+        p.on_status(p.topics.status(cid), encode(Message(
+            "status", {"state": "online", "consumed": consumed}), fleet="f", sender=cid))
+
+    status("evil", 10**18)  # not one of the fleet's devices
+    for junk in (float("nan"), float("inf"), "12", [1], True, -5):
+        status("c000", junk)
+    assert p.batches == 0
+    status("c000", 10**18)  # its own, but more than its stream
+    status("c001", 30)
+    assert p.consumed == {"c000": 100, "c001": 30}
