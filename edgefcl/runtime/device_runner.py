@@ -48,6 +48,9 @@ MAX_ARRIVALS = 256
 GLOBAL_FETCHES = 3
 """Times a lock-step device fetches the whole global for an answered version that has not come
 before it goes on without it (each after `answer_timeout` s)."""
+REFETCH_S = 5.0
+"""Seconds between two fetches of the whole global that deltas missing a change set off (a
+forged 150-byte delta made the broker send the whole global down the link each time)."""
 
 
 class Stopped(Exception):
@@ -106,6 +109,7 @@ class DeviceRunner:
         self.batches: queue.Queue = queue.Queue()
         self.answers: dict[int, dict] = {}  # the awaited tick's answer, once it came
         self.awaited_tick: int | None = None
+        self.refetched_at = float("-inf")  # when a delta that missed a change last fetched
         self.latest: GlobalModel | None = None
         # sparse downlink: this device's copy of the global, which the deltas update
         self.tracker = (DownlinkState(client.base, client.version)
@@ -272,8 +276,9 @@ class DeviceRunner:
                 self._check(g)
                 self.tracker = DownlinkState(g.tensors, g.version)
                 self._adopt(g)
-            else:
-                self._fetch_whole()  # missed a change (reboot, resumed aggregator)
+            elif time.monotonic() - self.refetched_at >= REFETCH_S:
+                self.refetched_at = time.monotonic()  # one fetch in flight: each one is a
+                self._fetch_whole()  # whole global down the link (missed a change: reboot)
         else:
             self._check(g)
             self.tracker = DownlinkState(g.tensors, g.version)

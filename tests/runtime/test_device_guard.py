@@ -26,9 +26,9 @@ def runner_factory():
                               "mqtt": {"fleet": "g"}})
     setup = prepare(cfg, 0)
 
-    def make(encoding="dense") -> DeviceRunner:
+    def make(encoding="dense", downlink="dense") -> DeviceRunner:
         c = apply(RunConfig(), {"data": {"tasks": 2, "classes_per_task": 2},
-                                "fed": {"encoding": encoding, "downlink": "dense"},
+                                "fed": {"encoding": encoding, "downlink": downlink},
                                 "quiet": True, "mqtt": {"fleet": "g"}})
         r = DeviceRunner(c, make_client(c, setup, 0, "fedavg", 0))
         r.link = NullLink()
@@ -180,3 +180,28 @@ def test_a_lock_step_device_gives_up_on_an_answered_global_that_never_comes(
     r._send = send
     r._sync_round(None)  # before: waited for version v + 5 for ever
     assert r.client.version == v and r.rejections["answer_unmet"] == 1
+
+
+def test_deltas_that_miss_a_change_fetch_the_whole_global_once_in_a_while(runner_factory,
+                                                                         monkeypatch):
+    # the attack: a 150-byte delta naming a base the device does not hold made it
+    # re-subscribe to the retained whole global each time, which the broker then sends
+    # whole down the device's link: 100 forged deltas, 100 whole globals
+    from edgefcl.runtime import device_runner
+
+    r = runner_factory(downlink="sparse")
+    assert r.tracker is not None
+    fetches = []
+    r.link.subscribe = lambda topic, *a, **k: fetches.append(topic)
+    tp = topics(r.cfg.mqtt)
+    forged = encode(GlobalModel(3, {"::delta_from": np.array(12345, np.int64)}, ()),
+                    fleet="g")
+    now = [1000.0]
+    monkeypatch.setattr(device_runner.time, "monotonic", lambda: now[0])
+    for _ in range(100):
+        r._on_message(tp.global_delta, forged)
+        now[0] += 0.01
+    assert fetches == [tp.global_]
+    now[0] += device_runner.REFETCH_S  # a real miss later still fetches
+    r._on_message(tp.global_delta, forged)
+    assert fetches == [tp.global_] * 2
