@@ -61,7 +61,8 @@ class FleetView:
         now = time.time()
         with self.lock:
             agg = _aggregator_row(self.aggregator, now) if self.aggregator else None
-            devices = {_text(cid, 40): _device_row(b, now)
+            devices = {_text(cid, 128): _device_row(b, now)  # a whole id: 40 characters hid
+                       # one device behind another whose id began alike
                        for cid, b in sorted(self.devices.items())}
             config = _plain(self.config) if self.config else None
         if config:

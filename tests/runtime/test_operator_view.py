@@ -172,3 +172,16 @@ def test_status_of_a_fleet_that_is_not_there_names_the_fleets_that_are(mosquitto
     err = capsys.readouterr().err
     assert f"nothing of fleet 'dmeo' on {mosquitto}; fleets there: demo, ops" in err
     assert "x y" not in err and "zzz" not in err
+
+
+def test_a_long_id_cannot_hide_another_device_behind_it() -> None:
+    # the attack: rows were keyed by the id's first 40 characters, so a device whose id
+    # shared them with a victim's (ids may have 128) took the victim's row
+    view = view_with()
+    tp = topics(view.cfg.mqtt)
+    base = "sensor-" + "x" * 40
+    for cid, state in ((base + "-victim", "online"), (base + "-zattacker", "offline")):
+        view.on_message(tp.status(cid), encode(Message("status", {"state": state}, sender=cid),
+                                               fleet=FLEET))
+    devices = view.snapshot()["devices"]
+    assert devices[base + "-victim"]["state"] == "online" and len(devices) == 4
