@@ -99,6 +99,13 @@ def merge_global(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
     return None
 
 
+def rejoin(client: Any, g: GlobalModel) -> None:
+    """Take `g` whole, older than the version the device holds: that version is not its
+    aggregator's (a forged global far ahead, or a new run under the same fleet name), and
+    without this no later global would be newer (`merge_global` would skip them all)."""
+    client.apply_global(g, REPLACE)
+
+
 def merge_at_gate(client: Any, g: GlobalModel, fed: FedConfig) -> str | None:
     """Async, when the task gate opens (every device finished the task): the device takes
     the newest global by the run's `device_merge` rule whether or not it lists the device. It

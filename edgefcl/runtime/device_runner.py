@@ -31,7 +31,7 @@ from edgefcl.federation.versions import (
 from edgefcl.learn.client import Client
 from edgefcl.learn.drift import stream_report
 from edgefcl.learn.global_format import global_tensors
-from edgefcl.learn.merges import CAUGHT_UP, MERGED, merge_at_gate, merge_global
+from edgefcl.learn.merges import CAUGHT_UP, MERGED, merge_at_gate, merge_global, rejoin
 from edgefcl.outcomes.metrics import forgetting
 from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
 from edgefcl.runtime.bodies import body_fault
@@ -48,6 +48,9 @@ MAX_ARRIVALS = 256
 GLOBAL_FETCHES = 3
 """Times a lock-step device fetches the whole global for an answered version that has not come
 before it goes on without it (each after `answer_timeout` s)."""
+OLDER_GLOBALS = 3
+"""Globals in a row, each newer than the last, all older than the version a device holds,
+after which it takes the newest whole (`rejoin`): that version was not its aggregator's."""
 REFETCH_S = 5.0
 """Seconds between two fetches of the whole global that deltas missing a change set off (a
 forged 150-byte delta made the broker send the whole global down the link each time)."""
@@ -110,6 +113,8 @@ class DeviceRunner:
         self.answers: dict[int, dict] = {}  # the awaited tick's answer, once it came
         self.awaited_tick: int | None = None
         self.refetched_at = float("-inf")  # when a delta that missed a change last fetched
+        self.older_globals = 0  # globals in a row, rising, below the version held
+        self.version_resets = 0
         self.latest: GlobalModel | None = None
         # sparse downlink: this device's copy of the global, which the deltas update
         self.tracker = (DownlinkState(client.base, client.version)
@@ -287,7 +292,13 @@ class DeviceRunner:
 
     def _adopt(self, g: GlobalModel) -> None:
         """Keep `g` as the newest global (checked); note when it arrived (the first
-        `MAX_ARRIVALS` versions: the matched timing profile reads the delays)."""
+        `MAX_ARRIVALS` versions: the matched timing profile reads the delays) and how many
+        globals in a row, each newer than the last, were older than the version held."""
+        if g.version >= self.client.version:
+            self.older_globals = 0
+        elif self.older_globals == 0 or (self.latest is not None
+                                         and g.version > self.latest.version):
+            self.older_globals += 1
         if (len(self.arrivals) < MAX_ARRIVALS and g.version not in self.arrivals
                 and (self.latest is None or g.version > self.latest.version)):
             self.arrivals[g.version] = time.time()
@@ -622,6 +633,12 @@ class DeviceRunner:
             g = self.latest
         if g is None:
             return
+        if self.older_globals >= OLDER_GLOBALS and g.version < self.client.version:
+            log.warning("%s: the version held (%d) is not the aggregator's, whose globals are "
+                        "at %d: taking its global", self.cid, self.client.version, g.version)
+            rejoin(self.client, g)
+            self.version_resets += 1
+            self.older_globals = 0
         done = merge_global(self.client, g, self.cfg.fed)  # the simulator's decision too
         if done == MERGED:
             self.rounds += 1

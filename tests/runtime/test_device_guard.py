@@ -205,3 +205,34 @@ def test_deltas_that_miss_a_change_fetch_the_whole_global_once_in_a_while(runner
     now[0] += device_runner.REFETCH_S  # a real miss later still fetches
     r._on_message(tp.global_delta, forged)
     assert fetches == [tp.global_] * 2
+
+
+def test_a_forged_global_far_ahead_does_not_lock_the_device_out(runner_factory) -> None:
+    # the attack: one valid global 10**6 versions ahead (a stolen credential, a retained
+    # leftover) was adopted; every honest global after it was older, so the device never
+    # merged one again, and its updates, based on the forged version, were rejected as `base`
+    c = apply(RunConfig(), {"data": {"tasks": 2, "classes_per_task": 2},
+                            "fed": {"mode": "async", "downlink": "dense"}, "quiet": True,
+                            "mqtt": {"fleet": "g"}})
+    base = runner_factory()
+    r = DeviceRunner(c, base.client)
+    r.link = NullLink()
+    tp = topics(r.cfg.mqtt)
+    tensors = global_tensors(r.client.model, r.cfg.fed.encoding)
+
+    def deliver(version: int, participants=()) -> None:
+        r._on_message(tp.global_, encode(GlobalModel(version, tensors, tuple(participants)),
+                                         fleet="g"))
+        r._merge_async()
+
+    deliver(1, [r.cid])
+    deliver(1 + 10**6, ["someone"])
+    assert r.client.version == 1 + 10**6  # valid, so adopted: the path is not signed
+    deliver(2, [r.cid])
+    deliver(3, [r.cid])  # two older globals, rising: the aggregator's, not a redelivery
+    assert r.client.version == 1 + 10**6
+    deliver(4, [r.cid])  # the third: the held version is not this aggregator's
+    assert r.client.version == 4 and r.version_resets == 1
+    for v in range(5, 9):
+        deliver(v, [r.cid])
+    assert r.client.version == 8 and r.version_resets == 1
