@@ -35,12 +35,20 @@ DAEMON_HELP = {"broker": "broker URL mqtt://HOST:PORT or mqtts://HOST:PORT (defa
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `PROG: error: MESSAGE (see PROG --help)`, exit code 2."""
 
+    argv: list[str] = []
+
     def error(self, message: str) -> None:  # type: ignore[override]
+        unknown = [a for a in self.argv if a.startswith("-")
+                   and a.split("=", 1)[0] not in self._option_string_actions]
+        if message.startswith("the following arguments are required") and unknown:
+            message = f"unrecognized arguments: {' '.join(unknown)}; give a command first"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         """As argparse's, but an unknown flag is the error of the subcommand it was given to,
-        which names that subcommand's help."""
+        which names that subcommand's help (given before any, it is named as unknown, not
+        as a missing command)."""
+        self.argv = list(sys.argv[1:] if args is None else args)
         ns, extras = self.parse_known_args(args, namespace)
         if extras:
             self._chosen(ns).error(f"unrecognized arguments: {' '.join(extras)}")

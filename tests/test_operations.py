@@ -58,6 +58,17 @@ def test_daemons_refuse_options_they_would_ignore(command, flag, capsys):
     assert "unrecognized arguments" in one_line_error(capsys)
 
 
+def test_an_unknown_flag_before_any_command_is_named(capsys):
+    # `edgefcl --bogus` said "the following arguments are required: COMMAND"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--bogus"])
+    assert one_line_error(capsys).startswith(
+        "edgefcl: error: unrecognized arguments: --bogus; give a command first")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["-v"])
+    assert "the following arguments are required: COMMAND" in one_line_error(capsys)
+
+
 def test_help_shows_each_commands_own_options_with_defaults(capsys):
     texts = {}
     for command in ("aggregator", "broker", "export", "predict", "status", "simulate"):
