@@ -254,24 +254,28 @@ def scaled_change(tensors: Tensors, scale: float, reference: Tensors) -> Tensors
     return out
 
 
+ENTRY_FORMS = frozenset({"dense", "rows", *INDEX_FORMATS})
+"""Every form a payload of absolute entries may carry a tensor in."""
+
+
 def _entry_changes(tensors: Tensors, reference: Tensors
-                   ) -> Iterator[tuple[str, np.ndarray | None, np.ndarray, np.ndarray]]:
-    """(wire key, flat positions or None for a whole tensor, float64 change, reference values
-    there) of every part of a checked payload of absolute entries (apc: rows of a tensor and
-    whole tensors) that changes a tensor of `reference`; knowledge-base pairs change none."""
+                   ) -> Iterator[tuple[str, str | None, np.ndarray, np.ndarray]]:
+    """(wire key, value suffix or None for a whole tensor, float64 change, reference values
+    there) of every part of a checked payload of absolute entries (apc: rows or positions of
+    a tensor with float or bfloat16 values, and whole tensors) that changes a tensor of
+    `reference`; knowledge-base pairs change none."""
     for name, parts in group_wire(tensors).items():
         ref = reference.get(name)
         if name.endswith(KB) or ref is None:
             continue
         flat = np.asarray(ref, np.float64).ravel()
-        whole = parts.get("dense")
-        if whole is not None:
-            yield name, None, whole.astype(np.float64).ravel() - flat, flat
-        elif "rows" in parts and "val" in parts:
-            rows = decode_indices(parts["rows"], ref.shape[0])
-            row_len = math.prod(ref.shape[1:])
-            pos = (rows[:, None] * row_len + np.arange(row_len)[None, :]).ravel()
-            yield name + VAL, pos, parts["val"].astype(np.float64) - flat[pos], flat[pos]
+        got = decode_group(parts, tuple(ref.shape), ENTRY_FORMS)
+        if not isinstance(got, tuple):
+            yield name, None, got.astype(np.float64).ravel() - flat, flat
+            continue
+        pos, vals = got
+        suffix = next(s for s in VALUE_SUFFIXES if s in parts)
+        yield f"{name}::{suffix}", suffix, vals - flat[pos], flat[pos]
 
 
 def entries_change_norm(tensors: Tensors, reference: Tensors) -> float:
@@ -285,9 +289,11 @@ def scaled_entries_change(tensors: Tensors, scale: float, reference: Tensors) ->
     """A checked payload of absolute entries with its change on `reference` scaled by
     `scale` <= 1, in the wire dtypes (indices and knowledge-base pairs as they are)."""
     out = dict(tensors)
-    for key, _, d, ref in _entry_changes(tensors, reference):
+    for key, suffix, d, ref in _entry_changes(tensors, reference):
         t = tensors[key]
-        out[key] = (ref + scale * d).astype(t.dtype).reshape(t.shape)
+        new = (ref + scale * d).astype(np.float32)
+        out[key] = (to_bfloat16(new) if suffix == "bf16" else new.astype(t.dtype)).reshape(
+            t.shape)
     return out
 
 

@@ -12,7 +12,15 @@ from edgefcl.config import ConfigError, FedConfig, LearnConfig, RunConfig, apply
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.apc_rule import KB_NEXT, APCEncoder, APCFedAvg
 from edgefcl.federation.messages import GlobalModel, Update
-from edgefcl.federation.sparse import IDX, KB, ROWS, VAL, decode_indices, encode_indices
+from edgefcl.federation.sparse import (
+    IDX,
+    KB,
+    ROWS,
+    VAL,
+    decode_indices,
+    encode_indices,
+    to_bfloat16,
+)
 from edgefcl.learn.apc_layers import APC, APCLayer, decompose, local_keys, shared_tensors
 from edgefcl.learn.params import get_tensors
 
@@ -223,7 +231,8 @@ def test_one_device_cannot_own_the_knowledge_base_nor_write_it_at_the_bound():
     assert again.strategy.owners == owners and again.strategy.kb_task == agg.strategy.kb_task
 
 
-def test_a_row_only_one_device_sends_moves_no_further_than_an_honest_change():
+@pytest.mark.parametrize("form", ["rows", "idx", "rows_bf16"])
+def test_a_row_only_one_device_sends_moves_no_further_than_an_honest_change(form):
     """apc's rows are absolute values averaged over their senders: a row only the attacker
     sent (at 1e6, one sample) was set by it alone, 5e5 after one round and 8.75e5 after
     three. Its change on the global is clipped like a sparse update's."""
@@ -231,16 +240,23 @@ def test_a_row_only_one_device_sends_moves_no_further_than_an_honest_change():
     w = np.full((4, 4), 0.1, np.float32)
     agg = Aggregator({"w": w, "b": np.zeros(4, np.float32)}, fed)
 
-    def update(c, seq, rows, value, n=10):
+    def update(c, seq, rows, value, n=10, form="rows"):
+        vals = np.full(len(rows) * 4, value, np.float32)
+        if form == "idx":  # the same entries by flat position
+            t = {"w" + IDX: encode_indices(np.array([4 * r + k for r in rows for k in range(4)])),
+                 "w" + VAL: vals}
+        elif form == "rows_bf16":
+            t = {"w" + ROWS: encode_indices(np.array(rows)), "w::bf16": to_bfloat16(vals)}
+        else:
+            t = {"w" + ROWS: encode_indices(np.array(rows)), "w" + VAL: vals}
         return Update(c, agg.global_.version, seq, 0, 2 + 2 * seq, n,
-                      {"w" + ROWS: encode_indices(np.array(rows)),
-                       "w" + VAL: np.full(len(rows) * 4, value, np.float32),
-                       "b": np.zeros(4, np.float32)}, "apc")
+                      {**t, "b": np.zeros(4, np.float32)}, "apc")
 
     for seq in (1, 2, 3):
         for i, c in enumerate("hijk"):  # honest devices move rows 0 and 1 a little
             agg.submit(update(c, seq, [0, 1], 0.1 + 0.01 * (i + seq)))
-        g = agg.submit(update("e", seq, [3], 1e6, n=1)).global_.tensors["w"]
+        closed = agg.submit(update("e", seq, [3], 1e6, n=1, form=form))
+        g = closed.global_.tensors["w"]
     assert agg.counters["clipped"] == 3
     assert abs(g[3, 0] - 0.1) < 1.0  # moved at most about 3 x an honest change a round
     assert 0.1 < g[0, 0] < 0.2
