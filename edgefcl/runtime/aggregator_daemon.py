@@ -542,6 +542,7 @@ class AggregatorDaemon:
             if self._run_over(now, last_input) and not self._release_waiting():
                 finished = True
                 break
+        self.results.check_done(self.done, self.agg.active, self, force=True)  # one that waited
         self._save_state(None)
         formed = bool(self.done)
         if finished and formed:

@@ -30,6 +30,8 @@ SELF_REPORTED = "devices (self-reported)"
 checked; the aggregator's own measure is `fleet.held_out_accuracy` (with --eval-data)."""
 MAX_CLAIMED_BYTES = 1 << 50
 """The largest downlink byte count a device's report may claim (a bound, not a check)."""
+WRITE_EVERY_S = 5.0
+"""Seconds between two writes of results.json once the run is done (a later report waits)."""
 
 
 def _matrix(value: Any, tasks: int) -> np.ndarray | None:
@@ -64,6 +66,7 @@ class FleetResults:
         self.reports: dict[str, dict[str, Any]] = {}
         self.summarized = False
         self.last_summary: dict[str, Any] | None = None
+        self.written_at = float("-inf")
         self.started = started if started is not None else time.time()
 
     def on_round(self, g: GlobalModel) -> dict[str, Any]:
@@ -86,25 +89,30 @@ class FleetResults:
 
     def on_device_done(self, client: str, body: dict[str, Any]) -> None:
         """A device said its stream is done; keep what it measured (checked, untrusted). Its
-        first report of this process counts: one that re-sent `done` with a new matrix
-        each time made the daemon rewrite results.json, the model and its state per status."""
-        if client in self.reports:
+        first report of each device process (the status's `incarnation`) counts: one that
+        re-sent `done` with a new matrix each time made the daemon rewrite results.json, the
+        model and its state per status; a report of a new process replaces an earlier one
+        (the previous run's retained `done` reaches a new aggregator first)."""
+        inc = body.get("incarnation") if isinstance(body.get("incarnation"), str) else None
+        if client in self.reports and self.reports[client]["incarnation"] == inc:
             return
         T = self.cfg.data.tasks
         m = _matrix(body.get("accuracy_matrix"), T)
         down = body.get("bytes_down")
-        self.reports[client] = {"accuracy_matrix": m,
+        self.reports[client] = {"accuracy_matrix": m, "incarnation": inc,
                                 "batches": body.get("consumed") if
                                 isinstance(body.get("consumed"), int) else None,
                                 "bytes_down": down if isinstance(down, int) and
                                 0 <= down <= MAX_CLAIMED_BYTES else None}
         self.summarized = False
 
-    def check_done(self, done: set[str], active: set[str], daemon) -> bool:
+    def check_done(self, done: set[str], active: set[str], daemon, force: bool = False) -> bool:
         """Log the fleet summary and write results.json once every expected client is done
-        and none is active; True when that happened now."""
-        if self.summarized or active or len(done) < self.cfg.fed.clients:
-            return False
+        and none is active, at most every WRITE_EVERY_S unless `force` (the daemon stops);
+        True when that happened now."""
+        if self.summarized or active or len(done) < self.cfg.fed.clients or (
+                not force and time.monotonic() - self.written_at < WRITE_EVERY_S):
+            return False  # (a report within WRITE_EVERY_S of the last write waits for it)
         self.summarized = True
         summary = self.summary(done, daemon)
         if summary == self.last_summary:
@@ -114,6 +122,7 @@ class FleetResults:
         if summary["rounds"] == 0:
             log.warning("the fleet never federated (rounds = 0): every client trained alone")
         self.write(summary, daemon)
+        self.written_at = time.monotonic()
         return True
 
     def summary(self, done: set[str], daemon) -> dict[str, Any]:

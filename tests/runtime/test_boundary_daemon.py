@@ -663,6 +663,35 @@ def test_a_device_flapping_its_status_cannot_make_the_config_fan_out(tmp_path) -
     d.store.close()
 
 
+def test_a_stale_retained_done_gives_way_to_the_devices_report_of_this_run(tmp_path,
+                                                                         monkeypatch) -> None:
+    # a reviewer's scenario: a fleet of fixed name run a second time on the same broker; each
+    # device's last status of the first run, a retained `done`, reached the new aggregator
+    # first, and with "the first report counts" the second run ended with the first's matrices
+    import json
+
+    from edgefcl.runtime import fleet_results
+
+    now = [100.0]
+    monkeypatch.setattr(fleet_results.time, "monotonic", lambda: now[0])
+    d = make_daemon(tmp_path, roster="a,b,c")
+    d.results = fleet_results.FleetResults(d.cfg, d.state_dir, {}, started=0.0)
+    old, new = (np.eye(5) * 0.1).tolist(), (np.eye(5) * 0.9).tolist()
+    for c in "abc":  # the first run's retained statuses
+        d._on_status(c, {"state": "done", "incarnation": "old", "accuracy_matrix": old}, 0.0)
+    assert d.results.check_done(d.done, d.agg.active, d)
+    for c in "abc":  # this run's devices
+        d._on_status(c, {"state": "online", "incarnation": "new"}, 1.0)
+    for c in "abc":
+        d._on_status(c, {"state": "done", "incarnation": "new", "accuracy_matrix": new}, 2.0)
+    assert not d.results.check_done(d.done, d.agg.active, d)  # within 5 s of the last write
+    now[0] += fleet_results.WRITE_EVERY_S
+    assert d.results.check_done(d.done, d.agg.active, d)
+    got = json.loads((d.state_dir / "results.json").read_text())["accuracy_matrix"]
+    assert got[0] == (np.eye(5) * 90).tolist()
+    d.store.close()
+
+
 def test_a_resumed_run_keeps_what_its_devices_measured(tmp_path) -> None:
     # the operator's trap: `aggregator --resume` on a finished run rewrote results.json
     # without the accuracy, forgetting and matrix (the devices' reports came before it)
