@@ -298,6 +298,16 @@ def test_a_broken_or_foreign_results_file_is_a_one_line_error(tmp_path, capsys):
     assert "its results.json is neither a run's nor a comparison's" in one_line_error(capsys)
     assert main(["report", str(foreign / "results.json")]) == 2
     assert f"is a file; pass its folder: edgefcl report {foreign}" in one_line_error(capsys)
+    (foreign / "results.json").write_text('{"accuracy_matrix": [[[1]]]}')  # keys missing
+    assert main(["report", str(foreign)]) == 2
+    assert f"{foreign}/results.json: not a run's results" in one_line_error(capsys)
+    run = tmp_path / "sweep" / "er" / "seed0"
+    run.mkdir(parents=True)
+    (run / "results.json").write_text("{}")
+    (run / "config.toml").write_text("")
+    assert main(["simulate", *SMALL, "--compare", "er,fedavg", "--out", str(tmp_path / "sweep"),
+                 "--resume"]) == 2
+    assert "seed0/results.json: not a run's results" in one_line_error(capsys)
 
 
 def test_output_cut_short_by_a_closed_pipe_is_no_traceback():

@@ -131,8 +131,17 @@ def write_summary(results: list[RunResult], out: Path) -> dict:
     return summary
 
 
-def result_from_dict(d: dict[str, Any]) -> RunResult:
-    """A RunResult read back from its results.json (without the global model)."""
+def result_from_dict(d: dict[str, Any], source: Path | str = "results.json") -> RunResult:
+    """A RunResult read back from its results.json (without the global model); DataError
+    naming `source` when `d` is not a run's record."""
+    try:
+        return _result(d)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise DataError(f"{source}: not a run's results (missing or malformed: {e}); write it "
+                        "again with edgefcl simulate --out") from None
+
+
+def _result(d: dict[str, Any]) -> RunResult:
     comm = CommStats(dict(d.get("bytes_up_per_client", {})),
                      dict(d.get("bytes_down_per_client", {})),
                      list(d.get("bytes_up_per_round", [])),
@@ -167,7 +176,7 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
             d = load_json(folder / RESULTS)
             if "runs" in d:
                 continue
-            r = result_from_dict(d)
+            r = result_from_dict(d, folder / RESULTS)
             mine = _comparable(run_config(_expected(cfg, label, seed)))
             if _comparable(load_toml(folder / CONFIG)) != mine:
                 raise ConfigError(f"--resume: {folder} holds a run of another configuration; "
@@ -205,7 +214,7 @@ def with_held_runs(results: list[RunResult], out: Path) -> tuple[list[RunResult]
     names ("er seed 2"): resuming a subset of a comparison keeps the rest of its summary
     (`finished_runs` checked that they have this sweep's options)."""
     mine = {(r.method, r.seed): r for r in results}
-    held = [result_from_dict(d) for d in _held_runs(out) or []]
+    held = [result_from_dict(d, out / RESULTS) for d in _held_runs(out) or []]
     extra = [f"{r.method} seed {r.seed}" for r in held if (r.method, r.seed) not in mine]
     merged = [mine.pop((r.method, r.seed), r) for r in held]  # the summary's order
     return merged + list(mine.values()), extra
@@ -382,12 +391,12 @@ def report_dir(path: Path) -> str:
             raise DataError(f"{path}: its results.json is neither a run's nor a comparison's "
                             "(written by edgefcl simulate --out or an aggregator)")
         if isinstance(d, dict) and "runs" in d:
-            runs = [result_from_dict(r) for r in d["runs"]]
+            runs = [result_from_dict(r, results) for r in d["runs"]]
             summary = summarize(runs)
             plot_comparison(summary, path / "comparison.png")
             parts += [*(run_table(r) for r in runs), "", compare_table(summary)]
         elif isinstance(d, dict) and "accuracy_matrix" in d:
-            r = result_from_dict(d)
+            r = result_from_dict(d, results)
             plot_run(r, path)
             parts.append(run_table(r))
     if (path / ROUNDS).is_file() or (path / "state.json").is_file():
