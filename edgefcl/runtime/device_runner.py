@@ -53,7 +53,8 @@ OLDER_GLOBALS = 3
 after which it takes the newest whole (`rejoin`): that version was not its aggregator's."""
 REFETCH_S = 5.0
 """Seconds between two fetches of the whole global that deltas missing a change set off (a
-forged 150-byte delta made the broker send the whole global down the link each time)."""
+forged 150-byte delta made the broker send the whole global down the link each time); one
+asked for sooner is made when they have passed."""
 
 
 class Stopped(Exception):
@@ -113,6 +114,7 @@ class DeviceRunner:
         self.answers: dict[int, dict] = {}  # the awaited tick's answer, once it came
         self.awaited_tick: int | None = None
         self.refetched_at = float("-inf")  # when a delta that missed a change last fetched
+        self.refetch_pending = False  # one asked for within REFETCH_S of the last
         self.older_globals = 0  # globals in a row, rising, below the version held
         self.version_resets = 0
         self.latest: GlobalModel | None = None
@@ -281,13 +283,14 @@ class DeviceRunner:
                 self._check(g)
                 self.tracker = DownlinkState(g.tensors, g.version)
                 self._adopt(g)
-            elif time.monotonic() - self.refetched_at >= REFETCH_S:
-                self.refetched_at = time.monotonic()  # one fetch in flight: each one is a
-                self._fetch_whole()  # whole global down the link (missed a change: reboot)
+            else:  # missed a change (reboot, resumed aggregator): the whole global, soon
+                self.refetch_pending = True
+                self._refetch_if_due()
         else:
             self._check(g)
             self.tracker = DownlinkState(g.tensors, g.version)
             self._adopt(g)
+            self.refetch_pending = False
             self.link.unsubscribe(self.topics.global_)  # back on deltas only
 
     def _adopt(self, g: GlobalModel) -> None:
@@ -312,6 +315,15 @@ class DeviceRunner:
                               clip_factor=self.cfg.fed.clip_factor)
         if reason is not None:
             raise CodecError(reason, f"global v{g.version} does not fit this device's model")
+
+    def _refetch_if_due(self) -> None:
+        """Fetch the whole global a delta that missed a change asked for, at most every
+        REFETCH_S: each fetch is a whole global down the link, and forged 150-byte deltas set
+        one off each; one asked for sooner waits (the device's waits and merges call this)."""
+        if self.refetch_pending and time.monotonic() - self.refetched_at >= REFETCH_S:
+            self.refetch_pending = False
+            self.refetched_at = time.monotonic()
+            self._fetch_whole()
 
     def _fetch_whole(self) -> None:
         """(Re)subscribe to the retained whole global, which the broker then delivers: a
@@ -378,6 +390,7 @@ class DeviceRunner:
                 if self.stop.is_set():
                     raise Stopped
                 self.check_alive()
+                self._refetch_if_due()
                 value = ready()
                 if value is not None:
                     return value
@@ -630,6 +643,7 @@ class DeviceRunner:
 
     def _merge_async(self) -> None:
         with self.cond:
+            self._refetch_if_due()
             g = self.latest
         if g is None:
             return
