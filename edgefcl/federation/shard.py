@@ -70,9 +70,9 @@ DEFERRED_MODELS = 64
 DEFERRED_FLOOR bytes (partials padded with extra tensors, 16 of 42 MiB, held 672 MiB for a
 1 MiB model; 64 of the root's 64 MiB payload limit would be 4 GiB)."""
 DEFERRED_FLOOR = 16 << 20
-MAX_ROOT_COUNTERS = 256
-"""Distinct counters the root keeps: a worker's new names past this are left out (6,000
-invented names per partial grew its status past what devices decode)."""
+MAX_WORKER_COUNTERS = 256
+"""Distinct counter names the root takes from its workers beyond its own: more are left
+out (6,000 invented names per partial grew its status past what devices decode)."""
 
 
 def state_bytes(state: object) -> int:
@@ -227,6 +227,8 @@ class ShardRoot(Aggregator):
         self.granted: dict[str, str] = {}
         """client -> the worker whose partial of the open round may hold it (`claim`)."""
         self.deferred: list[Partial] = []
+        self.worker_counters: set[str] = set()
+        """Counter names taken from workers (at most MAX_WORKER_COUNTERS)."""
         self._deferred_budget = max(DEFERRED_FLOOR, DEFERRED_MODELS * 8 * sum(
             int(np.size(t)) for t in initial.values()))
         self._merged: list[Partial] = []
@@ -314,7 +316,8 @@ class ShardRoot(Aggregator):
         self.counters["accepted"] += len(p.participants)
         self.counters["partials"] += 1
         for name, n in p.counters.items():  # a worker cannot grow the root's status unbounded
-            if name in self.counters or len(self.counters) < MAX_ROOT_COUNTERS:
+            if name in self.counters or len(self.worker_counters) < MAX_WORKER_COUNTERS:
+                self.worker_counters.add(name)
                 self.counters[name] += n
         return None
 

@@ -28,7 +28,7 @@ from edgefcl.transport.codec_error import CodecError
 from edgefcl.transport.topics import validate_id
 
 SEP = "/"
-COUNTER_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+COUNTER_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 """What a worker's counter may be called (the names the aggregator's counters have)."""
 MAX_PARTIAL_COUNTERS = 128
 """Counters one partial may carry (a worker counts a few dozen kinds)."""

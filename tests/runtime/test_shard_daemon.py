@@ -61,12 +61,16 @@ def test_a_workers_counters_cannot_grow_the_roots_status(tmp_path):
     d = make_root(tmp_path, clients=40)
     d.agg.worker_online("w0")
     d.agg.worker_online("w1")
+    honest = partial("w1", ("h",))
+    honest.counters = {"rejected_index-range": 1}  # a reason with a hyphen is a name
+    d.handle(topic("w1"), encode_partial(honest, fleet=FLEET))
     for i in range(4):
         p = partial("w0", (f"c{i}",))
         p.counters = {**{f"junk_{i}_{j}\x1b[2J": 1 for j in range(6000)},
                       **{f"made_up_{i}_{j}": 1 for j in range(600)}, "clipped": 2}
         d.handle(topic("w0"), encode_partial(p, fleet=FLEET))
-    assert d.agg.counters["clipped"] == 8 and d.agg.counters["partials"] == 4
+    assert d.agg.counters["clipped"] == 8 and d.agg.counters["partials"] == 5
+    assert d.agg.counters["rejected_index-range"] == 1
     assert not any("\x1b" in k for k in d.agg.counters)
     assert len(d.agg.counters) <= 300
     status = encode(Message("status", d.status()), fleet=FLEET, sender="aggregator")
