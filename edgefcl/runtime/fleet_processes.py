@@ -83,8 +83,9 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
                 "client", *base, "--index", str(k), "--results", str(results_dir)]))
         procs.start("replayer", partial(start_role, ["replay", *base]))
         try:
-            total = sum(sum(count_batches(t, cfg.data.batch_size)) for t in setup.tasks)
-            _watch(run_cfg, procs, progress, timeout, total)
+            streams = {client_id(k): sum(count_batches(t, cfg.data.batch_size))
+                       for k, t in enumerate(setup.tasks)}
+            _watch(run_cfg, procs, progress, timeout, streams)
         finally:
             procs.stop_all(grace=10)
         return _collect(run_cfg, method, seed, state_dir, results_dir,
@@ -93,9 +94,11 @@ def simulate_mqtt(cfg: RunConfig, method: str, seed: int, workdir: Path | None =
 
 def _watch(cfg: RunConfig, procs: Supervisor,
            progress: Callable[[int, int, str], None] | None, timeout: float,
-           total: int) -> None:
-    """Wait for every process to exit with 0, reporting progress from the status topics."""
-    status = FleetProgress(cfg, total) if progress is not None else None
+           streams: dict[str, int]) -> None:
+    """Wait for every process to exit with 0, reporting progress from the status topics
+    (`streams`: each client's batches)."""
+    total = sum(streams.values())
+    status = FleetProgress(cfg, total, streams) if progress is not None else None
     deadline = Deadline(timeout, lambda: "")
     orphaned_since: float | None = None
     try:

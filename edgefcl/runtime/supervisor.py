@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from edgefcl.config import RunConfig
-from edgefcl.data.workload import client_id
 from edgefcl.runtime.bodies import is_int
 from edgefcl.runtime.links import open_link, status_body, topics
 from edgefcl.support.errors import UserError
@@ -123,17 +122,14 @@ class Supervisor:
 class FleetProgress:
     """The fleet's progress from its status topics: batches consumed per device (the most each
     reported, of the fleet's own devices, at most its stream's) and the aggregator's last
-    status (with how many arrived). `streams`: each device's batches (default: the replayed
-    clients c000, c001, ... of `cfg`, each at most `total`). One status claiming 10**18
-    batches had every drill that waits on the fleet's progress fire at once."""
+    status (with how many arrived). `streams`: each device's batches. One status claiming
+    10**18 batches had every drill that waits on the fleet's progress fire at once."""
 
-    def __init__(self, cfg: RunConfig, total: int, streams: dict[str, int] | None = None
-                 ) -> None:
+    def __init__(self, cfg: RunConfig, total: int, streams: dict[str, int]) -> None:
         self.fleet = cfg.mqtt.fleet
         self.topics = topics(cfg.mqtt)
         self.total = total
-        self.streams = streams if streams is not None else {
-            client_id(k): total for k in range(cfg.fed.clients)}
+        self.streams = streams
         self.consumed: dict[str, int] = {}
         self.aggregator: dict[str, Any] = {}
         self.aggregator_statuses = 0

@@ -125,8 +125,8 @@ def test_fleet_progress_counts_only_the_fleets_devices_and_their_streams(monkeyp
 
     monkeypatch.setattr(supervisor, "open_link", lambda *a, **k: type(
         "Link", (), {"subscribe": lambda *a, **k: None, "close": lambda self: None})())
-    cfg = apply(RunConfig(), {"fed": {"clients": 2}, "mqtt": {"fleet": "f"}, "quiet": True})
-    p = supervisor.FleetProgress(cfg, 100)
+    cfg = apply(RunConfig(), {"mqtt": {"fleet": "f"}, "quiet": True})
+    p = supervisor.FleetProgress(cfg, 130, {"c000": 100, "c001": 30})
 
     def status(cid: str, consumed: object) -> None:
         p.on_status(p.topics.status(cid), encode(Message(
@@ -138,4 +138,4 @@ def test_fleet_progress_counts_only_the_fleets_devices_and_their_streams(monkeyp
     assert p.batches == 0
     status("c000", 10**18)  # its own, but more than its stream
     status("c001", 30)
-    assert p.consumed == {"c000": 100, "c001": 30}
+    assert p.consumed == {"c000": 100, "c001": 30} and p.fraction == 1.0
