@@ -94,11 +94,13 @@ class APCFedAvg(Strategy):
             if isinstance(tasks, dict) else {}
 
     def _slot_quota(self) -> int:
-        """The most ring slots one device may hold."""
+        """The most ring slots one device may hold: its share of them, and never so few
+        that the fleet's devices could not fill the ring together."""
         K, share = self.fed.apc_kb_size, self.fed.max_share
         if share >= 1:
             return K
-        return max(1, int(K * (share if share > 0 else default_cap(self.fed.clients))))
+        capped = int(K * (share if share > 0 else default_cap(self.fed.clients)))
+        return max(1, capped, -(-K // max(self.fed.clients, 1)))
 
     def _clipped(self, contrib: dict[str, tuple[np.ndarray, np.ndarray]], previous: Tensors
                  ) -> dict[str, tuple[np.ndarray, np.ndarray]]:

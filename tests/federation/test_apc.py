@@ -279,6 +279,16 @@ def test_apc_change_norm_and_its_clip_by_hand():
     assert half["w" + KB + VAL] is t["w" + KB + VAL] and half["w" + ROWS] is t["w" + ROWS]
 
 
+@pytest.mark.parametrize("clients, share, quota", [(3, 0.0, 2), (2, 0.0, 3), (10, 0.0, 1),
+                                                   (3, 1.0, 5), (4, 0.25, 2)])
+def test_the_knowledge_base_slot_quota(clients, share, quota):
+    # the cap's share of the 5 slots, and never so few that the fleet cannot fill the ring
+    # (two devices at 2 each left a slot empty for the whole run)
+    s = APCFedAvg(FedConfig(clients=clients, max_share=share, apc_kb_size=5),
+                  {"w": (2, 2), "b": (2,)})
+    assert s._slot_quota() == quota
+
+
 def test_server_strategy_without_knowledge_base():
     s = APCFedAvg(FedConfig(mix=1.0, apc_kb_size=0), {"w": (2, 2), "b": (2,)})
     s.add(apc_update("a", [1], [3.0, 3.0], kb=([0], [1.0])))
