@@ -620,6 +620,10 @@ class DeviceRunner:
             self.link.publish(self.topics.update(self.cid), payload, qos=1)
 
         answer = self._wait(lambda: self.answers.pop(tick, None), self.answer_timeout, resend)
+        with self.cond:
+            latest = self.latest
+        if latest is not None:
+            self._rejoin_if_ahead(latest)
         version = answer["version"]
         if self.cid in answer["participants"] and version > self.client.version:
             fetches = 0
@@ -641,18 +645,23 @@ class DeviceRunner:
             self.client.apply_global(g)
             self.rounds += 1
 
-    def _merge_async(self) -> None:
-        with self.cond:
-            self._refetch_if_due()
-            g = self.latest
-        if g is None:
-            return
+    def _rejoin_if_ahead(self, g: GlobalModel) -> None:
+        """Take `g`, the newest global, whole when OLDER_GLOBALS globals in a row came older
+        than the version this device holds: that version is not its aggregator's."""
         if self.older_globals >= OLDER_GLOBALS and g.version < self.client.version:
             log.warning("%s: the version held (%d) is not the aggregator's, whose globals are "
                         "at %d: taking its global", self.cid, self.client.version, g.version)
             rejoin(self.client, g)
             self.version_resets += 1
             self.older_globals = 0
+
+    def _merge_async(self) -> None:
+        with self.cond:
+            self._refetch_if_due()
+            g = self.latest
+        if g is None:
+            return
+        self._rejoin_if_ahead(g)
         done = merge_global(self.client, g, self.cfg.fed)  # the simulator's decision too
         if done == MERGED:
             self.rounds += 1

@@ -239,3 +239,30 @@ def test_a_forged_global_far_ahead_does_not_lock_the_device_out(runner_factory) 
     for v in range(5, 9):
         deliver(v, [r.cid])
     assert r.client.version == 8 and r.version_resets == 1
+
+
+def test_a_lock_step_device_also_finds_its_way_back_from_a_forged_version(
+        runner_factory) -> None:
+    # a forged answer naming this device and a forged global 10**6 versions ahead, both
+    # valid, moved a lock-step device there; every honest answer after named an older
+    # version, which it never merged again
+    r = runner_factory()
+    r.answer_timeout = 0.05
+    tp = topics(r.cfg.mqtt)
+    tensors = global_tensors(r.client.model, r.cfg.fed.encoding)
+    plan = iter([10**6, 2, 3, 4, 5])  # the answered version of each tick
+
+    def send(msg, last=False) -> bytes:  # the aggregator answers and publishes at once
+        v = next(plan)
+        r._on_message(tp.global_, encode(GlobalModel(v, tensors, (r.cid,)), fleet="g"))
+        r._on_message(tp.tick, body("answer", tick=msg.seq, version=v, participants=[r.cid]))
+        return b""
+
+    r._send = send
+    r._sync_round(None)
+    assert r.client.version == 10**6
+    for _ in range(3):  # versions 2, 3, 4: older, rising
+        r._sync_round(None)
+    assert r.client.version == 4 and r.version_resets == 1
+    r._sync_round(None)
+    assert r.client.version == 5
