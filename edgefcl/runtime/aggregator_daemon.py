@@ -18,6 +18,7 @@ from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.versions import delta_downlink, downlink_message, pull_downlink
 from edgefcl.runtime.backpressure import Backpressure
+from edgefcl.runtime.bodies import is_int
 from edgefcl.runtime.fleet_results import FleetResults
 from edgefcl.runtime.handling import handle_safely
 from edgefcl.runtime.heap import freeze_startup_heap
@@ -321,7 +322,7 @@ class AggregatorDaemon:
                 return  # counted as rejected_roster
             self.done.discard(client)
             task = body.get("finished_task")
-            if isinstance(task, int) and not isinstance(task, bool):
+            if is_int(task):
                 self._close_safely(lambda: self.agg.finish_task(client, task, now))
             inc = body.get("incarnation")
             if isinstance(inc, str) and 0 < len(inc) <= 64 and inc.isprintable() and \

@@ -12,6 +12,7 @@ import numpy as np
 
 from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch
+from edgefcl.runtime.bodies import is_int
 from edgefcl.runtime.links import open_link, status_body, topics
 from edgefcl.support.errors import UserError
 from edgefcl.transport.codec import Message, encode, encode_batch
@@ -73,7 +74,7 @@ class Replayer:
             elif cid in self.streams and self._fresh_refusal(body):
                 self.refused[cid] = str(body.get("reason", ""))
             consumed = body.get("consumed", 0)
-            if isinstance(consumed, int) and not isinstance(consumed, bool):
+            if is_int(consumed):
                 self.consumed[cid] = consumed
             self.cond.notify_all()
 
