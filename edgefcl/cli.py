@@ -37,6 +37,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         finished_runs,
         run_dir,
         run_table,
+        runs_replaced,
         summarize,
         why_alone,
         with_held_runs,
@@ -50,6 +51,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     out = Path(cfg.out) if cfg.out else None
     if args.resume and out is None:
         raise ConfigError("--resume needs --out DIR (the run directory to resume)")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume keeps the finished runs in --out and --overwrite replaces "
+                          "them: give one of them")
     several = total_runs(cfg) > 1 or bool(cfg.compare)  # --compare: the comparison layout
     if out is not None:
         from edgefcl.support.statefiles import make_dir
@@ -59,6 +63,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     done = finished_runs(cfg, out, several) if args.resume else {}
     if done:
         print(f"resuming {out}: {len(done)} finished run(s) kept", flush=True)
+    elif out is not None and not args.overwrite:
+        replaced = runs_replaced(cfg, out, several)
+        if replaced:
+            print(f"{out} holds {replaced} finished run(s) of these options: this command runs "
+                  "them again (--resume keeps them)", file=sys.stderr, flush=True)
     total, ran, started = total_runs(cfg), [], time.monotonic()
     todo = total - len(done)
 
@@ -299,6 +308,9 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
     s.add_argument("--resume", action="store_true",
                    help="keep the runs already finished in --out (same configuration) and run "
                    "only the others")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace what --out holds even if its runs have other options (without "
+                   "it such an --out is refused)")
     add_config_flags(s, command="simulate", show_all=show_all)
     add_role_commands(sub, show_all)
 

@@ -251,6 +251,34 @@ def test_resume_never_mixes_a_run_of_other_options_into_the_summary(tmp_path, ca
     assert [(r["method"], r["seed"]) for r in runs] == [("fedavg", 0), ("er", 0)]
 
 
+def test_a_run_never_replaces_runs_of_other_options_unasked(tmp_path, capsys):
+    # a researcher's report: a second command into the same --out (other options) silently
+    # replaced the finished runs there
+    out = tmp_path / "r"
+    assert main(["simulate", *SMALL, "--out", str(out)]) == 0
+    before = (out / "results.json").read_text()
+    capsys.readouterr()
+    assert main(["simulate", *SMALL, "--memory-size", "20", "--out", str(out)]) == 2
+    assert f"--out {out} already holds runs of other options; add --overwrite" in \
+        one_line_error(capsys)
+    assert main(["simulate", *SMALL, "--compare", "fedavg", "--seeds", "2",
+                 "--out", str(out)]) == 2  # a comparison over one run's folder
+    assert "add --overwrite" in one_line_error(capsys)
+    assert (out / "results.json").read_text() == before
+    assert main(["simulate", *SMALL, "--out", str(out)]) == 0  # the same options: run again
+    assert f"{out} holds 1 finished run(s) of these options: this command runs them again " \
+        "(--resume keeps them)" in capsys.readouterr().err
+    assert main(["simulate", *SMALL, "--memory-size", "20", "--out", str(out),
+                 "--overwrite"]) == 0
+    assert json.loads((out / "results.json").read_text())["config"]["learn"]["memory_size"] == 20
+    assert main(["simulate", *SMALL, "--out", str(out), "--overwrite", "--resume"]) == 2
+    assert "give one of them" in one_line_error(capsys)
+    (out / "results.json").write_text("{")  # a file it cannot read is not replaced unasked
+    assert main(["simulate", *SMALL, "--out", str(out)]) == 2
+    err = one_line_error(capsys)
+    assert "not valid JSON" in err and "add --overwrite to replace it" in err
+
+
 def test_a_fleet_whose_updates_were_all_rejected_says_so(capsys):
     # a researcher's report: --lr -1 ran, every update was rejected (range), and the run
     # said "every client trained alone" with "per round: up 17.2 MB" for 0 rounds

@@ -155,6 +155,10 @@ def _result(d: dict[str, Any]) -> RunResult:
                      float(d.get("wall_s", 0.0)), {k: v for k, v in d.items() if k not in known})
 
 
+class OtherOptions(ConfigError):
+    """A run folder that holds runs of options other than the command's."""
+
+
 def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, int], RunResult]:
     """Runs of `cfg` already finished in `out` ((label, seed) -> result). A folder holding a
     run of another configuration is an error, never silently mixed in."""
@@ -162,11 +166,11 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
 
     held = _held_runs(out)
     if held is not None and not several:
-        raise ConfigError(f"--resume: {out} holds a comparison of {len(held)} runs, not one run; "
-                          "resume it with its --compare/--seeds (or a subset), or use another "
-                          "--out")
+        raise OtherOptions(f"--resume: {out} holds a comparison of {len(held)} runs, not one "
+                           "run; resume it with its --compare/--seeds (or a subset), or use "
+                           "another --out")
     if several and (out / RESULTS).is_file() and held is None:
-        raise ConfigError(f"--resume: {out} holds one run, not a comparison; use another --out")
+        raise OtherOptions(f"--resume: {out} holds one run, not a comparison; use another --out")
     done = {}
     for label, _, _ in run_entries(cfg):
         for seed in range(cfg.seed, cfg.seed + cfg.seeds):
@@ -179,8 +183,8 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
             r = result_from_dict(d, folder / RESULTS)
             mine = _comparable(run_config(_expected(cfg, label, seed)))
             if _comparable(load_toml(folder / CONFIG)) != mine:
-                raise ConfigError(f"--resume: {folder} holds a run of another configuration; "
-                                  "use another --out or the same options")
+                raise OtherOptions(f"--resume: {folder} holds a run of another configuration; "
+                                   "use another --out or the same options")
             r.method = label
             done[(label, seed)] = r
     for d in held or []:  # the summary's other runs are kept beside this sweep's: same options
@@ -195,9 +199,22 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
         except ConfigError:  # a config this version cannot read: not this sweep's options
             same = False
         if not same:
-            raise ConfigError(f"--resume: {out} holds a run of another configuration ({label} "
-                              f"seed {seed}); use another --out or the same options")
+            raise OtherOptions(f"--resume: {out} holds a run of another configuration ({label} "
+                               f"seed {seed}); use another --out or the same options")
     return done
+
+
+def runs_replaced(cfg: RunConfig, out: Path, several: bool) -> int:
+    """How many finished runs of `cfg` a run without --resume replaces in `out`; ConfigError
+    when `out` holds runs of other options or files it cannot read, which such a run would
+    replace unasked."""
+    try:
+        return len(finished_runs(cfg, out, several))
+    except OtherOptions:
+        raise ConfigError(f"--out {out} already holds runs of other options; add --overwrite "
+                          "to replace them, or use another --out") from None
+    except (ConfigError, DataError) as e:
+        raise ConfigError(f"{e}; add --overwrite to replace it, or use another --out") from None
 
 
 def _held_runs(out: Path) -> list[dict[str, Any]] | None:
