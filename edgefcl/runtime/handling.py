@@ -22,7 +22,8 @@ def handle_safely(step: Callable[[], None], topic: str, sender: str | None, inbo
             step()
         except CodecError as e:
             counters[f"rejected_{e.reason}"] += 1
-            log.warning("rejected payload on %s: %s", topic, e, extra={"device": topic})
+            log.warning("rejected payload on %s: %s", topic, e,
+                        extra={"device": topic if sender is None else sender})
         except Exception:
             counters["rejected_internal"] += 1
             log.exception("internal error while handling a message on %s", topic)

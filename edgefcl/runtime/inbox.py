@@ -54,6 +54,9 @@ from edgefcl.transport.topics import Topics
 
 PER_SENDER = 8
 """Messages one sender may have waiting (an honest device has one or two: an update, a status)."""
+INVALID_SENDER = "<topic too long>"
+"""The one sender of every topic longer than any of the fleet's: made-up topics that each
+were their own queue, offender and log key, however long."""
 MAX_OFFENDERS = 1024
 """Senders whose over-share sheds are counted (the largest counts are kept)."""
 MAX_LOST = 65_536
@@ -398,12 +401,13 @@ class Inbox:
 
 def sender_of(topics: Topics) -> Callable[[str], str]:
     """The inbox's sender key of a fleet's topic: the client id of a device's topic, else the
-    topic itself (control, partials: one queue each)."""
+    topic itself (control, partials: one queue each), or INVALID_SENDER for one longer than
+    any of the fleet's."""
     def key(topic: str) -> str:
         try:
             return topics.client_from(topic)
         except ValueError:
-            return topic
+            return topic if len(topic) <= topics.longest else INVALID_SENDER
 
     return key
 

@@ -12,10 +12,22 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": round(record.created, 3), "level": record.levelname,
-                 "logger": record.name, "message": record.getMessage()}
+                 "logger": record.name, "message": clipped(record.getMessage())}
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
+
+
+MAX_LINE = 1000
+"""The most characters of a log message a formatter writes: ids and topics a device made up
+cannot make a line longer (the cut says how much it left out)."""
+
+
+def clipped(text: str) -> str:
+    """`text` cut at MAX_LINE characters, saying how many it left out."""
+    if len(text) <= MAX_LINE:
+        return text
+    return f"{text[:MAX_LINE]}... ({len(text) - MAX_LINE} characters left out)"
 
 
 def one_line(text: str) -> str:
@@ -28,12 +40,13 @@ def one_line(text: str) -> str:
 
 
 class PlainFormatter(logging.Formatter):
-    """Readable lines: the message escaped by `one_line` (the ids and fields a daemon quotes
-    come from devices); a traceback that follows is the process's own and stays as it is."""
+    """Readable lines: the message cut by `clipped` and escaped by `one_line` (the ids and
+    fields a daemon quotes come from devices); a traceback that follows is the process's own
+    and stays as it is."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         message = record.message
-        record.message = one_line(message)
+        record.message = one_line(clipped(message))
         try:
             return super().formatMessage(record)
         finally:

@@ -64,6 +64,12 @@ class Topics:
         return f"Topics(fleet={self.fleet!r}, root={self.root!r})"
 
     @property
+    def longest(self) -> int:
+        """The length of the fleet's longest possible topic (a kind and an id of MAX_ID_LEN):
+        anything longer is no topic of this fleet's."""
+        return len(self.base) + len("/workers/") + MAX_ID_LEN
+
+    @property
     def config(self) -> str:
         """Run configuration (schedule, encoding, model spec hash); retained."""
         return f"{self.base}/config"

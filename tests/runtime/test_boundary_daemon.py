@@ -19,7 +19,7 @@ from edgefcl.data.labels import MAX_LABELS
 from edgefcl.federation.indexing import INDEX_FORMATS
 from edgefcl.federation.messages import Tick, Update
 from edgefcl.runtime.aggregator_daemon import GATE_SETTLE_S, AggregatorDaemon
-from edgefcl.runtime.inbox import CPU_BURST_S, PER_SENDER, Inbox, shed_counters
+from edgefcl.runtime.inbox import CPU_BURST_S, PER_SENDER, Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import (
     ENVELOPE_OBJECTS,
     OBJECTS_PER_TENSOR,
@@ -27,7 +27,7 @@ from edgefcl.runtime.links import (
     topics,
     update_limits,
 )
-from edgefcl.support.logs import Repeats
+from edgefcl.support.logs import PlainFormatter, Repeats
 from edgefcl.transport.bounds import DEFAULT_LIMITS
 from edgefcl.transport.codec import Message, encode
 
@@ -1005,3 +1005,56 @@ def test_a_backlog_after_an_outage_keeps_its_newest_messages() -> None:
         box.put("c000", seq.to_bytes(2, "big"))
     got = [int.from_bytes(box.get(0.01)[1], "big") for _ in range(len(box))]
     assert got == list(range(23, 31)) and box.over_share == 22 and box.load().shed == 0
+
+
+def _long_topic(tp, i: int) -> str:
+    # a reviewer helper's attack: Mosquitto without the per-device ACL delivers topic levels
+    # of 60,000 characters; each was its own sender, log key and offender
+    return f"{tp.base}/update/{i:08d}" + "x" * 60_000
+
+
+def test_topics_too_long_for_any_device_are_one_sender_in_a_short_log(tmp_path) -> None:
+    class Bytes(logging.Handler):
+        n = lines = 0
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.n += len(self.format(record)) + 1
+            self.lines += 1
+
+    h = Bytes(logging.INFO)
+    h.addFilter(Repeats())
+    h.setFormatter(PlainFormatter("%(levelname)s %(name)s: %(message)s"))  # the daemons'
+    lg = logging.getLogger("edgefcl")
+    old = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    d = make_daemon(tmp_path, roster="a,b,c")
+    tp = topics(d.cfg.mqtt)
+    try:
+        for i in range(1024):  # a minute's worth of made-up topics (1,024 lines, 117 MiB)
+            d.handle(_long_topic(tp, i), update())
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+        d.store.close()
+    assert d.agg.counters["rejected_topic"] == 1024  # each still counted
+    assert h.lines <= 40 and h.n < 64 << 10, (h.lines, h.n)
+
+
+def test_topics_too_long_for_any_device_share_one_queue() -> None:
+    import tracemalloc
+
+    tp = topics(apply(RunConfig(), {"mqtt": {"fleet": FLEET}}).mqtt)
+    inbox = Inbox(max_bytes=32 << 20, sender_of=sender_of(tp), rate=50.0)
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for i in range(1250):  # 10,000 one-byte messages held 574 MiB, "10,000 B" said the inbox
+        for _ in range(8):
+            inbox.put(_long_topic(tp, i), b"x")
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert held < 4 << 20 and len(inbox) == PER_SENDER, (held, len(inbox))
+    while inbox.get(0) is not None:
+        pass
+    assert len(inbox.offenders) <= 1  # the queues drained: no topic strings kept
+    assert inbox.sender_of(tp.update("a")) == "a" and inbox.sender_of(tp.control) == tp.control
