@@ -130,16 +130,21 @@ def get_fold(name: str) -> Fold:
     return fold
 
 
+STALENESS_KEYS = 64
+"""The staleness counted as itself; an update more versions behind (a lock-step device may
+claim any base) counts as this many: one key a claim made the counters grow without bound."""
+
+
 def note_round(updates: list[Update], version: int, counters: Counter,
                whole: bool = True) -> None:
     """Count what a round folds: its size (`round_size_<n>`, unless not `whole`: a shard
     worker's part) and each update's staleness, the versions between its base and the global
-    it replaces (`folded_staleness_<tau>`); the same counters in process and over MQTT
-    (`async_stats` summarises them)."""
+    it replaces (`folded_staleness_<tau>`, at most STALENESS_KEYS); the same counters in
+    process and over MQTT (`async_stats` summarises them)."""
     if whole:
         counters[f"round_size_{len(updates)}"] += 1
     for u in updates:
-        counters[f"folded_staleness_{max(version - u.base_version, 0)}"] += 1
+        counters[f"folded_staleness_{min(max(version - u.base_version, 0), STALENESS_KEYS)}"] += 1
 
 
 def async_stats(counters: dict) -> dict:

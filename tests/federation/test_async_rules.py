@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgefcl.config import FedConfig
-from edgefcl.federation.aggregator import Aggregator, async_stats
+from edgefcl.federation.aggregator import STALENESS_KEYS, Aggregator, async_stats
 from edgefcl.federation.folds import FOLDS
 from edgefcl.federation.messages import Update
 from edgefcl.federation.robust import prepare_round
@@ -137,6 +137,23 @@ def test_async_counters_summarise_rounds_and_staleness():
     assert stats["rounds"] == 2 and stats["folded"] == 4
     assert stats["staleness"] == {0: 3, 1: 1} and stats["staleness_mean"] == 0.25
     assert stats["round_sizes"] == {2: 2} and stats["updates_per_round"] == 2.0
+
+
+def test_claimed_bases_cannot_grow_the_counters_a_key_a_round():
+    # a reviewer helper's attack: lock-step checks no staleness, and each new base a device
+    # claimed made a new counter key; after 2,100 rounds the status that carries them was past
+    # what the supervisor, the replayer and the shard workers decode
+    fed = FedConfig(mode="sync", clients=2, min_clients=2, burn_in=0, jump=1, **RULES_OFF)
+    agg = Aggregator({"w": np.zeros(2, np.float32)}, fed, batch_size=10)
+    for c in ("h", "x"):
+        agg.join(c, 0.0)
+    for seq in range(1, 301):
+        v = agg.global_.version
+        agg.submit(upd("h", 0.1, base=v, seq=seq))
+        assert agg.submit(upd("x", 0.1, base=seq % (v + 1), seq=seq)) is not None
+    stats = async_stats(agg.counters)
+    assert len(stats["staleness"]) <= STALENESS_KEYS + 1 and stats["folded"] == 600
+    assert max(stats["staleness"]) == STALENESS_KEYS  # "that many versions or more"
 
 
 @pytest.mark.parametrize("fold,staleness", [("model", "polynomial"), ("delta", "hinge"),
