@@ -35,8 +35,8 @@ from edgefcl.federation.label_rows import MAX_COUNT, SIGMA_MIN, LabelRows, check
 from edgefcl.federation.messages import Update
 from edgefcl.federation.robust import label_room
 from edgefcl.federation.row_clip import clip_rows
-from edgefcl.federation.share_cap import capped_groups
-from edgefcl.federation.sigma_bounds import LIK_FLOOR, median_floor
+from edgefcl.federation.share_cap import capped_columns, capped_groups, default_cap
+from edgefcl.federation.sigma_bounds import LIK_FLOOR, median_floor, precision_capped
 from edgefcl.federation.value_bound import MAX_VALUE
 
 
@@ -117,7 +117,8 @@ def average_tables(tables: Sequence[LabelRows], previous: LabelRows,
     `max_share`, 0 = twice an equal share of the label's senders, >= 1 off; the global counts
     the capped weights; `counters["prototype_share_capped"]` counts capped rows).
     A Gaussian library (`previous.sigmas` set; every table sent must be Gaussian) combines the
-    rows with `combine_gaussian` (sigma floor `sigma_floor`) and mixes on both moments.
+    rows with `combine_gaussian` (sigma floor `sigma_floor`, precision cap `max_share`) and
+    mixes on both moments.
     Rows (not likelihoods) are first clipped towards their label's median row and
     norm-clipped against the previous global's rows by `row_clip.clip_rows` (`clip_factor`
     x the median distance and the median sender's change; 0: off).
@@ -183,7 +184,7 @@ def average_tables(tables: Sequence[LabelRows], previous: LabelRows,
             prior_mu[g_at] = previous.rows[p_at]
             prior_s[g_at] = previous.sigmas[p_at]  # type: ignore[index]
         mean, sigma = product_gaussian(rows, sigmas, inverse, len(names), prior_mu, prior_s,
-                                       sigma_floor, counters)
+                                       sigma_floor, counters, max_share)
     elif gaussian:
         sigmas = np.concatenate([t.sigmas for t in sent]).astype(np.float64)  # type: ignore
         if average:
@@ -191,7 +192,7 @@ def average_tables(tables: Sequence[LabelRows], previous: LabelRows,
                 sigmas, w, inverse, len(names))
         else:
             mean, sigma = combine_gaussian(rows, sigmas, w, inverse, len(names), sigma_floor,
-                                           counters)
+                                           counters, max_share)
     elif combine is not None:
         order = np.argsort(inverse, kind="stable")
         bounds = np.cumsum(np.bincount(inverse, minlength=len(names)))[:-1]
@@ -227,20 +228,25 @@ def average_tables(tables: Sequence[LabelRows], previous: LabelRows,
 
 def combine_gaussian(mu: np.ndarray, sigma: np.ndarray, weight: np.ndarray,
                      groups: np.ndarray, n_groups: int, sigma_floor: float = 0.0,
-                     counters: Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     counters: Counter | None = None,
+                     max_share: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Per group (label), the sample-weighted conflation of its rows N(mu_k, sigma_k^2):
     precision = sum_k r_k / sigma_k^2, mean = sum_k (r_k / sigma_k^2) mu_k / precision, with
     r_k = weight_k * n / sum_j weight_j over the group's n senders (equal weights: r = 1, plain
-    conflation, VFCL Eq. 11). First, in groups of three senders or more, every sigma is raised
-    to at least `sigma_floor` x the group's median sigma of that entry (robust/sigma_floor.py:
-    a sender cannot take the precision with a tiny sigma; `counters["prototype_sigma_floored"]`
-    counts the raised entries). Returns (mean, sigma) per group, float64."""
+    conflation, VFCL Eq. 11). First, in groups of two senders or more, every sigma is raised
+    to at least `sigma_floor` x the group's median sigma of that entry, and then no sender's
+    precision r_k / sigma_k^2 may be over `max_share` of the entry's total (0: `default_cap`
+    of the group's senders; >= 1: off), as `robust/sigma_floor.py` bounds the extractor's:
+    a sender cannot take the row with a tiny sigma (`counters["prototype_sigma_floored"]`,
+    `["prototype_sigma_share_capped"]` count the entries). Returns (mean, sigma) per group,
+    float64."""
     mu = np.asarray(mu, np.float64)
     size = np.bincount(groups, minlength=n_groups)
     sigma = _floor_by_group(sigma, groups, size, sigma_floor, counters, informative_only=False)
     total = np.bincount(groups, weights=weight, minlength=n_groups)
     r = weight * size[groups] / total[groups]
-    prec_k = r[:, None] / np.square(sigma)
+    prec_k = _capped_by_group(r[:, None] / np.square(sigma), groups, size, max_share,
+                              capped_columns, counters)
     prec = np.zeros((n_groups, mu.shape[1]))
     eta = np.zeros_like(prec)
     np.add.at(prec, groups, prec_k)
@@ -250,22 +256,27 @@ def combine_gaussian(mu: np.ndarray, sigma: np.ndarray, weight: np.ndarray,
 
 def product_gaussian(m: np.ndarray, sigma: np.ndarray, groups: np.ndarray, n_groups: int,
                      prior_mu: np.ndarray, prior_sigma: np.ndarray, sigma_floor: float = 0.0,
-                     counters: Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     counters: Counter | None = None,
+                     max_share: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """FedBNN Eq. 9 per group (label): the prior N(prior_mu, prior_sigma^2) of the group times
     its senders' likelihoods N(m_k, sigma_k^2), in natural parameters:
     precision = 1/prior_sigma^2 + sum_k lambda_k, mean = (prior_mu/prior_sigma^2
     + sum_k lambda_k m_k) / precision, lambda_k = max(1/sigma_k^2, LIK_FLOOR) (entries at or
     below the floor, sent as LIK_SIGMA_MAX for no information, are clamped and counted in
     `counters["prototype_fedbnn_clamped"]` of `["prototype_fedbnn_entries"]`). First, in groups
-    of three senders or more, every likelihood sigma is raised to at least `sigma_floor` x the
-    median of that entry over the group's informative likelihoods (< LIK_SIGMA_MAX; as
-    `robust/sigma_floor.py`), so one sender cannot take the precision with a tiny sigma
-    (`counters["prototype_sigma_floored"]`). Every likelihood counts once, whatever its
-    sender's sample count (the likelihood already carries it). Returns (mean, sigma), float64."""
+    of two senders or more, every likelihood sigma is raised to at least `sigma_floor` x the
+    median of that entry over the group's informative likelihoods (< LIK_SIGMA_MAX), or of the
+    senders' typical sigma where one alone informs it, and then no likelihood's precision may
+    be over `max_share` of the entry's informative total (0: `default_cap`; >= 1: off), as
+    `robust/sigma_floor.py` bounds the extractor's: one sender cannot take the row with a tiny
+    sigma (`counters["prototype_sigma_floored"]`, `["prototype_sigma_share_capped"]`). Every
+    likelihood counts once, whatever its sender's sample count (the likelihood already carries
+    it). Returns (mean, sigma), float64."""
     m = np.asarray(m, np.float64)
-    sigma = _floor_by_group(sigma, groups, np.bincount(groups, minlength=n_groups), sigma_floor,
-                            counters, informative_only=True)
-    lam = 1.0 / np.square(sigma)
+    size = np.bincount(groups, minlength=n_groups)
+    sigma = _floor_by_group(sigma, groups, size, sigma_floor, counters, informative_only=True)
+    lam = 1.0 / np.square(_capped_by_group(sigma, groups, size, max_share, precision_capped,
+                                           counters))
     low = lam <= LIK_FLOOR * (1 + 1e-6)
     if counters is not None:
         counters["prototype_fedbnn_clamped"] += int(low.sum())
@@ -281,19 +292,37 @@ def product_gaussian(m: np.ndarray, sigma: np.ndarray, groups: np.ndarray, n_gro
 
 def _floor_by_group(sigma: np.ndarray, groups: np.ndarray, size: np.ndarray, factor: float,
                     counters: Counter | None, informative_only: bool) -> np.ndarray:
-    """A float64 copy of `sigma` (rows) where, in every group (label) of three rows or more,
-    each entry is raised to at least `median_floor` of the group's rows
-    (`counters["prototype_sigma_floored"]` counts the raised entries)."""
-    sigma = np.asarray(sigma, np.float64).copy()
+    """A float64 copy of `sigma` (rows), at least 1e-30 (a denormal's precision is no
+    number), where, in every group (label) of two rows or more, each entry is raised to at
+    least `median_floor` of the group's rows (`counters["prototype_sigma_floored"]` counts the
+    raised entries)."""
+    sigma = np.maximum(np.asarray(sigma, np.float64), 1e-30)
     if factor <= 0:
         return sigma
-    for g in np.flatnonzero(size >= 3):  # loops over labels, not rows
+    for g in np.flatnonzero(size >= 2):  # loops over labels, not rows
         members = np.flatnonzero(groups == g)
         floor = median_floor(sigma[members], factor, informative_only)
         if counters is not None:
             counters["prototype_sigma_floored"] += int((sigma[members] < floor).sum())
         sigma[members] = np.maximum(sigma[members], floor)
     return sigma
+
+
+def _capped_by_group(values: np.ndarray, groups: np.ndarray, size: np.ndarray,
+                     max_share: float, cap: Callable[[np.ndarray, float], np.ndarray],
+                     counters: Counter | None) -> np.ndarray:
+    """`values` (rows: precisions, or sigmas) with `cap(members' rows, share)` applied in every
+    group of two rows or more (`max_share`; 0: `default_cap` of the group's rows; >= 1: as
+    they are); `counters["prototype_sigma_share_capped"]` counts the entries it changed."""
+    if max_share >= 1:
+        return values
+    out = values.copy()
+    for g in np.flatnonzero(size >= 2):  # loops over labels, not rows
+        members = np.flatnonzero(groups == g)
+        out[members] = cap(values[members], max_share or default_cap(len(members)))
+    if counters is not None:
+        counters["prototype_sigma_share_capped"] += int((out != values).sum())
+    return out
 
 
 def _weighted_mean(x: np.ndarray, w: np.ndarray, groups: np.ndarray,

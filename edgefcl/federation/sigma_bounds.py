@@ -6,6 +6,7 @@ import it: the robust sigma floor, the Gaussian strategies and the prototype lib
 - `LIK_FLOOR`: the precision floor of likelihoods, 1 / LIK_SIGMA_MAX^2.
 - `median_floor`: the robust floor of a precision-weighted rule, a factor times the senders'
   median sigma per entry, so one sender claiming a tiny sigma cannot take all the weight.
+- `precision_capped`: no sender's precision over a share of an entry's total.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+
+from edgefcl.federation.share_cap import capped_columns
 
 LIK_SIGMA_MAX = 1024.0
 """Sigma a client sends for a likelihood entry it clamped (exact in float16 and float32)."""
@@ -23,10 +26,37 @@ LIK_FLOOR = 1.0 / LIK_SIGMA_MAX**2
 def median_floor(sigmas: np.ndarray, factor: float, informative_only: bool = False) -> np.ndarray:
     """`factor` x the median of `sigmas` over axis 0 (the senders), per entry. With
     `informative_only` (likelihoods) entries at LIK_SIGMA_MAX or above are left out of the
-    median, and an entry no sender informs gets the floor 0."""
+    median, an entry no sender informs gets the floor 0, and an entry one sender alone informs
+    (its median is its own) gets `factor` x the senders' typical sigma: the median over the
+    senders of each one's median informative sigma (of two, their mean), so that one sender
+    cannot take every entry the others mark uninformative with a tiny sigma."""
     if not informative_only:
         return factor * np.median(sigmas, axis=0)
     informative = np.where(sigmas < LIK_SIGMA_MAX, sigmas, np.nan)
     with warnings.catch_warnings():  # an entry nobody informed: all-NaN median, no floor
         warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nan_to_num(factor * np.nanmedian(informative, axis=0), nan=0.0)
+        floor = np.nan_to_num(factor * np.nanmedian(informative, axis=0), nan=0.0)
+        typical = np.nanmedian(np.nanmedian(informative.reshape(len(sigmas), -1), axis=1))
+    lone = (~np.isnan(informative)).sum(0) == 1
+    if len(sigmas) >= 2 and lone.any() and np.isfinite(typical):
+        floor = np.where(lone, np.maximum(floor, factor * typical), floor)
+    return floor
+
+
+def precision_capped(sigmas: np.ndarray, cap: float) -> np.ndarray:
+    """`sigmas` (senders x ...) raised so that no sender's precision 1/sigma^2 is over `cap`
+    of an entry's total over the senders that inform it (uninformative likelihood entries,
+    sigma >= LIK_SIGMA_MAX, count 0); an entry informed by fewer than two is left alone."""
+    n = sigmas.shape[0]
+    flat = sigmas.reshape(n, -1)
+    informed = flat < LIK_SIGMA_MAX
+    precision = np.where(informed, 1.0 / np.maximum(flat, 1e-30) ** 2, 0.0)
+    count = informed.sum(0)
+    out = precision.copy()
+    for k in np.unique(count[count >= 2]).tolist():  # at most n groups of entries
+        cols = count == k
+        out[:, cols] = capped_columns(precision[:, cols], max(cap, 1.0 / k))
+    lowered = out < precision
+    result = flat.copy()
+    result[lowered] = 1.0 / np.sqrt(out[lowered])
+    return result.reshape(sigmas.shape)

@@ -86,19 +86,37 @@ def test_the_share_cap_bounds_a_devices_sample_weight_in_the_precision():
 
 def test_a_tiny_sigma_does_not_own_the_row():
     # attack: the third device sends sigma 1e-6 (precision 1e12) for a row at 10, two honest
-    # ones sigma 1 at 0. The floor (0.5 x the median 1) raises it to 0.5, precision 4:
-    # mu = 4 * 10 / (1 + 1 + 4) = 6.67, sigma = 1 / sqrt(6); without the floor the row is
-    # the attacker's (10 to 1e-10)
+    # ones sigma 1 at 0. The floor (0.5 x the median 1) raises it to 0.5, precision 4, which
+    # the cap (half the entry's precision among three) lowers to 2: mu = 2 * 10 / (1 + 1 + 2)
+    # = 5, sigma = 1 / sqrt(4); without them the row is the attacker's (10 to 1e-10)
     sent = [gtable(["x"], [0, 0], [1, 1], [10]), gtable(["x"], [0, 0], [1, 1], [10]),
             gtable(["x"], [10, 10], [1e-6, 1e-6], [10])]
     empty = LabelRows.empty(2, gaussian=True)
     counters: Counter = Counter()
     out = average_tables(sent, empty, 0.5, max_share=0.0, counters=counters, sigma_floor=0.5)
-    np.testing.assert_allclose(out.rows[0], [20 / 3, 20 / 3], rtol=1e-6)
-    np.testing.assert_allclose(out.sigmas[0], [1 / math.sqrt(6)] * 2, rtol=1e-6)
+    np.testing.assert_allclose(out.rows[0], [5.0, 5.0], rtol=1e-6)
+    np.testing.assert_allclose(out.sigmas[0], [0.5, 0.5], rtol=1e-6)
     assert counters["prototype_sigma_floored"] == 2
-    owned = average_tables(sent, empty, 0.5, max_share=0.0, sigma_floor=0.0)
+    assert counters["prototype_sigma_share_capped"] == 2
+    floor_only = average_tables(sent, empty, 0.5, max_share=1.0, sigma_floor=0.5)
+    np.testing.assert_allclose(floor_only.rows[0], [20 / 3, 20 / 3], rtol=1e-6)  # 4 of 6
+    np.testing.assert_allclose(floor_only.sigmas[0], [1 / math.sqrt(6)] * 2, rtol=1e-6)
+    owned = average_tables(sent, empty, 0.5, max_share=1.0, sigma_floor=0.0)
     assert owned.rows[0, 0] > 10 - 1e-6
+
+
+@pytest.mark.parametrize("fedbnn", [False, True])
+def test_one_of_two_senders_cannot_own_a_row_with_a_denormal_sigma(fedbnn):
+    # a reviewer helper's attack: the floor and the cap skipped labels of two senders, and a
+    # sigma of 1e-45 (a denormal: > 0) took the whole row, under conflation and fedbnn alike
+    sent = [gtable(["x"], [1, 1], [0.1, 0.1], [10]), gtable(["x"], [2, 2], [1e-45] * 2, [10])]
+    kw = dict(likelihood=[True, True], prior_sigma=0.1) if fedbnn else {}
+    counters: Counter = Counter()
+    out = average_tables(sent, LabelRows.empty(2, gaussian=True), 1.0, max_share=0.0,
+                         counters=counters, sigma_floor=0.5, clip_factor=3.0, **kw)
+    weight = float(out.rows[0, 0]) - 1.0  # the attacker's weight on the row (prior at 0)
+    assert np.isfinite(out.sigmas).all() and counters["prototype_sigma_share_capped"] == 2
+    assert weight <= 0.5 + 1e-6
 
 
 def test_the_aggregator_floors_a_tiny_sigma_and_checks_the_kind():

@@ -17,6 +17,7 @@ from edgefcl.federation.robust.clipping import reference_norm
 from edgefcl.federation.robust.share import capped_weights
 from edgefcl.federation.robust.variance import check_variances
 from edgefcl.federation.shard import ShardRoot, ShardWorker
+from edgefcl.federation.sigma_bounds import LIK_SIGMA_MAX, median_floor
 
 ZERO = {"w": np.zeros(2, np.float32)}
 
@@ -399,6 +400,57 @@ def test_sigma_floor_limits_a_client_claiming_tiny_sigma(rule) -> None:
     unprotected, _ = run_round(ups, initial=base, encoding="gaussian", aggregation=rule,
                                sigma_floor=0.0, max_share=1.0)
     assert unprotected["w::mu"][0] > 9.99
+
+
+def test_an_entry_one_sender_alone_informs_is_floored_by_the_senders_typical_sigma() -> None:
+    # by hand: entries 0-1 only x informs (the others send LIK_SIGMA_MAX: no information);
+    # the senders' medians of their informative sigmas are 0.2, 0.2 and 1e-30, whose median
+    # is 0.2, so the floor there is 0.5 x 0.2; entries 2-3 keep their own median's floor
+    lik = LIK_SIGMA_MAX
+    sigmas = np.array([[lik, lik, 0.2, 0.2], [lik, lik, 0.2, 0.2], [1e-30] * 4])
+    np.testing.assert_allclose(median_floor(sigmas, 0.5, informative_only=True),
+                               [0.1, 0.1, 0.1, 0.1])
+    np.testing.assert_allclose(median_floor(sigmas[[0, 2]], 0.5, informative_only=True),
+                               [0.05, 0.05, 0.05, 0.05])  # of two senders: their mean
+    nobody = np.full((2, 3), lik)
+    np.testing.assert_array_equal(median_floor(nobody, 0.5, informative_only=True), 0.0)
+
+
+def test_under_fedbnn_one_device_cannot_take_and_freeze_what_others_leave_uninformed() -> None:
+    # a reviewer helper's attack: honest devices send LIK_SIGMA_MAX on entries their posterior
+    # did not narrow; one device's sigma 1e-30 there moved them alone for 30 rounds (0.25,
+    # sigma 3.5e-5) and then held them against 20 rounds of two honest devices' confident
+    # likelihoods (0.2500 -> 0.24994)
+    fed = FedConfig(clients=3, burn_in=0, jump=1, mode="sync", min_clients=1,
+                    encoding="gaussian", aggregation="fedbnn", bnn_init_rounds=0)
+    n = 4
+    agg = Aggregator({"w::mu": np.zeros(n, np.float32), "w::sigma": np.full(n, 0.1, np.float32)},
+                     fed)
+    for c in ("h0", "h1", "x"):
+        agg.join(c)
+
+    def g(client, seq, mu, sigma):
+        return Update(client, agg.global_.version, seq, 0, seq, 8,
+                      {"w::mu": np.asarray(mu, np.float32),
+                       "w::sigma": np.asarray(sigma, np.float32)}, encoding="gaussian")
+
+    seq = 0
+    for r in range(30):
+        seq += 1
+        mu = agg.global_.tensors["w::mu"].copy()
+        for c in ("h0", "h1"):
+            agg.submit(g(c, seq, mu, [LIK_SIGMA_MAX, LIK_SIGMA_MAX, 0.2, 0.2]))
+        assert agg.submit(g("x", seq, mu + (0.05 if r < 10 else 0.0), np.full(n, 1e-30)))
+    taken = agg.global_.tensors["w::mu"].copy()
+    for _ in range(20):  # the honest devices now inform entry 0, towards 0; x sends nothing
+        seq += 1
+        mu = agg.global_.tensors["w::mu"].copy()
+        for c in ("h0", "h1"):
+            agg.submit(g(c, seq, np.zeros(n), np.full(n, 0.01)))
+        agg.submit(g("x", seq, mu, np.full(n, LIK_SIGMA_MAX)))
+    back = agg.global_.tensors["w::mu"]
+    assert abs(back[0]) < 0.02 * max(abs(taken[0]), 0.05), (taken, back)
+    assert abs(back[0]) <= abs(back[2]) + 1e-3  # like an entry x never held alone
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

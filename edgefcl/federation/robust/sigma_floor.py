@@ -15,8 +15,9 @@ and every rule (conflation, fedbnn, moments):
    equal share): an update over it gets its sigma raised until it holds exactly that share.
 FedBNN likelihood entries a client marks as carrying no information (sigma = LIK_SIGMA_MAX)
 are left out of both: of the median (they would raise the floor of informative entries) and
-of the cap (an entry only one update informs is that update's alone)
-(`federation/sigma_bounds.py`)."""
+of the cap. An entry only one update informs gets the floor of the updates' typical sigma
+instead (one device sending 1e-30 took every entry the others left uninformative, and held
+it against them: `sigma_bounds.median_floor`) (`federation/sigma_bounds.py`)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import numpy as np
 
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
-from edgefcl.federation.share_cap import capped_columns, default_cap
-from edgefcl.federation.sigma_bounds import LIK_SIGMA_MAX, median_floor
+from edgefcl.federation.share_cap import default_cap
+from edgefcl.federation.sigma_bounds import LIK_SIGMA_MAX, median_floor, precision_capped
 from edgefcl.federation.strategy import Strategy
 
 SIGMA = "::sigma"
@@ -85,22 +86,3 @@ def sigma_ceiling(sigmas: np.ndarray, factor: float) -> np.ndarray:
         warnings.simplefilter("ignore", RuntimeWarning)
         ref = np.where(count == 2, np.nanmin(informed, 0), np.nanmedian(informed, 0))
     return np.where(count > 0, factor * np.nan_to_num(ref, nan=np.inf), np.inf)
-
-
-def precision_capped(sigmas: np.ndarray, cap: float) -> np.ndarray:
-    """`sigmas` (updates x ...) raised so that no update's precision 1/sigma^2 is over `cap`
-    of an entry's total over the updates that inform it (uninformative likelihood entries,
-    sigma >= LIK_SIGMA_MAX, count 0); an entry informed by fewer than two is left alone."""
-    n = sigmas.shape[0]
-    flat = sigmas.reshape(n, -1)
-    informed = flat < LIK_SIGMA_MAX
-    precision = np.where(informed, 1.0 / np.maximum(flat, 1e-30) ** 2, 0.0)
-    count = informed.sum(0)
-    out = precision.copy()
-    for k in np.unique(count[count >= 2]).tolist():  # at most n groups of entries
-        cols = count == k
-        out[:, cols] = capped_columns(precision[:, cols], max(cap, 1.0 / k))
-    lowered = out < precision
-    result = flat.copy()
-    result[lowered] = 1.0 / np.sqrt(out[lowered])
-    return result.reshape(sigmas.shape)
