@@ -7,6 +7,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
@@ -54,9 +55,11 @@ data and model, or waits for the broker, is not heard from at once)."""
 SENDER = "aggregator"
 EXPIRE_EVERY = 0.1
 """Seconds between the main loop's checks for silent devices (`client_timeout` is seconds)."""
-GATE_SETTLE_S = 10.0
-"""How long the task gate must stay below the one announced before the daemon announces it
-closed (a device back behind the others; opening is announced at once)."""
+GATE_BURST, GATE_WINDOW_S = 8, 10.0
+"""The task gate's moves are announced at once, up to GATE_BURST in any GATE_WINDOW_S
+seconds; a move beyond that waits until the window allows it (a device flapping offline /
+online moved the gate with each status, and the retained config went to every device each
+time). A gate announced late lets devices pass task ends it should hold them at."""
 
 
 class AggregatorDaemon:
@@ -118,7 +121,7 @@ class AggregatorDaemon:
         self.reanswered: dict[str, int] = {}  # client -> tick it was last answered again
         self.gate = (-1, 0)
         """The task gate last announced: (tasks passed, the global version then)."""
-        self._gate_lower_since: float | None = None
+        self._gate_announced: deque[float] = deque()  # when, within GATE_WINDOW_S
         """Since when the gate has been below the announced one (None: it is not)."""
         self._next_release = 0.0
         self._next_expiry = 0.0
@@ -353,20 +356,18 @@ class AggregatorDaemon:
 
     def _announce_gate(self, now: float) -> None:
         """When the task gate moved, re-publish the retained config with it and the global
-        version it opened at (after that global): at once when it opened further, once it
-        has held for GATE_SETTLE_S when it closed (a device back behind the others). A
-        device that flapped offline / online moved it with each status, and every device
-        received the config each time."""
+        version it opened at (after that global), within GATE_BURST a GATE_WINDOW_S."""
         if not self._gated:
             return
         passed = self.agg.tasks_passed
-        if passed >= self.gate[0]:
-            self._gate_lower_since = None
-        elif self._gate_lower_since is None:
-            self._gate_lower_since = now
-        if passed > self.gate[0] or (self._gate_lower_since is not None
-                                     and now - self._gate_lower_since >= GATE_SETTLE_S):
-            self.gate, self._gate_lower_since = (passed, self.agg.global_.version), None
+        if passed == self.gate[0]:
+            return
+        recent = self._gate_announced
+        while recent and now - recent[0] >= GATE_WINDOW_S:
+            recent.popleft()
+        if len(recent) < GATE_BURST:
+            recent.append(now)
+            self.gate = (passed, self.agg.global_.version)
             self._publish_config()
 
     def _closed(self, closed: RoundClosed | None, before: tuple) -> None:
