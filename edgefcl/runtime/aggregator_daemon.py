@@ -7,7 +7,6 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
@@ -17,6 +16,7 @@ from edgefcl.federation.aggregator import Aggregator, RoundClosed
 from edgefcl.federation.heads import initial_library
 from edgefcl.federation.messages import GlobalModel, Tensors, Tick, Update
 from edgefcl.federation.registry import get_encoding
+from edgefcl.federation.task_gate import GatePace
 from edgefcl.federation.versions import delta_downlink, downlink_message, pull_downlink
 from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.bodies import is_int
@@ -55,13 +55,6 @@ data and model, or waits for the broker, is not heard from at once)."""
 SENDER = "aggregator"
 EXPIRE_EVERY = 0.1
 """Seconds between the main loop's checks for silent devices (`client_timeout` is seconds)."""
-GATE_BURST, GATE_WINDOW_S = 8, 10.0
-"""The task gate's moves are announced at once, up to GATE_BURST in any GATE_WINDOW_S
-seconds; a move beyond that waits until the window allows it (a device flapping offline /
-online moved the gate with each status, and the retained config went to every device each
-time). A gate announced late lets devices pass task ends it should hold them at."""
-
-
 class AggregatorDaemon:
     """Runs an Aggregator over MQTT until stopped (SIGTERM/SIGINT, `control` stop, or with
     `exit_when_done` when the run is over: `_run_over`).
@@ -121,7 +114,7 @@ class AggregatorDaemon:
         self.reanswered: dict[str, int] = {}  # client -> tick it was last answered again
         self.gate = (-1, 0)
         """The task gate last announced: (tasks passed, the global version then)."""
-        self._gate_announced: deque[float] = deque()  # when, within GATE_WINDOW_S
+        self._gate_pace = GatePace()
         """Since when the gate has been below the announced one (None: it is not)."""
         self._next_release = 0.0
         self._next_expiry = 0.0
@@ -356,17 +349,9 @@ class AggregatorDaemon:
 
     def _announce_gate(self, now: float) -> None:
         """When the task gate moved, re-publish the retained config with it and the global
-        version it opened at (after that global), within GATE_BURST a GATE_WINDOW_S."""
-        if not self._gated:
-            return
+        version it opened at (after that global), as `GatePace` allows."""
         passed = self.agg.tasks_passed
-        if passed == self.gate[0]:
-            return
-        recent = self._gate_announced
-        while recent and now - recent[0] >= GATE_WINDOW_S:
-            recent.popleft()
-        if len(recent) < GATE_BURST:
-            recent.append(now)
+        if self._gated and passed != self.gate[0] and self._gate_pace.allow(now):
             self.gate = (passed, self.agg.global_.version)
             self._publish_config()
 

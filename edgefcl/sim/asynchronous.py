@@ -47,7 +47,7 @@ from edgefcl.data.types import Batch
 from edgefcl.data.workload import client_stream
 from edgefcl.federation.aggregator import Aggregator, RoundClosed, async_stats
 from edgefcl.federation.messages import GlobalModel, Update
-from edgefcl.federation.task_gate import gate_open
+from edgefcl.federation.task_gate import GatePace, gate_open
 from edgefcl.federation.versions import delta_downlink, downlink_message
 from edgefcl.learn.batched import FleetTrainer, batch_clients, why_alone
 from edgefcl.learn.client import Client
@@ -104,6 +104,7 @@ class AsyncFleet:
         self.progress = progress
         self.round_up = 0
         self.gate_passed = -1
+        self.gate_pace = GatePace()
         self.trainer = trainer
         self.due: set[int] = set()
         """The devices whose next event is a mini-batch."""
@@ -281,8 +282,9 @@ class AsyncFleet:
 
     def announce_gate(self) -> None:
         """A moved task gate reaches every device after its downlink delay (the daemon
-        re-publishes its retained config)."""
-        if self.fed.task_gate <= 0 or self.agg.tasks_passed == self.gate_passed:
+        re-publishes its retained config, as often as `GatePace` allows)."""
+        if self.fed.task_gate <= 0 or self.agg.tasks_passed == self.gate_passed \
+                or not self.gate_pace.allow(self.clock.now):
             return
         self.gate_passed = self.agg.tasks_passed
         for d in self.devices:

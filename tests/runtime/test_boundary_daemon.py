@@ -18,7 +18,8 @@ from edgefcl.config import RunConfig, apply
 from edgefcl.data.labels import MAX_LABELS
 from edgefcl.federation.indexing import INDEX_FORMATS
 from edgefcl.federation.messages import Tick, Update
-from edgefcl.runtime.aggregator_daemon import GATE_BURST, GATE_WINDOW_S, AggregatorDaemon
+from edgefcl.federation.task_gate import GATE_BURST, GATE_WINDOW_S
+from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
 from edgefcl.runtime.inbox import CPU_BURST_S, PER_SENDER, Inbox, sender_of, shed_counters
 from edgefcl.runtime.links import (
     ENVELOPE_OBJECTS,
