@@ -141,6 +141,46 @@ class _Inbox:
             return self.cond.wait_for(pred, timeout)
 
 
+def test_a_device_that_restarts_keeps_its_queued_stream(production_broker) -> None:
+    # a deployer helper's report: `edgefcl client` first reads the fleet's config over a
+    # short clean-session connection; the shipped broker takes the username as the client
+    # id, so that connection ended the device's own session and its queued mini-batches
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from edgefcl.config import RunConfig, apply
+    from edgefcl.runtime.join import preflight
+
+    url, pw, _ = production_broker
+    got = _Inbox()
+
+    def session() -> paho.Client:
+        c = paho.Client(CallbackAPIVersion.VERSION2, client_id="dev1", clean_session=False)
+        c.username_pw_set("dev1", pw["dev1"])
+        c.on_message = lambda cl, u, m: got(m.topic, m.payload)
+        c.connect("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        c.loop_start()
+        return c
+
+    c = session()
+    c.subscribe(T.stream("dev1"), 1)
+    time.sleep(0.5)
+    c.disconnect()
+    c.loop_stop()
+    rep = _link(url, "replayer", "replayer", pw["replayer"])
+    for i in range(3):
+        rep.publish(T.stream("dev1"), b"batch %d" % i, qos=1, wait=True)
+    cfg = apply(RunConfig(), {"mqtt": {"broker": url, "fleet": FLEET, "username": "dev1",
+                                       "password": pw["dev1"]}})
+    assert preflight(cfg, "dev1", {}, timeout=0.5) is None  # no aggregator: no config
+    c = session()
+    assert got.wait(lambda: len(got.got) == 3, 5), got.got
+    assert [p for _, p in got.got] == [b"batch 0", b"batch 1", b"batch 2"]
+    c.disconnect()
+    c.loop_stop()
+    rep.close()
+
+
 def test_control_is_refused_from_a_device_and_taken_from_the_operator(production_broker):
     """The daemon cannot tell who sent a message on `control`; the broker's ACL makes sure only
     the operator (and the aggregator itself) can publish there."""
