@@ -115,7 +115,6 @@ class AggregatorDaemon:
         self.gate = (-1, 0)
         """The task gate last announced: (tasks passed, the global version then)."""
         self._gate_pace = GatePace()
-        """Since when the gate has been below the announced one (None: it is not)."""
         self._next_release = 0.0
         self._next_expiry = 0.0
         self.spec = tensor_spec(self.agg.global_.tensors)
@@ -123,6 +122,9 @@ class AggregatorDaemon:
                                      fresh=fresh, resume=resume)
         if not self._load_state():
             self._save_state(None, initial=True)
+        self.run_id = self.store.meta()["run_id"]
+        """This run's id (kept across restarts): in the config, and in the statuses of the
+        devices that report to it."""
         self.link = None
         # what devices check before they train (runtime/join.py), held-out evaluation and the
         # fleet's results (runtime/fleet_results.py); the CLI may set them before run()
@@ -181,15 +183,18 @@ class AggregatorDaemon:
         self.bytes_out += self.link.publish(topic, payload, qos=1, retain=retain)
 
     def _publish_config(self) -> None:
+        self._publish(self.topics.config, self._config_payload(), retain=True)
+
+    def _config_payload(self) -> bytes:
+        """The retained config: the fleet's settings, this run, the gate and the pacing."""
         f = self.cfg.fed
         body = {"burn_in": f.burn_in, "jump": f.jump, "mode": f.mode, "encoding": f.encoding,
                 "aggregation": f.aggregation, "min_clients": f.min_clients,
-                "spec_hash": self.spec_hash, "clients": f.clients,
+                "spec_hash": self.spec_hash, "clients": f.clients, "run": self.run_id,
                 "incarnation": self.incarnation, "pull_globals": pull_downlink(f)
                 } | self.profile | (
                     self.backpressure.fields()) | self._gate_fields()
-        self._publish(self.topics.config, encode(Message("config", body), fleet=self.cfg.mqtt.fleet,
-                                                 sender=SENDER), retain=True)
+        return encode(Message("config", body), fleet=self.cfg.mqtt.fleet, sender=SENDER)
 
     def _encode_global(self, g: GlobalModel) -> bytes:
         return encode(g, fleet=self.cfg.mqtt.fleet, sender=SENDER,
@@ -311,8 +316,12 @@ class AggregatorDaemon:
 
     def _on_status(self, client: str, body: dict, now: float) -> None:
         """A device's status. Only roster clients count: an id the roster does not admit
-        neither joins nor finishes the run, and leaves no trace in the daemon's state."""
+        neither joins nor finishes the run, and leaves no trace in the daemon's state; a
+        `done` that names another run (a retained one of an earlier run) is not this run's."""
         state = body.get("state")
+        if state == "done" and isinstance(body.get("run"), str) and body["run"] != self.run_id:
+            self.agg.counters["done_of_another_run"] += 1
+            return
         if state == "online":
             if not self.agg.join(client, now):
                 return  # counted as rejected_roster

@@ -33,7 +33,7 @@ def _is_names(v: Any) -> bool:
 
 
 _FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
-    "config": {"incarnation": _is_str, "spec_hash": _is_str, "method": _is_str,
+    "config": {"incarnation": _is_str, "run": _is_str, "spec_hash": _is_str, "method": _is_str,
                "model": _is_str, "encoding": _is_str, "aggregation": _is_str,
                "wire_dtype": _is_str, "mode": _is_str, "burn_in": is_int, "jump": is_int,
                "min_clients": is_int, "clients": is_int, "n_classes": is_int,

@@ -422,6 +422,9 @@ class DeviceRunner:
                 "rejected": self.rejected, "time": round(time.time(), 3),
                 "finished_task": self.finished_task,
                 "prequential": self._prequential(), **extra, **self.status_fields()}
+        run = (self.fleet_config or {}).get("run")
+        if run is not None:  # the run this device reports to
+            body["run"] = run
         self.link.publish(self.topics.status(self.cid),
                           encode(Message("status", body), fleet=self.cfg.mqtt.fleet,
                                  sender=self.cid), qos=1, retain=True, wait=wait)

@@ -30,7 +30,7 @@ from edgefcl.runtime.links import (
 )
 from edgefcl.support.logs import PlainFormatter, Repeats
 from edgefcl.transport.bounds import DEFAULT_LIMITS
-from edgefcl.transport.codec import Message, encode
+from edgefcl.transport.codec import Message, decode, encode
 
 FLEET = "t"
 INITIAL = {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}
@@ -677,6 +677,22 @@ def test_the_task_gate_closes_at_once_for_a_device_that_joins_behind(tmp_path) -
     assert d.gate[0] == 0
     d._on_status("b", {"state": "online"}, 1.5)
     assert d.gate[0] == -1
+    d.store.close()
+
+
+def test_a_new_runs_aggregator_ignores_the_done_statuses_of_an_earlier_run(tmp_path) -> None:
+    # a deployer helper's report: a fresh aggregator on a broker that keeps retained statuses
+    # read the last run's `done` of every device, finished at once with 0 rounds and wrote
+    # that run's accuracy as its own
+    d = make_daemon(tmp_path, roster="a,b,c")
+    run = d.run_id
+    assert decode(d._config_payload(), FLEET).body["run"] == run
+    for c in "abc":
+        d._on_status(c, {"state": "done", "run": "0123456789abcdef",
+                         "accuracy_matrix": [[90.0, 0.0], [80.0, 85.0]]}, 1.0)
+    assert d.done == set() and d.agg.counters["done_of_another_run"] == 3
+    d._on_status("a", {"state": "done", "run": run}, 2.0)
+    assert d.done == {"a"}
     d.store.close()
 
 

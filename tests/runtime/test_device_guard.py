@@ -16,7 +16,7 @@ from edgefcl.learn.global_format import global_tensors
 from edgefcl.runtime.device_runner import DeviceRunner
 from edgefcl.runtime.links import NullLink, topics
 from edgefcl.transport import integrity
-from edgefcl.transport.codec import Message, encode
+from edgefcl.transport.codec import Message, decode, encode
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +143,17 @@ def test_forged_bodies_from_the_aggregator_are_rejected_not_kept(runner_factory,
     r._on_message(topic, body(kind, **fields))
     assert r.rejections["malformed"] == 1 or r.rejections["version-jump"] == 1
     assert r.fleet_config is None and r.aggregator_state is None and not r.answers
-    r._on_message(tp.config, body("config", incarnation="x", spec_hash="abc", burn_in=4))
+    r._on_message(tp.config, body("config", incarnation="x", spec_hash="abc", burn_in=4,
+                                  run="r1"))
     r._on_message(tp.aggregator_status, body("status", state="online", time=1.0))
     r.awaited_tick = 1  # it sent tick 1's report
     r._on_message(tp.tick, body("answer", tick=1, version=1, participants=["c000"]))
     assert r.fleet_config["incarnation"] == "x" and r.aggregator_state["state"] == "online"
     assert r.answers[1]["version"] == 1
+    sent = []
+    r.link.publish = lambda topic, payload, **kw: sent.append(payload)
+    r._status("done")  # the run it reports to: an aggregator of a later run ignores it
+    assert decode(sent[-1], r.cfg.mqtt.fleet).body["run"] == "r1"
 
 
 def test_answers_for_ticks_a_device_does_not_wait_on_are_not_kept(runner_factory) -> None:
