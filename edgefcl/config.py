@@ -407,7 +407,7 @@ class RunConfig:
         "homogeneous", "async in process: the devices' timing on the virtual clock: "
         "homogeneous | heterogeneous (10x spread of speeds, lognormal delays, 3 %% dropouts) | "
         "congested (answers slower than a tiny task) | trace:PATH (a JSON trace; an MQTT "
-        "run writes its matched trace, timing_trace.json)"
+        "run keeps its matched trace in its results.json: trace:DIR/results.json)"
     )
     transport: str = opt(
         "inprocess", "inprocess (one process) | mqtt (aggregator, clients and replayer as "
@@ -754,6 +754,10 @@ def public_dict(cfg: RunConfig) -> dict[str, Any]:
     return d
 
 
+PROFILE_KINDS = ("homogeneous", "heterogeneous", "congested", "trace")
+"""The timing profiles of in-process async runs (`sim/profiles.py`; trace as trace:PATH)."""
+
+
 def validate(cfg: RunConfig) -> None:
     """Reject values that cannot work, with a message that says what to fix: every section's
     checks, the run's, and the names against the registries. A config runs it on
@@ -768,8 +772,14 @@ def validate(cfg: RunConfig) -> None:
         (cfg.seed >= 0, "seed must be >= 0"),
         (cfg.seeds >= 1, "seeds must be >= 1"),
         (cfg.transport in ("inprocess", "mqtt"), "transport must be inprocess or mqtt"),
+        (cfg.profile.partition(":")[0] in PROFILE_KINDS,
+         f"unknown timing profile '{cfg.profile}'; choose from homogeneous, heterogeneous, "
+         "congested or trace:PATH"),
         (cfg.profile == "homogeneous" or cfg.fed.mode == "async",
          f"profile {cfg.profile} needs mode async (lock-step runs have no timing to draw)"),
+        (cfg.profile == "homogeneous" or cfg.transport == "inprocess",
+         f"profile {cfg.profile} draws timing on the in-process virtual clock; a run over "
+         "--transport mqtt has the real one"),
     ], cfg)
     for _, method, fed in run_entries(cfg):
         _check_entry(method, fed, cfg.learn)

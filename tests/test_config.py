@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from edgefcl.config import ConfigError, RunConfig, apply, load_toml, validate
+from edgefcl.config import ConfigError, FedConfig, RunConfig, apply, load_toml, validate
 from edgefcl.federation.registry import ENCODINGS
 from edgefcl.federation.rules import DENSE_RULES
 from edgefcl.learn.methods import MEMORIES, METHODS, SCORES, Method, load
@@ -62,6 +62,12 @@ def test_options_a_run_would_ignore_are_refused() -> None:
     with pytest.raises(ConfigError, match="^profile heterogeneous needs mode async"):
         _checked({"profile": "heterogeneous"})  # lock-step has no timing to draw
     _checked({"profile": "heterogeneous", "fed": {"mode": "async"}})
+    # a researcher's report: an MQTT run recorded the profile it never drew its timing from
+    with pytest.raises(ConfigError, match="in-process virtual clock; a run over --transport"):
+        _checked({"profile": "heterogeneous", "fed": {"mode": "async"}, "transport": "mqtt"})
+    # and the Python API took a profile it then failed on with a traceback
+    with pytest.raises(ConfigError, match="^unknown timing profile 'nope'"):
+        RunConfig(fed=FedConfig(mode="async"), profile="nope")
 
 
 def test_method_beside_compare_is_refused_on_the_command_line() -> None:

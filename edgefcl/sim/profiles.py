@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefcl.config import ConfigError
 from edgefcl.support.errors import UserError
 
 
-class ProfileError(UserError):
+class ProfileError(ConfigError, UserError):
     """A timing profile that cannot be used (unknown name, malformed trace, impossible value)."""
 
 
