@@ -289,6 +289,14 @@ def test_a_fleet_whose_updates_were_all_rejected_says_so(capsys):
     assert "learning rate too large (--lr)" in err
 
 
+def test_a_quorum_the_fleet_cannot_reach_is_said_before_the_run(capsys):
+    # a researcher's report: --min-clients 5 with 3 clients ran the whole run, and only then
+    # said the fleet never federated
+    assert main(["simulate", *SMALL, "--min-clients", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "--min-clients 3 is more than --clients 2: no round can close" in err
+
+
 def test_a_method_named_twice_is_refused(capsys):
     assert main(["simulate", *SMALL, "--compare", "er,fedavg,er"]) == 2
     assert "--compare names er twice" in one_line_error(capsys)
