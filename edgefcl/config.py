@@ -721,12 +721,22 @@ def check_mqtt(m: MqttConfig) -> None:
     """The [mqtt] values that cannot work."""
     require([
         (m.wire_dtype in ("float32", "float16"), "wire_dtype must be float32 or float16"),
-        (m.broker == "" or m.broker.startswith(("mqtt://", "mqtts://")),
-         "broker must look like mqtt://HOST:PORT or mqtts://HOST:PORT"),
+        (m.broker == "" or _broker_url(m.broker),
+         "broker must look like mqtt://HOST:PORT or mqtts://HOST:PORT (a port up to 65535)"),
         (m.chunk_size >= 1024, "chunk_size must be >= 1024 bytes"),
         (m.max_payload >= 0, "max_payload must be >= 0 bytes (0: sized from the model)"),
         (m.connect_timeout > 0, "connect_timeout must be > 0 seconds"),
     ], m)
+
+
+def _broker_url(url: str) -> bool:
+    """Whether `url` is mqtt:// or mqtts:// with a host and, if any, a valid port."""
+    try:
+        parts = urlsplit(url)
+        return parts.scheme in ("mqtt", "mqtts") and bool(parts.hostname) and (
+            parts.port is None or parts.port > 0)
+    except ValueError:  # a port that is no number, or out of range
+        return False
 
 
 def split_credentials(url: str) -> tuple[str, str, str]:

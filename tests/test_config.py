@@ -199,3 +199,17 @@ def test_cli_errors_name_the_config_file_field(tmp_path) -> None:
     out = _cli("simulate", "--config", str(path))
     assert out.returncode == 2
     assert out.stderr.strip() == f"edgefcl: error: {path}: memory_size in [learn] must be >= 0"
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:1883", "http://127.0.0.1", "mqtt://:1883",
+                                 "mqtt://127.0.0.1:notaport", "mqtt://127.0.0.1:99999",
+                                 "mqtt://127.0.0.1:0"])
+def test_a_broker_url_that_cannot_work_is_refused_when_built(url) -> None:
+    # a deployer helper's report: a port that is no number ended in a ValueError traceback
+    with pytest.raises(ConfigError, match="broker must look like mqtt://HOST:PORT"):
+        _checked({"mqtt": {"broker": url}})
+
+
+def test_broker_urls_that_work() -> None:
+    for url in ("mqtt://127.0.0.1", "mqtts://broker.example:8883", "MQTT://h:1"):
+        _checked({"mqtt": {"broker": url}})
