@@ -245,7 +245,7 @@ def check_runs(cfg: RunConfig) -> None:
     """Refuse, before any work starts, what would only fail later: a CUDA device on a
     machine without one (names are checked by the config against the registries); warn of
     a quorum the fleet cannot reach."""
-    if cfg.fed.min_clients > cfg.fed.clients:
+    if cfg.fed.min_clients > cfg.fed.clients >= 2:  # (one client: it trains alone)
         logging.getLogger("edgefcl").warning(
             "--min-clients %d is more than --clients %d: no round can close, and every "
             "client will train alone", cfg.fed.min_clients, cfg.fed.clients)

@@ -253,3 +253,31 @@ def test_replays_help_all_lists_what_it_reads_and_it_accepts_every_flag(capsys, 
         assert flag + " " not in text, flag
     args = build_parser().parse_args(["replay", "--memory-size", "50", "--burn-in", "3"])
     assert vars(args)["learn.memory_size"] == 50  # one command line serves every role
+
+
+def test_an_export_folder_it_cannot_write_is_refused_before_training(tmp_path, capsys,
+                                                                      monkeypatch):
+    # a deployer helper's report: on a read-only mount the folder existed, and the client
+    # died with an OSError traceback at its first global
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path)
+                        else real(p, mode))
+    assert main(["simulate", "--export-onnx", str(tmp_path / "{cid}.onnx"), "--clients", "1",
+                 "--tasks", "1"]) == 2
+    assert f"--export-onnx: cannot write in folder {tmp_path}" in capsys.readouterr().err
+
+
+def test_an_export_that_fails_later_is_logged_and_the_client_learns_on(tmp_path, capsys,
+                                                                        monkeypatch):
+    import edgefcl.learn.scoring.snapshot as snapshot
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshot, "export_onnx", full)
+    assert main(["simulate", "--export-onnx", str(tmp_path / "{cid}.onnx"), "--clients", "2",
+                 "--tasks", "2", "--quiet"]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "cannot write the model" in ln]
+    assert len(lines) == 2 and "No space left on device" in lines[0]  # once each client

@@ -185,19 +185,29 @@ class ClientOnnx:
         self._template: tuple[tuple, OnnxTemplate | None] | None = None  # checked, by signature
         self._described: tuple[nn.Module, tuple, str] | None = None  # model, shapes, repr
         self.exports = 0
+        self.export_failing = False
         self.scoring_exports = 0  # exports this client made for scoring
 
     def on_global(self, client: LearnerView) -> None:
-        """Write the live model to the export path (if one is set)."""
+        """Write the live model to the export path (if one is set); a write that fails (a
+        full disk) is logged, once until one succeeds, and the device learns on."""
         if self.export_path and client.sample_shape is not None:
             path = self.export_path.replace("{cid}", client.cid)
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
             protos = getattr(client, "protos", None)
-            if protos is None:
-                export_onnx(client.model, client.sample_shape, path)
-            else:  # the whole library, its label names in the metadata
-                data = export_onnx(client.model, client.sample_shape)
-                atomic_write(Path(path), with_labels(data, protos.library.labels))
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                if protos is None:
+                    export_onnx(client.model, client.sample_shape, path)
+                else:  # the whole library, its label names in the metadata
+                    data = export_onnx(client.model, client.sample_shape)
+                    atomic_write(Path(path), with_labels(data, protos.library.labels))
+            except OSError as e:
+                if not self.export_failing:
+                    log.error("%s: cannot write the model to %s (%s); it learns on without "
+                              "the export", client.cid, path, e.strerror or e)
+                self.export_failing = True
+                return
+            self.export_failing = False
             self.exports += 1
 
     def _snapshot_graph(self, model: nn.Module, sample_shape: tuple[int, ...]) -> bytes:
@@ -354,4 +364,7 @@ def make_client_onnx(learn: LearnConfig) -> ClientOnnx | None:
         except OSError as e:
             raise ConfigError(f"--export-onnx: cannot create folder {folder} "
                               f"({e.strerror or e}); give a writable path") from e
+        if not os.access(folder, os.W_OK):  # a read-only mount: the first export failed
+            raise ConfigError(f"--export-onnx: cannot write in folder {folder}; give a "
+                              "writable path")
     return ClientOnnx(learn)
