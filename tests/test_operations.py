@@ -455,3 +455,20 @@ def test_a_fleet_that_never_federated_ends_with_a_warning(tmp_path, capsys):
     assert main(["simulate", *SMALL, "--min-clients", "3"]) == 0  # 2 clients: never a round
     err = capsys.readouterr().err
     assert "never federated (rounds = 0)" in err
+
+
+def test_a_state_dir_without_room_is_one_line_at_start(tmp_path, capsys, monkeypatch):
+    # a deployer helper's report: a full --state-dir ended in an sqlite3 traceback
+    import sqlite3
+
+    from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
+
+    def full(self, *a, **k):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(AggregatorDaemon, "_save_state", full)
+    assert main(["aggregator", "--state-dir", str(tmp_path / "s"), "--broker",
+                 "mqtt://127.0.0.1:9", "--connect-timeout", "0.5", "--clients", "1",
+                 "--tasks", "1"]) == 2
+    err = one_line_error(capsys)
+    assert f"cannot write the state in {tmp_path / 's'} (database or disk is full)" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from edgefcl.runtime.links import (
     update_limits,
     wire_dtype,
 )
-from edgefcl.runtime.store import StateStore
+from edgefcl.runtime.store import StateStore, StateWriteError
 from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
 from edgefcl.transport.codec import (
@@ -374,9 +375,12 @@ class AggregatorDaemon:
             try:
                 payload = self._encode_global(closed.global_)
                 self._save_state(closed, len(payload))  # saved before it is announced
-            except Exception:
+            except Exception as e:
                 if self.store.published(closed.global_.version) is None:
                     self.agg.restore(before)
+                if isinstance(e, (OSError, sqlite3.Error)):  # a full disk: no bug to trace
+                    raise StateWriteError(f"cannot save version {closed.global_.version} in "
+                                          f"{self.state_dir} ({e})") from e
                 raise
             self.round_bytes_in = 0
             self._publish_global(closed.global_, payload)
@@ -414,9 +418,13 @@ class AggregatorDaemon:
         with self.inbox.uncharged():  # the fleet's work, not the device's that set it off
             try:
                 self._closed(step(), before)
-            except Exception:
-                self.agg.counters["rejected_internal"] += 1
-                log.exception("internal error in the aggregator: the open round is dropped")
+            except Exception as e:
+                if isinstance(e, StateWriteError):
+                    self.agg.counters["state_write_failed"] += 1
+                    log.error("%s: the open round is dropped; free space in --state-dir", e)
+                else:
+                    self.agg.counters["rejected_internal"] += 1
+                    log.exception("internal error in the aggregator: the open round is dropped")
                 self.agg.drop_round()
                 if self.cfg.fed.mode == "sync":
                     self._answer(RoundClosed(self.agg.tick, None))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import sqlite3
 from pathlib import Path
 
 from edgefcl.config import ConfigError, RunConfig
@@ -84,8 +85,12 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
 
         kind, extra = RootDaemon, {"workers": parse_roster(args.worker_ids)}
     try:
-        daemon = kind(cfg, initial, state_dir, exit_when_done=args.exit_when_done,
-                      fresh=args.fresh, resume=args.resume, **extra)
+        try:
+            daemon = kind(cfg, initial, state_dir, exit_when_done=args.exit_when_done,
+                          fresh=args.fresh, resume=args.resume, **extra)
+        except (OSError, sqlite3.Error) as e:  # a full disk, a read-only mount
+            raise StateError(f"cannot write the state in {state_dir} ({e}); free space there "
+                             "or give another --state-dir") from None
     except StateError as e:  # waiting devices learn of it from the retained status
         announce_refusal(cfg, str(e))
         raise

@@ -59,6 +59,11 @@ class StateError(ConfigError):
     ConfigError, so the CLI shows it as one line with exit code 2)."""
 
 
+class StateWriteError(RuntimeError):
+    """A state that could not be written (a full disk, a read-only mount): the round it
+    would have saved is dropped, and the daemon goes on."""
+
+
 def tensors_to_bytes(tensors: Tensors) -> bytes:
     buf = io.BytesIO()
     np.savez(buf, **tensors)

@@ -341,6 +341,49 @@ def test_a_round_that_fails_to_close_is_dropped_not_fatal(tmp_path, monkeypatch)
     d.store.close()
 
 
+def test_a_full_disk_drops_the_round_in_one_line_and_the_daemon_goes_on(tmp_path,
+                                                                          monkeypatch) -> None:
+    # a deployer helper's report: a full --state-dir logged a traceback every round
+    import sqlite3
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    h = Lines()
+    logging.getLogger("edgefcl").addHandler(h)
+    d = make_daemon(tmp_path)
+    tp = topics(d.cfg.mqtt)
+    real = d._save_state
+
+    def full(*a, **k):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(d, "_save_state", full)
+    try:
+        d.handle(tp.update("a"), update("a"))
+        d.handle(tp.update("b"), update("b", value=2.0))
+        d._serve_rounds(0.0)
+        assert d.agg.counters["state_write_failed"] == 1, dict(d.agg.counters)
+        assert d.agg.global_.version == 0
+        assert d.agg.counters["rejected_internal"] == 0
+        said = [r for r in h.records if "cannot save version 1" in r.getMessage()]
+        assert len(said) == 1 and said[0].exc_info is None  # one line, no traceback
+        assert "database or disk is full" in said[0].getMessage()
+        monkeypatch.setattr(d, "_save_state", real)  # room again: the next round is saved
+        d.handle(tp.update("a"), update("a", seq=2, batch=2))
+        d.handle(tp.update("b"), update("b", seq=2, batch=2, value=2.0))
+        d._serve_rounds(0.0)
+        assert d.agg.global_.version == 1
+    finally:
+        logging.getLogger("edgefcl").removeHandler(h)
+        d.store.close()
+
+
 def test_ids_off_the_roster_neither_finish_the_run_nor_grow_the_state(tmp_path) -> None:
     # the attacks: "done" from ids that never joined ended the run (and a restart then refused
     # a finished run); thousands of ids filled the status until devices dropped it
