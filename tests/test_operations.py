@@ -472,3 +472,14 @@ def test_a_state_dir_without_room_is_one_line_at_start(tmp_path, capsys, monkeyp
                  "--tasks", "1"]) == 2
     err = one_line_error(capsys)
     assert f"cannot write the state in {tmp_path / 's'} (database or disk is full)" in err
+
+
+def test_a_device_whose_username_is_not_its_id_is_told(capsys):
+    # a deployer helper's report: with the broker README's naming (user device-0001) the
+    # device's id stayed c000, the ACL dropped its updates and nothing said why
+    assert main(["client", "--index", "0", "--username", "device-0001", "--broker",
+                 "mqtt://127.0.0.1:9", "--connect-timeout", "0.5", "--clients", "1",
+                 "--tasks", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--username device-0001 is not this device's id c000" in err
+    assert "give it --id device-0001" in err

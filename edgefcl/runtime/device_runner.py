@@ -462,7 +462,8 @@ class DeviceRunner:
                     last = self.aggregator_state or {}
                     why = f" ({last['reason']})" if last.get("reason") else ""
                     raise JoinRefused(f"{self.cid}: no aggregator of fleet "
-                                      f"'{self.cfg.mqtt.fleet}' online after "
+                                      f"'{self.cfg.mqtt.fleet}' online on "
+                                      f"{self.cfg.mqtt.broker} after "
                                       f"{self.join_timeout:.0f} s; its last status: "
                                       f"{last.get('state', 'none')}{why}")
                 fleet = self._wait(lambda: ready() or (False if time.monotonic() > deadline

@@ -162,6 +162,10 @@ def cmd_client(args: argparse.Namespace) -> int:
         raise ConfigError(f"--index must be in [0, {cfg.fed.clients}) for {cfg.fed.clients} "
                           "clients")
     cid = args.id or f"c{args.index:03d}"  # edgefcl.data.workload.client_id
+    if cfg.mqtt.username and cfg.mqtt.username != cid:
+        log.warning("--username %s is not this device's id %s: the shipped broker ACL lets a "
+                    "device write only under its username, so give it --id %s (or name its "
+                    "broker user %s)", cfg.mqtt.username, cid, cfg.mqtt.username, cid)
     # a device that does not match its fleet stops here, before torch and the data load
     fleet = preflight(cfg, cid, fleet_profile(cfg))
     check_runs(cfg)
