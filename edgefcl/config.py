@@ -371,8 +371,7 @@ class MqttConfig:
     )
     fleet: str = opt("demo", "fleet name: topics live under <topic-root>/<fleet>/")
     topic_root: str = opt("edgefcl", "topic root")
-    username: str = opt("", "MQTT username (empty: anonymous; the password: the "
-                        "EDGEFCL_MQTT_PASSWORD variable)")
+    username: str = opt("", "MQTT username (empty: anonymous; password: EDGEFCL_MQTT_PASSWORD)")
     password: str = opt("", "MQTT password (prefer the EDGEFCL_MQTT_PASSWORD variable)")
     tls_ca: str = opt("", "CA certificate file: enables TLS")
     tls_cert: str = opt("", "client certificate file (mutual TLS)")
