@@ -709,7 +709,8 @@ def check_fed(f: FedConfig) -> None:
         (f.buffer >= -1, "buffer must be >= -1 (0: half the active devices from 100 on; "
                          "-1: off)"),
         (f.staleness in STALENESS, f"staleness must be one of {', '.join(STALENESS)}"),
-        (f.staleness_a >= 0 and f.staleness_b >= 0, "staleness_a and staleness_b must be >= 0"),
+        (f.staleness_a >= 0, "staleness_a must be >= 0"),
+        (f.staleness_b >= 0, "staleness_b must be >= 0"),
         (0 < f.task_decay <= 1, "task_decay must be in (0, 1] (1: off)"),
         (f.task_gate >= 0, "task_gate must be >= 0 seconds (0: off)"),
         (f.gate_carry_mib >= 0, "gate_carry_mib must be >= 0 (0: off)"),

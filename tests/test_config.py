@@ -88,6 +88,7 @@ def test_method_beside_compare_is_refused_on_the_command_line() -> None:
     ({"learn": {"threads": 0}}, "threads must be >= 1"),
     ({"fed": {"round_timeout": -1.0}}, "round_timeout must be >= 0"),
     ({"fed": {"max_staleness": -1}}, "max_staleness must be >= 0"),
+    ({"fed": {"staleness_b": -3.0}}, "staleness_b must be >= 0"),  # (it named staleness_a too)
     ({"fed": {"mix": float("nan")}}, "mix must be a finite number"),
     ({"mqtt": {"max_payload": -1}}, "max_payload must be >= 0"),
     ({"mqtt": {"connect_timeout": 0.0}}, "connect_timeout must be > 0"),
