@@ -158,6 +158,8 @@ class DeviceRunner:
         # this installation's session: its sequence numbers start at 1 (kept on flash by
         # devices that resume their sequence numbers, see firmware_sim)
         self.incarnation = secrets.token_hex(8)
+        self.born = time.time()  # a status of another process on this id, sent since: a twin
+        self.twin_said = -float("inf")  # when a twin was last logged
         n_tasks = len(eval_tasks) if eval_tasks else 0
         self.acc = np.full((n_tasks, n_tasks), np.nan)
         self.coverage = np.zeros((2, n_tasks), np.int64)  # prototypes (see simulate)
@@ -204,7 +206,7 @@ class DeviceRunner:
         tp = self.topics
         allowed = {tp.global_: "global", tp.global_delta: "global", tp.tick: "answer",
                    tp.control: "control", tp.stream(self.cid): "stream", tp.config: "config",
-                   tp.aggregator_status: "status"}.get(topic)
+                   tp.aggregator_status: "status", tp.status(self.cid): "status"}.get(topic)
         if allowed is None:
             raise CodecError("topic", f"no message is accepted on {topic}")
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.cfg.mqtt.max_payload,
@@ -217,6 +219,9 @@ class DeviceRunner:
             raise CodecError("malformed", fault)
         if kind == "answer" and msg.body["version"] - self.client.version > MAX_VERSION_STEP:
             raise CodecError("version-jump", f"an answer names version {msg.body['version']}")
+        if topic == tp.status(self.cid):
+            self._on_own_status(msg.body)
+            return
         with self.cond:
             if isinstance(msg, GlobalModel):
                 self.bytes_down += len(payload)
@@ -224,6 +229,21 @@ class DeviceRunner:
             else:  # a map kind its topic admits (checked above)
                 getattr(self, self._ON_MESSAGE[msg.kind])(msg)
             self.cond.notify_all()
+
+    def _on_own_status(self, body: dict) -> None:
+        """A status on this device's own topic: another process's, sent since this one
+        started, is a twin on the same id (the broker hands the session back and forth and
+        their streams and updates mix): said once a minute."""
+        inc, sent = body.get("incarnation"), body.get("time")
+        if inc is None or inc == self.incarnation or not isinstance(sent, (int, float)) or \
+                sent < self.born or body.get("state") == "offline":
+            return
+        self.rejections["twin"] += 1
+        if time.monotonic() - self.twin_said >= 60:
+            self.twin_said = time.monotonic()
+            log.error("%s: another device process runs with this id (its statuses come from "
+                      "incarnation %s): give each device its own --index or --id", self.cid,
+                      str(inc)[:16])
 
     # -- what each map kind does (under self.cond) ---------------------------------------------
     def _on_config(self, msg: Message) -> None:
@@ -499,6 +519,7 @@ class DeviceRunner:
             self.link.subscribe(self.topics.aggregator_status, self._on_message)
         if self.source is None:
             self.link.subscribe(self.topics.stream(self.cid), self._on_message)
+        self.link.subscribe(self.topics.status(self.cid), self._on_message)  # a twin's
         self.link.connect(self.cfg.mqtt.connect_timeout)
         if self.join_profile is not None:
             self._join()

@@ -3,6 +3,8 @@ adopted; a bad one is counted by reason, never adopted, never a crash."""
 
 from __future__ import annotations
 
+import time
+
 import msgpack
 import numpy as np
 import pytest
@@ -271,3 +273,19 @@ def test_a_lock_step_device_also_finds_its_way_back_from_a_forged_version(
     assert r.client.version == 4 and r.version_resets == 1
     r._sync_round(None)
     assert r.client.version == 5
+
+
+def test_a_twin_on_the_same_id_is_said_once_a_minute(runner_factory, caplog) -> None:
+    # a deployer helper's report: two processes with one id kicked each other off the broker
+    # once a second and split the stream, and only "lost connection" was ever said
+    r = runner_factory()
+    tp = topics(r.cfg.mqtt)
+    mine = {"state": "online", "incarnation": r.incarnation, "time": time.time()}
+    old = {"state": "online", "incarnation": "beforeme", "time": r.born - 60}  # a restart's
+    twin = {"state": "online", "incarnation": "twin", "time": r.born + 1}
+    with caplog.at_level("ERROR", logger="edgefcl"):
+        for body in (mine, old, twin, twin):
+            r._on_message(tp.status(r.cid), encode(Message("status", body), fleet="g",
+                                                    sender=r.cid))
+    said = [rec for rec in caplog.records if "another device process runs" in rec.getMessage()]
+    assert len(said) == 1 and r.rejections["twin"] == 2 and r.rejected == 0
