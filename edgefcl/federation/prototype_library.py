@@ -36,7 +36,12 @@ from edgefcl.federation.messages import Update
 from edgefcl.federation.robust import label_room
 from edgefcl.federation.row_clip import clip_rows
 from edgefcl.federation.share_cap import capped_columns, capped_groups, default_cap
-from edgefcl.federation.sigma_bounds import LIK_FLOOR, median_floor, precision_capped
+from edgefcl.federation.sigma_bounds import (
+    LIK_FLOOR,
+    median_floor,
+    precision_capped,
+    sigma_ceiling,
+)
 from edgefcl.federation.value_bound import MAX_VALUE
 
 
@@ -184,7 +189,7 @@ def average_tables(tables: Sequence[LabelRows], previous: LabelRows,
             prior_mu[g_at] = previous.rows[p_at]
             prior_s[g_at] = previous.sigmas[p_at]  # type: ignore[index]
         mean, sigma = product_gaussian(rows, sigmas, inverse, len(names), prior_mu, prior_s,
-                                       sigma_floor, counters, max_share)
+                                       sigma_floor, counters, max_share, clip_factor)
     elif gaussian:
         sigmas = np.concatenate([t.sigmas for t in sent]).astype(np.float64)  # type: ignore
         if average:
@@ -192,7 +197,7 @@ def average_tables(tables: Sequence[LabelRows], previous: LabelRows,
                 sigmas, w, inverse, len(names))
         else:
             mean, sigma = combine_gaussian(rows, sigmas, w, inverse, len(names), sigma_floor,
-                                           counters, max_share)
+                                           counters, max_share, clip_factor)
     elif combine is not None:
         order = np.argsort(inverse, kind="stable")
         bounds = np.cumsum(np.bincount(inverse, minlength=len(names)))[:-1]
@@ -228,13 +233,14 @@ def average_tables(tables: Sequence[LabelRows], previous: LabelRows,
 
 def combine_gaussian(mu: np.ndarray, sigma: np.ndarray, weight: np.ndarray,
                      groups: np.ndarray, n_groups: int, sigma_floor: float = 0.0,
-                     counters: Counter | None = None,
-                     max_share: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+                     counters: Counter | None = None, max_share: float = 1.0,
+                     clip_factor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Per group (label), the sample-weighted conflation of its rows N(mu_k, sigma_k^2):
     precision = sum_k r_k / sigma_k^2, mean = sum_k (r_k / sigma_k^2) mu_k / precision, with
     r_k = weight_k * n / sum_j weight_j over the group's n senders (equal weights: r = 1, plain
-    conflation, VFCL Eq. 11). First, in groups of two senders or more, every sigma is raised
-    to at least `sigma_floor` x the group's median sigma of that entry, and then no sender's
+    conflation, VFCL Eq. 11). First, in groups of two senders or more, every sigma is lowered
+    to at most `clip_factor` x the group's median sigma of that entry (of two the smaller; 0:
+    off), raised to at least `sigma_floor` x that median, and then no sender's
     precision r_k / sigma_k^2 may be over `max_share` of the entry's total (0: `default_cap`
     of the group's senders; >= 1: off), as `robust/sigma_floor.py` bounds the extractor's:
     a sender cannot take the row with a tiny sigma (`counters["prototype_sigma_floored"]`,
@@ -242,7 +248,8 @@ def combine_gaussian(mu: np.ndarray, sigma: np.ndarray, weight: np.ndarray,
     float64."""
     mu = np.asarray(mu, np.float64)
     size = np.bincount(groups, minlength=n_groups)
-    sigma = _floor_by_group(sigma, groups, size, sigma_floor, counters, informative_only=False)
+    sigma = _floor_by_group(sigma, groups, size, sigma_floor, clip_factor, counters,
+                            informative_only=False)
     total = np.bincount(groups, weights=weight, minlength=n_groups)
     r = weight * size[groups] / total[groups]
     prec_k = _capped_by_group(r[:, None] / np.square(sigma), groups, size, max_share,
@@ -256,16 +263,17 @@ def combine_gaussian(mu: np.ndarray, sigma: np.ndarray, weight: np.ndarray,
 
 def product_gaussian(m: np.ndarray, sigma: np.ndarray, groups: np.ndarray, n_groups: int,
                      prior_mu: np.ndarray, prior_sigma: np.ndarray, sigma_floor: float = 0.0,
-                     counters: Counter | None = None,
-                     max_share: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+                     counters: Counter | None = None, max_share: float = 1.0,
+                     clip_factor: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """FedBNN Eq. 9 per group (label): the prior N(prior_mu, prior_sigma^2) of the group times
     its senders' likelihoods N(m_k, sigma_k^2), in natural parameters:
     precision = 1/prior_sigma^2 + sum_k lambda_k, mean = (prior_mu/prior_sigma^2
     + sum_k lambda_k m_k) / precision, lambda_k = max(1/sigma_k^2, LIK_FLOOR) (entries at or
     below the floor, sent as LIK_SIGMA_MAX for no information, are clamped and counted in
     `counters["prototype_fedbnn_clamped"]` of `["prototype_fedbnn_entries"]`). First, in groups
-    of two senders or more, every likelihood sigma is raised to at least `sigma_floor` x the
-    median of that entry over the group's informative likelihoods (< LIK_SIGMA_MAX), or of the
+    of two senders or more, every informative likelihood sigma (< LIK_SIGMA_MAX) is lowered to
+    at most `clip_factor` x the median of that entry over the group's informative likelihoods
+    (of two the smaller), raised to at least `sigma_floor` x that median, or x the
     senders' typical sigma where one alone informs it, and then no likelihood's precision may
     be over `max_share` of the entry's informative total (0: `default_cap`; >= 1: off), as
     `robust/sigma_floor.py` bounds the extractor's: one sender cannot take the row with a tiny
@@ -274,7 +282,8 @@ def product_gaussian(m: np.ndarray, sigma: np.ndarray, groups: np.ndarray, n_gro
     it). Returns (mean, sigma), float64."""
     m = np.asarray(m, np.float64)
     size = np.bincount(groups, minlength=n_groups)
-    sigma = _floor_by_group(sigma, groups, size, sigma_floor, counters, informative_only=True)
+    sigma = _floor_by_group(sigma, groups, size, sigma_floor, clip_factor, counters,
+                            informative_only=True)
     lam = 1.0 / np.square(_capped_by_group(sigma, groups, size, max_share, precision_capped,
                                            counters))
     low = lam <= LIK_FLOOR * (1 + 1e-6)
@@ -291,20 +300,31 @@ def product_gaussian(m: np.ndarray, sigma: np.ndarray, groups: np.ndarray, n_gro
 
 
 def _floor_by_group(sigma: np.ndarray, groups: np.ndarray, size: np.ndarray, factor: float,
-                    counters: Counter | None, informative_only: bool) -> np.ndarray:
-    """A float64 copy of `sigma` (rows), at least 1e-30 (a denormal's precision is no
-    number), where, in every group (label) of two rows or more, each entry is raised to at
-    least `median_floor` of the group's rows (`counters["prototype_sigma_floored"]` counts the
-    raised entries)."""
+                    ceiling: float, counters: Counter | None, informative_only: bool
+                    ) -> np.ndarray:
+    """A float64 copy of `sigma` (rows), at least 1e-30, where, in every group (label) of two
+    rows or more, each entry is lowered to at most `sigma_ceiling` (`ceiling` x the group's
+    median, of two the smaller: a wide sigma cannot raise the others' floor and, through the
+    equal-share cap, lower their precision to its own; 0: off) and then raised to at least
+    `median_floor` of the group's rows (`counters["prototype_sigma_ceiled"]`,
+    `["prototype_sigma_floored"]` count the entries)."""
     sigma = np.maximum(np.asarray(sigma, np.float64), 1e-30)
-    if factor <= 0:
+    if factor <= 0 and ceiling <= 0:
         return sigma
     for g in np.flatnonzero(size >= 2):  # loops over labels, not rows
         members = np.flatnonzero(groups == g)
-        floor = median_floor(sigma[members], factor, informative_only)
-        if counters is not None:
-            counters["prototype_sigma_floored"] += int((sigma[members] < floor).sum())
-        sigma[members] = np.maximum(sigma[members], floor)
+        rows = sigma[members]
+        if ceiling > 0:
+            top = np.minimum(rows, sigma_ceiling(rows, ceiling, informative_only))
+            if counters is not None:
+                counters["prototype_sigma_ceiled"] += int((top < rows).sum())
+            rows = top
+        if factor > 0:
+            floor = median_floor(rows, factor, informative_only)
+            if counters is not None:
+                counters["prototype_sigma_floored"] += int((rows < floor).sum())
+            rows = np.maximum(rows, floor)
+        sigma[members] = rows
     return sigma
 
 

@@ -7,6 +7,8 @@ import it: the robust sigma floor, the Gaussian strategies and the prototype lib
 - `median_floor`: the robust floor of a precision-weighted rule, a factor times the senders'
   median sigma per entry, so one sender claiming a tiny sigma cannot take all the weight.
 - `precision_capped`: no sender's precision over a share of an entry's total.
+- `sigma_ceiling`: a factor times the senders' median sigma (of two the smaller), so one sender
+  cannot widen what it shares with another.
 """
 
 from __future__ import annotations
@@ -60,3 +62,18 @@ def precision_capped(sigmas: np.ndarray, cap: float) -> np.ndarray:
     result = flat.copy()
     result[lowered] = 1.0 / np.sqrt(out[lowered])
     return result.reshape(sigmas.shape)
+
+
+def sigma_ceiling(sigmas: np.ndarray, factor: float, informative_only: bool = True
+                  ) -> np.ndarray:
+    """`factor` x the median of `sigmas` (updates x ...) per entry, over the updates that
+    inform it (with `informative_only`, uninformative likelihood entries, sigma >=
+    LIK_SIGMA_MAX, are left out: they keep their sigma), of two the smaller; infinite where
+    none informs it."""
+    informed = np.where(sigmas < LIK_SIGMA_MAX, sigmas, np.nan) if informative_only else \
+        np.asarray(sigmas, np.float64)
+    count = (~np.isnan(informed)).sum(0)
+    with warnings.catch_warnings():  # an entry nobody informs: an all-NaN median
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ref = np.where(count == 2, np.nanmin(informed, 0), np.nanmedian(informed, 0))
+    return np.where(count > 0, factor * np.nan_to_num(ref, nan=np.inf), np.inf)

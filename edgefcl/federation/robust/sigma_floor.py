@@ -21,7 +21,6 @@ it against them: `sigma_bounds.median_floor`) (`federation/sigma_bounds.py`)."""
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from dataclasses import replace
 
@@ -30,7 +29,11 @@ import numpy as np
 from edgefcl.config import FedConfig
 from edgefcl.federation.messages import Tensors, Update
 from edgefcl.federation.share_cap import default_cap
-from edgefcl.federation.sigma_bounds import LIK_SIGMA_MAX, median_floor, precision_capped
+from edgefcl.federation.sigma_bounds import (
+    median_floor,
+    precision_capped,
+    sigma_ceiling,
+)
 from edgefcl.federation.strategy import Strategy
 
 SIGMA = "::sigma"
@@ -74,15 +77,3 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
                    if (new[k][i] != u.tensors[k]).any()}
         out.append(replace(u, tensors=u.tensors | changed) if changed else u)
     return out
-
-
-def sigma_ceiling(sigmas: np.ndarray, factor: float) -> np.ndarray:
-    """`factor` x the median of `sigmas` (updates x ...) per entry, over the updates that
-    inform it (uninformative likelihood entries, sigma >= LIK_SIGMA_MAX, left out: they keep
-    their sigma), of two the smaller; infinite where none informs it."""
-    informed = np.where(sigmas < LIK_SIGMA_MAX, sigmas, np.nan)
-    count = (~np.isnan(informed)).sum(0)
-    with warnings.catch_warnings():  # an entry nobody informs: an all-NaN median
-        warnings.simplefilter("ignore", RuntimeWarning)
-        ref = np.where(count == 2, np.nanmin(informed, 0), np.nanmedian(informed, 0))
-    return np.where(count > 0, factor * np.nan_to_num(ref, nan=np.inf), np.inf)
