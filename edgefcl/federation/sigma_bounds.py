@@ -25,20 +25,34 @@ LIK_FLOOR = 1.0 / LIK_SIGMA_MAX**2
 """Precision floor of FedBNN likelihoods (sigma >= LIK_SIGMA_MAX)."""
 
 
-def median_floor(sigmas: np.ndarray, factor: float, informative_only: bool = False) -> np.ndarray:
+def typical_sigma(sigmas: list[np.ndarray]) -> float:
+    """The senders' typical informative sigma: the median over the senders of each one's
+    median informative sigma (< LIK_SIGMA_MAX) over every array given (senders x ... each);
+    NaN where no sender informs any entry."""
+    flat = np.concatenate([np.asarray(s, np.float64).reshape(len(s), -1) for s in sigmas], 1)
+    with warnings.catch_warnings():  # a sender that informs nothing: an all-NaN median
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(np.nanmedian(np.nanmedian(np.where(flat < LIK_SIGMA_MAX, flat, np.nan),
+                                               axis=1)))
+
+
+def median_floor(sigmas: np.ndarray, factor: float, informative_only: bool = False,
+                 typical: float | None = None) -> np.ndarray:
     """`factor` x the median of `sigmas` over axis 0 (the senders), per entry. With
     `informative_only` (likelihoods) entries at LIK_SIGMA_MAX or above are left out of the
     median, an entry no sender informs gets the floor 0, and an entry one sender alone informs
-    (its median is its own) gets `factor` x the senders' typical sigma: the median over the
-    senders of each one's median informative sigma (of two, their mean), so that one sender
-    cannot take every entry the others mark uninformative with a tiny sigma."""
+    (its median is its own) gets `factor` x the senders' typical sigma (`typical_sigma` of
+    `sigmas`, or `typical` when given: the round's over all its tensors, so that a tensor the
+    others leave wholly uninformative is bounded too; of two senders, their mean), so that one
+    sender cannot take every entry the others mark uninformative with a tiny sigma."""
     if not informative_only:
         return factor * np.median(sigmas, axis=0)
     informative = np.where(sigmas < LIK_SIGMA_MAX, sigmas, np.nan)
     with warnings.catch_warnings():  # an entry nobody informed: all-NaN median, no floor
         warnings.simplefilter("ignore", RuntimeWarning)
         floor = np.nan_to_num(factor * np.nanmedian(informative, axis=0), nan=0.0)
-        typical = np.nanmedian(np.nanmedian(informative.reshape(len(sigmas), -1), axis=1))
+    if typical is None:
+        typical = typical_sigma([sigmas])
     lone = (~np.isnan(informative)).sum(0) == 1
     if len(sigmas) >= 2 and lone.any() and np.isfinite(typical):
         floor = np.where(lone, np.maximum(floor, factor * typical), floor)

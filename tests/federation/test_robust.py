@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from edgefcl.config import FedConfig
 from edgefcl.federation.aggregator import Aggregator
 from edgefcl.federation.messages import Update
+from edgefcl.federation.robust import sigma_floor
 from edgefcl.federation.robust.clipping import reference_norm
 from edgefcl.federation.robust.share import capped_weights
 from edgefcl.federation.robust.variance import check_variances
@@ -414,6 +416,25 @@ def test_an_entry_one_sender_alone_informs_is_floored_by_the_senders_typical_sig
                                [0.05, 0.05, 0.05, 0.05])  # of two senders: their mean
     nobody = np.full((2, 3), lik)
     np.testing.assert_array_equal(median_floor(nobody, 0.5, informative_only=True), 0.0)
+
+
+def test_a_tensor_the_others_leave_wholly_uninformed_is_floored_by_the_rounds_typical_sigma(
+        ) -> None:
+    # the diff reviewer: the typical sigma was the tensor's own, so where the honest devices
+    # marked a whole tensor (a bias) uninformative it was the attacker's 1e-30
+    lik = LIK_SIGMA_MAX
+
+    def g(client, w, b):
+        return Update(client, 0, 1, 0, 1, 8, {"w::mu": np.zeros(2, np.float32),
+                                              "w::sigma": np.full(2, w, np.float32),
+                                              "b::mu": np.zeros(2, np.float32),
+                                              "b::sigma": np.full(2, b, np.float32)},
+                      encoding="gaussian")
+
+    fed = FedConfig(encoding="gaussian", aggregation="fedbnn", max_share=1.0)
+    out = sigma_floor.apply([g("h0", 0.2, lik), g("h1", 0.2, lik), g("x", 1e-30, 1e-30)],
+                            {}, fed, Counter())
+    assert (out[2].tensors["b::sigma"] >= 0.1 - 1e-7).all()  # 0.5 x the round's typical 0.2
 
 
 def test_under_fedbnn_one_device_cannot_take_and_freeze_what_others_leave_uninformed() -> None:

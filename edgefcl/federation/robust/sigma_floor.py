@@ -33,6 +33,7 @@ from edgefcl.federation.sigma_bounds import (
     median_floor,
     precision_capped,
     sigma_ceiling,
+    typical_sigma,
 )
 from edgefcl.federation.strategy import Strategy
 
@@ -49,6 +50,8 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
         return updates
     names = [k for k in updates[0].tensors if k.endswith(SIGMA)]
     cap = fed.max_share if fed.max_share > 0 else default_cap(len(updates))
+    typical = typical_sigma([np.stack([u.tensors[k] for u in updates]) for k in names]) \
+        if names and len(updates) >= 2 and fed.sigma_floor > 0 else None
     new = {}
     for k in names:
         sigmas = np.stack([u.tensors[k] for u in updates]).astype(np.float64)
@@ -63,7 +66,7 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
             continue
         if fed.sigma_floor > 0:
             floored = np.maximum(raised, median_floor(sigmas, fed.sigma_floor,
-                                                      informative_only=True))
+                                                      informative_only=True, typical=typical))
             counters["sigma_floored"] += int((floored > raised).sum())
             raised = floored
         if fed.max_share < 1:
