@@ -63,7 +63,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     done = finished_runs(cfg, out, several) if args.resume else {}
     if done:
         print(f"resuming {out}: {len(done)} finished run(s) kept", flush=True)
-    elif out is not None and not args.overwrite:
+    elif out is not None and not (args.overwrite or args.resume):
         replaced = runs_replaced(cfg, out, several)
         if replaced:
             print(f"{out} holds {replaced} finished run(s) of these options: this command runs "

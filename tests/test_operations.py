@@ -271,6 +271,12 @@ def test_a_run_never_replaces_runs_of_other_options_unasked(tmp_path, capsys):
     assert main(["simulate", *SMALL, "--memory-size", "20", "--out", str(out),
                  "--overwrite"]) == 0
     assert json.loads((out / "results.json").read_text())["config"]["learn"]["memory_size"] == 20
+    cmp = tmp_path / "cmp"  # the diff reviewer: a subset of a comparison dropped the others
+    assert main(["simulate", *SMALL, "--compare", "fedavg,er", "--out", str(cmp)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", *SMALL, "--compare", "fedavg", "--out", str(cmp)]) == 2
+    assert "holds runs this command does not run (er seed 0); --resume keeps them" in \
+        one_line_error(capsys)
     assert main(["simulate", *SMALL, "--out", str(out), "--overwrite", "--resume"]) == 2
     assert "give one of them" in one_line_error(capsys)
     (out / "results.json").write_text("{")  # a file it cannot read is not replaced unasked

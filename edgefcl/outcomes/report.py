@@ -208,8 +208,19 @@ def runs_replaced(cfg: RunConfig, out: Path, several: bool) -> int:
     """How many finished runs of `cfg` a run without --resume replaces in `out`; ConfigError
     when `out` holds runs of other options or files it cannot read, which such a run would
     replace unasked."""
+    from edgefcl.config import run_entries
+
     try:
-        return len(finished_runs(cfg, out, several))
+        done = finished_runs(cfg, out, several)
+        mine = {(label, seed) for label, _, _ in run_entries(cfg)
+                for seed in range(cfg.seed, cfg.seed + cfg.seeds)}
+        others = [f"{d.get('method')} seed {d.get('seed')}" for d in _held_runs(out) or []
+                  if (d.get("method"), d.get("seed")) not in mine]
+        if others:  # a summary of these and the others: this command's would drop them
+            raise ConfigError(f"--out {out} holds runs this command does not run ("
+                              f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); "
+                              "--resume keeps them in the summary, --overwrite replaces it")
+        return len(done)
     except OtherOptions:
         raise ConfigError(f"--out {out} already holds runs of other options; add --overwrite "
                           "to replace them, or use another --out") from None

@@ -16,8 +16,9 @@ and every rule (conflation, fedbnn, moments):
 FedBNN likelihood entries a client marks as carrying no information (sigma = LIK_SIGMA_MAX)
 are left out of both: of the median (they would raise the floor of informative entries) and
 of the cap. An entry only one update informs (any rule) gets the floor of the round's
-typical sigma over all its tensors instead (one device sending 1e-30 took every entry the others left uninformative, and held
-it against them: `sigma_bounds.median_floor`) (`federation/sigma_bounds.py`)."""
+typical sigma over all its tensors instead (one device sending 1e-30 took every entry the
+others left uninformative, and held it against them: `sigma_bounds.median_floor`)
+(`federation/sigma_bounds.py`)."""
 
 from __future__ import annotations
 
