@@ -765,8 +765,9 @@ def public_dict(cfg: RunConfig) -> dict[str, Any]:
     return d
 
 
-PROFILE_KINDS = ("homogeneous", "heterogeneous", "congested", "trace")
-"""The timing profiles of in-process async runs (`sim/profiles.py`; trace as trace:PATH)."""
+PROFILE_KINDS = ("homogeneous", "heterogeneous", "congested")
+"""The timing profiles of in-process async runs by name (`sim/profiles.py`), besides
+trace:PATH."""
 
 
 def validate(cfg: RunConfig) -> None:
@@ -783,7 +784,8 @@ def validate(cfg: RunConfig) -> None:
         (cfg.seed >= 0, "seed must be >= 0"),
         (cfg.seeds >= 1, "seeds must be >= 1"),
         (cfg.transport in ("inprocess", "mqtt"), "transport must be inprocess or mqtt"),
-        (cfg.profile.partition(":")[0] in PROFILE_KINDS,
+        (cfg.profile in PROFILE_KINDS or cfg.profile.startswith("trace:")
+         and len(cfg.profile) > len("trace:"),
          f"unknown timing profile '{cfg.profile}'; choose from homogeneous, heterogeneous, "
          "congested or trace:PATH"),
         (cfg.profile == "homogeneous" or cfg.fed.mode == "async",

@@ -66,8 +66,9 @@ def test_options_a_run_would_ignore_are_refused() -> None:
     with pytest.raises(ConfigError, match="in-process virtual clock; a run over --transport"):
         _checked({"profile": "heterogeneous", "fed": {"mode": "async"}, "transport": "mqtt"})
     # and the Python API took a profile it then failed on with a traceback
-    with pytest.raises(ConfigError, match="^unknown timing profile 'nope'"):
-        RunConfig(fed=FedConfig(mode="async"), profile="nope")
+    for profile in ("nope", "trace", "trace:", "heterogeneous:3"):
+        with pytest.raises(ConfigError, match=f"^unknown timing profile '{profile}'"):
+            RunConfig(fed=FedConfig(mode="async"), profile=profile)
 
 
 def test_method_beside_compare_is_refused_on_the_command_line() -> None:

@@ -83,11 +83,11 @@ def preflight(cfg: RunConfig, cid: str, mine: dict[str, Any], timeout: float = 5
     """Before the (slow) data and model are loaded: read the fleet's retained config over a
     short-lived connection and refuse on a mismatch of what `mine` states. Returns the fleet's
     config, or None when none came within `timeout` s (no aggregator yet: the device runner
-    waits for it), or at once for a device that logs in with a username: a broker may take
-    the username as the client id (the shipped one does), and then the short connection would
-    end the device's own session and its queued stream; the device runner checks the config
-    on its own session instead."""
-    if cfg.mqtt.username:
+    waits for it), or at once for a device that logs in with a username or a client
+    certificate: a broker may take that identity as the client id (the shipped one does), and
+    then the short connection would end the device's own session and its queued stream; the
+    device runner checks the config on its own session instead."""
+    if cfg.mqtt.username or cfg.mqtt.tls_cert:
         return None
     import secrets
     import threading

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefcl.config import ConfigError
+from edgefcl.config import PROFILE_KINDS, ConfigError
 from edgefcl.support.errors import UserError
 
 
@@ -103,7 +103,7 @@ class DeviceClock:
         return None
 
 
-PROFILES = ("homogeneous", "heterogeneous", "congested", "trace:PATH")
+PROFILES = (*PROFILE_KINDS, "trace:PATH")
 HETEROGENEOUS_SPREAD = 10.0
 """The heterogeneous profile's ratio of the slowest device's time per mini-batch to the
 fastest's."""

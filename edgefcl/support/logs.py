@@ -46,7 +46,7 @@ class PlainFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         message = record.message
-        record.message = one_line(clipped(message))
+        record.message = clipped(one_line(clipped(message)))  # escapes can lengthen it
         try:
             return super().formatMessage(record)
         finally:

@@ -1134,3 +1134,13 @@ def test_topics_too_long_for_any_device_share_one_queue() -> None:
         pass
     assert len(inbox.offenders) <= 1  # the queues drained: no topic strings kept
     assert inbox.sender_of(tp.update("a")) == "a" and inbox.sender_of(tp.control) == tp.control
+
+
+def test_a_log_line_is_cut_after_its_escapes() -> None:
+    # the diff reviewer: 5,000 characters that each escape to ten made a 9,850-character line
+    from edgefcl.support.logs import MAX_LINE
+
+    record = logging.LogRecord("edgefcl", logging.WARNING, __file__, 1, "%s",
+                               ("\U0010ffff" * 5000,), None)
+    line = PlainFormatter("%(message)s").format(record)
+    assert len(line) <= MAX_LINE + 40 and line.endswith("characters left out)")
