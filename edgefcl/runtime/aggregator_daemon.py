@@ -322,6 +322,8 @@ class AggregatorDaemon:
         state = body.get("state")
         if state == "done" and isinstance(body.get("run"), str) and body["run"] != self.run_id:
             self.agg.counters["done_of_another_run"] += 1
+            if client in self.agg.active:  # it sends no more (it served an earlier run)
+                self._close_safely(lambda: self.agg.leave(client, now))
             return
         if state == "online":
             if not self.agg.join(client, now):
@@ -408,6 +410,17 @@ class AggregatorDaemon:
             self._next_expiry = now + EXPIRE_EVERY  # (4 % of the main loop at 1,000 devices)
             self._close_safely(lambda: self.agg.expire(now))
         self._announce_gate(now)
+
+    def _save_final(self, finished: bool) -> None:
+        """Save the state (and, when `finished`, mark the run ended); a state it cannot write
+        (a full disk) is one line, and the daemon still says it stopped."""
+        try:
+            self._save_state(None)
+            if finished:
+                self.store.mark_finished()
+        except (OSError, sqlite3.Error) as e:
+            log.error("cannot save the state in %s (%s); free space in --state-dir",
+                      self.state_dir, e)
 
     def _close_safely(self, step: Callable[[], RoundClosed | None]) -> None:
         """Run one aggregator step that may close a round, then save and announce what
@@ -540,17 +553,14 @@ class AggregatorDaemon:
                 self._publish_status()
                 next_status = now + self.status_every
             if self.results.check_done(self.done, self.agg.active, self):
-                self._save_state(None)
-                self.store.mark_finished()  # every expected client is done: the run ended
+                self._save_final(finished=True)  # every expected client is done: it ended
                 self._publish_status()  # operators see the final rounds at once
             if self._run_over(now, last_input) and not self._release_waiting():
                 finished = True
                 break
         self.results.check_done(self.done, self.agg.active, self, force=True)  # one that waited
-        self._save_state(None)
         formed = bool(self.done)
-        if finished and formed:
-            self.store.mark_finished()
+        self._save_final(finished=finished and formed)
         self.store.close()
         self._publish_status("stopped", finished=finished and formed)
         self.link.close()

@@ -734,6 +734,9 @@ def test_a_new_runs_aggregator_ignores_the_done_statuses_of_an_earlier_run(tmp_p
         d._on_status(c, {"state": "done", "run": "0123456789abcdef",
                          "accuracy_matrix": [[90.0, 0.0], [80.0, 85.0]]}, 1.0)
     assert d.done == set() and d.agg.counters["done_of_another_run"] == 3
+    d._on_status("b", {"state": "online"}, 1.5)  # active here, done with an earlier run
+    d._on_status("b", {"state": "done", "run": "0123456789abcdef"}, 1.6)
+    assert "b" not in d.agg.active and "b" not in d.done  # no round waits for it
     d._on_status("a", {"state": "done", "run": run}, 2.0)
     assert d.done == {"a"}
     d.store.close()
