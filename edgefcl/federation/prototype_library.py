@@ -239,8 +239,8 @@ def combine_gaussian(mu: np.ndarray, sigma: np.ndarray, weight: np.ndarray,
     precision = sum_k r_k / sigma_k^2, mean = sum_k (r_k / sigma_k^2) mu_k / precision, with
     r_k = weight_k * n / sum_j weight_j over the group's n senders (equal weights: r = 1, plain
     conflation, VFCL Eq. 11). First, in groups of two senders or more, every sigma is lowered
-    to at most `clip_factor` x the group's median sigma of that entry (of two the smaller; 0:
-    off), raised to at least `sigma_floor` x that median, and then no sender's
+    to at most `clip_factor` x the group's median sigma of that entry (three senders or more;
+    0: off), raised to at least `sigma_floor` x that median, and then no sender's
     precision r_k / sigma_k^2 may be over `max_share` of the entry's total (0: `default_cap`
     of the group's senders; >= 1: off), as `robust/sigma_floor.py` bounds the extractor's:
     a sender cannot take the row with a tiny sigma (`counters["prototype_sigma_floored"]`,
@@ -273,7 +273,7 @@ def product_gaussian(m: np.ndarray, sigma: np.ndarray, groups: np.ndarray, n_gro
     `counters["prototype_fedbnn_clamped"]` of `["prototype_fedbnn_entries"]`). First, in groups
     of two senders or more, every informative likelihood sigma (< LIK_SIGMA_MAX) is lowered to
     at most `clip_factor` x the median of that entry over the group's informative likelihoods
-    (of two the smaller), raised to at least `sigma_floor` x that median, or x the
+    (three senders or more), raised to at least `sigma_floor` x that median, or x the
     senders' typical sigma where one alone informs it, and then no likelihood's precision may
     be over `max_share` of the entry's informative total (0: `default_cap`; >= 1: off), as
     `robust/sigma_floor.py` bounds the extractor's: one sender cannot take the row with a tiny
@@ -304,8 +304,9 @@ def _floor_by_group(sigma: np.ndarray, groups: np.ndarray, size: np.ndarray, fac
                     ) -> np.ndarray:
     """A float64 copy of `sigma` (rows), at least 1e-30, where, in every group (label) of two
     rows or more, each entry is lowered to at most `sigma_ceiling` (`ceiling` x the group's
-    median, of two the smaller: a wide sigma cannot raise the others' floor and, through the
-    equal-share cap, lower their precision to its own; 0: off) and then raised to at least
+    median, in groups of three or more: a wide sigma cannot raise the others' floor and,
+    through the cap, lower their precision to its own; 0: off; of two senders neither can be
+    the reference, and the smaller may be a tiny attacker's) and then raised to at least
     `median_floor` of the group's rows (`counters["prototype_sigma_ceiled"]`,
     `["prototype_sigma_floored"]` count the entries)."""
     sigma = np.maximum(np.asarray(sigma, np.float64), 1e-30)
@@ -314,7 +315,7 @@ def _floor_by_group(sigma: np.ndarray, groups: np.ndarray, size: np.ndarray, fac
     for g in np.flatnonzero(size >= 2):  # loops over labels, not rows
         members = np.flatnonzero(groups == g)
         rows = sigma[members]
-        if ceiling > 0:
+        if ceiling > 0 and len(members) >= 3:  # of two, the smaller may be a tiny attacker's
             top = np.minimum(rows, sigma_ceiling(rows, ceiling, informative_only))
             if counters is not None:
                 counters["prototype_sigma_ceiled"] += int((top < rows).sum())

@@ -120,17 +120,30 @@ def test_one_of_two_senders_cannot_own_a_row_with_a_denormal_sigma(fedbnn):
 
 
 @pytest.mark.parametrize("fedbnn", [False, True])
-def test_one_of_two_senders_cannot_blow_up_a_rows_sigma(fedbnn):
-    # the diff reviewer's attack on the floor and cap from two senders: a wide sigma (1e6
-    # under conflation, 1000 as an informative likelihood) raised the honest floor and then
-    # the equal-share cap lowered the honest precision to its own: the row's sigma became
-    # 7e5 (conflation), or the prior again (fedbnn: the honest information erased)
+def test_one_of_three_senders_cannot_blow_up_a_rows_sigma(fedbnn):
+    # the diff reviewer's attack on the floor and cap: a wide sigma (1e6 under conflation,
+    # 1000 as an informative likelihood) raised the honest floor and then the cap lowered
+    # the honest precision to its own: with two senders the row's sigma became 7e5
+    # (conflation), or the prior again (fedbnn). Of three, the ceiling (3 x the median)
+    # bounds it; of two, neither sender can be told from an attacker (documented)
     wide = 1000.0 if fedbnn else 1e6
-    sent = [gtable(["x"], [1, 1], [0.1, 0.1], [10]), gtable(["x"], [1, 1], [wide] * 2, [10])]
+    honest = gtable(["x"], [1, 1], [0.1, 0.1], [10])
+    sent = [honest, honest, gtable(["x"], [1, 1], [wide] * 2, [10])]
+    kw = dict(likelihood=[True] * 3, prior_sigma=1.0) if fedbnn else {}
+    out = average_tables(sent, LabelRows.empty(2, gaussian=True), 1.0, max_share=0.0,
+                         sigma_floor=0.5, clip_factor=3.0, **kw)
+    assert (out.sigmas <= 0.3).all(), out.sigmas
+
+
+@pytest.mark.parametrize("fedbnn", [False, True])
+def test_one_of_two_senders_cannot_collapse_a_rows_sigma(fedbnn):
+    # the second reviewer: a ceiling of 3 x the smaller of two cut the honest sigma to 3 x
+    # a tiny attacker's, and the row's sigma fell to 1e-5 (fedbnn: frozen for good)
+    sent = [gtable(["x"], [1, 1], [0.1, 0.1], [10]), gtable(["x"], [5, 5], [1e-30] * 2, [10])]
     kw = dict(likelihood=[True, True], prior_sigma=1.0) if fedbnn else {}
     out = average_tables(sent, LabelRows.empty(2, gaussian=True), 1.0, max_share=0.0,
                          sigma_floor=0.5, clip_factor=3.0, **kw)
-    assert (out.sigmas <= 0.3).all(), out.sigmas  # at most clip_factor x the smaller sigma
+    assert (out.sigmas >= 0.05).all(), out.sigmas  # 0.1 and its equal-share partner: 0.07
 
 
 def test_the_aggregator_floors_a_tiny_sigma_and_checks_the_kind():
