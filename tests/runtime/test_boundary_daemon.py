@@ -3,10 +3,12 @@ driven through `AggregatorDaemon.handle` exactly as the MQTT thread's inbox deli
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 
 import msgpack
 import numpy as np
@@ -121,6 +123,37 @@ def test_inbox_sheds_by_bytes_and_counts() -> None:
     assert box.shed == 1 and box.shed_bytes == 60 and len(box) == 1
     assert box.get(0.01) == ("a", b"x" * 60) and box.get(0.01) is None
     assert box.put("b", b"y" * 60) and box.bytes == 60
+
+
+class _DaemonLog(logging.Handler):
+    """The daemons' log as it would be written (its limit, `Repeats`, and its format): the
+    records, lines and characters that reach it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.addFilter(Repeats())
+        self.setFormatter(PlainFormatter("%(levelname)s %(name)s: %(message)s"))
+        self.records: list[logging.LogRecord] = []
+        self.chars = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.chars += len(self.format(record)) + 1
+
+
+@contextlib.contextmanager
+def daemon_log() -> Iterator[_DaemonLog]:
+    """Capture the `edgefcl` logger at INFO, the daemons' level, through `_DaemonLog`."""
+    h = _DaemonLog()
+    lg = logging.getLogger("edgefcl")
+    old = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    try:
+        yield h
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
 
 
 # ---------------------------------------------------------------- whole message path
@@ -346,16 +379,6 @@ def test_a_full_disk_drops_the_round_in_one_line_and_the_daemon_goes_on(tmp_path
     # a deployer helper's report: a full --state-dir logged a traceback every round
     import sqlite3
 
-    class Lines(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.INFO)
-            self.records: list[logging.LogRecord] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.records.append(record)
-
-    h = Lines()
-    logging.getLogger("edgefcl").addHandler(h)
     d = make_daemon(tmp_path)
     tp = topics(d.cfg.mqtt)
     real = d._save_state
@@ -364,7 +387,7 @@ def test_a_full_disk_drops_the_round_in_one_line_and_the_daemon_goes_on(tmp_path
         raise sqlite3.OperationalError("database or disk is full")
 
     monkeypatch.setattr(d, "_save_state", full)
-    try:
+    with daemon_log() as h:
         d.handle(tp.update("a"), update("a"))
         d.handle(tp.update("b"), update("b", value=2.0))
         d._serve_rounds(0.0)
@@ -379,9 +402,7 @@ def test_a_full_disk_drops_the_round_in_one_line_and_the_daemon_goes_on(tmp_path
         d.handle(tp.update("b"), update("b", seq=2, batch=2, value=2.0))
         d._serve_rounds(0.0)
         assert d.agg.global_.version == 1
-    finally:
-        logging.getLogger("edgefcl").removeHandler(h)
-        d.store.close()
+    d.store.close()
 
 
 def test_ids_off_the_roster_neither_finish_the_run_nor_grow_the_state(tmp_path) -> None:
@@ -553,30 +574,18 @@ def test_a_device_cannot_write_a_log_line_per_status(tmp_path) -> None:
     # a reviewer helper's attack: statuses whose incarnation alternates "x", "y" each reset
     # the device's session and logged a line at INFO, the daemons' level, which the log's
     # limit (`Repeats`, warnings only) let through: 2,999 lines in a minute at 50/s
-    class Count(logging.Handler):
-        lines = 0
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines += 1
-
-    h = Count(logging.INFO)
-    h.addFilter(Repeats())
-    lg = logging.getLogger("edgefcl")
-    old = lg.level
-    lg.addHandler(h)
-    lg.setLevel(logging.INFO)
     d = make_daemon(tmp_path, roster="a,b")
     tp = topics(d.cfg.mqtt)
-    try:
-        for i in range(3000):  # one minute at the inbox's rate
-            body = {"state": "online", "incarnation": "xy"[i % 2]}
-            d.handle(tp.status("a"), encode(Message("status", body, sender="a"), fleet=FLEET))
-    finally:
-        lg.removeHandler(h)
-        lg.setLevel(old)
-        d.store.close()
+    with daemon_log() as h:
+        try:
+            for i in range(3000):  # one minute at the inbox's rate
+                body = {"state": "online", "incarnation": "xy"[i % 2]}
+                d.handle(tp.status("a"), encode(Message("status", body, sender="a"),
+                                                fleet=FLEET))
+        finally:
+            d.store.close()
     assert d.agg.counters["new_sessions"] == 2999  # every one still counted
-    assert h.lines <= 40, h.lines
+    assert len(h.records) <= 40, len(h.records)
 
 
 def test_a_device_back_after_a_long_outage_is_waited_for_once_more(tmp_path) -> None:
@@ -1093,31 +1102,16 @@ def _long_topic(tp, i: int) -> str:
 
 
 def test_topics_too_long_for_any_device_are_one_sender_in_a_short_log(tmp_path) -> None:
-    class Bytes(logging.Handler):
-        n = lines = 0
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.n += len(self.format(record)) + 1
-            self.lines += 1
-
-    h = Bytes(logging.INFO)
-    h.addFilter(Repeats())
-    h.setFormatter(PlainFormatter("%(levelname)s %(name)s: %(message)s"))  # the daemons'
-    lg = logging.getLogger("edgefcl")
-    old = lg.level
-    lg.addHandler(h)
-    lg.setLevel(logging.INFO)
     d = make_daemon(tmp_path, roster="a,b,c")
     tp = topics(d.cfg.mqtt)
-    try:
-        for i in range(1024):  # a minute's worth of made-up topics (1,024 lines, 117 MiB)
-            d.handle(_long_topic(tp, i), update())
-    finally:
-        lg.removeHandler(h)
-        lg.setLevel(old)
-        d.store.close()
+    with daemon_log() as h:
+        try:
+            for i in range(1024):  # a minute's worth of made-up topics (1,024 lines, 117 MiB)
+                d.handle(_long_topic(tp, i), update())
+        finally:
+            d.store.close()
     assert d.agg.counters["rejected_topic"] == 1024  # each still counted
-    assert h.lines <= 40 and h.n < 64 << 10, (h.lines, h.n)
+    assert len(h.records) <= 40 and h.chars < 64 << 10, (len(h.records), h.chars)
 
 
 def test_topics_too_long_for_any_device_share_one_queue() -> None:
