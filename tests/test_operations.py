@@ -489,3 +489,12 @@ def test_a_device_whose_username_is_not_its_id_is_told(capsys):
     err = capsys.readouterr().err
     assert "--username device-0001 is not this device's id c000" in err
     assert "give it --id device-0001" in err
+
+
+def test_an_async_runs_table_says_how_its_rounds_went(tmp_path, capsys):
+    # a researcher's report: `edgefcl report` on an async run showed only A, F, rounds, bytes
+    assert main(["simulate", *SMALL, "--mode", "async", "--out", str(tmp_path / "a")]) == 0
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "async: " in out and "updates a round, staleness" in out

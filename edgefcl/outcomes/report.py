@@ -39,8 +39,21 @@ def run_table(r: RunResult) -> str:
         + (f"   per round: up {fmt_bytes(r.comm.bytes_up / r.rounds)}, "
            f"down {fmt_bytes(r.comm.bytes_down / r.rounds)}" if r.rounds else ""),
         *stream_lines(r.extra),
+        *async_lines(r.extra),
     ]
     return "\n".join(lines)
+
+
+def async_lines(extra: dict[str, Any]) -> list[str]:
+    """The run-table line of an async run's rounds (`asynchrony` in results.json)."""
+    a = extra.get("asynchrony")
+    if not isinstance(a, dict) or not a.get("rounds"):
+        return []
+    stale = [int(k) for k in a.get("staleness", {})]
+    return [f"  async: {a.get('updates_per_round', 0):.1f} updates a round, staleness "
+            f"{a.get('staleness_mean', 0):.2f} (at most {max(stale, default=0)}), "
+            f"{a.get('replaced', 0)} replaced, {a.get('dropped_stale', 0)} too stale, "
+            f"{a.get('closed_gate', 0)} closed at the gate"]
 
 
 def why_alone(r: RunResult) -> str:
