@@ -90,7 +90,7 @@ def logging_options() -> argparse.ArgumentParser:
     g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="debug logging")
     g.add_argument("-q", dest="log_quiet", action="store_true", default=argparse.SUPPRESS,
-                   help="log errors only")
+                   help="log errors only (progress lines: --quiet)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                    default=argparse.SUPPRESS, metavar="LEVEL",
                    help="debug | info | warning | error (default: info for daemons)")
