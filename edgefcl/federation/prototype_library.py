@@ -312,8 +312,7 @@ def _floor_by_group(sigma: np.ndarray, groups: np.ndarray, size: np.ndarray, fac
     sigma = np.maximum(np.asarray(sigma, np.float64), 1e-30)
     if factor <= 0 and ceiling <= 0:
         return sigma
-    for g in np.flatnonzero(size >= 2):  # loops over labels, not rows
-        members = np.flatnonzero(groups == g)
+    for members in _labels_of_two(groups, size):
         rows = sigma[members]
         if ceiling > 0 and len(members) >= 3:  # of two, the smaller may be a tiny attacker's
             top = np.minimum(rows, sigma_ceiling(rows, ceiling, informative_only))
@@ -329,6 +328,12 @@ def _floor_by_group(sigma: np.ndarray, groups: np.ndarray, size: np.ndarray, fac
     return sigma
 
 
+def _labels_of_two(groups: np.ndarray, size: np.ndarray) -> list[np.ndarray]:
+    """The rows of each label sent by two senders or more (`size`: rows per label)."""
+    rows = np.split(np.argsort(groups, kind="stable"), np.cumsum(size)[:-1])
+    return [r for r in rows if len(r) >= 2]
+
+
 def _capped_by_group(values: np.ndarray, groups: np.ndarray, size: np.ndarray,
                      max_share: float, cap: Callable[[np.ndarray, float], np.ndarray],
                      counters: Counter | None) -> np.ndarray:
@@ -338,8 +343,7 @@ def _capped_by_group(values: np.ndarray, groups: np.ndarray, size: np.ndarray,
     if max_share >= 1:
         return values
     out = values.copy()
-    for g in np.flatnonzero(size >= 2):  # loops over labels, not rows
-        members = np.flatnonzero(groups == g)
+    for members in _labels_of_two(groups, size):
         out[members] = cap(values[members], max_share or default_cap(len(members)))
     if counters is not None:
         counters["prototype_sigma_share_capped"] += int((out != values).sum())

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefcl.config import ConfigError, RunConfig, apply, dump_toml, load_toml
+from edgefcl.config import ConfigError, RunConfig, apply, dump_toml, load_toml, run_entries
 from edgefcl.data.types import DataError
 from edgefcl.learn.drift import stream_lines
 from edgefcl.learn.export import GLOBAL_FILE
@@ -168,6 +168,12 @@ def _result(d: dict[str, Any]) -> RunResult:
                      float(d.get("wall_s", 0.0)), {k: v for k, v in d.items() if k not in known})
 
 
+def _sweep(cfg: RunConfig) -> list[tuple[str, int]]:
+    """The (label, seed) of every run `cfg` makes, in order."""
+    return [(label, seed) for label, _, _ in run_entries(cfg)
+            for seed in range(cfg.seed, cfg.seed + cfg.seeds)]
+
+
 class OtherOptions(ConfigError):
     """A run folder that holds runs of options other than the command's."""
 
@@ -175,8 +181,6 @@ class OtherOptions(ConfigError):
 def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, int], RunResult]:
     """Runs of `cfg` already finished in `out` ((label, seed) -> result). A folder holding a
     run of another configuration is an error, never silently mixed in."""
-    from edgefcl.config import run_entries
-
     held = _held_runs(out)
     if held is not None and not several:
         raise OtherOptions(f"--resume: {out} holds a comparison of {len(held)} runs, not one "
@@ -185,21 +189,20 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
     if several and (out / RESULTS).is_file() and held is None:
         raise OtherOptions(f"--resume: {out} holds one run, not a comparison; use another --out")
     done = {}
-    for label, _, _ in run_entries(cfg):
-        for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-            folder = out / label.replace("/", "-") / f"seed{seed}" if several else out
-            if not (folder / RESULTS).is_file() or not (folder / CONFIG).is_file():
-                continue
-            d = load_json(folder / RESULTS)
-            if "runs" in d:
-                continue
-            r = result_from_dict(d, folder / RESULTS)
-            mine = _comparable(run_config(_expected(cfg, label, seed)))
-            if _comparable(load_toml(folder / CONFIG)) != mine:
-                raise OtherOptions(f"--resume: {folder} holds a run of another configuration; "
-                                   "use another --out or the same options")
-            r.method = label
-            done[(label, seed)] = r
+    for label, seed in _sweep(cfg):
+        folder = out / label.replace("/", "-") / f"seed{seed}" if several else out
+        if not (folder / RESULTS).is_file() or not (folder / CONFIG).is_file():
+            continue
+        d = load_json(folder / RESULTS)
+        if "runs" in d:
+            continue
+        r = result_from_dict(d, folder / RESULTS)
+        mine = _comparable(run_config(_expected(cfg, label, seed)))
+        if _comparable(load_toml(folder / CONFIG)) != mine:
+            raise OtherOptions(f"--resume: {folder} holds a run of another configuration; "
+                               "use another --out or the same options")
+        r.method = label
+        done[(label, seed)] = r
     for d in held or []:  # the summary's other runs are kept beside this sweep's: same options
         label, seed = str(d.get("method")), d.get("seed")
         if (label, seed) in done:
@@ -221,12 +224,9 @@ def runs_replaced(cfg: RunConfig, out: Path, several: bool) -> int:
     """How many finished runs of `cfg` a run without --resume replaces in `out`; ConfigError
     when `out` holds runs of other options or files it cannot read, which such a run would
     replace unasked."""
-    from edgefcl.config import run_entries
-
     try:
         done = finished_runs(cfg, out, several)
-        mine = {(label, seed) for label, _, _ in run_entries(cfg)
-                for seed in range(cfg.seed, cfg.seed + cfg.seeds)}
+        mine = set(_sweep(cfg))
         others = [f"{d.get('method')} seed {d.get('seed')}" for d in _held_runs(out) or []
                   if (d.get("method"), d.get("seed")) not in mine]
         if others:  # a summary of these and the others: this command's would drop them
@@ -263,7 +263,6 @@ def with_held_runs(results: list[RunResult], out: Path) -> tuple[list[RunResult]
 
 def _expected(cfg: RunConfig, label: str, seed: int) -> dict[str, Any]:
     from edgefcl.build import for_method
-    from edgefcl.config import run_entries
     from edgefcl.outcomes.results import cfg_dict
 
     fed = next(f for lbl, _, f in run_entries(cfg) if lbl == label)

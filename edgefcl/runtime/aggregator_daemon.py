@@ -56,6 +56,8 @@ data and model, or waits for the broker, is not heard from at once)."""
 SENDER = "aggregator"
 EXPIRE_EVERY = 0.1
 """Seconds between the main loop's checks for silent devices (`client_timeout` is seconds)."""
+
+
 class AggregatorDaemon:
     """Runs an Aggregator over MQTT until stopped (SIGTERM/SIGINT, `control` stop, or with
     `exit_when_done` when the run is over: `_run_over`).

@@ -34,7 +34,7 @@ from edgefcl.learn.global_format import global_tensors
 from edgefcl.learn.merges import CAUGHT_UP, MERGED, merge_at_gate, merge_global, rejoin
 from edgefcl.outcomes.metrics import forgetting
 from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
-from edgefcl.runtime.bodies import body_fault
+from edgefcl.runtime.bodies import body_fault, is_number
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, size_payload_limit, topics, wire_dtype
 from edgefcl.support.statefiles import save_json
@@ -235,7 +235,7 @@ class DeviceRunner:
         started, is a twin on the same id (the broker hands the session back and forth and
         their streams and updates mix): said once a minute."""
         inc, sent = body.get("incarnation"), body.get("time")
-        if inc is None or inc == self.incarnation or not isinstance(sent, (int, float)) or \
+        if inc is None or inc == self.incarnation or not is_number(sent) or \
                 sent < self.born or body.get("state") == "offline":
             return
         self.rejections["twin"] += 1

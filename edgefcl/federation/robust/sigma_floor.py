@@ -51,11 +51,11 @@ def apply(updates: list[Update], global_: Tensors, fed: FedConfig,
         return updates
     names = [k for k in updates[0].tensors if k.endswith(SIGMA)]
     cap = fed.max_share if fed.max_share > 0 else default_cap(len(updates))
-    typical = typical_sigma([np.stack([u.tensors[k] for u in updates]) for k in names]) \
+    stacked = {k: np.stack([u.tensors[k] for u in updates]).astype(np.float64) for k in names}
+    typical = typical_sigma(list(stacked.values())) \
         if names and len(updates) >= 2 and fed.sigma_floor > 0 else None
     new = {}
-    for k in names:
-        sigmas = np.stack([u.tensors[k] for u in updates]).astype(np.float64)
+    for k, sigmas in stacked.items():
         raised = sigmas
         if ceiled:  # one alone (a spill, a worker's flush): never wider than the global
             ceiling = (sigma_ceiling(sigmas, fed.clip_factor) if len(updates) > 1
