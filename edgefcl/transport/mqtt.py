@@ -7,7 +7,15 @@ what MQTT 5 needs for the same persistence (and is required for shared subscript
 
 Persistent sessions (`clean_start=False`, the default) make the broker queue QoS 1 messages
 for a subscriber while it is offline; messages published while this link is offline are
-queued by paho and sent after the automatic reconnect.
+held and sent after the automatic reconnect.
+
+Order: what one link publishes reaches the broker in the order it was published, across
+reconnects too. paho resends its unacknowledged messages only after the connection's callback
+has run, so a message handed to it in between would overtake them (a device then drops the
+older stream batch as a redelivery). The link therefore holds every publish from the loss of
+a connection until the broker has answered a packet sent after that resend: the SUBACK of the
+last renewed subscription, or the UNSUBACK of a no-op unsubscribe (`SYNC_TOPIC`) on a link
+that subscribes to nothing.
 
 Callbacks run on paho's network thread: handlers must be quick or hand work to a queue.
 """
@@ -19,6 +27,7 @@ import secrets
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from urllib.parse import unquote, urlsplit
 
@@ -37,6 +46,7 @@ Handler = Callable[[str, bytes], None]
 DEFAULT_PORTS = {"mqtt": 1883, "tcp": 1883, "mqtts": 8883, "ssl": 8883}
 CONNECT_BACKOFF_S = 0.1  # first wait after a refused connection; doubles up to the maximum
 CONNECT_BACKOFF_MAX_S = 2.0
+SYNC_TOPIC = "$edgefcl/sync"  # never subscribed: its UNSUBACK marks the end of paho's resend
 HOW_TO_START = (
     "start one with `edgefcl broker` (embedded, for a laptop) or "
     "`mosquitto -c broker/mosquitto.conf` (see broker/README.md)"
@@ -137,6 +147,7 @@ class MqttLink:
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
         self._client.on_subscribe = self._on_subscribe
+        self._client.on_unsubscribe = self._on_unsubscribe
         self._handlers: list[tuple[str, str, Handler, int]] = []
         self._reassembler = Reassembler(max_bytes=max_bytes)
         self.on_reject = on_reject
@@ -149,6 +160,11 @@ class MqttLink:
         self._connect_mids: list[tuple[int, str]] = []
         self._unacked: set[int] = set()  # this connection's renewed subscriptions, no SUBACK yet
         self._ready = threading.Event()  # connected and every renewed subscription answered
+        # publishes made while not ready, in order (see the module docstring), and the lock
+        # under which `_ready` is set only once they are handed to paho
+        self._held: deque[tuple[str, bytes, int, bool]] = deque()
+        self._held_lock = threading.Lock()
+        self._sync_mid: int | None = None
         self._generation = 0  # connections so far: a SUBACK wait follows a reconnect
         self._ever_connected = False
         self._started = False
@@ -269,11 +285,25 @@ class MqttLink:
             self._unacked = {m for m, _ in mids}
             self._generation += 1
             self._suback_cond.notify_all()
-            subscribed = not self._unacked
-        self._connected.set()
-        if subscribed:  # nothing to renew (SUBACKs arrive on this thread, after this call)
-            self._ready.set()
+            if not self._unacked:  # nothing to renew: a no-op's answer marks the same point
+                self._sync_mid = client.unsubscribe(SYNC_TOPIC)[1]
+        self._connected.set()  # ready once answered (on this thread, after paho's resend)
         self._answered.set()
+
+    def _become_ready(self) -> None:
+        """Hand the held publishes to paho in order, then let new ones through."""
+        with self._held_lock:
+            while self._held:
+                topic, payload, qos, retain = self._held.popleft()
+                self._client.publish(topic, payload, qos=qos, retain=retain)
+            self._ready.set()
+
+    def _on_unsubscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        with self._suback_cond:
+            if mid != self._sync_mid:  # an `unsubscribe()` of the user's
+                return
+            self._sync_mid = None
+        self._become_ready()
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
         if any(rc.is_failure for rc in reason_codes):
@@ -283,11 +313,11 @@ class MqttLink:
             if len(self._subacks) > 1000:  # SUBACKs of reconnects nobody waits for
                 self._subacks.clear()
             self._subacks[mid] = reason_codes
-            if mid in self._unacked:
-                self._unacked.discard(mid)
-                if not self._unacked:
-                    self._ready.set()
+            last = mid in self._unacked and len(self._unacked) == 1
+            self._unacked.discard(mid)
             self._suback_cond.notify_all()
+        if last:
+            self._become_ready()
 
     def _wait_suback(self, pattern: str, timeout: float, mid: int | None = None,
                      generation: int | None = None) -> None:
@@ -399,9 +429,19 @@ class MqttLink:
         acknowledged every part (QoS >= 1) or raise TransportError after `timeout` seconds.
         """
         parts = [payload] if retain else split(payload, self.chunk_size, secrets.token_hex(8))
-        if wait and not self._connected.wait(timeout):
-            raise TransportError(f"not connected to {self.host}:{self.port}; cannot publish")
-        infos = [self._client.publish(topic, p, qos=qos, retain=retain) for p in parts]
+        deadline = time.monotonic() + timeout
+        while True:
+            if wait and not self._ready.wait(max(0.0, deadline - time.monotonic())):
+                raise TransportError(f"not connected to {self.host}:{self.port}; cannot publish")
+            with self._held_lock:
+                if self._ready.is_set():  # nothing held: straight to paho
+                    infos = [self._client.publish(topic, p, qos=qos, retain=retain)
+                             for p in parts]
+                    break
+                if not wait:  # sent in order once the link is ready again
+                    self._held.extend((topic, p, qos, retain) for p in parts)
+                    infos = []
+                    break
         nbytes = sum(len(p) for p in parts)
         with self._lock:
             self.bytes_sent += nbytes

@@ -415,12 +415,17 @@ def test_wait_connected_waits_for_the_renewed_subscriptions():
     assert link.wait_connected(0.05)
 
 
-def test_wait_connected_without_subscriptions_is_the_connection():
+def test_wait_connected_without_subscriptions_is_after_a_round_trip():
     ok = SimpleNamespace(is_failure=False)
     link = MqttLink("mqtt://127.0.0.1:1", "t")
     assert not link.wait_connected(0.01)
-    link._on_connect(SimpleNamespace(subscribe=None), None, None, ok, None)
-    assert link.is_connected and link.wait_connected(0.01)
+    link._on_connect(SimpleNamespace(subscribe=None, unsubscribe=lambda t: (0, 5)), None,
+                     None, ok, None)
+    assert link.is_connected and not link.wait_connected(0.01)  # paho resends after this call
+    link._on_unsubscribe(None, None, 4, [], None)  # a user's unsubscribe: not the mark
+    assert not link.wait_connected(0.01)
+    link._on_unsubscribe(None, None, 5, [], None)  # the no-op's answer: paho has resent
+    assert link.wait_connected(0.01)
 
 
 def test_one_devices_bad_chunks_do_not_hide_anothers_warning():
@@ -450,3 +455,52 @@ def test_one_devices_bad_chunks_do_not_hide_anothers_warning():
         logger.removeHandler(handler)
     assert link.rejected == 26
     assert [r.device for r in shown].count("edgefcl/t/update/honest") == 1
+
+
+def test_publish_order_holds_across_a_broker_restart(tmp_path: Path, make_link) -> None:
+    """A stream published while the broker restarts arrives in the order it was published:
+    paho resends its unacknowledged messages only after the connection's callback, so a
+    publish in between went ahead of them (a device then dropped the older batch as a
+    redelivery)."""
+    from firmware_sim.faults import persistence_conf, restart_broker
+
+    conf = persistence_conf(tmp_path / "m")
+    try:
+        proc = start_mosquitto(config_dir=tmp_path / "m", allow_anonymous=True, extra_conf=conf)
+    except TransportError as e:
+        pytest.skip(str(e))
+    got: list[int] = []
+    sub = make_link(proc.url, "order-sub", reconnect_delay=(1, 1))
+    sub.subscribe("order/stream", lambda t, p: got.append(int(p)), qos=1)
+    pub = make_link(proc.url, "order-pub", clean_start=True, reconnect_delay=(1, 1))
+    pub.subscribe("order/status", lambda t, p: None)
+    sent, stop = [0], threading.Event()
+
+    def publish() -> None:
+        while not stop.is_set():
+            pub.publish("order/stream", str(sent[0]).encode(), qos=1)
+            sent[0] += 1
+            stop.wait(0.001)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    try:
+        for _ in range(3):
+            threading.Event().wait(0.5)
+            proc = restart_broker(proc, 0.3, conf)
+            assert pub.wait_connected(10) and sub.wait_connected(10)
+    finally:
+        stop.set()
+        thread.join()
+    try:
+        for _ in range(200):
+            if len(set(got)) >= sent[0]:
+                break
+            threading.Event().wait(0.05)
+        first = list(dict.fromkeys(got))  # QoS 1 may repeat a message; its first copy counts
+        assert len(first) == sent[0] and first == sorted(first), (
+            f"{sent[0]} sent, {len(first)} arrived; first out of order at "
+            f"{next((i for i in range(1, len(first)) if first[i] < first[i - 1]), None)}: "
+            f"{[first[i - 3:i + 3] for i in range(1, len(first)) if first[i] < first[i - 1]][:4]}")
+    finally:
+        proc.stop()
