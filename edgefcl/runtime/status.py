@@ -35,6 +35,7 @@ class FleetView:
         self.config: dict[str, Any] | None = None
         self.aggregator: dict[str, Any] | None = None
         self.devices: dict[str, dict[str, Any]] = {}
+        self._seen: set[str] = set()  # topics a message arrived on
 
     def on_message(self, topic: str, payload: bytes) -> None:
         try:
@@ -45,6 +46,9 @@ class FleetView:
             return
         body = dict(msg.body) | {"received": time.time()}
         with self.lock:
+            # a sender's later messages are live: their arrival says when it spoke
+            body["live"] = topic in self._seen
+            self._seen.add(topic)
             if topic == self.topics.config and msg.kind == "config":
                 self.config = body
             elif topic == self.topics.aggregator_status and msg.kind == "status":
@@ -107,9 +111,15 @@ def _plain(v: Any, depth: int = 0) -> Any:
 
 
 def _age(body: dict[str, Any], now: float) -> float:
-    """Seconds since the sender last spoke (its own clock when it sent one, else arrival)."""
+    """Seconds since the sender last spoke: since the message arrived when it came live; for
+    the retained one the view found at start, since the sender's own time, unless that is later
+    than the arrival (a device clock ahead). A device clock behind shows that one too old until
+    the device speaks again."""
     sent = _num(body.get("time"))
-    return round(max(0.0, now - (sent if sent is not None else body["received"])), 1)
+    at = body["received"]
+    if not body.get("live") and sent is not None:
+        at = min(sent, at)
+    return round(max(0.0, now - at), 1)
 
 
 STALE_AFTER_S = 10.0

@@ -126,13 +126,29 @@ def test_a_silent_aggregator_is_shown_stale_and_a_lost_broker_is_said() -> None:
         view.on_message(tp.aggregator_status,
                         encode(Message("status", body, sender="aggregator"), fleet=FLEET))
 
-    aggregator(clock.time())
-    fresh = view.snapshot()
-    assert not fresh["aggregator"]["stale"] and "aggregator: online" in render(fresh)
-    aggregator(clock.time() - 60)  # its last word was a minute ago: it (or its link) died
+    aggregator(clock.time() - 60)  # the retained status found at start: a minute old
     text = render(view.snapshot())
     assert "aggregator: stale (said online, silent for 60 s)" in text
+    aggregator(clock.time() - 60)  # it speaks again (its clock a minute behind)
+    fresh = view.snapshot()
+    assert not fresh["aggregator"]["stale"] and "aggregator: online" in render(fresh)
     assert "lost the broker" in render(view.snapshot(connected=False))
+
+
+def test_a_device_clock_ahead_or_behind_does_not_set_its_age() -> None:
+    """A device's age is when it spoke by the operator's clock: its own clock is used only
+    for the retained status found at start, and never when it is ahead."""
+    import time as clock
+
+    view = view_with(time=clock.time() + 3600)  # dev1's clock an hour ahead
+    tp = topics(view.cfg.mqtt)
+    devices = view.snapshot()["devices"]
+    assert devices["dev1"]["last_seen_s"] < 5
+    assert devices["dev2"]["last_seen_s"] > 1e9  # retained, sent at time 1.0
+    body = {"state": "online", "task": 0, "consumed": 6, "time": clock.time() - 3600}
+    view.on_message(tp.status("dev2"), encode(Message("status", body, sender="dev2"),
+                                              fleet=FLEET))  # live, its clock an hour behind
+    assert view.snapshot()["devices"]["dev2"]["last_seen_s"] < 5
 
 
 def test_the_backpressure_factor_and_update_limit_are_shown() -> None:
