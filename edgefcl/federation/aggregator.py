@@ -139,12 +139,15 @@ def note_round(updates: list[Update], version: int, counters: Counter,
                whole: bool = True) -> None:
     """Count what a round folds: its size (`round_size_<n>`, unless not `whole`: a shard
     worker's part) and each update's staleness, the versions between its base and the global
-    it replaces (`folded_staleness_<tau>`, at most STALENESS_KEYS); the same counters in
-    process and over MQTT (`async_stats` summarises them)."""
+    it replaces (`folded_staleness_<tau>`, at most STALENESS_KEYS, and their sum uncapped in
+    `folded_staleness_sum`); the same counters in process and over MQTT (`async_stats`
+    summarises them)."""
     if whole:
         counters[f"round_size_{len(updates)}"] += 1
     for u in updates:
-        counters[f"folded_staleness_{min(max(version - u.base_version, 0), STALENESS_KEYS)}"] += 1
+        tau = max(version - u.base_version, 0)
+        counters[f"folded_staleness_{min(tau, STALENESS_KEYS)}"] += 1
+        counters["folded_staleness_sum"] += tau
 
 
 def async_stats(counters: dict) -> dict:
@@ -163,7 +166,9 @@ def async_stats(counters: dict) -> dict:
         return round(sum(k * v for k, v in h.items()) / n, 3) if n else 0.0
 
     return {"rounds": rounds, "folded": folded, "updates_per_round": mean(sizes, rounds),
-            "round_sizes": sizes, "staleness_mean": mean(stale, folded),
+            "round_sizes": sizes,
+            "staleness_mean": round(counters["folded_staleness_sum"] / folded, 3)
+            if folded and "folded_staleness_sum" in counters else mean(stale, folded),
             "staleness": stale, "dropped_stale": int(counters.get("rejected_stale", 0)),
             "replaced": int(counters.get("replaced", 0)),
             "closed_buffer": int(counters.get("closed_buffer", 0)),

@@ -154,6 +154,8 @@ def test_claimed_bases_cannot_grow_the_counters_a_key_a_round():
     stats = async_stats(agg.counters)
     assert len(stats["staleness"]) <= STALENESS_KEYS + 1 and stats["folded"] == 600
     assert max(stats["staleness"]) == STALENESS_KEYS  # "that many versions or more"
+    # ... and the mean is not capped: x's base 0 at version seq - 1, h's current (0 behind)
+    assert stats["staleness_mean"] == sum(range(300)) / 600 == 74.75
 
 
 @pytest.mark.parametrize("fold,staleness", [("model", "polynomial"), ("delta", "hinge"),
