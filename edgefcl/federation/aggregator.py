@@ -322,6 +322,16 @@ class Aggregator:
             self._rejoined.add(client)
             self.last_seen[client] = now
 
+    def heard_from(self, client: str, now: float | None) -> None:
+        """A report of `client` (taken here, or merged from a shard worker's partial): it is
+        alive, active again if it had left for silence, and its last report time is `now`."""
+        self._rejoined.discard(client)
+        if now is not None:
+            self.last_seen[client] = now
+        self.silent.discard(client)
+        if client not in self.active:
+            self.join(client, now)
+
     def expire(self, now: float) -> RoundClosed | None:
         """Active clients silent for more than `client_timeout` seconds leave the active set;
         may close the pending tick or round."""
@@ -466,12 +476,7 @@ class Aggregator:
         """Take a report that `rejects` let through (`submit` without the checks); returns
         what closed as a consequence, if anything."""
         self.admission.accept(msg)
-        self._rejoined.discard(msg.client)
-        if now is not None:
-            self.last_seen[msg.client] = now
-        self.silent.discard(msg.client)
-        if msg.client not in self.active:
-            self.join(msg.client, now)
+        self.heard_from(msg.client, now)
         rnd = self._round
         if rnd.opened_at is None:
             rnd.opened_at = now

@@ -310,6 +310,7 @@ class ShardRoot(Aggregator):
             self.granted.pop(c, None)
             self.in_round[c] = p.seqs.get(c, 0)
             self.admission.admit(c)
+            self.heard_from(c, now)  # its report, taken at the worker
             self.admission.last_seq[c] = max(self.admission.last_seq.get(c, 0),
                                              int(p.seqs.get(c, 0)))
         self._merged.append(p)

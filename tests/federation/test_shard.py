@@ -265,7 +265,8 @@ def test_a_round_does_not_wait_for_a_dead_worker():
     assert root.poll(10.5) is None  # quorum, but w1 may still send
     assert root.worker_offline("w1", 11.0) is not None  # its last will: close now
     root.worker_online("w1")  # back, but silent: the next round closes at its timeout
-    assert root.merge(_partial(wa, ups[3:5]), 20.0) is None
+    # (with its quorum: the 3 devices of the first round are active now, as are these 3)
+    assert root.merge(_partial(wa, ups[3:6]), 20.0) is None
     assert root.poll(20.5) is None
     assert root.poll(25.0) is not None
 
@@ -374,6 +375,44 @@ def test_two_ids_whose_partials_come_first_cannot_close_a_sharded_round():
     assert root.merge(worker.flush(root.claim("w0", worker.claimable()), now=1.5), 1.5) is None
     closed = root.poll(1.5)
     assert closed is not None and len(closed.participants) == 51
+
+
+def test_devices_the_root_hears_of_through_partials_stay_active_past_the_client_timeout():
+    # a reviewer helper's finding: only a report refreshed a device's last report time, and
+    # the root takes none (its updates come in partials), so after client_timeout (120 s)
+    # every device was silent, the quorum was half of the round itself, and two ids of 102
+    # closed a round again; a merged partial now counts as each participant's report
+    fed = FedConfig(mode="async", clients=102, min_clients=2, round_timeout=5.0, burn_in=0,
+                    jump=1, max_share=1.0)
+    initial = {"w": np.zeros(2, np.float32)}
+    root = ShardRoot(initial, fed)
+    honest = [f"h{i}" for i in range(100)]
+    for c in honest + ["x", "y"]:
+        root.join(c, now=0.0)
+    root.worker_online("w0")
+    worker = ShardWorker(initial, fed, worker="w0")
+
+    def update(c: str, value: float, seq: int, base: int) -> Update:
+        return Update(c, base, seq, 0, seq, 10, {"w": np.full(2, value, np.float32)})
+
+    for t in range(1, 26):  # 125 s of rounds of every device, one each 5 s
+        now, version = 5.0 * t, root.global_.version
+        for c in honest + ["x", "y"]:
+            worker.submit(update(c, 1.0, t, version), now=now)
+        assert root.merge(worker.flush(root.claim("w0", worker.claimable()), now=now),
+                          now) is None
+        closed = root.poll(now)
+        assert closed is not None and closed.global_ is not None
+        worker.set_global(closed.global_)
+        root.expire(now)
+    assert len(root.active) == 102 and not root.silent
+    now, version = 130.0, root.global_.version
+    for c in ("x", "y"):
+        worker.submit(update(c, -10.0, 26, version), now=now)
+    assert root.merge(worker.flush(root.claim("w0", worker.claimable()), now=now), now) is None
+    assert root.poll(now) is None and root.poll(now + 10) is None  # 2 of 102: no quorum
+    root.expire(now + 130)  # and devices that stopped sending do leave
+    assert not root.active - {"x", "y"}
 
 
 def test_a_workers_flush_of_one_update_is_clipped_with_its_earlier_flushes():
