@@ -391,5 +391,12 @@ class ShardRoot(Aggregator):
         """A worker left (its last will): the open round no longer waits for it or its
         grants."""
         self.live_workers.discard(worker)
-        self.granted = {c: w for c, w in self.granted.items() if w != worker}
+        return self.release_grants(worker, now)
+
+    def release_grants(self, worker: str, now: float | None = None) -> RoundClosed | None:
+        """The open round no longer waits for `worker`'s grants (its partial was rejected, or
+        it left; counted as `grants_released`): a later partial of it may still hold them."""
+        held = {c: w for c, w in self.granted.items() if w != worker}
+        self.counters["grants_released"] += len(self.granted) - len(held)
+        self.granted = held
         return self._maybe_close(now)

@@ -264,9 +264,17 @@ class FedAvg(Strategy):
         self.merge_fresh(partial)
 
 
+MAX_ROUND_CLASSES = 256
+"""Class ids a class-weighted round keeps a model for; the samples of any further class go to
+class -1 (`classes_folded`). Class ids are devices' claims: each update's are bounded
+(robust/class_claims.py), but not how many distinct ones a round's updates bring, which sets
+its memory and a shard worker's partial (the root decodes partials sized for this many)."""
+
+
 class ClassWeightedFedAvg(Strategy):
     """'Weighted FedAvg': average the models per class present in the round (weighted by the
-    client's samples of that class), then average the class models equally."""
+    client's samples of that class), then average the class models equally (at most
+    MAX_ROUND_CLASSES classes)."""
 
     decomposable = True
     weights_by_class = True
@@ -274,11 +282,18 @@ class ClassWeightedFedAvg(Strategy):
     def reset(self) -> None:
         self.per_class: dict[int, WeightedSum] = {}
 
+    def _class(self, c: int) -> WeightedSum:
+        """The accumulator of class `c`, or of class -1 once the round holds its maximum."""
+        if c not in self.per_class and len(self.per_class) >= MAX_ROUND_CLASSES:
+            self.counts["classes_folded"] += 1
+            c = -1
+        return self.per_class.setdefault(c, WeightedSum())
+
     def add(self, update: Update) -> None:
         counts = update.class_counts or {-1: update.num_samples}
         for c, n in sorted(counts.items()):
             if n > 0:
-                self.per_class.setdefault(int(c), WeightedSum()).add(update.tensors, float(n))
+                self._class(int(c)).add(update.tensors, float(n))
 
     def estimate(self, previous: Tensors) -> tuple[dict[str, np.ndarray], None]:
         if not self.per_class:
@@ -295,7 +310,7 @@ class ClassWeightedFedAvg(Strategy):
     def merge(self, partial: dict) -> None:
         """Add another shard's `partial()`, class by class."""
         for c, p in sorted(partial["classes"].items(), key=lambda kv: int(kv[0])):
-            merge_weighted_sum(self.per_class.setdefault(int(c), WeightedSum()), p)
+            merge_weighted_sum(self._class(int(c)), p)
         self.merge_fresh(partial)
 
 

@@ -12,9 +12,11 @@ from edgefcl.config import MqttConfig, RunConfig
 from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS
 from edgefcl.federation.heads import library_width
 from edgefcl.federation.registry import get_encoding
+from edgefcl.federation.strategy import MAX_ROUND_CLASSES
 from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS, Limits
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode
 from edgefcl.transport.mqtt import MqttLink
+from edgefcl.transport.partials import MAX_PARTIAL_COUNTERS
 from edgefcl.transport.topics import STATUS_KINDS, UPDATE_KINDS, Topics
 
 
@@ -60,6 +62,19 @@ def update_limits(tensors: Mapping[str, np.ndarray]) -> Limits:
     inbox rate (50/s) took 41-49 % of it."""
     objects = ENVELOPE_OBJECTS + OBJECTS_PER_TENSOR * len(tensors) + 4 * MAX_LABELS
     return replace(DEFAULT_LIMITS, max_objects=min(objects, DEFAULT_LIMITS.max_objects))
+
+
+def partial_limits(tensors: Mapping[str, np.ndarray], by_class: bool, cap: int) -> Limits:
+    """The structure limits a root decodes a worker's partial with: up to 4 sums a model
+    tensor (a Gaussian rule's), for each of MAX_ROUND_CLASSES + 1 classes under a rule that
+    weighs by class, the ids and sequence numbers of up to `cap` participants and the
+    worker's counters; at least the codec's defaults. Partials come from workers only (the
+    ACL), and an honest class-weighted one of a 100-tensor model with 19 classes was past the
+    defaults: the root rejected every update in it."""
+    arrays = 4 * len(tensors) * (MAX_ROUND_CLASSES + 1 if by_class else 1) + 64
+    objects = ENVELOPE_OBJECTS + 16 * arrays + 4 * cap + 2 * MAX_PARTIAL_COUNTERS
+    return replace(DEFAULT_LIMITS, max_tensors=max(arrays, DEFAULT_LIMITS.max_tensors),
+                   max_objects=max(objects, DEFAULT_LIMITS.max_objects))
 
 
 def message_limits(kinds: frozenset[str], updates: Limits) -> Limits:

@@ -23,6 +23,7 @@ from edgefcl.federation.messages import Tensors
 from edgefcl.federation.shard import ShardRoot
 from edgefcl.runtime.aggregator_daemon import SENDER, AggregatorDaemon
 from edgefcl.runtime.backpressure import REASONS, advertised, spread_advertised
+from edgefcl.runtime.links import partial_limits
 from edgefcl.transport.codec import CodecError, Message, decode
 from edgefcl.transport.partials import decode_worker_message, encode_grant
 
@@ -43,6 +44,9 @@ class RootDaemon(AggregatorDaemon):
             raise ValueError("a root needs the ids of its workers (--worker-ids)")
         self.workers = frozenset(workers)
         self.spec_shapes = {k: v.shape for k, v in self.agg.global_.tensors.items()}
+        self.partial_limits = partial_limits(self.agg.global_.tensors,
+                                             self.agg.strategy.weights_by_class,
+                                             self.agg.admission.cap)
         self.worker_pressure: dict[str, tuple[float, str]] = {}
         """(backpressure factor, reason) of each live worker, from its status."""
         self.worker_spread = False
@@ -113,8 +117,13 @@ class RootDaemon(AggregatorDaemon):
                 self._close_safely(lambda: self.agg.worker_offline(worker, now))
             self._relay_pressure()
             return
-        p = decode_worker_message(payload, self.cfg.mqtt.fleet, self.spec_shapes, worker=worker,
-                                  cap=self.agg.admission.cap, max_bytes=self.max_payload)
+        try:
+            p = decode_worker_message(payload, self.cfg.mqtt.fleet, self.spec_shapes,
+                                      worker=worker, cap=self.agg.admission.cap,
+                                      max_bytes=self.max_payload, limits=self.partial_limits)
+        except CodecError:  # the round must not wait for what it held: release its grants
+            self._close_safely(lambda: self.agg.release_grants(worker, now))
+            raise
         if isinstance(p, tuple):  # a claim: answered at once, before the round may close
             claim, clients = p
             self._publish(self.topics.grant(worker), encode_grant(
@@ -129,4 +138,5 @@ class RootDaemon(AggregatorDaemon):
         if reason is not None:
             log.warning("rejected partial of %s (%d participants): %s", worker,
                         len(p.participants), reason)
+            self._close_safely(lambda: self.agg.release_grants(worker, now))
         self._close_safely(lambda: self.agg.poll(now))

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from edgefcl.federation.shard import Partial
+from edgefcl.transport.bounds import DEFAULT_LIMITS, Limits
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, Message, decode, encode
 from edgefcl.transport.codec_error import CodecError
 from edgefcl.transport.topics import validate_id
@@ -99,10 +100,11 @@ def _check_tensor(path: str, t: object, spec: dict[str, tuple[int, ...]]) -> np.
 
 
 def decode_worker_message(payload: bytes, fleet: str, spec: dict[str, tuple[int, ...]], *,
-                          worker: str, cap: int,
-                          max_bytes: int = DEFAULT_MAX_BYTES) -> Partial | tuple[int, list[str]]:
-    """A partial (`decode_partial`) or a claim (`decode_claim`) sent on `partial/<worker>`."""
-    msg = decode(payload, fleet, max_bytes=max_bytes, require_digest=True)
+                          worker: str, cap: int, max_bytes: int = DEFAULT_MAX_BYTES,
+                          limits: Limits = DEFAULT_LIMITS) -> Partial | tuple[int, list[str]]:
+    """A partial (`decode_partial`) or a claim (`decode_claim`) sent on `partial/<worker>`,
+    scanned against `limits` (the root's `partial_limits`)."""
+    msg = decode(payload, fleet, max_bytes=max_bytes, require_digest=True, limits=limits)
     if isinstance(msg, Message) and msg.kind == "claim":
         return decode_claim(msg, worker=worker, cap=cap)
     return check_partial_message(msg, spec, worker=worker)

@@ -50,6 +50,21 @@ def test_class_weighted_fedavg_by_hand():
     np.testing.assert_allclose(s.result(ZERO)["w"], [2.25, 2.25])
 
 
+def test_class_weighted_keeps_a_model_for_at_most_max_round_classes(monkeypatch):
+    # class ids are claims: past the maximum a round's further classes share class -1
+    import edgefcl.federation.strategy as strategy
+
+    monkeypatch.setattr(strategy, "MAX_ROUND_CLASSES", 2)
+    s = ClassWeightedFedAvg(FedConfig(mix=1.0), {})
+    s.add(upd("a", 1.0, classes={0: 10}))
+    s.add(upd("b", 2.0, classes={1: 10}))
+    s.add(upd("c", 3.0, classes={2: 10}))
+    s.add(upd("d", 5.0, classes={3: 10}))
+    # classes 0 -> 1, 1 -> 2, the folded 2 and 3 -> (3 + 5) / 2 = 4; mean (1 + 2 + 4) / 3
+    np.testing.assert_allclose(s.result(ZERO)["w"], [7 / 3, 7 / 3], rtol=1e-6)
+    assert s.counters()["classes_folded"] == 2
+
+
 def test_mix_with_previous_global():
     out = mix({"w": np.array([2.0])}, {"w": np.array([0.0], np.float32)}, 0.5)
     assert out["w"].dtype == np.float32 and out["w"][0] == 1.0

@@ -392,3 +392,52 @@ def test_the_root_says_when_its_run_finished(tmp_path):
     bodies = [decode(p, FLEET).body for topic, p in root.link.sent
               if topic == t.aggregator_status]
     assert bodies[-2]["finished"] is True and "finished" not in bodies[-1]
+
+
+def test_a_class_weighted_partial_of_many_tensors_and_classes_is_taken(tmp_path):
+    # a reviewer helper's finding: the root scanned partials against the codec's defaults,
+    # past which an honest class-weighted partial of a 100-tensor model with 19 classes went
+    # (a per-class sum a tensor, 2,048 at most): every update in it was rejected, and the
+    # round waited for its grants until round_timeout
+    from edgefcl.federation.strategy import MAX_ROUND_CLASSES
+
+    initial = {f"l{i}": np.zeros(8, np.float32) for i in range(100)}
+    cfg = cfg_for(clients=8, aggregation="class-weighted")
+    d = RootDaemon(cfg, initial, tmp_path / "s", workers=frozenset({"w0"}))
+    d.link = NullLink()
+    d.agg.worker_online("w0")
+
+    def up(c: str, classes: list[int]) -> Update:
+        return Update(c, 0, 1, 0, 1, 3 * len(classes),
+                      {k: np.ones(8, np.float32) for k in initial},
+                      class_counts=dict.fromkeys(classes, 3))
+
+    w = ShardWorker(initial, cfg.fed, worker="w0", batch_size=10)
+    for i in range(8):
+        w.submit(up(f"h{i}", [3 * i + j for j in range(3)]), 0.0)  # 24 classes in all
+    d.handle(topic("w0"), encode_partial(w.flush(d.agg.claim("w0", w.claimable())), fleet=FLEET))
+    assert d.agg.counters["accepted"] == 8 and not d.agg.counters["rejected_limits"]
+    assert d.agg.global_.version == 1  # every granted device in: the round closed
+    assert MAX_ROUND_CLASSES >= 24
+    d.store.close()
+
+
+def test_a_rejected_partial_releases_its_workers_grants(tmp_path):
+    # a partial the root rejects held the round for its grants until round_timeout (60 s)
+    d = make_root(tmp_path)
+    d.agg.worker_online("w0")
+    for c in "abc":
+        d.agg.join(c, 0.0)
+    w = ShardWorker(INITIAL, d.cfg.fed, worker="w0")
+    for i, c in enumerate("abc"):
+        w.submit(update(c, float(i)), 0.0)
+    p = w.flush(d.agg.claim("w0", w.claimable()))
+    assert set(d.agg.granted) == set("abc")
+    d.handle(topic("w0"), encode_partial(p, fleet=FLEET)[:-3])  # damaged on the way
+    assert not d.agg.granted and d.agg.counters["grants_released"] == 3
+    w.submit(update("a", 1.0, seq=2), 1.0)
+    w.submit(update("b", 1.0, seq=2), 1.0)
+    d.handle(topic("w0"), encode_partial(w.flush(d.agg.claim("w0", w.claimable())),
+                                         fleet=FLEET))
+    assert d.agg.global_.version == 1  # a and b: the quorum of 3, and no grant waits
+    d.store.close()
