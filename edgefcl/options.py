@@ -15,6 +15,7 @@ from typing import Any
 
 from edgefcl.config import SECTIONS, ConfigError, RunConfig, apply, load_toml, validate
 from edgefcl.support.errors import UserError
+from edgefcl.support.logs import one_line as escaped
 
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
 EXTRAS = {module: extra for extra, modules in {
@@ -333,6 +334,10 @@ def run_command(args: argparse.Namespace, prog: str) -> int:
         return 141  # 128 + SIGPIPE, as a shell reports a command its pipe closed
 
 
+MAX_ERROR_CHARS = 2000
+"""Characters of an error said on the terminal (it may quote a device's words)."""
+
+
 def one_line(e: BaseException) -> str:
-    """The message of `e` on one line."""
-    return " ".join(str(e).split()) or type(e).__name__
+    """The message of `e` on one line, control characters escaped, cut to MAX_ERROR_CHARS."""
+    return escaped(" ".join(str(e).split()))[:MAX_ERROR_CHARS] or type(e).__name__

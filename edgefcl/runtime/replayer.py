@@ -12,12 +12,20 @@ import numpy as np
 
 from edgefcl.config import RunConfig
 from edgefcl.data.types import Batch
-from edgefcl.runtime.bodies import is_int
+from edgefcl.runtime.bodies import is_int, is_number
 from edgefcl.runtime.links import open_link, status_body, topics
 from edgefcl.support.errors import UserError
+from edgefcl.support.logs import one_line
 from edgefcl.transport.codec import Message, encode, encode_batch
 
 log = logging.getLogger("edgefcl.replay")
+MAX_REASON = 300
+"""Characters of a refusal's reason said (a device's words: escaped, and cut)."""
+
+
+def _reason(body: dict) -> str:
+    """A refusal's reason, escaped and cut to MAX_REASON characters."""
+    return one_line(str(body.get("reason", "")))[:MAX_REASON]
 
 
 class Replayer:
@@ -27,6 +35,8 @@ class Replayer:
     consume, keeping at most `window` batches in flight per client (clients report how many
     they consumed in their status). A client's stream starts once its status says online (so
     its persistent session exists and nothing is lost), and ends with an end-of-stream marker.
+    A client that refused to join (its status since this replayer started) is skipped, with a
+    warning; the replay stops only when the aggregator or every client refused.
     """
 
     def __init__(self, cfg: RunConfig, streams: dict[str, Iterator[Batch]], rate: float = 0.0,
@@ -46,18 +56,18 @@ class Replayer:
         self.sent: dict[str, int] = dict.fromkeys(streams, 0)
 
     def _fresh_refusal(self, body: dict) -> bool:
-        """Whether a status says refused since this replayer started (not a stale one)."""
-        try:
-            return body.get("state") == "refused" and float(body.get("time", 0.0)) >= (
-                self.started - 5.0)
-        except (TypeError, ValueError):
-            return False
+        """Whether a status says refused since this replayer started (not a stale one, nor one
+        dated after now: a sender's clock is its claim, and a refusal retained with a time in
+        the future stopped every later replay)."""
+        sent = body.get("time", 0.0)
+        return body.get("state") == "refused" and is_number(sent) and (
+            self.started - 5.0 <= sent <= time.time() + 5.0)
 
     def _on_aggregator_status(self, topic: str, payload: bytes) -> None:
         body = status_body(payload, self.cfg.mqtt.fleet)
         if body is not None and self._fresh_refusal(body):
             with self.cond:
-                self.aggregator_refused = str(body.get("reason", ""))
+                self.aggregator_refused = _reason(body)
                 self.cond.notify_all()
 
     def _on_status(self, topic: str, payload: bytes) -> None:
@@ -71,8 +81,9 @@ class Replayer:
         with self.cond:
             if body.get("state") == "online":
                 self.online.add(cid)
+                self.refused.pop(cid, None)
             elif cid in self.streams and self._fresh_refusal(body):
-                self.refused[cid] = str(body.get("reason", ""))
+                self.refused[cid] = _reason(body)
             consumed = body.get("consumed", 0)
             if is_int(consumed):
                 self.consumed[cid] = consumed
@@ -87,26 +98,29 @@ class Replayer:
         link.subscribe(self.topics.aggregator_status, self._on_aggregator_status)
         fleet = self.cfg.mqtt.fleet
         with self.cond:
-            ok = self.cond.wait_for(lambda: set(self.streams) <= self.online or self.refused
+            ok = self.cond.wait_for(lambda: set(self.streams) <= self.online | set(self.refused)
                                     or self.aggregator_refused is not None, self.wait_online)
+            refused = dict(sorted(self.refused.items()))
         if self.aggregator_refused is not None:  # said once, not through each device
             link.close()
             raise UserError(f"the aggregator of fleet '{fleet}' refused to start: "
                             f"{self.aggregator_refused}")
-        if self.refused:
+        if refused and set(self.streams) <= set(refused):
             link.close()
-            cid, why = sorted(self.refused.items())[0]
-            raise UserError(f"client {cid} refused to join: {why}")
+            cid, why = next(iter(refused.items()))
+            raise UserError(f"every client refused to join; {cid}: {why}")
+        pending = {c: s for c, s in self.streams.items() if c not in refused}
+        for cid, why in refused.items():  # one device cannot stop the others' streams
+            log.warning("client %s refused to join (%s): its stream is not replayed", cid, why)
         if not self.online:
             link.close()
             raise UserError(f"no client of fleet '{fleet}' came online within "
                             f"{self.wait_online:.0f} s; start the clients (`edgefcl client`) "
                             "and check `edgefcl status`")
         if not ok:
-            missing = sorted(set(self.streams) - self.online)
+            missing = sorted(set(pending) - self.online)
             log.warning("clients not online after %.0f s, streaming anyway: %s",
                         self.wait_online, ", ".join(missing))
-        pending = dict(self.streams)
         interval = 1.0 / self.rate if self.rate > 0 else 0.0
         next_at = time.monotonic()
         while pending:

@@ -259,3 +259,58 @@ def test_a_chunk_bomb_on_a_status_topic_is_refused_by_its_structure(daemon):
     assert d.agg.counters["rejected_malformed"] == 0 and d.link.rejected == 1
     link.publish(topic, b"", retain=True, wait=True)
     link.close()
+
+
+def test_one_devices_refusal_cannot_stop_the_others_streams(monkeypatch):
+    """A reviewer helper's attack: one device's retained `refused` status, dated in the future,
+    stopped every replay (then and in every later run) and wrote its reason, escapes and all,
+    to the operator's terminal. A refusal now counts only when dated since the replayer
+    started and not after now; a refusing client's stream is skipped, the others go on; and
+    its reason is escaped and cut."""
+    import edgefcl.runtime.replayer as rp
+    from edgefcl.data.types import Batch
+    from edgefcl.support.errors import UserError
+    from edgefcl.transport.codec import Message
+
+    cfg = small_config(mqtt={"fleet": "rp"})
+    tp = topics(cfg.mqtt)
+    now = time.time()
+    reason = "\x1b[2J\x1b]0;owned\x07" + "A" * 100_000
+    statuses = {tp.status(f"h{i}"): {"state": "online"} for i in range(3)}
+    statuses[tp.status("x")] = {"state": "refused", "time": 1e12, "reason": reason}
+    statuses[tp.status("y")] = {"state": "refused", "time": now, "reason": reason}
+    sent: list[str] = []
+
+    class Link:
+        def subscribe(self, topic, handler):
+            if topic in statuses:
+                handler(topic, encode(Message("status", statuses[topic],
+                                              sender=tp.client_from(topic)), fleet="rp"))
+
+        def publish(self, topic, payload, **kw):
+            sent.append(topic)
+            return len(payload)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(rp, "open_link", lambda *a, **k: Link())
+    batch = Batch(np.zeros((1, 2), np.float32), np.zeros(1, np.int64), 0, 0, False)
+    clients = ["h0", "h1", "h2", "x", "y"]
+    rep = rp.Replayer(cfg, {c: iter([batch] * 3) for c in clients}, wait_online=1.0)
+    out = rep.run()
+    assert out["h0"] == out["h1"] == out["h2"] == 3 and out["y"] == 0
+    assert tp.stream("y") not in sent and "x" not in rep.refused  # x's time: the future
+    assert set(rep.refused) == {"y"} and len(rep.refused["y"]) <= rp.MAX_REASON
+    assert "\x1b" not in rep.refused["y"] and "\x07" not in rep.refused["y"]
+    statuses = {tp.status("y"): statuses[tp.status("y")]}
+    with pytest.raises(UserError, match="every client refused to join"):
+        rp.Replayer(cfg, {"y": iter([batch])}, wait_online=1.0).run()
+
+
+def test_an_error_said_on_the_terminal_is_escaped_and_cut():
+    from edgefcl.options import MAX_ERROR_CHARS, one_line
+    from edgefcl.support.errors import UserError
+
+    line = one_line(UserError("client x refused: \x1b[2J\x1b]0;owned\x07" + "A" * 10_000))
+    assert "\x1b" not in line and "\x07" not in line and len(line) == MAX_ERROR_CHARS
