@@ -14,7 +14,7 @@ from edgefcl.federation.aggregator import STALENESS_KEYS, Aggregator, async_stat
 from edgefcl.federation.folds import FOLDS
 from edgefcl.federation.messages import Update
 from edgefcl.federation.robust import prepare_round
-from edgefcl.federation.round_weights import weigh
+from edgefcl.federation.round_weights import newest_task, weigh
 from edgefcl.federation.shard import ShardRoot, ShardWorker
 from edgefcl.federation.staleness import staleness_rule
 from edgefcl.federation.strategy import FedAvg
@@ -57,6 +57,19 @@ def test_task_lag_weighs_updates_behind_the_newest_task():
     assert s.mix_weight == 0.5
     sync = FedConfig(mode="sync", task_decay=0.5, **RULES_OFF)  # lock-step: the paper's rule
     assert weigh(ups, 0, sync, FedAvg(sync, {"w": (2,)})) is ups
+
+
+def test_a_claimed_task_far_ahead_does_not_decay_the_others_away():
+    # a reviewer helper's attack: the newest task was the largest claim, so one update of
+    # task 10^9 weighed every other 0.5^(10^9) (with --max-share 1, the whole round); the
+    # newest is now at most one past the lower median claim, and none weighs more for being
+    # ahead of it
+    fed = FedConfig(mode="async", task_decay=0.5, **RULES_OFF)
+    ups = [replace(upd(c, 1.0), task=0) for c in "abc"] + [replace(upd("x", 1.0), task=10**9)]
+    assert [u.num_samples for u in weigh(ups, 0, fed, FedAvg(fed, {"w": (2,)}))] == [
+        5, 5, 5, 10]
+    assert newest_task([0, 0, 10**9]) == 1 and newest_task([0, 10**9]) == 1
+    assert newest_task([2, 1, 0]) == 2 and newest_task([3, 3, 1, 1]) == 2
 
 
 def test_a_fresh_device_among_stale_ones_keeps_to_the_share_cap():
