@@ -1,10 +1,11 @@
 """Async round weights: an update's sample weight times its staleness weight s(tau) (the run's
 `staleness` rule, FedAsync) and its task-lag weight `task_decay`^k (k: tasks its sender is
-behind the round's newest task, `newest_task`; async only). Applied before the robust rules, so the share
-cap bounds the weights as they are averaged: no device holds more than `max_share` of a round
-whatever the others' staleness or tasks. The sample-weighted mean of s also scales the
-round's mix (`Strategy.mix_weight`): a round of stale updates moves the global less. With the
-constant rule and no task lag the updates pass unchanged (lock-step, bit for bit)."""
+behind the round's newest task, `newest_task`; async only). Applied before the robust rules,
+so the share cap bounds the weights as they are averaged: no device holds more than
+`max_share` of a round whatever the others' staleness or tasks. The sample-weighted mean of s
+also scales the round's mix (`Strategy.mix_weight`): a round of stale updates moves the global
+less. With the constant rule and no task lag the updates pass unchanged (lock-step, bit for
+bit)."""
 
 from __future__ import annotations
 
