@@ -33,6 +33,9 @@ from edgefcl.federation.strategy import (
     merge_weighted_sum,
     mix,
     sample_weight,
+    scaled,
+    scaled_fresh,
+    scaled_sum,
 )
 
 MU, SIGMA = "::mu", "::sigma"
@@ -242,6 +245,15 @@ class Conflation(GaussianStrategy):
             self.sums.eta[b] += np.asarray(partial["eta"][b], np.float64)
         self.sums.count += int(partial["count"])
 
+    def partial_weight(self, partial: dict) -> float:
+        """Its updates' precision, over every entry (as the precision cap weighs them)."""
+        return float(sum(np.sum(np.asarray(v, np.float64)) for v in partial["prec"].values()))
+
+    def scale_partial(self, partial: dict, factor: float) -> dict:
+        return {"plain": scaled_sum(partial["plain"], factor),
+                "prec": scaled(partial["prec"], factor), "eta": scaled(partial["eta"], factor),
+                "count": partial["count"], **scaled_fresh(partial, factor)}
+
 
 class MomentMatching(GaussianStrategy):
     """Sample-weighted moment matching of the client posteriors (FedBNN's reference code):
@@ -299,6 +311,16 @@ class MomentMatching(GaussianStrategy):
                           + 2.0 * d * (s1 - w * theirs) + w * np.square(d))
         merge_weighted_sum(self.first, first)
         merge_weighted_sum(self.second, {"weight": second["weight"], "sums": shifted})
+
+    def partial_weight(self, partial: dict) -> float:
+        """Its updates' sample weight."""
+        return float(partial["first"]["weight"])
+
+    def scale_partial(self, partial: dict, factor: float) -> dict:
+        return {"plain": scaled_sum(partial["plain"], factor),
+                "first": scaled_sum(partial["first"], factor),
+                "second": scaled_sum(partial["second"], factor),
+                "origin": partial["origin"], **scaled_fresh(partial, factor)}
 
 
 class FedBNNProduct(GaussianStrategy):

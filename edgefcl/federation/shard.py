@@ -59,6 +59,7 @@ from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import prepare_round
+from edgefcl.federation.share_cap import capped_weights, default_cap
 from edgefcl.federation.strategy import RoundInput
 
 log = logging.getLogger("edgefcl.shard")
@@ -347,9 +348,37 @@ class ShardRoot(Aggregator):
     def _close_now(self, now: float | None) -> RoundClosed | None:
         return self._close_merged(now)
 
+    def _cap_partials(self) -> None:
+        """The share cap across partials: each partial's weight is spread over its
+        participants, no participant may hold more than `max_share` of the round (0:
+        `default_cap` of them), and a partial over it has its weight lowered to what its
+        participants may hold (`partials_share_capped`). A worker caps the updates of one
+        flush only, so a device alone in a flush (a site with one device, a flush of one) was
+        capped by nothing: its sample count or sigma owned the global."""
+        if self.fed.max_share >= 1 or len(self._merged) < 2:
+            return
+        weights = [self.strategy.partial_weight(p.state) for p in self._merged]
+        if any(w is None or not w > 0 for w in weights):
+            return
+        sizes = np.asarray([len(p.participants) for p in self._merged])
+        w = np.asarray(weights, np.float64)
+        members = np.repeat(w / sizes, sizes)
+        cap = self.fed.max_share or default_cap(len(members))
+        held = np.bincount(np.repeat(np.arange(len(w)), sizes),
+                           weights=capped_weights(members, cap))
+        factors = np.minimum(held / w, 1.0)
+        if (factors >= 1.0 - 1e-12).all():
+            return
+        self.counters["partials_share_capped"] += int((factors < 1.0 - 1e-12).sum())
+        self._open_round()
+        for p, f in zip(self._merged, factors.tolist(), strict=True):
+            self.strategy.merge(p.state if f >= 1.0 - 1e-12 else
+                                self.strategy.scale_partial(p.state, f))
+
     def _close_merged(self, now: float | None) -> RoundClosed:
         participants = tuple(sorted(self.in_round))
         seqs = dict(sorted(self.in_round.items()))
+        self._cap_partials()
         tensors, server = self.published(self.strategy.result(self.server_global()))
         self.counters.update(self.strategy.counters())
         candidate = GlobalModel(self.global_.version + 1, tensors, participants,

@@ -48,6 +48,8 @@ from edgefcl.federation.strategy import (
     Strategy,
     check_tensor,
     sample_weight,
+    scaled,
+    scaled_fresh,
     value_reason,
 )
 from edgefcl.federation.value_bound import MAX_VALUE
@@ -479,6 +481,14 @@ class SparseFedAvg(Strategy):
             self.acc.sums[k] += s
             self.acc.weights[k] += np.asarray(partial["weights"][k], np.float64).ravel()
         self.merge_fresh(partial)
+
+    def partial_weight(self, partial: dict) -> float:
+        """Its updates' sample weight, over every entry they sent."""
+        return float(sum(np.sum(np.asarray(v, np.float64)) for v in partial["weights"].values()))
+
+    def scale_partial(self, partial: dict, factor: float) -> dict:
+        return {"sums": scaled(partial["sums"], factor),
+                "weights": scaled(partial["weights"], factor), **scaled_fresh(partial, factor)}
 
 
 def payload_reason(tensors: Tensors, spec: Spec, forms: frozenset[str],

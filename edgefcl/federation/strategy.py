@@ -223,6 +223,15 @@ class Strategy:
         """Fold another worker's `partial()` into this round."""
         raise NotImplementedError(f"{type(self).__name__} is not sum-decomposable")
 
+    def partial_weight(self, partial: dict) -> float | None:
+        """A `partial()`'s weight in the round, as the share cap weighs an update (None: the
+        rule has no such weight, and a sharded root caps no partial of it)."""
+        return None
+
+    def scale_partial(self, partial: dict, factor: float) -> dict:
+        """`partial` with its weight in the round times `factor` (what it says unchanged)."""
+        raise NotImplementedError(f"{type(self).__name__} has no partial weight")
+
     # -- for subclasses --------------------------------------------------------------------
     def reset(self) -> None:
         """Create the per-round accumulators."""
@@ -262,6 +271,13 @@ class FedAvg(Strategy):
         """Add another shard's `partial()`."""
         merge_weighted_sum(self.acc, partial)
         self.merge_fresh(partial)
+
+    def partial_weight(self, partial: dict) -> float:
+        """Its updates' sample weight."""
+        return float(partial["weight"])
+
+    def scale_partial(self, partial: dict, factor: float) -> dict:
+        return {**scaled_sum(partial, factor), **scaled_fresh(partial, factor)}
 
 
 MAX_ROUND_CLASSES = 256
@@ -312,6 +328,24 @@ class ClassWeightedFedAvg(Strategy):
         for c, p in sorted(partial["classes"].items(), key=lambda kv: int(kv[0])):
             merge_weighted_sum(self._class(int(c)), p)
         self.merge_fresh(partial)
+
+
+def scaled(values: dict, factor: float) -> dict[str, np.ndarray]:
+    """Every array of `values` times `factor`, float64."""
+    return {k: np.asarray(v, np.float64) * factor for k, v in values.items()}
+
+
+def scaled_sum(partial: dict, factor: float) -> dict:
+    """A partial {"weight", "sums"} of a weighted sum with its weight times `factor`."""
+    return {"weight": float(partial["weight"]) * factor,
+            "sums": scaled(partial["sums"], factor)}
+
+
+def scaled_fresh(partial: dict, factor: float) -> dict:
+    """A partial's staleness weights (`Strategy.fresh_partial`) times `factor`."""
+    fresh = partial.get("fresh") or {}
+    return {"fresh": {"weight": float(fresh.get("weight", 0.0)) * factor,
+                      "count": float(fresh.get("count", 0.0)) * factor}}
 
 
 def merge_weighted_sum(acc: WeightedSum, partial: dict) -> None:

@@ -415,6 +415,75 @@ def test_devices_the_root_hears_of_through_partials_stay_active_past_the_client_
     assert not root.active - {"x", "y"}
 
 
+def _lone_attacker_rounds(fed, initial, honest, attacker, rounds=3):
+    """The first entry of the global after `rounds` rounds of 4 honest devices and one
+    attacker, by a single aggregator and by a root whose worker w1 holds the attacker alone."""
+    single, root = Aggregator(initial, fed, batch_size=10), ShardRoot(initial, fed, batch_size=10)
+    w0, w1 = (ShardWorker(initial, fed, 0, 10, w) for w in ("w0", "w1"))
+    for c in ["h0", "h1", "h2", "h3", "x"]:
+        single.join(c, 0.0)
+        root.join(c, 0.0)
+    root.worker_online("w0")
+    root.worker_online("w1")
+    for r in range(1, rounds + 1):
+        for u in [honest(f"h{i}", r, single.global_.version) for i in range(4)]:
+            single.submit(u, 0.0)
+        closed = single.submit(attacker(r, single.global_.version), 0.0)
+        assert closed is not None and closed.global_ is not None
+        v = root.global_.version
+        for i in range(4):
+            w0.submit(honest(f"h{i}", r, v), 0.0)
+        w1.submit(attacker(r, v), 0.0)
+        for w in (w0, w1):
+            root.merge(w.flush(root.claim(w.worker, w.claimable())), 0.5)
+        g = root.poll(0.5).global_
+        w0.set_global(g)
+        w1.set_global(g)
+    key = next(iter(initial))
+    return (float(single.global_.tensors[key].ravel()[0]), float(g.tensors[key].ravel()[0]),
+            root.counters)
+
+
+def test_a_device_alone_in_a_flush_is_share_capped_at_the_root():
+    # a reviewer helper's attack: the share cap ran per flush, so a device alone in its
+    # worker's flush (a site with one device) claiming the most samples admission allows
+    # (2M against 60) was the whole global: -0.875 after 3 rounds where a single aggregator
+    # read +0.175. The root now caps each partial's share over its participants
+    fed = FedConfig(mode="async", clients=5, min_clients=2, burn_in=4, jump=2)
+
+    def honest(c, r, v):
+        return Update(c, v, r, 0, 4 + 2 * r, 60, {"w": np.ones(4, np.float32)})
+
+    def attacker(r, v):
+        seq = 100_000 * r
+        batch = 4 + 2 * seq
+        return Update("x", v, seq, 0, batch, 10 * batch, {"w": -np.ones(4, np.float32)})
+
+    single, sharded, counters = _lone_attacker_rounds(fed, {"w": np.zeros(4, np.float32)},
+                                                      honest, attacker)
+    assert single > 0.15 and sharded > 0.15, (single, sharded)
+    assert counters["partials_share_capped"] == 3
+
+
+def test_a_device_alone_in_a_flush_cannot_take_the_precision_with_a_tiny_sigma():
+    # the same with conflation: sigma 1e-6 against 0.1 held the whole precision
+    fed = FedConfig(mode="async", clients=5, min_clients=2, burn_in=0, jump=1,
+                    encoding="gaussian", aggregation="conflation")
+
+    def gauss(mu, sigma):
+        return {"w::mu": np.full(4, mu, np.float32), "w::sigma": np.full(4, sigma, np.float32)}
+
+    def honest(c, r, v):
+        return Update(c, v, r, 0, r, 10, gauss(1.0, 0.1), "gaussian")
+
+    def attacker(r, v):
+        return Update("x", v, r, 0, r, 10, gauss(-1.0, 1e-6), "gaussian")
+
+    single, sharded, counters = _lone_attacker_rounds(fed, gauss(0.0, 0.1), honest, attacker)
+    assert single > 0.15 and sharded > 0.15, (single, sharded)
+    assert counters["partials_share_capped"] == 3
+
+
 def test_a_workers_flush_of_one_update_is_clipped_with_its_earlier_flushes():
     # a reviewer helper's attack: a worker clipped each flush among its own updates, and the
     # root cannot clip a partial, so a device alone in its worker's flush was its own bound:
