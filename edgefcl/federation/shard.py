@@ -260,8 +260,10 @@ class ShardRoot(Aggregator):
         """Grant `worker` the `clients` (distinct, at most the admission cap) that are on the
         roster or fit on it, and are not in the open round nor granted to another worker: its
         next partial may hold them. The rest are counted as `claims_held` and wait at the
-        worker for a later round. A claim counts as the worker's report for the round."""
+        worker for a later round. A claim counts as the worker's report for the round, and
+        answers its earlier grants: what it did not send with them, it dropped."""
         self.reported.add(worker)
+        self._drop_grants(worker)
         out = []
         for c in list(dict.fromkeys(clients))[:self.admission.cap]:
             if c in self.in_round or self.granted.get(c, worker) != worker \
@@ -314,6 +316,7 @@ class ShardRoot(Aggregator):
             self.heard_from(c, now)  # its report, taken at the worker
             self.admission.last_seq[c] = max(self.admission.last_seq.get(c, 0),
                                              int(p.seqs.get(c, 0)))
+        self._drop_grants(p.worker)  # a partial answers its worker's grant: the rest dropped
         self._merged.append(p)
         self.counters["accepted"] += len(p.participants)
         self.counters["partials"] += 1
@@ -424,8 +427,12 @@ class ShardRoot(Aggregator):
 
     def release_grants(self, worker: str, now: float | None = None) -> RoundClosed | None:
         """The open round no longer waits for `worker`'s grants (its partial was rejected, or
-        it left; counted as `grants_released`): a later partial of it may still hold them."""
+        it left): a later partial of it may still hold them."""
+        self._drop_grants(worker)
+        return self._maybe_close(now)
+
+    def _drop_grants(self, worker: str) -> None:
+        """Forget `worker`'s grants (`grants_released` counts them)."""
         held = {c: w for c, w in self.granted.items() if w != worker}
         self.counters["grants_released"] += len(self.granted) - len(held)
         self.granted = held
-        return self._maybe_close(now)

@@ -152,10 +152,11 @@ class WorkerDaemon:
     def _on_grant(self, topic: str, payload: bytes) -> None:
         self._latest_grant = payload  # network thread: the main loop takes it
 
-    def claim(self, now: float) -> None:
-        """Ask the root for the clients whose updates wait here (answered by a grant)."""
-        clients = self.agg.claimable()
-        if not clients:
+    def claim(self, now: float, empty: bool = False) -> None:
+        """Ask the root for the clients whose updates wait here (answered by a grant); with
+        `empty`, claim none, which tells the root the last grant was answered with nothing."""
+        clients = () if empty else self.agg.claimable()
+        if not clients and not empty:
             return
         self.claims += 1
         self.claimed_at = now
@@ -280,6 +281,8 @@ class WorkerDaemon:
             self.agg.drop_round()
             return
         if p is None:
+            if granted:  # every granted update dropped here: the root must not wait for them
+                self.claim(time.monotonic(), empty=True)
             return
         payload = encode_partial(p, fleet=self.cfg.mqtt.fleet)
         self.bytes_out += self.up.publish(self.topics.partial(self.id), payload, qos=1)

@@ -484,6 +484,25 @@ def test_a_device_alone_in_a_flush_cannot_take_the_precision_with_a_tiny_sigma()
     assert counters["partials_share_capped"] == 3
 
 
+def test_a_partial_or_a_new_claim_answers_its_workers_grant():
+    # a grant the worker's flush dropped (an update that failed at the flush) held the round
+    # until round_timeout: a partial, or the worker's next claim, now answers all of it
+    rng = np.random.default_rng(3)
+    fed, initial, ups = _root_and_partials(rng)
+    root = ShardRoot(initial, fed)
+    root.worker_online("w0")
+    w = ShardWorker(initial, fed, worker="w0")
+    for u in ups[:3]:
+        w.submit(u, 0.0)
+    granted = root.claim("w0", w.claimable())
+    assert len(granted) == 3
+    assert root.merge(w.flush(granted[:2]), 0.5) is None  # the third not in it
+    assert not root.granted and root.counters["grants_released"] == 1
+    w.submit(ups[3], 1.0)  # the third, still held, is claimed again with the next
+    assert root.claim("w0", w.claimable()) == (ups[2].client, ups[3].client)
+    assert root.claim("w0", []) == () and not root.granted  # nothing sent: answered empty
+
+
 def test_a_workers_flush_of_one_update_is_clipped_with_its_earlier_flushes():
     # a reviewer helper's attack: a worker clipped each flush among its own updates, and the
     # root cannot clip a partial, so a device alone in its worker's flush was its own bound:

@@ -441,3 +441,22 @@ def test_a_rejected_partial_releases_its_workers_grants(tmp_path):
                                          fleet=FLEET))
     assert d.agg.global_.version == 1  # a and b: the quorum of 3, and no grant waits
     d.store.close()
+
+
+def test_a_worker_whose_granted_updates_all_fail_says_so_with_an_empty_claim(tmp_path):
+    """Updates granted but dropped at the flush sent nothing, and the root waited for their
+    grants until round_timeout: the worker now answers with an empty claim."""
+    from edgefcl.transport.codec import decode
+
+    cfg = cfg_for()
+    w = WorkerDaemon(cfg, "w0")
+    w.agg = ShardWorker(INITIAL, cfg.fed, worker="w0")
+    sent: list[tuple[str, bytes]] = []
+    w.up = type("Up", (), {"publish": lambda self, t, p, **k: sent.append((t, p)) or len(p)})()
+    w.agg.flush = lambda granted, now=None: None  # every granted update failed at the flush
+    w.flush(["a", "b"], 1.0)
+    assert len(sent) == 1 and sent[0][0] == topics(cfg.mqtt).partial("w0")
+    msg = decode(sent[0][1], FLEET)
+    assert msg.kind == "claim" and msg.body["clients"] == []
+    w.flush([], 2.0)  # nothing granted, nothing to say
+    assert len(sent) == 1
