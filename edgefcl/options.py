@@ -34,9 +34,15 @@ DAEMON_HELP = {"broker": "broker URL mqtt://HOST:PORT or mqtts://HOST:PORT (defa
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `PROG: error: MESSAGE (see PROG --help)`, exit code 2."""
+    """argparse with one-line errors: `PROG: error: MESSAGE (see PROG --help)`, exit code 2,
+    and no abbreviated flags (`--worker-id w1` was taken as `--worker-ids w1`, and a worker
+    started as w0 beside the real one)."""
 
     argv: list[str] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         unknown = [a for a in self.argv if a.startswith("-")

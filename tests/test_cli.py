@@ -137,6 +137,9 @@ def test_hidden_options_still_parse():
                                                    "edgefcl simulate"),
     (["bench", "fleet", "--nope"], "edgefcl bench fleet"), (["status", "--nope"],
                                                             "edgefcl status"),
+    # no abbreviations: --worker-id was taken as --worker-ids (an operator's typo of --id)
+    (["aggregator", "--role", "worker", "--worker-id", "w1"], "edgefcl aggregator"),
+    (["simulate", "--seed", "1", "--method", "bi", "--memory", "5"], "edgefcl simulate"),
 ])
 def test_a_bad_flag_points_to_its_commands_help(argv, prog, capsys):
     with pytest.raises(SystemExit) as e:
