@@ -322,14 +322,17 @@ class Aggregator:
             self._rejoined.add(client)
             self.last_seen[client] = now
 
-    def heard_from(self, client: str, now: float | None) -> None:
+    def heard_from(self, client: str, now: float | None, rejoin: bool = True) -> None:
         """A report of `client` (taken here, or merged from a shard worker's partial): it is
-        alive, active again if it had left for silence, and its last report time is `now`."""
+        alive, its last report time is `now`, and it is active again if it had left for
+        silence, or (`rejoin`) at all: a sharded root does not take a device that said it was
+        done back into the rounds for an update its worker still held."""
         self._rejoined.discard(client)
         if now is not None:
             self.last_seen[client] = now
+        back = client in self.silent
         self.silent.discard(client)
-        if client not in self.active:
+        if client not in self.active and (rejoin or back):
             self.join(client, now)
 
     def expire(self, now: float) -> RoundClosed | None:

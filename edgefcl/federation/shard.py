@@ -313,7 +313,7 @@ class ShardRoot(Aggregator):
             self.granted.pop(c, None)
             self.in_round[c] = p.seqs.get(c, 0)
             self.admission.admit(c)
-            self.heard_from(c, now)  # its report, taken at the worker
+            self.heard_from(c, now, rejoin=False)  # its report, taken at the worker
             self.admission.last_seq[c] = max(self.admission.last_seq.get(c, 0),
                                              int(p.seqs.get(c, 0)))
         self._drop_grants(p.worker)  # a partial answers its worker's grant: the rest dropped

@@ -15,8 +15,12 @@ round, so one device in two workers' shares never holds back the others' updates
 
 The worker holds no state: it learns the current global (and the spec it checks updates
 against) from the root's retained global, on `upstream` when given (a second connection),
-else on the device broker. Its retained `workers/<id>` status says online, and its last will
-offline, so the root stops waiting for it when it dies.
+else on the device broker. It follows the run the root's retained config names: when a root
+starts a new run (its versions start again at 0), the worker starts over on that run's global
+(it had kept an earlier run's, newer by version, and rejected every update as stale); and it
+refuses to serve a root whose mode, encoding, aggregation or wire dtype differ from its own
+(`WORKER_KEYS`; its partials would not merge). Its retained `workers/<id>` status says
+online, and its last will offline, so the root stops waiting for it when it dies.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from edgefcl.runtime.backpressure import Backpressure
 from edgefcl.runtime.handling import handle_safely
 from edgefcl.runtime.heap import freeze_startup_heap
 from edgefcl.runtime.inbox import Inbox, sender_of, shed_counters
+from edgefcl.runtime.join import differences, fleet_profile
 from edgefcl.runtime.links import (
     inbox_budget,
     message_limits,
@@ -44,7 +49,8 @@ from edgefcl.runtime.links import (
 )
 from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
-from edgefcl.transport.bounds import DEFAULT_LIMITS
+from edgefcl.support.errors import UserError
+from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
 from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
 from edgefcl.transport.partials import decode_grant, encode_claim, encode_partial
 from edgefcl.transport.topics import UPDATE_KINDS
@@ -58,6 +64,8 @@ CLAIM_TIMEOUT = 2.0
 """Seconds after which an unanswered claim is sent again (with a new number)."""
 """How far ahead of the worker's global a held update's base may be (the root publishes one
 global at a time: a device is at most a version or two ahead of a worker that lags)."""
+WORKER_KEYS = ("mode", "encoding", "aggregation", "wire_dtype")
+"""What a worker's configuration must share with its root's (`join.fleet_profile`)."""
 
 
 class WorkerDaemon:
@@ -94,6 +102,11 @@ class WorkerDaemon:
         self.bytes_out = 0
         self.link = self.up = None
         self._latest_global: bytes | None = None
+        self._newest_global: bytes | None = None  # the last global received, taken or not
+        self._latest_config: dict | None = None
+        self.run_id: str | None = None  # the root's run this worker serves
+        self.follow_next_global = False  # a new run: its next global replaces the held one
+        self.refusal: str | None = None
         self._latest_grant: bytes | None = None
         self.claims = 0
         self.claimed_at: float | None = None
@@ -106,7 +119,7 @@ class WorkerDaemon:
     def _on_global(self, topic: str, payload: bytes) -> None:
         """Network thread: the newest global waits in one slot, ahead of the queued updates
         (a worker behind on updates must still check them against the root's version)."""
-        self._latest_global = payload
+        self._latest_global = self._newest_global = payload
         if not self.first_global.is_set():
             try:
                 g = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
@@ -148,6 +161,48 @@ class WorkerDaemon:
         payload, self._latest_global = self._latest_global, None
         if payload is not None:
             self.handle(self.topics.global_, payload)
+
+    def _on_config(self, topic: str, payload: bytes) -> None:
+        """Network thread: the root's retained config waits in one slot for the main loop."""
+        try:
+            msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=64 << 10, require_digest=True,
+                         limits=STATUS_LIMITS)
+        except CodecError as e:
+            log.warning("rejected config: %s", e)
+            return
+        if isinstance(msg, Message) and msg.kind == "config":
+            self._latest_config = msg.body
+
+    def _take_config(self) -> None:
+        """Refuse a root this worker does not match; follow the run its config names."""
+        body, self._latest_config = self._latest_config, None
+        if body is None:
+            return
+        mine = {k: v for k, v in fleet_profile(self.cfg).items() if k in WORKER_KEYS}
+        diff = differences(mine, {k: v for k, v in body.items() if k in WORKER_KEYS})
+        if diff:
+            self.refusal = (f"worker {self.id} does not match fleet '{self.topics.fleet}': "
+                            f"{'; '.join(diff)}; use the root's configuration (the same "
+                            "--config)")
+            self.stop_event.set()
+            return
+        run = body.get("run")
+        if not isinstance(run, str) or run == self.run_id:
+            return
+        if self.run_id is not None:  # the root started another run: start over on it
+            log.info("worker %s: the root started run %s; following it", self.id, run[:16])
+            self.follow_next_global = True
+            if self._newest_global is not None:  # it may have come before the config
+                self.handle(self.topics.global_, self._newest_global)
+        self.run_id = run
+
+    def _start_over(self, g: GlobalModel) -> None:
+        """Serve a new run from its global `g`: what was held belongs to the last one."""
+        self.agg = ShardWorker(g.tensors, self.cfg.fed, g.version,
+                               batch_size=self.cfg.data.batch_size, worker=self.id)
+        self.ahead.clear()
+        self.follow_next_global = False
+        log.info("worker %s: on the new run's global, version %d", self.id, g.version)
 
     def _on_grant(self, topic: str, payload: bytes) -> None:
         self._latest_grant = payload  # network thread: the main loop takes it
@@ -200,7 +255,9 @@ class WorkerDaemon:
             if not isinstance(g, GlobalModel) or \
                     {k: v.shape for k, v in g.tensors.items()} != agg.spec:
                 raise CodecError("global", "a global that does not match the model")
-            if agg.set_global(g):
+            if self.follow_next_global and g.version != agg.global_.version:
+                self._start_over(g)
+            elif agg.set_global(g):
                 self._release_ahead(time.monotonic())
             return
         allowed = t.kinds_on(topic)
@@ -324,6 +381,7 @@ class WorkerDaemon:
         if self.upstream:
             up_cfg = type(m)(**{**m.__dict__, "broker": self.upstream})
             self.up = open_link(up_cfg, cid + "-up", clean_start=True, will=will)
+        self.up.subscribe(t.config, self._on_config)
         self.up.subscribe(t.global_, self._on_global)
         self.up.subscribe(t.grant(self.id), self._on_grant)
         self.up.subscribe(t.aggregator_status, self._on_root_status)
@@ -339,6 +397,9 @@ class WorkerDaemon:
             self._size_payloads(g.tensors)
             self.agg = ShardWorker(g.tensors, self.cfg.fed, g.version,
                                    batch_size=self.cfg.data.batch_size, worker=self.id)
+            self._take_config()
+            if self.refusal is not None:
+                raise UserError(self.refusal)
             t, put = self.topics, self.inbox.put
             updates = t.shared(t.updates, self.share_group) if self.share_group else t.updates
             self.link.subscribe(updates, put)
@@ -350,6 +411,7 @@ class WorkerDaemon:
             freeze_startup_heap()
             next_status = next_release = 0.0
             while not self.stop_event.is_set():
+                self._take_config()
                 self._take_global()
                 self._take_grant()
                 item = self.inbox.get(timeout=0.05)
@@ -369,6 +431,8 @@ class WorkerDaemon:
                     self.up.publish(t.worker_status(self.id), self._seal(self.status()),
                                     retain=True)
                     next_status = now + self.status_every
+            if self.refusal is not None:  # the root changed to settings this worker lacks
+                raise UserError(self.refusal)
             self.flush()
             self.up.publish(t.worker_status(self.id), self._seal({"state": "stopped"}),
                             retain=True, wait=True, timeout=5.0)

@@ -35,6 +35,7 @@ class FleetView:
         self.config: dict[str, Any] | None = None
         self.aggregator: dict[str, Any] | None = None
         self.devices: dict[str, dict[str, Any]] = {}
+        self.workers: dict[str, dict[str, Any]] = {}  # a sharded root's workers and sites
         self._seen: set[str] = set()  # topics a message arrived on
 
     def on_message(self, topic: str, payload: bytes) -> None:
@@ -55,6 +56,14 @@ class FleetView:
                 self.aggregator = body
             elif msg.kind == "status":
                 try:
+                    kind, worker = self.topics.worker_from(topic)
+                except ValueError:
+                    kind = worker = None
+                if kind == "workers":
+                    if worker in self.workers or len(self.workers) < MAX_WORKERS:
+                        self.workers[worker] = body
+                    return
+                try:
                     self.devices[self.topics.client_from(topic)] = body
                 except ValueError:
                     return
@@ -68,12 +77,13 @@ class FleetView:
             devices = {_text(cid, 128): _device_row(b, now)  # a whole id: 40 characters hid
                        # one device behind another whose id began alike
                        for cid, b in sorted(self.devices.items())}
+            workers = {_text(w, 64): _worker_row(b, now) for w, b in sorted(self.workers.items())}
             config = _plain(self.config) if self.config else None
         if config:
             config.pop("received", None)
         return {"fleet": self.cfg.mqtt.fleet, "broker": self.cfg.mqtt.broker,
                 "time": round(now, 3), "connected": connected, "config": config,
-                "aggregator": agg, "devices": devices}
+                "aggregator": agg, "workers": workers, "devices": devices}
 
 
 def _num(v: Any) -> float | None:
@@ -129,8 +139,7 @@ every 2 s) is shown as stale: it, or its link to the broker, is gone."""
 
 def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
     counters = b.get("counters") if isinstance(b.get("counters"), dict) else {}
-    rejected = {_text(k[len("rejected_"):], 40): _int(v) or 0 for k, v in counters.items()
-                if isinstance(k, str) and k.startswith("rejected_")}
+    rejected = _rejected(counters)
     last = (b.get("last_rounds") or [None])[-1] if isinstance(b.get("last_rounds"), list) \
         else None
     last_time = _num(last.get("time")) if isinstance(last, dict) else None
@@ -141,6 +150,7 @@ def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
     seen = _age(b, now)
     flooding = b.get("flooding") if isinstance(b.get("flooding"), dict) else {}
     return {"state": state, "stale": state == "online" and seen > STALE_AFTER_S,
+            "role": _text(b.get("role", "single"), 8),
             "flooding": {_text(k, 40): _int(v) or 0 for k, v in list(flooding.items())[:5]},
             "version": _int(b.get("version")),
             "rounds": _int(b.get("rounds")), "active": ids, "done": done,
@@ -156,6 +166,25 @@ def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
             "devices_over_limit": _int(b.get("devices_over_limit")),
             "waiting_superseded": _int(b.get("waiting_superseded")),
             "busy": _num(b.get("busy"))}
+
+
+MAX_WORKERS = 64
+"""Worker statuses the view keeps (the ACL lets only workers publish them)."""
+
+
+def _rejected(counters: Any) -> dict[str, int]:
+    """The `rejected_<reason>` counters of a status's counters, by reason."""
+    if not isinstance(counters, dict):
+        return {}
+    return {_text(k[len("rejected_"):], 40): _int(v) or 0 for k, v in counters.items()
+            if isinstance(k, str) and k.startswith("rejected_")}
+
+
+def _worker_row(b: dict[str, Any], now: float) -> dict[str, Any]:
+    return {"state": _text(b.get("state", "?"), 12), "role": _text(b.get("role", "?"), 8),
+            "version": _int(b.get("version")), "partials": _int(b.get("partials")),
+            "pending": _int(b.get("pending")), "rejected": _rejected(b.get("counters")),
+            "last_seen_s": _age(b, now)}
 
 
 def _device_row(b: dict[str, Any], now: float) -> dict[str, Any]:
@@ -186,7 +215,8 @@ def render(snap: dict[str, Any]) -> str:
         state = (f"stale (said online, silent for {a['last_seen_s']:.0f} s)" if a.get("stale")
                  else a["state"])
         lines += [
-            f"aggregator: {state}   version {a['version']}   rounds {a['rounds']}   "
+            f"aggregator{' (root)' if a.get('role') == 'root' else ''}: {state}   "
+            f"version {a['version']}   rounds {a['rounds']}   "
             f"active {len(a['active'])}   done {len(a['done'])}   last seen "
             f"{a['last_seen_s']:.0f} s ago",
             f"  updates accepted {a['accepted']}, rejected {rej}"
@@ -208,6 +238,13 @@ def render(snap: dict[str, Any]) -> str:
         if a.get("flooding"):
             lines.append("  flooding (messages shed over their share): " + ", ".join(
                 f"{k} {v}" for k, v in a["flooding"].items()))
+    for wid, w in snap.get("workers", {}).items():
+        rej = sum(w["rejected"].values())
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(w["rejected"].items()))
+        lines.append(f"  {w['role']} {wid}: {w['state']}   version {_fmt(w['version'])}   "
+                     f"partials {_fmt(w['partials'])}   pending {_fmt(w['pending'])}   "
+                     f"rejected {rej}" + (f" ({reasons})" if reasons else "")
+                     + f"   last seen {w['last_seen_s']:.0f} s ago")
     devices = snap["devices"]
     lines.append("")
     if not devices:
@@ -284,7 +321,7 @@ def watch(cfg: RunConfig, once: bool = False, as_json: bool = False, wait: float
     link = open_link(cfg.mqtt, f"{cfg.mqtt.fleet}-status-{secrets.token_hex(3)}",
                      clean_start=True)
     try:
-        for pattern in (t.config, t.aggregator_status, t.statuses):
+        for pattern in (t.config, t.aggregator_status, t.statuses, t.worker_statuses):
             link.subscribe(pattern, view.on_message)
         time.sleep(max(0.0, wait))
         if once or as_json:

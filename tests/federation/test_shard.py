@@ -265,8 +265,7 @@ def test_a_round_does_not_wait_for_a_dead_worker():
     assert root.poll(10.5) is None  # quorum, but w1 may still send
     assert root.worker_offline("w1", 11.0) is not None  # its last will: close now
     root.worker_online("w1")  # back, but silent: the next round closes at its timeout
-    # (with its quorum: the 3 devices of the first round are active now, as are these 3)
-    assert root.merge(_partial(wa, ups[3:6]), 20.0) is None
+    assert root.merge(_partial(wa, ups[3:5]), 20.0) is None
     assert root.poll(20.5) is None
     assert root.poll(25.0) is not None
 
@@ -539,3 +538,20 @@ def test_a_workers_flush_of_one_update_is_clipped_with_its_earlier_flushes():
     assert closed is not None and closed.global_ is not None
     assert w1.counters["clipped"] == 1
     assert abs(closed.global_.tensors["w"][3] - before[3]) <= 0.75 + 1e-6
+
+
+def test_a_device_that_left_is_not_taken_back_by_a_partial_that_held_its_update():
+    # a done device's last update, still held at its worker, made the root take it back
+    # into the rounds: it stayed active for good, and the root never ended the run
+    fed = FedConfig(mode="async", clients=3, min_clients=1, round_timeout=5.0, burn_in=0,
+                    jump=1, max_share=1.0)
+    initial = {"w": np.zeros(2, np.float32)}
+    root = ShardRoot(initial, fed)
+    for c in ("a", "b"):
+        root.join(c, now=0.0)
+    root.worker_online("w0")
+    worker = ShardWorker(initial, fed, worker="w0")
+    worker.submit(Update("a", 0, 1, 0, 1, 10, {"w": np.ones(2, np.float32)}), now=1.0)
+    root.leave("a", 1.5)  # its done status came first
+    assert root.merge(worker.flush(root.claim("w0", worker.claimable())), 2.0) is None
+    assert root.active == {"b"}

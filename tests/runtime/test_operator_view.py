@@ -201,3 +201,23 @@ def test_a_long_id_cannot_hide_another_device_behind_it() -> None:
                                                fleet=FLEET))
     devices = view.snapshot()["devices"]
     assert devices[base + "-victim"]["state"] == "online" and len(devices) == 4
+
+
+def test_a_sharded_roots_workers_are_shown_with_their_rejections() -> None:
+    """An operator's finding: the status showed no worker, and a worker's rejections (every
+    update stale, say) appeared nowhere."""
+    view = view_with()
+    tp = topics(view.cfg.mqtt)
+    body = {"state": "online", "role": "worker", "version": 15, "partials": 0, "pending": 0,
+            "counters": {"accepted": 0, "rejected_stale": 12}}
+    view.on_message(tp.worker_status("w0"), encode(Message("status", body, sender="w0"),
+                                                   fleet=FLEET))
+    agg = {"state": "online", "role": "root", "version": 0, "rounds": 0, "workers": ["w0"]}
+    view.on_message(tp.aggregator_status, encode(Message("status", agg, sender="aggregator"),
+                                                 fleet=FLEET))
+    snap = view.snapshot()
+    assert snap["aggregator"]["role"] == "root"
+    assert snap["workers"]["w0"]["rejected"] == {"stale": 12}
+    assert "worker w0: online   version 15" in render(snap)
+    assert "rejected 12 (stale 12)" in render(snap)
+    assert set(snap["devices"]) == {"dev1", "dev2"}  # a worker is no device

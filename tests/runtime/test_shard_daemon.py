@@ -460,3 +460,55 @@ def test_a_worker_whose_granted_updates_all_fail_says_so_with_an_empty_claim(tmp
     assert msg.kind == "claim" and msg.body["clients"] == []
     w.flush([], 2.0)  # nothing granted, nothing to say
     assert len(sent) == 1
+
+
+def _worker_on(version: int, run: str = "run-1"):
+    """A WorkerDaemon as `run` leaves it: serving the root's global `version` of run `run`."""
+    cfg = cfg_for()
+    w = WorkerDaemon(cfg, "w0")
+    w.agg = ShardWorker(INITIAL, cfg.fed, version, worker="w0")
+    t = topics(cfg.mqtt)
+    w._newest_global = encode(GlobalModel(version, INITIAL), fleet=FLEET)
+    w._on_config(t.config, _config(run))
+    w._take_config()
+    return w, t
+
+
+def _config(run: str, **fields) -> bytes:
+    body = {"mode": "async", "encoding": "dense", "aggregation": "fedavg",
+            "wire_dtype": "float32", "run": run, **fields}
+    return encode(Message("config", body, sender="aggregator"), fleet=FLEET)
+
+
+@pytest.mark.parametrize("global_first", [False, True])
+def test_a_worker_follows_the_roots_new_run_back_to_version_0(global_first):
+    # an operator's finding: workers kept an earlier run's retained global (version 15), newer
+    # by version than the fresh root's, and rejected every update of the new run as stale
+    w, t = _worker_on(15)
+    new_global = encode(GlobalModel(0, INITIAL), fleet=FLEET)
+    if global_first:  # the new global came before the config that names its run
+        w._on_global(t.global_, new_global)
+        w._take_global()
+        assert w.agg.global_.version == 15  # older: not taken, as any older global
+    w._on_config(t.config, _config("run-2"))
+    w._take_config()
+    if not global_first:
+        w._on_global(t.global_, new_global)
+        w._take_global()
+    assert w.agg.global_.version == 0 and w.run_id == "run-2"
+    w.handle(t.update("a"), encode(update("a", 1.0), fleet=FLEET))  # based on version 0
+    assert w.agg.counters["accepted"] == 1 and not w.agg.counters["rejected_stale"]
+    w._on_config(t.config, _config("run-2"))  # the same run again (a root that resumed)
+    w._take_config()
+    w._on_global(t.global_, encode(GlobalModel(0, INITIAL), fleet=FLEET))
+    w._take_global()
+    assert w.agg.counters["accepted"] == 1  # nothing started over
+
+
+def test_a_worker_refuses_a_root_whose_aggregation_differs():
+    w, t = _worker_on(0)
+    assert w.refusal is None
+    w._on_config(t.config, _config("run-1", aggregation="class-weighted"))
+    w._take_config()
+    assert w.stop_event.is_set()
+    assert "aggregation fedavg here, class-weighted at the aggregator" in w.refusal
