@@ -99,6 +99,9 @@ class RootDaemon(AggregatorDaemon):
         if isinstance(payload, CodecError):
             raise payload
         if worker not in self.workers:
+            if kind == "workers":  # a retained status of another run's worker: not an error
+                log.debug("status of %s, not one of this root's workers", worker)
+                return
             raise CodecError("worker", f"{worker} is not one of this root's workers")
         now = time.monotonic()
         if kind == "workers":

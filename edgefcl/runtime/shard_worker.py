@@ -61,6 +61,9 @@ MAX_AHEAD = 64
 """Clients whose update a worker may hold for a global it has not received yet."""
 AHEAD_VERSIONS = 2
 CLAIM_TIMEOUT = 2.0
+UNANSWERED_S = 10.0
+"""Seconds of claims the root has not answered after which the worker says so (once a minute):
+a root not started with this worker in its --worker-ids drops every claim and partial."""
 """Seconds after which an unanswered claim is sent again (with a new number)."""
 """How far ahead of the worker's global a held update's base may be (the root publishes one
 global at a time: a device is at most a version or two ahead of a worker that lags)."""
@@ -111,6 +114,8 @@ class WorkerDaemon:
         self.claims = 0
         self.claimed_at: float | None = None
         """When the claim numbered `claims` went out, while it waits for its grant."""
+        self.unanswered_since: float | None = None  # the first claim since the last grant
+        self.unanswered_said = -float("inf")
 
     # -- messages -------------------------------------------------------------------------
     def _seal(self, body: dict) -> bytes:
@@ -215,6 +220,14 @@ class WorkerDaemon:
             return
         self.claims += 1
         self.claimed_at = now
+        if self.unanswered_since is None:
+            self.unanswered_since = now
+        elif (now - self.unanswered_since >= UNANSWERED_S
+              and now - self.unanswered_said >= 60.0):
+            self.unanswered_said = now
+            log.warning("worker %s: the root has answered none of its claims for %.0f s; is %s "
+                        "in the root's --worker-ids?", self.id, now - self.unanswered_since,
+                        self.id)
         self.bytes_out += self.up.publish(self.topics.partial(self.id), encode_claim(
             self.id, self.claims, clients, fleet=self.cfg.mqtt.fleet), qos=1)
 
@@ -230,6 +243,7 @@ class WorkerDaemon:
             self.agg.counters[f"rejected_{e.reason}"] += 1
             log.warning("rejected grant: %s", e)
             return
+        self.unanswered_since = None  # the root answers
         if claim != self.claims or self.claimed_at is None:
             return  # the answer to an earlier claim
         self.claimed_at = None

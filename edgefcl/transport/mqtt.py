@@ -230,9 +230,13 @@ class MqttLink:
         if not self._answered.wait(timeout) or self._refused is not None:
             reason = self._refused or f"no answer (CONNACK) within {timeout:g} s"
             self.close()
+            hint = ("; check the username/password and ACL" if self._refused else
+                    "; this link speaks MQTT 5, which the broker may not (the embedded "
+                    "`edgefcl broker` speaks 3.1.1 only: use Mosquitto)"
+                    if self.protocol == "5" else "")
             raise BrokerUnavailable(
                 f"MQTT broker at {where} did not accept client {self.client_id!r}: {reason}"
-                + ("; check the username/password and ACL" if self._refused else "")
+                + hint
             )
         try:
             with self._suback_cond:

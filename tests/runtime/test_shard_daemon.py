@@ -512,3 +512,32 @@ def test_a_worker_refuses_a_root_whose_aggregation_differs():
     w._take_config()
     assert w.stop_event.is_set()
     assert "aggregation fedavg here, class-weighted at the aggregator" in w.refusal
+
+
+def test_the_retained_status_of_another_runs_worker_is_no_rejection(tmp_path):
+    # an operator's finding: a root started with other --worker-ids counted the retained
+    # statuses of the last run's workers as rejections; a partial of theirs still counts
+    d = make_root(tmp_path)
+    status = encode(Message("status", {"state": "online"}, sender="w9"), fleet=FLEET)
+    d.handle(topics(cfg_for().mqtt).worker_status("w9"), status)
+    assert not any(k.startswith("rejected") for k in d.agg.counters)
+    d.handle(topic("w9"), encode_partial(partial("w9"), fleet=FLEET))
+    assert d.agg.counters["rejected_worker"] == 1
+    d.store.close()
+
+
+def test_a_worker_whose_claims_go_unanswered_says_so(caplog):
+    # an operator's finding: a worker the root does not know (--worker-ids) took its share of
+    # the updates and logged nothing while the root dropped all of its claims
+    import logging
+
+    cfg = cfg_for()
+    w = WorkerDaemon(cfg, "w1")
+    w.agg = ShardWorker(INITIAL, cfg.fed, worker="w1")
+    w.up = type("Up", (), {"publish": lambda self, t, p, **k: len(p)})()
+    w.agg.submit(update("a", 1.0), 0.0)
+    with caplog.at_level(logging.WARNING, logger="edgefcl.worker"):
+        for now in range(0, 14, 2):
+            w.claim(float(now))
+    said = [r.getMessage() for r in caplog.records if "answered none" in r.getMessage()]
+    assert len(said) == 1 and "is w1 in the root's --worker-ids?" in said[0]

@@ -504,3 +504,10 @@ def test_publish_order_holds_across_a_broker_restart(tmp_path: Path, make_link) 
             f"{[first[i - 3:i + 3] for i in range(1, len(first)) if first[i] < first[i - 1]][:4]}")
     finally:
         proc.stop()
+
+
+def test_an_mqtt5_link_to_a_3_1_1_broker_names_the_protocol(embedded_broker: str) -> None:
+    """An operator's finding: a worker on the embedded broker failed with 'no answer
+    (CONNACK)', which did not say that it needs MQTT 5."""
+    with pytest.raises(BrokerUnavailable, match="speaks MQTT 5.*Mosquitto"):
+        MqttLink(embedded_broker, "w-5", protocol="5").connect(timeout=2)
