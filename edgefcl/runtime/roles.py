@@ -230,9 +230,9 @@ def add_role_commands(sub, show_all: bool = False) -> None:
 
     a = add_command(sub, "aggregator", "run the aggregator daemon",
                  "Serve a fleet: validate updates, run the burn-in/jump round schedule, publish "
-                 "the global model (retained). State is saved to --state-dir, one transaction "
-                 "per round, and resumed after a restart or crash. SIGTERM/SIGINT stop it "
-                 "gracefully.", cmd_aggregator,
+                 "the global model (retained). State is saved to --state-dir each round and "
+                 "resumed after a restart or crash; SIGTERM/SIGINT stop it gracefully. Sharding "
+                 "(--role root|worker|site): --help-all.", cmd_aggregator,
                  usage="%(prog)s [options]")
     h = functools.partial(more, show_all)  # sharding and seeding: --help-all only
     a.add_argument("--role", choices=("single", "root", "worker", "site"), default="single",
