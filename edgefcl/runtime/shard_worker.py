@@ -26,6 +26,7 @@ online, and its last will offline, so the root stops waiting for it when it dies
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import ClassVar
@@ -61,6 +62,9 @@ MAX_AHEAD = 64
 """Clients whose update a worker may hold for a global it has not received yet."""
 AHEAD_VERSIONS = 2
 CLAIM_TIMEOUT = 2.0
+TWIN_GRACE_S = 5.0
+"""Seconds after its start in which a worker takes a status of another process on its topic
+for the retained one of the process it replaces."""
 UNANSWERED_S = 10.0
 """Seconds of claims the root has not answered after which the worker says so (once a minute):
 a root not started with this worker in its --worker-ids drops every claim and partial."""
@@ -116,6 +120,9 @@ class WorkerDaemon:
         """When the claim numbered `claims` went out, while it waits for its grant."""
         self.unanswered_since: float | None = None  # the first claim since the last grant
         self.unanswered_said = -float("inf")
+        self.incarnation = secrets.token_hex(8)  # this process: a status of another is a twin
+        self.started = time.monotonic()
+        self.twin_said = -float("inf")
 
     # -- messages -------------------------------------------------------------------------
     def _seal(self, body: dict) -> bytes:
@@ -322,6 +329,19 @@ class WorkerDaemon:
                 and self.agg.admission.admit(client)):  # bounded: roster clients only
             self.agg.admission.session(client, inc)
 
+    def _on_own_status(self, topic: str, payload: bytes) -> None:
+        """A status on this worker's own topic from another process, arriving live: a second
+        worker with this id (the broker hands the session back and forth): said once a
+        minute."""
+        body = status_body(payload, self.cfg.mqtt.fleet) or {}
+        inc = body.get("incarnation")
+        now = time.monotonic()
+        if (body.get("state") == "online" and isinstance(inc, str) and inc != self.incarnation
+                and now - self.started > TWIN_GRACE_S and now - self.twin_said >= 60.0):
+            self.twin_said = now
+            log.error("worker %s: another worker process runs with this id (incarnation %s): "
+                      "give each worker its own --id", self.id, inc[:16])
+
     def _on_root_status(self, topic: str, payload: bytes) -> None:
         """The root's retained status: with `exit_when_done`, the worker stops once the root
         it saw online says its run finished (a root stopped for a restart says nothing of
@@ -363,7 +383,8 @@ class WorkerDaemon:
 
     def status(self) -> dict:
         a = self.agg
-        return {"state": "online", "role": "worker", "version": a.global_.version if a else -1,
+        return {"state": "online", "role": "worker", "incarnation": self.incarnation,
+                "version": a.global_.version if a else -1,
                 "partials": self.partials_sent, "pending": a.pending() if a else 0,
                 "counters": (dict(a.counters) if a else {}) | shed_counters(self.inbox),
                 "flooding": dict((self.inbox.offenders + self.quota.shed).most_common(5)),
@@ -399,6 +420,7 @@ class WorkerDaemon:
         self.up.subscribe(t.global_, self._on_global)
         self.up.subscribe(t.grant(self.id), self._on_grant)
         self.up.subscribe(t.aggregator_status, self._on_root_status)
+        self.up.subscribe(t.worker_status(self.id), self._on_own_status)
         if not self.first_global.wait(m.connect_timeout):
             raise TransportError(f"no global model on {t.global_} within {m.connect_timeout:g} s: "
                                  "start the root aggregator first (--role root)")

@@ -541,3 +541,26 @@ def test_a_worker_whose_claims_go_unanswered_says_so(caplog):
             w.claim(float(now))
     said = [r.getMessage() for r in caplog.records if "answered none" in r.getMessage()]
     assert len(said) == 1 and "is w1 in the root's --worker-ids?" in said[0]
+
+
+def test_a_second_worker_on_the_same_id_is_said(caplog):
+    # an operator's finding: two workers given one id knocked each other off the broker every
+    # second, and nothing said why
+    import logging
+
+    cfg = cfg_for()
+    w = WorkerDaemon(cfg, "w0")
+    t = topics(cfg.mqtt)
+
+    def status(inc: str) -> bytes:
+        return encode(Message("status", {"state": "online", "incarnation": inc}, sender="w0"),
+                      fleet=FLEET)
+
+    with caplog.at_level(logging.ERROR, logger="edgefcl.worker"):
+        w._on_own_status(t.worker_status("w0"), status("old"))  # the retained one, at start
+        w._on_own_status(t.worker_status("w0"), status(w.incarnation))  # its own
+        w.started -= 10
+        w._on_own_status(t.worker_status("w0"), status("other"))
+        w._on_own_status(t.worker_status("w0"), status("other"))  # once a minute
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "another worker process runs with this id" in said[0]
