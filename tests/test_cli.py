@@ -284,3 +284,22 @@ def test_an_export_that_fails_later_is_logged_and_the_client_learns_on(tmp_path,
                  "--tasks", "2", "--quiet"]) == 0
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "cannot write the model" in ln]
     assert len(lines) == 2 and "No space left on device" in lines[0]  # once each client
+
+
+def test_an_option_of_another_role_is_said_to_be_ignored(caplog):
+    # an operator's finding: a root given --id and --share-group started as if they meant
+    # something
+    import argparse
+    import logging
+
+    from edgefcl.runtime.roles import role_options
+
+    args = argparse.Namespace(role="root", worker_ids=None, id="x", share_group="g",
+                              upstream=None, flush_every=None, state_dir=None, initial=None,
+                              eval_data=None, fresh=False, resume=False)
+    with caplog.at_level(logging.WARNING, logger="edgefcl"):
+        role_options(args)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "--id applies to --role worker/site only: ignored for --role root" in said
+    assert "--share-group applies to --role worker only" in said and "--upstream" not in said
+    assert args.worker_ids == "w0,w1" and args.flush_every == 0.5  # the defaults filled in

@@ -31,6 +31,30 @@ from edgefcl.support.logs import setup_logging
 log = logging.getLogger("edgefcl")
 
 
+ROLE_OPTIONS = {"worker_ids": ("root",), "id": ("worker", "site"), "share_group": ("worker",),
+                "upstream": ("worker", "site"), "flush_every": ("worker", "site"),
+                "state_dir": ("single", "root"), "initial": ("single", "root"),
+                "eval_data": ("single", "root"), "fresh": ("single", "root"),
+                "resume": ("single", "root")}
+"""The aggregator's options that apply to some roles only (their parser default is None, or
+False: not given)."""
+ROLE_DEFAULTS = {"worker_ids": "w0,w1", "id": "w0", "share_group": "aggregators",
+                 "upstream": "", "flush_every": 0.5}
+"""The values of the role options above that have one when not given."""
+
+
+def role_options(args: argparse.Namespace) -> None:
+    """Warn of each role option given to a role that ignores it (a root given --id, say),
+    then fill in the defaults of those not given."""
+    for name, roles in ROLE_OPTIONS.items():
+        if args.role not in roles and getattr(args, name) not in (None, False):
+            log.warning("--%s applies to --role %s only: ignored for --role %s",
+                        name.replace("_", "-"), "/".join(roles), args.role)
+    for name, value in ROLE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def cmd_aggregator(args: argparse.Namespace) -> int:
     from edgefcl.runtime.aggregator_daemon import AggregatorDaemon
     from edgefcl.support.statefiles import load_tensors
@@ -40,6 +64,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
     from edgefcl.runtime.threads import one_blas_thread
 
     one_blas_thread()
+    role_options(args)
     if args.role != "single":
         check_shard_role(cfg, args)
     if args.role in ("worker", "site"):
@@ -241,15 +266,15 @@ def add_role_commands(sub, show_all: bool = False) -> None:
                           "a share of the updates (MQTT 5 shared subscription) into partials "
                           "for the root; site: folds a site broker's updates, partials go up "
                           "its bridge (default: single)"))
-    a.add_argument("--worker-ids", default="w0,w1",
+    a.add_argument("--worker-ids",
                    help=h("root: the worker ids it takes partials from (default: w0,w1)"))
-    a.add_argument("--id", default="w0", help=h("worker/site: this worker's id (default: w0)"))
-    a.add_argument("--share-group", default="aggregators",
+    a.add_argument("--id", help=h("worker/site: this worker's id (default: w0)"))
+    a.add_argument("--share-group",
                    help=h("worker: MQTT 5 shared subscription group (default: aggregators)"))
-    a.add_argument("--upstream", default="", metavar="URL",
+    a.add_argument("--upstream", metavar="URL",
                    help=h("worker/site: broker of the root (its global; partials go there); "
                           "default: the device broker"))
-    a.add_argument("--flush-every", type=float, default=0.5, metavar="S",
+    a.add_argument("--flush-every", type=float, metavar="S",
                    help=h("worker/site: send a partial this many seconds after the first "
                           "update it holds (default: 0.5)"))
     a.add_argument("--state-dir", help="state directory (default: state/<fleet>)")
