@@ -47,6 +47,7 @@ DEFAULT_PORTS = {"mqtt": 1883, "tcp": 1883, "mqtts": 8883, "ssl": 8883}
 CONNECT_BACKOFF_S = 0.1  # first wait after a refused connection; doubles up to the maximum
 CONNECT_BACKOFF_MAX_S = 2.0
 SYNC_TOPIC = "$edgefcl/sync"  # never subscribed: its UNSUBACK marks the end of paho's resend
+CLOSE_WAIT_S = 5.0  # how long `close` waits to hand over publishes held for a resend
 HOW_TO_START = (
     "start one with `edgefcl broker` (embedded, for a laptop) or "
     "`mosquitto -c broker/mosquitto.conf` (see broker/README.md)"
@@ -246,18 +247,25 @@ class MqttLink:
         except TransportError:
             self.close()
             raise
+        self._ready.wait(timeout)  # a link without subscriptions: the no-op's answer
         return self
 
     def close(self) -> None:
-        """Disconnect cleanly (the will is not sent) and stop the network thread."""
+        """Disconnect cleanly (the will is not sent) and stop the network thread; publishes
+        still held for a reconnect's resend go out first (for up to CLOSE_WAIT_S), the rest
+        are dropped."""
         if not self._started:
             return
+        if self._connected.is_set() and self._held:
+            self._ready.wait(CLOSE_WAIT_S)
         self._started = False
         # also when offline: moves paho out of its reconnect wait so loop_stop returns at once
         self._client.disconnect()
         self._client.loop_stop()
         self._connected.clear()
         self._ready.clear()
+        with self._held_lock:
+            self._held.clear()
 
     def __enter__(self) -> MqttLink:
         return self.connect()
@@ -291,8 +299,22 @@ class MqttLink:
             self._suback_cond.notify_all()
             if not self._unacked:  # nothing to renew: a no-op's answer marks the same point
                 self._sync_mid = client.unsubscribe(SYNC_TOPIC)[1]
+            generation = self._generation
         self._connected.set()  # ready once answered (on this thread, after paho's resend)
         self._answered.set()
+        watchdog = threading.Timer(self.keepalive, self._unanswered, (generation,))
+        watchdog.daemon = True
+        watchdog.start()
+
+    def _unanswered(self, generation: int) -> None:
+        """A connection whose SUBACKs (or the no-op's UNSUBACK) never came: after `keepalive`
+        seconds its held publishes go out anyway, said once."""
+        with self._suback_cond:
+            current = generation == self._generation
+        if current and self._connected.is_set() and not self._ready.is_set():
+            log.warning("broker %s:%s answered no subscription of %s within %d s: publishing "
+                        "anyway", self.host, self.port, self.client_id, self.keepalive)
+            self._become_ready()
 
     def _become_ready(self) -> None:
         """Hand the held publishes to paho in order, then let new ones through."""

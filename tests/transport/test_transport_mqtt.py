@@ -511,3 +511,38 @@ def test_an_mqtt5_link_to_a_3_1_1_broker_names_the_protocol(embedded_broker: str
     (CONNACK)', which did not say that it needs MQTT 5."""
     with pytest.raises(BrokerUnavailable, match="speaks MQTT 5.*Mosquitto"):
         MqttLink(embedded_broker, "w-5", protocol="5").connect(timeout=2)
+
+
+def test_a_publish_right_before_close_is_delivered(mosquitto: str, make_link) -> None:
+    """A reviewer's finding: a link without subscriptions held a publish made before the
+    no-op's answer came, and close() dropped it (1 of 20 arrived)."""
+    got: list[bytes] = []
+    sub = make_link(mosquitto, "close-sub")
+    sub.subscribe("close/t", lambda t, p: got.append(p), qos=1)
+    for i in range(20):
+        link = MqttLink(mosquitto, f"close-pub-{i}", clean_start=True).connect(timeout=5)
+        link.publish("close/t", str(i).encode(), qos=1)
+        link.close()
+    for _ in range(100):
+        if len(got) >= 20:
+            break
+        threading.Event().wait(0.05)
+    assert sorted(int(p) for p in got) == list(range(20))
+
+
+def test_a_link_whose_subscriptions_are_never_answered_publishes_anyway(caplog) -> None:
+    """No SUBACK (or UNSUBACK) after a reconnect would hold every publish for ever: after
+    keepalive seconds they go out, said once."""
+    import logging
+
+    ok = SimpleNamespace(is_failure=False)
+    link = MqttLink("mqtt://127.0.0.1:1", "t", keepalive=1)
+    sent: list[str] = []
+    link._client = SimpleNamespace(unsubscribe=lambda t: (0, 5),
+                                   publish=lambda topic, *a, **k: sent.append(topic))
+    link._on_connect(link._client, None, None, ok, None)
+    link.publish("a/b", b"x")
+    assert not sent
+    with caplog.at_level(logging.WARNING, logger="edgefcl.transport.mqtt"):
+        assert link.wait_connected(3)
+    assert sent == ["a/b"] and "publishing anyway" in caplog.text
