@@ -93,3 +93,6 @@ class GlobalModel:
     """Async: the sequence number of each participant's update this global holds (counted or
     carried by the task gate's round); a device merges it by what it holds of it
     (`learn/merges.py`). Empty from an aggregator that does not say."""
+    run: str | None = None
+    """The run the daemon that published it serves (a shard worker follows it: a new run's
+    versions start again at 0); None in process."""

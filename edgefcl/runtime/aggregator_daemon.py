@@ -9,6 +9,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -200,7 +201,7 @@ class AggregatorDaemon:
         return encode(Message("config", body), fleet=self.cfg.mqtt.fleet, sender=SENDER)
 
     def _encode_global(self, g: GlobalModel) -> bytes:
-        return encode(g, fleet=self.cfg.mqtt.fleet, sender=SENDER,
+        return encode(replace(g, run=self.run_id), fleet=self.cfg.mqtt.fleet, sender=SENDER,
                       wire_dtype=wire_dtype(self.cfg.mqtt))
 
     def _publish_global(self, g: GlobalModel, payload: bytes | None = None) -> None:

@@ -15,11 +15,11 @@ round, so one device in two workers' shares never holds back the others' updates
 
 The worker holds no state: it learns the current global (and the spec it checks updates
 against) from the root's retained global, on `upstream` when given (a second connection),
-else on the device broker. It follows the run the root's retained config names: when a root
-starts a new run (its versions start again at 0), the worker starts over on that run's global
-(it had kept an earlier run's, newer by version, and rejected every update as stale); and it
-refuses to serve a root whose mode, encoding, aggregation or wire dtype differ from its own
-(`WORKER_KEYS`; its partials would not merge). Its retained `workers/<id>` status says
+else on the device broker. It follows the run the root's globals name: when a root starts a
+new run (its versions start again at 0), the worker starts over on that run's global (it had
+kept an earlier run's, newer by version, and rejected every update as stale); and it refuses
+to serve a root, seen online, whose mode, encoding, aggregation or wire dtype differ from its
+own (`WORKER_KEYS`; its partials would not merge). Its retained `workers/<id>` status says
 online, and its last will offline, so the root stops waiting for it when it dies.
 """
 
@@ -109,10 +109,8 @@ class WorkerDaemon:
         self.bytes_out = 0
         self.link = self.up = None
         self._latest_global: bytes | None = None
-        self._newest_global: bytes | None = None  # the last global received, taken or not
         self._latest_config: dict | None = None
-        self.run_id: str | None = None  # the root's run this worker serves
-        self.follow_next_global = False  # a new run: its next global replaces the held one
+        self.run_id: str | None = None  # the root's run this worker serves (its globals')
         self.refusal: str | None = None
         self._latest_grant: bytes | None = None
         self.claims = 0
@@ -131,7 +129,7 @@ class WorkerDaemon:
     def _on_global(self, topic: str, payload: bytes) -> None:
         """Network thread: the newest global waits in one slot, ahead of the queued updates
         (a worker behind on updates must still check them against the root's version)."""
-        self._latest_global = self._newest_global = payload
+        self._latest_global = payload
         if not self.first_global.is_set():
             try:
                 g = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
@@ -186,10 +184,12 @@ class WorkerDaemon:
             self._latest_config = msg.body
 
     def _take_config(self) -> None:
-        """Refuse a root this worker does not match; follow the run its config names."""
-        body, self._latest_config = self._latest_config, None
-        if body is None:
+        """Refuse a root this worker does not match, once that root was seen online (the
+        retained config of an earlier run refuses nothing: roles start in any order)."""
+        body = self._latest_config
+        if body is None or not self.root_seen_online:
             return
+        self._latest_config = None
         mine = {k: v for k, v in fleet_profile(self.cfg).items() if k in WORKER_KEYS}
         diff = differences(mine, {k: v for k, v in body.items() if k in WORKER_KEYS})
         if diff:
@@ -197,24 +197,30 @@ class WorkerDaemon:
                             f"{'; '.join(diff)}; use the root's configuration (the same "
                             "--config)")
             self.stop_event.set()
+
+    def _refuse_if_told(self) -> None:
+        """Raise the refusal `_take_config` set, after saying it on the retained status (its
+        last will is not sent on a clean close: an "online" left there made the root wait for
+        this worker at every round)."""
+        if self.refusal is None:
             return
-        run = body.get("run")
-        if not isinstance(run, str) or run == self.run_id:
-            return
-        if self.run_id is not None:  # the root started another run: start over on it
-            log.info("worker %s: the root started run %s; following it", self.id, run[:16])
-            self.follow_next_global = True
-            if self._newest_global is not None:  # it may have come before the config
-                self.handle(self.topics.global_, self._newest_global)
-        self.run_id = run
+        try:
+            self.up.publish(self.topics.worker_status(self.id), self._seal(
+                {"state": "refused", "reason": self.refusal}), retain=True, wait=True,
+                timeout=5.0)
+        except TransportError as e:
+            log.warning("worker %s: its refusal was not published: %s", self.id, e)
+        raise UserError(self.refusal)
 
     def _start_over(self, g: GlobalModel) -> None:
-        """Serve a new run from its global `g`: what was held belongs to the last one."""
+        """Serve the new run of global `g` (the root started one: its versions start again
+        at 0); what was held belongs to the last run."""
         self.agg = ShardWorker(g.tensors, self.cfg.fed, g.version,
                                batch_size=self.cfg.data.batch_size, worker=self.id)
         self.ahead.clear()
-        self.follow_next_global = False
-        log.info("worker %s: on the new run's global, version %d", self.id, g.version)
+        self.run_id = g.run
+        log.info("worker %s: the root started run %s; on its global, version %d", self.id,
+                 str(g.run)[:16], g.version)
 
     def _on_grant(self, topic: str, payload: bytes) -> None:
         self._latest_grant = payload  # network thread: the main loop takes it
@@ -276,7 +282,7 @@ class WorkerDaemon:
             if not isinstance(g, GlobalModel) or \
                     {k: v.shape for k, v in g.tensors.items()} != agg.spec:
                 raise CodecError("global", "a global that does not match the model")
-            if self.follow_next_global and g.version != agg.global_.version:
+            if g.run is not None and g.run != self.run_id:
                 self._start_over(g)
             elif agg.set_global(g):
                 self._release_ahead(time.monotonic())
@@ -433,9 +439,9 @@ class WorkerDaemon:
             self._size_payloads(g.tensors)
             self.agg = ShardWorker(g.tensors, self.cfg.fed, g.version,
                                    batch_size=self.cfg.data.batch_size, worker=self.id)
+            self.run_id = g.run
             self._take_config()
-            if self.refusal is not None:
-                raise UserError(self.refusal)
+            self._refuse_if_told()
             t, put = self.topics, self.inbox.put
             updates = t.shared(t.updates, self.share_group) if self.share_group else t.updates
             self.link.subscribe(updates, put)
@@ -467,8 +473,7 @@ class WorkerDaemon:
                     self.up.publish(t.worker_status(self.id), self._seal(self.status()),
                                     retain=True)
                     next_status = now + self.status_every
-            if self.refusal is not None:  # the root changed to settings this worker lacks
-                raise UserError(self.refusal)
+            self._refuse_if_told()  # the root changed to settings this worker lacks
             self.flush()
             self.up.publish(t.worker_status(self.id), self._seal({"state": "stopped"}),
                             retain=True, wait=True, timeout=5.0)

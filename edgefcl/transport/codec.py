@@ -304,6 +304,8 @@ def to_map(
         )
         if msg.counted:
             m["counted"] = {str(c): int(s) for c, s in msg.counted.items()}
+        if msg.run is not None:
+            m["run"] = str(msg.run)
         if msg.prototypes is not None:
             m["prototypes"] = _encode_prototypes(msg.prototypes, wire_dtype)
     elif isinstance(msg, Message):
@@ -443,10 +445,13 @@ def _decode_global(kind: str, m: dict[str, Any], limits: Limits) -> GlobalModel:
     if (not isinstance(counted, dict) or not set(counted) <= set(parts)
             or any(type(s) is not int or s < 1 for s in counted.values())):
         raise CodecError("malformed", "counted must map participants to positive ints")
+    run = m.get("run")
+    if run is not None and (not isinstance(run, str) or not 0 < len(run) <= 64):
+        raise CodecError("malformed", "run must be a string of 1 to 64 characters")
     return GlobalModel(
         version=_get(m, "version", int), tensors=_decode_tensors(m.get("tensors"), limits),
         participants=tuple(parts), prototypes=_decode_prototypes(m.get("prototypes")),
-        counted=dict(counted),
+        counted=dict(counted), run=run,
     )
 
 

@@ -467,11 +467,8 @@ def _worker_on(version: int, run: str = "run-1"):
     cfg = cfg_for()
     w = WorkerDaemon(cfg, "w0")
     w.agg = ShardWorker(INITIAL, cfg.fed, version, worker="w0")
-    t = topics(cfg.mqtt)
-    w._newest_global = encode(GlobalModel(version, INITIAL), fleet=FLEET)
-    w._on_config(t.config, _config(run))
-    w._take_config()
-    return w, t
+    w.run_id = run
+    return w, topics(cfg.mqtt)
 
 
 def _config(run: str, **fields) -> bytes:
@@ -480,35 +477,37 @@ def _config(run: str, **fields) -> bytes:
     return encode(Message("config", body, sender="aggregator"), fleet=FLEET)
 
 
-@pytest.mark.parametrize("global_first", [False, True])
-def test_a_worker_follows_the_roots_new_run_back_to_version_0(global_first):
+def _global(version: int, run: str, value: float = 0.0) -> bytes:
+    tensors = {k: np.full(v.shape, value, np.float32) for k, v in INITIAL.items()}
+    return encode(GlobalModel(version, tensors, run=run), fleet=FLEET)
+
+
+def test_a_worker_follows_the_roots_new_run_back_to_version_0():
     # an operator's finding: workers kept an earlier run's retained global (version 15), newer
-    # by version than the fresh root's, and rejected every update of the new run as stale
+    # by version than the fresh root's, and rejected every update of the new run as stale;
+    # a global now names its run, and a worker starts over on a new run's global
     w, t = _worker_on(15)
-    new_global = encode(GlobalModel(0, INITIAL), fleet=FLEET)
-    if global_first:  # the new global came before the config that names its run
-        w._on_global(t.global_, new_global)
-        w._take_global()
-        assert w.agg.global_.version == 15  # older: not taken, as any older global
-    w._on_config(t.config, _config("run-2"))
-    w._take_config()
-    if not global_first:
-        w._on_global(t.global_, new_global)
-        w._take_global()
-    assert w.agg.global_.version == 0 and w.run_id == "run-2"
-    w.handle(t.update("a"), encode(update("a", 1.0), fleet=FLEET))  # based on version 0
-    assert w.agg.counters["accepted"] == 1 and not w.agg.counters["rejected_stale"]
-    w._on_config(t.config, _config("run-2"))  # the same run again (a root that resumed)
-    w._take_config()
-    w._on_global(t.global_, encode(GlobalModel(0, INITIAL), fleet=FLEET))
+    w.handle(t.update("a"), encode(update("a", 1.0, seq=1), fleet=FLEET))
+    assert w.agg.counters["rejected_stale"] == 1  # based on 0, at version 15
+    w._on_global(t.global_, _global(0, "run-2"))
     w._take_global()
-    assert w.agg.counters["accepted"] == 1  # nothing started over
+    assert w.agg.global_.version == 0 and w.run_id == "run-2"
+    w.handle(t.update("a"), encode(update("a", 1.0, seq=2), fleet=FLEET))
+    assert w.agg.counters["accepted"] == 1 and not w.agg.counters["rejected_stale"]
+    w._on_global(t.global_, _global(0, "run-2"))  # the same run again (a root resumed)
+    w._take_global()
+    assert w.agg.pending() == 1  # nothing started over
+    w._on_global(t.global_, _global(0, "run-3", value=5.0))  # another run, the same version
+    w._take_global()
+    assert w.run_id == "run-3" and float(w.agg.global_.tensors["b"][0]) == 5.0
 
 
 def test_a_worker_refuses_a_root_whose_aggregation_differs():
     w, t = _worker_on(0)
-    assert w.refusal is None
     w._on_config(t.config, _config("run-1", aggregation="class-weighted"))
+    w._take_config()
+    assert w.refusal is None  # an earlier run's retained config: that root is not online
+    w.root_seen_online = True
     w._take_config()
     assert w.stop_event.is_set()
     assert "aggregation fedavg here, class-weighted at the aggregator" in w.refusal

@@ -480,3 +480,15 @@ def test_one_table_names_every_kind_its_topic_and_form():
         assert isinstance(msg, Message) and msg.kind == kind and msg.body == {"a": 1}
     with pytest.raises(CodecError, match="unknown"):
         codec.encode(Message("nope", {}), fleet="f", sender="s")
+
+
+def test_a_global_names_its_run():
+    from dataclasses import replace
+
+    g = GlobalModel(3, {"w": np.zeros(2, np.float32)}, run="3f9a")
+    assert codec.decode(codec.encode(g, fleet="f"), "f").run == "3f9a"
+    plain = GlobalModel(3, {"w": np.zeros(2, np.float32)})
+    assert codec.decode(codec.encode(plain, fleet="f"), "f").run is None
+    for bad in ("", "x" * 65):
+        with pytest.raises(CodecError, match="run must be"):
+            codec.decode(codec.encode(replace(g, run=bad), fleet="f"), "f")
