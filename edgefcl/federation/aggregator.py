@@ -140,14 +140,15 @@ def note_round(updates: list[Update], version: int, counters: Counter,
     """Count what a round folds: its size (`round_size_<n>`, unless not `whole`: a shard
     worker's part) and each update's staleness, the versions between its base and the global
     it replaces (`folded_staleness_<tau>`, at most STALENESS_KEYS, and their sum uncapped in
-    `folded_staleness_sum`); the same counters in process and over MQTT (`async_stats`
-    summarises them)."""
+    `folded_staleness_sum` over `folded_staleness_summed` updates); the same counters in
+    process and over MQTT (`async_stats` summarises them)."""
     if whole:
         counters[f"round_size_{len(updates)}"] += 1
     for u in updates:
         tau = max(version - u.base_version, 0)
         counters[f"folded_staleness_{min(tau, STALENESS_KEYS)}"] += 1
         counters["folded_staleness_sum"] += tau
+        counters["folded_staleness_summed"] += 1
 
 
 def async_stats(counters: dict) -> dict:
@@ -167,8 +168,10 @@ def async_stats(counters: dict) -> dict:
 
     return {"rounds": rounds, "folded": folded, "updates_per_round": mean(sizes, rounds),
             "round_sizes": sizes,
+            # the uncapped sum where it covers every update (not in a state saved before it)
             "staleness_mean": round(counters["folded_staleness_sum"] / folded, 3)
-            if folded and "folded_staleness_sum" in counters else mean(stale, folded),
+            if folded and counters.get("folded_staleness_summed") == folded
+            else mean(stale, folded),
             "staleness": stale, "dropped_stale": int(counters.get("rejected_stale", 0)),
             "replaced": int(counters.get("replaced", 0)),
             "closed_buffer": int(counters.get("closed_buffer", 0)),

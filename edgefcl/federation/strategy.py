@@ -282,7 +282,7 @@ class FedAvg(Strategy):
 
 MAX_ROUND_CLASSES = 256
 """Class ids a class-weighted round keeps a model for; the samples of any further class go to
-class -1 (`classes_folded`). Class ids are devices' claims: each update's are bounded
+class -1 (`classes_folded` counts each update's class so folded). Class ids are devices' claims: each update's are bounded
 (robust/class_claims.py), but not how many distinct ones a round's updates bring, which sets
 its memory and a shard worker's partial (the root decodes partials sized for this many)."""
 

@@ -73,7 +73,7 @@ def cmd_aggregator(args: argparse.Namespace) -> int:
         group = args.share_group if args.role == "worker" else ""
         return WorkerDaemon(cfg, args.id, share_group=group, upstream=args.upstream,
                             flush_every=args.flush_every,
-                            exit_when_done=args.exit_when_done).run()
+                            exit_when_done=args.exit_when_done, role=args.role).run()
     state_dir = Path(args.state_dir or f"state/{cfg.mqtt.fleet}")
     from edgefcl.support.statefiles import make_dir
 

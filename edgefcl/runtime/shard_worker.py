@@ -61,16 +61,16 @@ log = logging.getLogger("edgefcl.worker")
 MAX_AHEAD = 64
 """Clients whose update a worker may hold for a global it has not received yet."""
 AHEAD_VERSIONS = 2
+"""How far ahead of the worker's global a held update's base may be (the root publishes one
+global at a time: a device is at most a version or two ahead of a worker that lags)."""
 CLAIM_TIMEOUT = 2.0
+"""Seconds after which an unanswered claim is sent again (with a new number)."""
 TWIN_GRACE_S = 5.0
 """Seconds after its start in which a worker takes a status of another process on its topic
 for the retained one of the process it replaces."""
 UNANSWERED_S = 10.0
 """Seconds of claims the root has not answered after which the worker says so (once a minute):
 a root not started with this worker in its --worker-ids drops every claim and partial."""
-"""Seconds after which an unanswered claim is sent again (with a new number)."""
-"""How far ahead of the worker's global a held update's base may be (the root publishes one
-global at a time: a device is at most a version or two ahead of a worker that lags)."""
 WORKER_KEYS = ("mode", "encoding", "aggregation", "wire_dtype")
 """What a worker's configuration must share with its root's (`join.fleet_profile`)."""
 
@@ -80,8 +80,10 @@ class WorkerDaemon:
 
     def __init__(self, cfg: RunConfig, worker_id: str, *, share_group: str = "aggregators",
                  upstream: str = "", flush_every: float = 0.5, status_every: float = 2.0,
-                 inbox_bytes: int = 0, exit_when_done: bool = False) -> None:
+                 inbox_bytes: int = 0, exit_when_done: bool = False,
+                 role: str = "worker") -> None:
         self.cfg = cfg
+        self.role = role  # worker or site: what its status says
         self.exit_when_done = exit_when_done
         self.root_seen_online = False  # a retained "finished" of an earlier run stops nothing
         self.id = worker_id
@@ -376,7 +378,7 @@ class WorkerDaemon:
             self.agg.counters["rejected_internal"] += 1
             log.exception("internal error while aggregating a partial: its updates are dropped")
             self.agg.drop_round()
-            return
+            p = None
         if p is None:
             if granted:  # every granted update dropped here: the root must not wait for them
                 self.claim(time.monotonic(), empty=True)
@@ -389,7 +391,7 @@ class WorkerDaemon:
 
     def status(self) -> dict:
         a = self.agg
-        return {"state": "online", "role": "worker", "incarnation": self.incarnation,
+        return {"state": "online", "role": self.role, "incarnation": self.incarnation,
                 "version": a.global_.version if a else -1,
                 "partials": self.partials_sent, "pending": a.pending() if a else 0,
                 "counters": (dict(a.counters) if a else {}) | shed_counters(self.inbox),

@@ -169,6 +169,11 @@ def test_claimed_bases_cannot_grow_the_counters_a_key_a_round():
     assert max(stats["staleness"]) == STALENESS_KEYS  # "that many versions or more"
     # ... and the mean is not capped: x's base 0 at version seq - 1, h's current (0 behind)
     assert stats["staleness_mean"] == sum(range(300)) / 600 == 74.75
+    # counters resumed from a state saved before the sum (one update summed of two): the
+    # histogram's mean (0 + 5) / 2, not the sum over every update (3 / 2)
+    resumed = {"folded_staleness_0": 1, "folded_staleness_5": 1, "folded_staleness_sum": 3,
+               "folded_staleness_summed": 1}
+    assert async_stats(resumed)["staleness_mean"] == 2.5
 
 
 @pytest.mark.parametrize("fold,staleness", [("model", "polynomial"), ("delta", "hinge"),

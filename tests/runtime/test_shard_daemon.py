@@ -461,6 +461,14 @@ def test_a_worker_whose_granted_updates_all_fail_says_so_with_an_empty_claim(tmp
     w.flush([], 2.0)  # nothing granted, nothing to say
     assert len(sent) == 1
 
+    def broken(granted, now=None):
+        raise RuntimeError("a bug reached by input")
+
+    w.agg.flush = broken  # an internal error at the flush: the grant is answered too
+    w.flush(["a"], 3.0)
+    assert len(sent) == 2 and decode(sent[1][1], FLEET).body["clients"] == []
+    assert w.agg.counters["rejected_internal"] == 1
+
 
 def _worker_on(version: int, run: str = "run-1"):
     """A WorkerDaemon as `run` leaves it: serving the root's global `version` of run `run`."""
