@@ -30,11 +30,12 @@ from edgefcl.federation.strategy import (
     Strategy,
     WeightedSum,
     check_dense,
+    entry_scaled,
+    entry_weights,
     merge_weighted_sum,
     mix,
     sample_weight,
-    scaled,
-    scaled_fresh,
+    scalar_factor,
     scaled_sum,
 )
 
@@ -245,14 +246,17 @@ class Conflation(GaussianStrategy):
             self.sums.eta[b] += np.asarray(partial["eta"][b], np.float64)
         self.sums.count += int(partial["count"])
 
-    def partial_weight(self, partial: dict) -> float:
-        """Its updates' precision, over every entry (as the precision cap weighs them)."""
-        return float(sum(np.sum(np.asarray(v, np.float64)) for v in partial["prec"].values()))
+    def partial_weights(self, partial: dict) -> dict[str, np.ndarray]:
+        """Its updates' precision, entry by entry (as the precision cap weighs them), and
+        the sample weight of its plain tensors."""
+        return {"plain": np.array([float(partial["plain"]["weight"])]),
+                **entry_weights("prec", partial["prec"])}
 
-    def scale_partial(self, partial: dict, factor: float) -> dict:
-        return {"plain": scaled_sum(partial["plain"], factor),
-                "prec": scaled(partial["prec"], factor), "eta": scaled(partial["eta"], factor),
-                "count": partial["count"], **scaled_fresh(partial, factor)}
+    def scale_partial(self, partial: dict, factors: dict[str, np.ndarray]) -> dict:
+        return {**partial, "plain": scaled_sum(partial["plain"],
+                                                   scalar_factor(factors, "plain")),
+                "prec": entry_scaled("prec", partial["prec"], factors),
+                "eta": entry_scaled("prec", partial["eta"], factors)}
 
 
 class MomentMatching(GaussianStrategy):
@@ -312,15 +316,15 @@ class MomentMatching(GaussianStrategy):
         merge_weighted_sum(self.first, first)
         merge_weighted_sum(self.second, {"weight": second["weight"], "sums": shifted})
 
-    def partial_weight(self, partial: dict) -> float:
+    def partial_weights(self, partial: dict) -> dict[str, np.ndarray]:
         """Its updates' sample weight."""
-        return float(partial["first"]["weight"])
+        return {"weight": np.array([float(partial["first"]["weight"])])}
 
-    def scale_partial(self, partial: dict, factor: float) -> dict:
-        return {"plain": scaled_sum(partial["plain"], factor),
-                "first": scaled_sum(partial["first"], factor),
-                "second": scaled_sum(partial["second"], factor),
-                "origin": partial["origin"], **scaled_fresh(partial, factor)}
+    def scale_partial(self, partial: dict, factors: dict[str, np.ndarray]) -> dict:
+        f = scalar_factor(factors, "weight")
+        return {**partial, "plain": scaled_sum(partial["plain"], f),
+                "first": scaled_sum(partial["first"], f),
+                "second": scaled_sum(partial["second"], f)}
 
 
 class FedBNNProduct(GaussianStrategy):

@@ -59,7 +59,7 @@ from edgefcl.federation.label_rows import LabelRows
 from edgefcl.federation.messages import GlobalModel, Tensors
 from edgefcl.federation.registry import get_encoding
 from edgefcl.federation.robust import prepare_round
-from edgefcl.federation.share_cap import capped_weights, default_cap
+from edgefcl.federation.share_cap import capped_member_columns, default_cap
 from edgefcl.federation.strategy import RoundInput
 
 log = logging.getLogger("edgefcl.shard")
@@ -352,31 +352,39 @@ class ShardRoot(Aggregator):
         return self._close_merged(now)
 
     def _cap_partials(self) -> None:
-        """The share cap across partials: each partial's weight is spread over its
-        participants, no participant may hold more than `max_share` of the round (0:
-        `default_cap` of them), and a partial over it has its weight lowered to what its
+        """The share cap across partials: each partial's weights (`partial_weights`: samples,
+        or precision entry by entry, as a single aggregator caps) spread over its
+        participants, no participant may hold more than `max_share` of a weight (0:
+        `default_cap` of them), and a partial over it has that weight lowered to what its
         participants may hold (`partials_share_capped`). A worker caps the updates of one
         flush only, so a device alone in a flush (a site with one device, a flush of one) was
         capped by nothing: its sample count or sigma owned the global."""
         if self.fed.max_share >= 1 or len(self._merged) < 2:
             return
-        weights = [self.strategy.partial_weight(p.state) for p in self._merged]
-        if any(w is None or not w > 0 for w in weights):
+        weights = [self.strategy.partial_weights(p.state) for p in self._merged]
+        if any(w is None for w in weights):
             return
-        sizes = np.asarray([len(p.participants) for p in self._merged])
-        w = np.asarray(weights, np.float64)
-        members = np.repeat(w / sizes, sizes)
-        cap = self.fed.max_share or default_cap(len(members))
-        held = np.bincount(np.repeat(np.arange(len(w)), sizes),
-                           weights=capped_weights(members, cap))
-        factors = np.minimum(held / w, 1.0)
-        if (factors >= 1.0 - 1e-12).all():
+        sizes = np.asarray([len(p.participants) for p in self._merged], np.float64)
+        cap = self.fed.max_share or default_cap(int(sizes.sum()))
+        factors: list[dict[str, np.ndarray]] = [{} for _ in self._merged]
+        for name in sorted({n for w in weights for n in w}):
+            have = [i for i, w in enumerate(weights) if name in w]
+            if len(have) < 2:
+                continue
+            per_member = np.stack([weights[i][name] for i in have]) / sizes[have, None]
+            capped = capped_member_columns(per_member, sizes[have], cap)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                scale = np.where(per_member > 0, capped / per_member, 1.0)
+            for i, f in zip(have, scale, strict=True):
+                if (f < 1.0 - 1e-12).any():
+                    factors[i][name] = np.minimum(f, 1.0)
+        lowered = [i for i, f in enumerate(factors) if f]
+        if not lowered:
             return
-        self.counters["partials_share_capped"] += int((factors < 1.0 - 1e-12).sum())
+        self.counters["partials_share_capped"] += len(lowered)
         self._open_round()
-        for p, f in zip(self._merged, factors.tolist(), strict=True):
-            self.strategy.merge(p.state if f >= 1.0 - 1e-12 else
-                                self.strategy.scale_partial(p.state, f))
+        for p, f in zip(self._merged, factors, strict=True):
+            self.strategy.merge(self.strategy.scale_partial(p.state, f) if f else p.state)
 
     def _close_merged(self, now: float | None) -> RoundClosed:
         participants = tuple(sorted(self.in_round))

@@ -76,3 +76,35 @@ def capped_columns(weights: np.ndarray, cap: float) -> np.ndarray:
     out = w.copy()
     out[:, over] = np.minimum(col, chosen)
     return out
+
+
+def capped_member_columns(weights: np.ndarray, members: np.ndarray, cap: float) -> np.ndarray:
+    """`capped_columns` for groups of identical members: `weights` (groups x entries) is the
+    weight of each member of a group, `members` how many members each group has; returns the
+    capped weight of each group's members, so that no member holds more than `cap` of a
+    column (at least 1/members in all). A shard root caps partials this way, each spread over
+    its participants, without a row per participant."""
+    w = np.asarray(weights, np.float64)
+    n = np.asarray(members, np.float64)
+    cap = max(cap, 1.0 / n.sum())
+    total = (n[:, None] * w).sum(0)
+    over = (w > cap * total).any(0)
+    if not over.any():
+        return w
+    col = w[:, over]
+    order = np.argsort(-col, axis=0, kind="stable")
+    desc = np.take_along_axis(col, order, 0)
+    counts = n[order]
+    above = np.cumsum(counts, 0)  # members of the k largest groups
+    rest = (counts * desc).sum(0) - np.cumsum(counts * desc, 0)  # weight of all the others
+    with np.errstate(divide="ignore", invalid="ignore"):
+        level = np.where(cap * above < 1, cap * rest / (1 - cap * above), np.inf)
+    nxt = np.vstack([desc[1:], np.zeros((1, col.shape[1]))])
+    fits = (nxt <= level) & np.isfinite(level)
+    first = np.where(fits.any(0), fits.argmax(0), len(w) - 1)
+    chosen = level[first, np.arange(col.shape[1])]
+    smallest = np.where(desc > 0, desc, np.inf).min(0)
+    chosen = np.where(np.isfinite(chosen) & fits.any(0), chosen, smallest)
+    out = w.copy()
+    out[:, over] = np.minimum(col, chosen)
+    return out

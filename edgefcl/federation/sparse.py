@@ -47,9 +47,9 @@ from edgefcl.federation.strategy import (
     Spec,
     Strategy,
     check_tensor,
+    entry_scaled,
+    entry_weights,
     sample_weight,
-    scaled,
-    scaled_fresh,
     value_reason,
 )
 from edgefcl.federation.value_bound import MAX_VALUE
@@ -482,13 +482,13 @@ class SparseFedAvg(Strategy):
             self.acc.weights[k] += np.asarray(partial["weights"][k], np.float64).ravel()
         self.merge_fresh(partial)
 
-    def partial_weight(self, partial: dict) -> float:
-        """Its updates' sample weight, over every entry they sent."""
-        return float(sum(np.sum(np.asarray(v, np.float64)) for v in partial["weights"].values()))
+    def partial_weights(self, partial: dict) -> dict[str, np.ndarray]:
+        """Its updates' sample weight, entry by entry."""
+        return entry_weights("weights", partial["weights"])
 
-    def scale_partial(self, partial: dict, factor: float) -> dict:
-        return {"sums": scaled(partial["sums"], factor),
-                "weights": scaled(partial["weights"], factor), **scaled_fresh(partial, factor)}
+    def scale_partial(self, partial: dict, factors: dict[str, np.ndarray]) -> dict:
+        return {**partial, "sums": entry_scaled("weights", partial["sums"], factors),
+                "weights": entry_scaled("weights", partial["weights"], factors)}
 
 
 def payload_reason(tensors: Tensors, spec: Spec, forms: frozenset[str],

@@ -223,14 +223,16 @@ class Strategy:
         """Fold another worker's `partial()` into this round."""
         raise NotImplementedError(f"{type(self).__name__} is not sum-decomposable")
 
-    def partial_weight(self, partial: dict) -> float | None:
-        """A `partial()`'s weight in the round, as the share cap weighs an update (None: the
-        rule has no such weight, and a sharded root caps no partial of it)."""
+    def partial_weights(self, partial: dict) -> dict[str, np.ndarray] | None:
+        """A `partial()`'s weights in the round, as the share cap weighs an update's: named
+        flat arrays, one weight an entry (or one for the whole partial); None: the rule has
+        none, and a sharded root caps no partial of it."""
         return None
 
-    def scale_partial(self, partial: dict, factor: float) -> dict:
-        """`partial` with its weight in the round times `factor` (what it says unchanged)."""
-        raise NotImplementedError(f"{type(self).__name__} has no partial weight")
+    def scale_partial(self, partial: dict, factors: dict[str, np.ndarray]) -> dict:
+        """`partial` with each of its `partial_weights` times the factors of the same name
+        (what it says of the values unchanged)."""
+        raise NotImplementedError(f"{type(self).__name__} has no partial weights")
 
     # -- for subclasses --------------------------------------------------------------------
     def reset(self) -> None:
@@ -272,19 +274,20 @@ class FedAvg(Strategy):
         merge_weighted_sum(self.acc, partial)
         self.merge_fresh(partial)
 
-    def partial_weight(self, partial: dict) -> float:
+    def partial_weights(self, partial: dict) -> dict[str, np.ndarray]:
         """Its updates' sample weight."""
-        return float(partial["weight"])
+        return {"weight": np.array([float(partial["weight"])])}
 
-    def scale_partial(self, partial: dict, factor: float) -> dict:
-        return {**scaled_sum(partial, factor), **scaled_fresh(partial, factor)}
+    def scale_partial(self, partial: dict, factors: dict[str, np.ndarray]) -> dict:
+        return {**partial, **scaled_sum(partial, scalar_factor(factors, "weight"))}
 
 
 MAX_ROUND_CLASSES = 256
 """Class ids a class-weighted round keeps a model for; the samples of any further class go to
-class -1 (`classes_folded` counts each update's class so folded). Class ids are devices' claims: each update's are bounded
-(robust/class_claims.py), but not how many distinct ones a round's updates bring, which sets
-its memory and a shard worker's partial (the root decodes partials sized for this many)."""
+class -1 (`classes_folded` counts each update's class so folded). Class ids are devices'
+claims: each update's are bounded (robust/class_claims.py), but not how many distinct ones a
+round's updates bring, which sets its memory and a shard worker's partial (the root decodes
+partials sized for this many)."""
 
 
 class ClassWeightedFedAvg(Strategy):
@@ -330,22 +333,33 @@ class ClassWeightedFedAvg(Strategy):
         self.merge_fresh(partial)
 
 
-def scaled(values: dict, factor: float) -> dict[str, np.ndarray]:
-    """Every array of `values` times `factor`, float64."""
-    return {k: np.asarray(v, np.float64) * factor for k, v in values.items()}
-
-
 def scaled_sum(partial: dict, factor: float) -> dict:
     """A partial {"weight", "sums"} of a weighted sum with its weight times `factor`."""
     return {"weight": float(partial["weight"]) * factor,
-            "sums": scaled(partial["sums"], factor)}
+            "sums": {k: np.asarray(v, np.float64) * factor
+                     for k, v in partial["sums"].items()}}
 
 
-def scaled_fresh(partial: dict, factor: float) -> dict:
-    """A partial's staleness weights (`Strategy.fresh_partial`) times `factor`."""
-    fresh = partial.get("fresh") or {}
-    return {"fresh": {"weight": float(fresh.get("weight", 0.0)) * factor,
-                      "count": float(fresh.get("count", 0.0)) * factor}}
+def scalar_factor(factors: dict[str, np.ndarray], name: str) -> float:
+    """The one factor named `name` (1 where none)."""
+    f = factors.get(name)
+    return 1.0 if f is None else float(np.asarray(f).ravel()[0])
+
+
+def entry_weights(prefix: str, arrays: dict) -> dict[str, np.ndarray]:
+    """Per-entry weight arrays, flat, named `prefix/<tensor>`."""
+    return {f"{prefix}/{k}": np.asarray(v, np.float64).ravel() for k, v in arrays.items()}
+
+
+def entry_scaled(prefix: str, arrays: dict, factors: dict[str, np.ndarray]) -> dict:
+    """`arrays` (tensor -> array) times the flat factors named `prefix/<tensor>` (1 where
+    none), float64."""
+    out = {}
+    for k, v in arrays.items():
+        v = np.asarray(v, np.float64)
+        f = factors.get(f"{prefix}/{k}")
+        out[k] = v if f is None else v * np.asarray(f).reshape(v.shape)
+    return out
 
 
 def merge_weighted_sum(acc: WeightedSum, partial: dict) -> None:

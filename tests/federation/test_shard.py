@@ -502,6 +502,72 @@ def test_a_partial_or_a_new_claim_answers_its_workers_grant():
     assert root.claim("w0", []) == () and not root.granted  # nothing sent: answered empty
 
 
+def _one_entry_attacks():
+    """(fed, initial, honest, attacker) of a device alone in its flush that aims at one entry
+    (or the plain tensors) only: a reviewer's cases against a cap of the whole partial."""
+    n = 100
+    gauss_fed = FedConfig(mode="async", clients=5, min_clients=2, burn_in=4, jump=2,
+                          encoding="gaussian", aggregation="conflation")
+
+    def gauss(mu, sigma, plain=0.0):
+        return {"b": np.full(4, plain, np.float32),
+                "w::mu": np.full(n, mu, np.float32),
+                "w::sigma": np.broadcast_to(np.float32(sigma), (n,)).astype(np.float32)}
+
+    tiny = np.full(n, 0.1, np.float32)
+    tiny[0] = 1e-6
+
+    def samples(r):  # the most admission allows
+        seq = 100_000 * r
+        return seq, 4 + 2 * seq
+
+    def honest_gauss(c, r, v):
+        return Update(c, v, r, 0, 4 + 2 * r, 60, gauss(1.0, 0.1, 1.0), "gaussian")
+
+    def tiny_sigma(r, v):  # sigma 1e-6 on entry 0 alone
+        return Update("x", v, r, 0, 4 + 2 * r, 60, gauss(-1.0, tiny, 1.0), "gaussian")
+
+    def plain_samples(r, v):  # a normal sigma, 2M samples against the plain tensor
+        seq, batch = samples(r)
+        return Update("x", v, seq, 0, batch, 10 * batch, gauss(1.0, 0.1, -1.0), "gaussian")
+
+    sparse_fed = FedConfig(mode="async", clients=5, min_clients=2, burn_in=4, jump=2,
+                           encoding="sparse")
+    zero = {"w": np.zeros((10, 10), np.float32)}
+
+    def sparse(values, k):
+        return SparseEncoder(topk=k / n).encode({"w": values.reshape(10, 10)}, zero)
+
+    def honest_sparse(c, r, v):
+        return Update(c, v, r, 0, 4 + 2 * r, 60, sparse(np.ones(n, np.float32), n), "sparse")
+
+    def one_entry(r, v):  # 2M samples on entry 0 alone
+        seq, batch = samples(r)
+        values = np.zeros(n, np.float32)
+        values[0] = -1.0
+        return Update("x", v, seq, 0, batch, 10 * batch, sparse(values, 1), "sparse")
+
+    return {"tiny sigma on one entry": (gauss_fed, gauss(0.0, 0.1), honest_gauss, tiny_sigma,
+                                        "w::mu"),
+            "samples against the plain tensors": (gauss_fed, gauss(0.0, 0.1), honest_gauss,
+                                                  plain_samples, "b"),
+            "sparse samples on one entry": (sparse_fed, zero, honest_sparse, one_entry, "w")}
+
+
+@pytest.mark.parametrize("case", ["tiny sigma on one entry", "samples against the plain tensors",
+                                  "sparse samples on one entry"])
+def test_a_device_alone_in_a_flush_is_capped_entry_by_entry(case):
+    # a reviewer's finding: the root capped each partial's weight as a whole, so an attacker
+    # alone in its flush aiming at one entry (a tiny sigma, or 2M samples on one sparse
+    # entry), or at the plain tensors under conflation, still owned it (-0.85 to -1.46 where a
+    # single aggregator read +0.18 to +0.30); the root now caps entry by entry
+    fed, initial, honest, attacker, key = _one_entry_attacks()[case]
+    probe = {key: initial[key], **{k: v for k, v in initial.items() if k != key}}
+    single, sharded, counters = _lone_attacker_rounds(fed, probe, honest, attacker)
+    assert single > 0.1 and sharded > 0.1, (single, sharded)
+    assert counters["partials_share_capped"] >= 1
+
+
 def test_a_workers_flush_of_one_update_is_clipped_with_its_earlier_flushes():
     # a reviewer helper's attack: a worker clipped each flush among its own updates, and the
     # root cannot clip a partial, so a device alone in its worker's flush was its own bound:
