@@ -249,7 +249,7 @@ class Conflation(GaussianStrategy):
     def partial_weights(self, partial: dict) -> dict[str, np.ndarray]:
         """Its updates' precision, entry by entry (as the precision cap weighs them), and
         the sample weight of its plain tensors."""
-        return {"plain": np.array([float(partial["plain"]["weight"])]),
+        return {"plain": np.array([float(partial["plain"].get("weight", 0.0))]),
                 **entry_weights("prec", partial["prec"])}
 
     def scale_partial(self, partial: dict, factors: dict[str, np.ndarray]) -> dict:

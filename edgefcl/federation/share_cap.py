@@ -59,7 +59,7 @@ def capped_columns(weights: np.ndarray, cap: float) -> np.ndarray:
         return w
     cap = max(cap, 1.0 / n)
     total = w.sum(0)
-    over = (w > cap * total).any(0)
+    over = (w > cap * total * (1 + 1e-12)).any(0)  # a tie is within the cap
     if not over.any():
         return w
     col = w[:, over]
@@ -68,7 +68,8 @@ def capped_columns(weights: np.ndarray, cap: float) -> np.ndarray:
     k = np.arange(1, n)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         level = np.where(k * cap < 1, cap * rest[1:] / (1 - k * cap), np.inf)
-    fits = desc[1:] <= level  # capping the k largest at `level` leaves the rest under it
+    # capping the k largest at `level` leaves the rest under it (a tie is no overshoot)
+    fits = desc[1:] <= level * (1 + 1e-12)
     first = np.where(fits.any(0), fits.argmax(0), n - 1)
     chosen = level[np.minimum(first, n - 2), np.arange(col.shape[1])]
     smallest = np.where(desc > 0, desc, np.inf).min(0)
@@ -88,7 +89,7 @@ def capped_member_columns(weights: np.ndarray, members: np.ndarray, cap: float) 
     n = np.asarray(members, np.float64)
     cap = max(cap, 1.0 / n.sum())
     total = (n[:, None] * w).sum(0)
-    over = (w > cap * total).any(0)
+    over = (w > cap * total * (1 + 1e-12)).any(0)  # a tie is within the cap
     if not over.any():
         return w
     col = w[:, over]
@@ -96,11 +97,12 @@ def capped_member_columns(weights: np.ndarray, members: np.ndarray, cap: float) 
     desc = np.take_along_axis(col, order, 0)
     counts = n[order]
     above = np.cumsum(counts, 0)  # members of the k largest groups
-    rest = (counts * desc).sum(0) - np.cumsum(counts * desc, 0)  # weight of all the others
+    tail = np.cumsum((counts * desc)[::-1], 0)[::-1]  # from each group down (no cancellation)
+    rest = np.vstack([tail[1:], np.zeros((1, col.shape[1]))])  # all but the k largest groups
     with np.errstate(divide="ignore", invalid="ignore"):
         level = np.where(cap * above < 1, cap * rest / (1 - cap * above), np.inf)
     nxt = np.vstack([desc[1:], np.zeros((1, col.shape[1]))])
-    fits = (nxt <= level) & np.isfinite(level)
+    fits = (nxt <= level * (1 + 1e-12)) & np.isfinite(level)  # a tie is no overshoot
     first = np.where(fits.any(0), fits.argmax(0), len(w) - 1)
     chosen = level[first, np.arange(col.shape[1])]
     smallest = np.where(desc > 0, desc, np.inf).min(0)

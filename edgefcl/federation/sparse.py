@@ -47,9 +47,8 @@ from edgefcl.federation.strategy import (
     Spec,
     Strategy,
     check_tensor,
-    entry_scaled,
-    entry_weights,
     sample_weight,
+    scalar_factor,
     value_reason,
 )
 from edgefcl.federation.value_bound import MAX_VALUE
@@ -440,6 +439,7 @@ class SparseFedAvg(Strategy):
 
     def reset(self) -> None:
         self.acc = EntrySums()
+        self.weight = 0.0  # the updates' sample weight, whatever entries each sent
 
     def _base(self, version: int) -> Tensors:
         if FOLDS[self.fed.fold].onto_current:
@@ -457,6 +457,7 @@ class SparseFedAvg(Strategy):
         payload = checked if isinstance(checked, Payload) else decode_payload(
             update.tensors, spec, self.forms)
         w = sample_weight(update)
+        self.weight += w
         for name, pos, vals in entries(payload, base):
             self.acc.add(name, base[name].size, pos, vals, w)
         for name, t in payload.dense.items():
@@ -470,7 +471,7 @@ class SparseFedAvg(Strategy):
         """Per tensor, the flat per-entry sums of weight * absolute value and of weight (the
         deltas were already turned into absolute values against their base)."""
         return {"sums": dict(self.acc.sums), "weights": dict(self.acc.weights),
-                **self.fresh_partial()}
+                "weight": self.weight, **self.fresh_partial()}
 
     def merge(self, partial: dict) -> None:
         """Add another shard's `partial()`, entry by entry."""
@@ -480,15 +481,20 @@ class SparseFedAvg(Strategy):
                 self.acc.sums[k], self.acc.weights[k] = np.zeros_like(s), np.zeros_like(s)
             self.acc.sums[k] += s
             self.acc.weights[k] += np.asarray(partial["weights"][k], np.float64).ravel()
+        self.weight += float(partial.get("weight", 0.0))
         self.merge_fresh(partial)
 
     def partial_weights(self, partial: dict) -> dict[str, np.ndarray]:
-        """Its updates' sample weight, entry by entry."""
-        return entry_weights("weights", partial["weights"])
+        """Its updates' whole sample weight (a single aggregator caps an update's, not its
+        entries': an entry one device alone sent would have been capped to nothing)."""
+        return {"weight": np.array([float(partial.get("weight", 0.0))])}
 
     def scale_partial(self, partial: dict, factors: dict[str, np.ndarray]) -> dict:
-        return {**partial, "sums": entry_scaled("weights", partial["sums"], factors),
-                "weights": entry_scaled("weights", partial["weights"], factors)}
+        f = scalar_factor(factors, "weight")
+        return {**partial, "weight": float(partial.get("weight", 0.0)) * f,
+                "sums": {k: np.asarray(v, np.float64) * f for k, v in partial["sums"].items()},
+                "weights": {k: np.asarray(v, np.float64) * f
+                            for k, v in partial["weights"].items()}}
 
 
 def payload_reason(tensors: Tensors, spec: Spec, forms: frozenset[str],

@@ -276,7 +276,7 @@ class FedAvg(Strategy):
 
     def partial_weights(self, partial: dict) -> dict[str, np.ndarray]:
         """Its updates' sample weight."""
-        return {"weight": np.array([float(partial["weight"])])}
+        return {"weight": np.array([float(partial.get("weight", 0.0))])}
 
     def scale_partial(self, partial: dict, factors: dict[str, np.ndarray]) -> dict:
         return {**partial, **scaled_sum(partial, scalar_factor(factors, "weight"))}
@@ -335,7 +335,7 @@ class ClassWeightedFedAvg(Strategy):
 
 def scaled_sum(partial: dict, factor: float) -> dict:
     """A partial {"weight", "sums"} of a weighted sum with its weight times `factor`."""
-    return {"weight": float(partial["weight"]) * factor,
+    return {"weight": float(partial.get("weight", 0.0)) * factor,
             "sums": {k: np.asarray(v, np.float64) * factor
                      for k, v in partial["sums"].items()}}
 

@@ -47,7 +47,8 @@ def role_options(args: argparse.Namespace) -> None:
     """Warn of each role option given to a role that ignores it (a root given --id, say),
     then fill in the defaults of those not given."""
     for name, roles in ROLE_OPTIONS.items():
-        if args.role not in roles and getattr(args, name) not in (None, False):
+        value = getattr(args, name)
+        if args.role not in roles and value is not None and value is not False:
             log.warning("--%s applies to --role %s only: ignored for --role %s",
                         name.replace("_", "-"), "/".join(roles), args.role)
     for name, value in ROLE_DEFAULTS.items():

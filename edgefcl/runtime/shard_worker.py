@@ -65,9 +65,6 @@ AHEAD_VERSIONS = 2
 global at a time: a device is at most a version or two ahead of a worker that lags)."""
 CLAIM_TIMEOUT = 2.0
 """Seconds after which an unanswered claim is sent again (with a new number)."""
-TWIN_GRACE_S = 5.0
-"""Seconds after its start in which a worker takes a status of another process on its topic
-for the retained one of the process it replaces."""
 UNANSWERED_S = 10.0
 """Seconds of claims the root has not answered after which the worker says so (once a minute):
 a root not started with this worker in its --worker-ids drops every claim and partial."""
@@ -121,7 +118,7 @@ class WorkerDaemon:
         self.unanswered_since: float | None = None  # the first claim since the last grant
         self.unanswered_said = -float("inf")
         self.incarnation = secrets.token_hex(8)  # this process: a status of another is a twin
-        self.started = time.monotonic()
+        self.own_status_seen = False  # before its own, one of another is the retained one
         self.twin_said = -float("inf")
 
     # -- messages -------------------------------------------------------------------------
@@ -338,14 +335,17 @@ class WorkerDaemon:
             self.agg.admission.session(client, inc)
 
     def _on_own_status(self, topic: str, payload: bytes) -> None:
-        """A status on this worker's own topic from another process, arriving live: a second
-        worker with this id (the broker hands the session back and forth): said once a
-        minute."""
+        """A status on this worker's own topic from another process, after its own came back
+        (before, it is the retained one of the process it replaces): a second worker with
+        this id (the broker hands the session back and forth), said once a minute."""
         body = status_body(payload, self.cfg.mqtt.fleet) or {}
         inc = body.get("incarnation")
+        if inc == self.incarnation:
+            self.own_status_seen = True
+            return
         now = time.monotonic()
-        if (body.get("state") == "online" and isinstance(inc, str) and inc != self.incarnation
-                and now - self.started > TWIN_GRACE_S and now - self.twin_said >= 60.0):
+        if (self.own_status_seen and body.get("state") == "online" and isinstance(inc, str)
+                and now - self.twin_said >= 60.0):
             self.twin_said = now
             log.error("worker %s: another worker process runs with this id (incarnation %s): "
                       "give each worker its own --id", self.id, inc[:16])

@@ -166,6 +166,7 @@ class MqttLink:
         self._held: deque[tuple[str, bytes, int, bool]] = deque()
         self._held_lock = threading.Lock()
         self._sync_mid: int | None = None
+        self._watchdog: threading.Timer | None = None  # releases what a silent broker holds
         self._generation = 0  # connections so far: a SUBACK wait follows a reconnect
         self._ever_connected = False
         self._started = False
@@ -262,10 +263,11 @@ class MqttLink:
         # also when offline: moves paho out of its reconnect wait so loop_stop returns at once
         self._client.disconnect()
         self._client.loop_stop()
-        self._connected.clear()
-        self._ready.clear()
         with self._held_lock:
+            self._connected.clear()
+            self._ready.clear()
             self._held.clear()
+        self._cancel_watchdog()
 
     def __enter__(self) -> MqttLink:
         return self.connect()
@@ -302,27 +304,38 @@ class MqttLink:
             generation = self._generation
         self._connected.set()  # ready once answered (on this thread, after paho's resend)
         self._answered.set()
-        watchdog = threading.Timer(self.keepalive, self._unanswered, (generation,))
-        watchdog.daemon = True
-        watchdog.start()
+        self._cancel_watchdog()
+        self._watchdog = threading.Timer(self.keepalive, self._unanswered, (generation,))
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _cancel_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def _unanswered(self, generation: int) -> None:
         """A connection whose SUBACKs (or the no-op's UNSUBACK) never came: after `keepalive`
         seconds its held publishes go out anyway, said once."""
-        with self._suback_cond:
-            current = generation == self._generation
-        if current and self._connected.is_set() and not self._ready.is_set():
-            log.warning("broker %s:%s answered no subscription of %s within %d s: publishing "
+        if self._become_ready(generation):
+            log.warning("broker %s:%s answered no subscription of %s within %d s: published "
                         "anyway", self.host, self.port, self.client_id, self.keepalive)
-            self._become_ready()
 
-    def _become_ready(self) -> None:
-        """Hand the held publishes to paho in order, then let new ones through."""
+    def _become_ready(self, generation: int | None = None) -> bool:
+        """Hand the held publishes to paho in order, then let new ones through, unless the
+        connection (`generation`, when given) is gone or the link is ready already; whether
+        it did."""
+        with self._suback_cond:
+            current = generation is None or generation == self._generation
         with self._held_lock:
+            if not current or not self._connected.is_set() or self._ready.is_set():
+                return False
             while self._held:
                 topic, payload, qos, retain = self._held.popleft()
                 self._client.publish(topic, payload, qos=qos, retain=retain)
             self._ready.set()
+        self._cancel_watchdog()
+        return True
 
     def _on_unsubscribe(self, client, userdata, mid, reason_codes, properties) -> None:
         with self._suback_cond:
@@ -372,8 +385,10 @@ class MqttLink:
             )
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
-        self._connected.clear()
-        self._ready.clear()
+        with self._held_lock:  # `_become_ready` checks the connection under this lock
+            self._connected.clear()
+            self._ready.clear()
+        self._cancel_watchdog()
         if self._started:
             log.warning("lost connection to %s:%s (%s); reconnecting", self.host, self.port,
                         reason_code)

@@ -621,3 +621,48 @@ def test_a_device_that_left_is_not_taken_back_by_a_partial_that_held_its_update(
     root.leave("a", 1.5)  # its done status came first
     assert root.merge(worker.flush(root.claim("w0", worker.claimable())), 2.0) is None
     assert root.active == {"b"}
+
+
+@pytest.mark.parametrize("workers", [1, 2, 7])
+def test_an_honest_sparse_round_is_not_capped_at_the_root(workers):
+    # a reviewer's finding: a first per-entry cap of sparse partials capped every entry that
+    # few devices sent (one alone: to nothing), with equal samples and no one over the cap:
+    # 0.47 off a single aggregator and 29 entries left at the previous global, against 1
+    rng = np.random.default_rng(7)
+    fed = fed_for("sparse", "fedavg", max_share=0.0)
+    initial = initial_for("sparse", rng)
+    ups = []
+    for i in range(N):
+        t = {k: (v + rng.normal(scale=0.5, size=v.shape)).astype(np.float32)
+             for k, v in initial.items()}
+        t = SparseEncoder(topk=0.3, value_dtype="float32").encode(t, initial)
+        ups.append(Update(f"c{i:02d}", 0, 1, 0, 1, 10, t, "sparse"))  # equal samples
+    single = single_global(fed, initial, ups)
+    sharded = sharded_global(fed, initial, ups, workers)
+    for k in single:
+        np.testing.assert_allclose(sharded[k], single[k], rtol=1e-6, atol=1e-6)
+
+
+def test_a_partial_without_a_plain_weight_does_not_drop_the_round():
+    # a reviewer's finding: a conflation partial whose plain part had no weight (which merge
+    # takes) raised in the share cap at close, and the round was dropped every time
+    import dataclasses
+
+    rng = np.random.default_rng(5)
+    fed = fed_for("gaussian", "conflation", min_clients=2, round_timeout=5.0)
+    initial = initial_for("gaussian", rng)
+    ups = updates_for("gaussian", initial, rng)
+    root = ShardRoot(initial, fed)
+    root.worker_online("w0")
+    root.worker_online("w1")
+    w0, w1 = (ShardWorker(initial, fed, worker=w) for w in ("w0", "w1"))
+    for u in ups[:3]:
+        w0.submit(u, 0.0)
+    for u in ups[3:6]:
+        w1.submit(u, 0.0)
+    p0 = w0.flush(root.claim("w0", w0.claimable()))
+    p1 = w1.flush(root.claim("w1", w1.claimable()))
+    bare = dataclasses.replace(p1, state={**p1.state, "plain": {"sums": {}}})
+    assert root.merge(p0, 0.5) is None and root.merge(bare, 0.5) is None
+    closed = root.poll(0.5)
+    assert closed is not None and closed.global_ is not None

@@ -565,8 +565,7 @@ def test_a_second_worker_on_the_same_id_is_said(caplog):
 
     with caplog.at_level(logging.ERROR, logger="edgefcl.worker"):
         w._on_own_status(t.worker_status("w0"), status("old"))  # the retained one, at start
-        w._on_own_status(t.worker_status("w0"), status(w.incarnation))  # its own
-        w.started -= 10
+        w._on_own_status(t.worker_status("w0"), status(w.incarnation))  # its own came back
         w._on_own_status(t.worker_status("w0"), status("other"))
         w._on_own_status(t.worker_status("w0"), status("other"))  # once a minute
     said = [r.getMessage() for r in caplog.records]
