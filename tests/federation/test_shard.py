@@ -329,16 +329,22 @@ def test_class_weighted_shards_only_without_the_share_cap():
         kind(initial, fed_for("dense", "class-weighted", max_share=1.0))
 
 
-def test_a_dropped_root_round_leaves_nothing_behind():
-    # the root holds partials, not updates: dropping its round must clear them, or the
-    # round that failed to close fails again at every poll
-    rng = np.random.default_rng(4)
-    fed, initial, ups = _root_and_partials(rng)
+def _root_and_worker_holding(seed: int, held: int):
+    """A root with its live worker w0, holding the first `held` of the updates; (root,
+    worker, updates)."""
+    fed, initial, ups = _root_and_partials(np.random.default_rng(seed))
     root = ShardRoot(initial, fed)
     root.worker_online("w0")
     w = ShardWorker(initial, fed, worker="w0")
-    for u in ups[:2]:
+    for u in ups[:held]:
         w.submit(u, 0.0)
+    return root, w, ups
+
+
+def test_a_dropped_root_round_leaves_nothing_behind():
+    # the root holds partials, not updates: dropping its round must clear them, or the
+    # round that failed to close fails again at every poll
+    root, w, ups = _root_and_worker_holding(4, 2)
     root.merge(w.flush(), 0.0)
     root.drop_round()
     assert not root.in_round and not root.reported and root.counters["dropped_updates"] == 2
@@ -486,13 +492,7 @@ def test_a_device_alone_in_a_flush_cannot_take_the_precision_with_a_tiny_sigma()
 def test_a_partial_or_a_new_claim_answers_its_workers_grant():
     # a grant the worker's flush dropped (an update that failed at the flush) held the round
     # until round_timeout: a partial, or the worker's next claim, now answers all of it
-    rng = np.random.default_rng(3)
-    fed, initial, ups = _root_and_partials(rng)
-    root = ShardRoot(initial, fed)
-    root.worker_online("w0")
-    w = ShardWorker(initial, fed, worker="w0")
-    for u in ups[:3]:
-        w.submit(u, 0.0)
+    root, w, ups = _root_and_worker_holding(3, 3)
     granted = root.claim("w0", w.claimable())
     assert len(granted) == 3
     assert root.merge(w.flush(granted[:2]), 0.5) is None  # the third not in it
