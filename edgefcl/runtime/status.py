@@ -200,6 +200,12 @@ def _fmt(v: Any, spec: str = "", none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def _said_rejected(rejected: dict[str, int]) -> str:
+    """`rejected N (reason n, ...)` of a row's rejections by reason."""
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(rejected.items()))
+    return f"rejected {sum(rejected.values())}" + (f" ({reasons})" if reasons else "")
+
+
 def render(snap: dict[str, Any]) -> str:
     """The snapshot as a table for a terminal."""
     lines = [f"fleet {snap['fleet']} on {snap['broker']}   "
@@ -210,8 +216,6 @@ def render(snap: dict[str, Any]) -> str:
     if a is None:
         lines.append("aggregator: not seen (no retained status)")
     else:
-        rej = sum(a["rejected"].values())
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(a["rejected"].items()))
         state = (f"stale (said online, silent for {a['last_seen_s']:.0f} s)" if a.get("stale")
                  else a["state"])
         lines += [
@@ -219,9 +223,8 @@ def render(snap: dict[str, Any]) -> str:
             f"version {a['version']}   rounds {a['rounds']}   "
             f"active {len(a['active'])}   done {len(a['done'])}   last seen "
             f"{a['last_seen_s']:.0f} s ago",
-            f"  updates accepted {a['accepted']}, rejected {rej}"
-            + (f" ({reasons})" if reasons else "")
-            + f"   bytes in {fmt_bytes(a['bytes_in'])}, out {fmt_bytes(a['bytes_out'])}",
+            f"  updates accepted {a['accepted']}, {_said_rejected(a['rejected'])}"
+            f"   bytes in {fmt_bytes(a['bytes_in'])}, out {fmt_bytes(a['bytes_out'])}",
             f"  last round {_fmt(a['last_round_age_s'], '.0f')} s ago   fleet accuracy "
             f"{_fmt(a['accuracy'], '.1f')}{' %' if a['accuracy'] is not None else ''}"
             + ("" if a.get("busy") is None else f"   main loop busy {a['busy']:.0%}"),
@@ -239,12 +242,10 @@ def render(snap: dict[str, Any]) -> str:
             lines.append("  flooding (messages shed over their share): " + ", ".join(
                 f"{k} {v}" for k, v in a["flooding"].items()))
     for wid, w in snap.get("workers", {}).items():
-        rej = sum(w["rejected"].values())
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(w["rejected"].items()))
         lines.append(f"  {w['role']} {wid}: {w['state']}   version {_fmt(w['version'])}   "
                      f"partials {_fmt(w['partials'])}   pending {_fmt(w['pending'])}   "
-                     f"rejected {rej}" + (f" ({reasons})" if reasons else "")
-                     + f"   last seen {w['last_seen_s']:.0f} s ago")
+                     f"{_said_rejected(w['rejected'])}   last seen "
+                     f"{w['last_seen_s']:.0f} s ago")
     devices = snap["devices"]
     lines.append("")
     if not devices:
