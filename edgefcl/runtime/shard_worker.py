@@ -211,13 +211,17 @@ class WorkerDaemon:
             log.warning("worker %s: its refusal was not published: %s", self.id, e)
         raise UserError(self.refusal)
 
+    def _serve(self, g: GlobalModel) -> None:
+        """Aggregate from global `g` on, for the run it names."""
+        self.agg = ShardWorker(g.tensors, self.cfg.fed, g.version,
+                               batch_size=self.cfg.data.batch_size, worker=self.id)
+        self.run_id = g.run
+
     def _start_over(self, g: GlobalModel) -> None:
         """Serve the new run of global `g` (the root started one: its versions start again
         at 0); what was held belongs to the last run."""
-        self.agg = ShardWorker(g.tensors, self.cfg.fed, g.version,
-                               batch_size=self.cfg.data.batch_size, worker=self.id)
+        self._serve(g)
         self.ahead.clear()
-        self.run_id = g.run
         log.info("worker %s: the root started run %s; on its global, version %d", self.id,
                  str(g.run)[:16], g.version)
 
@@ -439,9 +443,7 @@ class WorkerDaemon:
             self._connect()
             g = self.initial
             self._size_payloads(g.tensors)
-            self.agg = ShardWorker(g.tensors, self.cfg.fed, g.version,
-                                   batch_size=self.cfg.data.batch_size, worker=self.id)
-            self.run_id = g.run
+            self._serve(g)
             self._take_config()
             self._refuse_if_told()
             t, put = self.topics, self.inbox.put
