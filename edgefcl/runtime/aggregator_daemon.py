@@ -120,6 +120,9 @@ class AggregatorDaemon:
         """The task gate last announced: (tasks passed, the global version then)."""
         self._gate_pace = GatePace()
         self._next_release = 0.0
+        self.ever_done: set[str] = set()  # roster clients that said done in this run
+        self.heard = time.monotonic()
+        """When the daemon last took input that keeps an ending run open (`_heard`)."""
         self._next_expiry = 0.0
         self.spec = tensor_spec(self.agg.global_.tensors)
         self.store = StateStore.open(self.state_dir, fleet=cfg.mqtt.fleet, spec=self.spec,
@@ -148,6 +151,7 @@ class AggregatorDaemon:
         self.store.write_views(state, tensors, rewrite=True, prototypes=library)
         self.agg.load_state(state | {"tensors": tensors, "prototypes": library})
         self.done = set(state.get("done", []))
+        self.ever_done = set(self.done)
         self.bytes_in = {str(c): int(n) for c, n in state.get("bytes_in", {}).items()}
         self.bytes_out = int(state.get("bytes_out", 0))
         self.rounds_log = self.store.round_lines()[-20:]
@@ -295,6 +299,7 @@ class AggregatorDaemon:
         if accepted or msg.client in self.agg.admission.roster:
             self.bytes_in[msg.client] = self.bytes_in.get(msg.client, 0) + size
         if accepted:
+            self._heard(now)
             self._close_safely(lambda: self.agg.take(msg, now))
         if msg.client in self.done and msg.client in self.agg.active:
             # a queued update that arrived after the client's retained "done": it reports
@@ -311,6 +316,7 @@ class AggregatorDaemon:
 
     def _on_control(self, msg: Message, sender: str | None, size: int, now: float) -> None:
         """The operator's command: stop ends the daemon (pause and resume are the devices')."""
+        self._heard(now)
         if msg.body.get("command") == "stop":
             self.stop_event.set()
 
@@ -331,6 +337,8 @@ class AggregatorDaemon:
         if state == "online":
             if not self.agg.join(client, now):
                 return  # counted as rejected_roster
+            if not self.done:  # a fleet still forming: its devices may be loading
+                self._heard(now)
             self.done.discard(client)
             task = body.get("finished_task")
             if is_int(task):
@@ -345,6 +353,9 @@ class AggregatorDaemon:
             self.agg.counters["rejected_roster"] += 1  # (a learned roster with room learns it)
         elif state in ("offline", "done"):
             if state == "done":
+                if client not in self.ever_done:  # (a device flapping online / done: once)
+                    self.ever_done.add(client)
+                    self._heard(now)
                 self.done.add(client)
                 if self.results is not None:
                     self.results.on_device_done(client, body)
@@ -481,19 +492,14 @@ class AggregatorDaemon:
         """What the daemon listens to: device updates and statuses, operator control."""
         return [self.topics.updates, self.topics.statuses, self.topics.control]
 
-    def _keeps_open(self, topic: str) -> bool:
-        """Whether a message on `topic` counts as input that keeps an ending run open: the
-        operator's, or a roster client's (ids off the roster cannot delay the end), except
-        the statuses of a client that is done (re-sent, they kept the run open for ever)."""
-        if topic == self.topics.control:
-            return True
-        try:
-            client = self.topics.client_from(topic)
-        except ValueError:
-            return False
-        if client in self.done and topic == self.topics.status(client):
-            return False
-        return client in self.agg.admission.roster
+    def _heard(self, now: float) -> None:
+        """Note input that keeps an ending run open: an accepted report, a device's first
+        `done`, the operator's command, or, while no device is done, a roster device's
+        `online`. Nothing a device sends that is rejected counts (a done device that sent junk
+        on its update topic, or a roster device that never reported, kept the run open for
+        ever), and neither do the statuses of a formed fleet's devices: only reports prove a
+        device alive."""
+        self.heard = max(self.heard, now)
 
     def _run_over(self, now: float, last_input: float) -> bool:
         """With `exit_when_done`: every roster client reported its stream done (the whole
@@ -534,15 +540,13 @@ class AggregatorDaemon:
         freeze_startup_heap()
         next_status = 0.0
         finished = False
-        last_input = time.monotonic()  # exit only after a quiet second: after a restart the
+        self.heard = time.monotonic()  # exit only after a quiet second: after a restart the
         # messages queued for this session and the retained statuses arrive in any order
         reconnects = self.link.reconnects
         while not self.stop_event.is_set():
             item = self.inbox.get(timeout=0.1)
             if item is not None:
                 self.handle(*item)
-                if self._keeps_open(item[0]):
-                    last_input = time.monotonic()
             now = time.monotonic()
             self.link.expire_pending()
             if self.link.reconnects != reconnects and self.link.is_connected:
@@ -558,7 +562,7 @@ class AggregatorDaemon:
             if self.results.check_done(self.done, self.agg.active, self):
                 self._save_final(finished=True)  # every expected client is done: it ended
                 self._publish_status()  # operators see the final rounds at once
-            if self._run_over(now, last_input) and not self._release_waiting():
+            if self._run_over(now, self.heard) and not self._release_waiting():
                 finished = True
                 break
         self.results.check_done(self.done, self.agg.active, self, force=True)  # one that waited

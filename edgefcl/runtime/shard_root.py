@@ -76,13 +76,6 @@ class RootDaemon(AggregatorDaemon):
         elif self.backpressure.spread != spread:
             self._publish_config()
 
-    def _keeps_open(self, topic: str) -> bool:
-        """Its workers' partials and statuses too."""
-        try:
-            return self.topics.worker_from(topic)[1] in self.workers
-        except ValueError:
-            return super()._keeps_open(topic)
-
     def _charged(self, topic: str) -> str | None:
         """A worker's partial carries its devices' work: charged to no one's CPU share."""
         try:
@@ -104,6 +97,7 @@ class RootDaemon(AggregatorDaemon):
                 return
             raise CodecError("worker", f"{worker} is not one of this root's workers")
         now = time.monotonic()
+        self._heard(now)  # one of its workers' (trusted: named in --worker-ids)
         if kind == "workers":
             msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=64 << 10, require_digest=True)
             if not isinstance(msg, Message) or msg.kind != "status" or msg.sender != worker:

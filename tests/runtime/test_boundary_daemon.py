@@ -653,11 +653,41 @@ def test_messages_off_the_roster_do_not_keep_an_ending_run_open(tmp_path) -> Non
     # reset the quiet second for ever: the daemon never exited after every device was done
     d = make_daemon(tmp_path, roster="a,b")
     tp = topics(d.cfg.mqtt)
-    assert not d._keeps_open(tp.update("ghost")) and not d._keeps_open(tp.status("ghost"))
-    assert not d._keeps_open(f"{tp.base}/junk/x")
-    assert d._keeps_open(tp.status("a")) and d._keeps_open(tp.update("b"))
-    assert d._keeps_open(tp.control)  # the operator's
+    d.heard = 0.0
+    for topic in (tp.update("ghost"), tp.status("ghost"), f"{tp.base}/junk/x"):
+        d.handle(topic, b"junk")
+    d.handle(tp.update("ghost"), update("ghost"))
+    assert d.heard == 0.0
+    d.handle(tp.update("b"), update("b"))  # a roster device's accepted update
+    assert d.heard > 0.0
+    d.heard = 0.0
+    d.handle(tp.control, control("pause"))  # the operator's
+    assert d.heard > 0.0
     d.store.close()
+
+
+def test_what_a_done_or_silent_device_sends_does_not_keep_an_ending_run_open(tmp_path) -> None:
+    # the attack (a reviewer helper's): a done roster device sent junk and a duplicate update
+    # on its own update topic twice a second; each counted as input, whether rejected or not,
+    # and the run had not ended after 600 s (it ends at 2 s without them). The same with a
+    # roster device that never said done: the client_timeout end never came
+    for done in ("abc", "ab"):
+        d = make_daemon(tmp_path / done, roster="a,b,c", client_timeout=30.0)
+        d.exit_when_done = True
+        tp = topics(d.cfg.mqtt)
+        for c in "abc":
+            d._on_status(c, {"state": "online"}, 0.0)
+        d.handle(tp.update("c"), update("c", seq=1))  # c's one real update
+        for c in done:
+            d._on_status(c, {"state": "done"}, 1.0)
+        d.heard = 1.0
+        for i in range(40):
+            d.handle(tp.update("c"), [b"\x00junk", update("c", seq=1),
+                                      update("c", seq=10**9)][i % 3])
+            d._on_status(c, {"state": "done"}, 2.0)  # re-sent: counts once
+            d._on_status("c", {"state": "online"}, 2.0)  # a formed fleet: no input
+        assert d.heard == 1.0
+        d.store.close()
 
 
 def test_done_statuses_resent_rewrite_nothing_and_do_not_keep_the_run_open(tmp_path) -> None:
@@ -671,6 +701,7 @@ def test_done_statuses_resent_rewrite_nothing_and_do_not_keep_the_run_open(tmp_p
     d = make_daemon(tmp_path, roster="a,b,c")
     d.exit_when_done = True
     d.results = FleetResults(d.cfg, d.state_dir, {}, started=0.0)
+    d.heard = 0.0
     matrix = (np.eye(5) * 0.5).tolist()
     for c in "abc":
         d._on_status(c, {"state": "online"}, 0.0)
@@ -685,9 +716,7 @@ def test_done_statuses_resent_rewrite_nothing_and_do_not_keep_the_run_open(tmp_p
         rewrites += d.results.check_done(d.done, d.agg.active, d)
     assert rewrites == 0 and (d.state_dir / "results.json").read_text() == first
     assert json.loads(first)["accuracy_matrix"][2] == (np.eye(5) * 50).tolist()  # c's first
-    tp = topics(d.cfg.mqtt)
-    assert not d._keeps_open(tp.status("c"))  # a done device's statuses: not input
-    assert d._keeps_open(tp.update("c")) and d._keeps_open(tp.status("ghost")) is False
+    assert d.heard == 1.0  # a done device's statuses: not input
     d.store.close()
 
 
