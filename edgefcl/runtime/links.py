@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from edgefcl.config import MqttConfig, RunConfig
+from edgefcl.config import MqttConfig, RunConfig, split_credentials
 from edgefcl.data.labels import MAX_LABEL_CHARS, MAX_LABELS
 from edgefcl.federation.heads import library_width
 from edgefcl.federation.registry import get_encoding
@@ -106,17 +106,37 @@ def inbox_budget(m: MqttConfig) -> int:
     return max(32 << 20, 4 * (m.max_payload or DEFAULT_MAX_BYTES))
 
 
+PASSWORD_VARIABLE = "EDGEFCL_MQTT_PASSWORD"
+"""The device broker's password, when `[mqtt] password` is empty."""
+UPSTREAM_PASSWORD_VARIABLE = "EDGEFCL_UPSTREAM_PASSWORD"
+"""The password of a worker's or site's login to its root's broker (`--upstream`)."""
+
+
+def upstream_config(m: MqttConfig, url: str) -> MqttConfig:
+    """The MQTT settings of a worker's or site's link to its root's broker at `url`: the login
+    written in `url` (its password there or in UPSTREAM_PASSWORD_VARIABLE; none: anonymous)
+    and TLS as its scheme says (mqtts: checked against the system's CAs). Nothing of the device
+    broker's login or TLS identity: they must never reach another host."""
+    bare, user, password = split_credentials(url)
+    return replace(m, broker=bare, username=user,
+                   password=(password or os.environ.get(UPSTREAM_PASSWORD_VARIABLE, ""))
+                   if user else "", tls_ca="", tls_cert="", tls_key="", tls_no_verify=False,
+                   tls_no_hostname_check=False)
+
+
 def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, bool] | None = None,
               clean_start: bool = False, connect: bool = True,
               on_reject: Callable[[str, CodecError], None] | None = None,
-              protocol: str = "3.1.1") -> MqttLink:
-    """An MqttLink configured from `m` (credentials, TLS, chunking), connected unless asked not.
+              protocol: str = "3.1.1",
+              password_variable: str | None = PASSWORD_VARIABLE) -> MqttLink:
+    """An MqttLink configured from `m` (credentials, TLS, chunking), connected unless asked not;
+    an empty password is read from `password_variable` (None: not read: `upstream_config`).
 
     The production broker binds a session to its login (`use_username_as_clientid` in
     broker/mosquitto.conf), so one device cannot take over another's session; the client id
     asked for here only names the connection where the broker does not. `protocol="5"` is
     needed for shared subscriptions (aggregator workers)."""
-    password = m.password or os.environ.get("EDGEFCL_MQTT_PASSWORD", "")
+    password = m.password or (os.environ.get(password_variable, "") if password_variable else "")
     link = MqttLink(
         m.broker, client_id, username=m.username or None, password=password or None,
         tls_ca=m.tls_ca or None, tls_cert=m.tls_cert or None, tls_key=m.tls_key or None,

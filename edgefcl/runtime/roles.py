@@ -273,8 +273,10 @@ def add_role_commands(sub, show_all: bool = False) -> None:
     a.add_argument("--share-group",
                    help=h("worker: MQTT 5 shared subscription group (default: aggregators)"))
     a.add_argument("--upstream", metavar="URL",
-                   help=h("worker/site: broker of the root (its global; partials go there); "
-                          "default: the device broker"))
+                   help=h("worker/site: broker of the root (its global; partials go there), "
+                          "with its own login: mqtt://USER@HOST:PORT, the password in "
+                          "EDGEFCL_UPSTREAM_PASSWORD (the device broker's is never sent "
+                          "there); default: the device broker"))
     a.add_argument("--flush-every", type=float, metavar="S",
                    help=h("worker/site: send a partial this many seconds after the first "
                           "update it holds (default: 0.5)"))

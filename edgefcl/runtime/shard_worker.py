@@ -47,6 +47,7 @@ from edgefcl.runtime.links import (
     status_body,
     topics,
     update_limits,
+    upstream_config,
 )
 from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
@@ -426,8 +427,8 @@ class WorkerDaemon:
                               will=None if self.upstream else will)
         self.up = self.link
         if self.upstream:
-            up_cfg = type(m)(**{**m.__dict__, "broker": self.upstream})
-            self.up = open_link(up_cfg, cid + "-up", clean_start=True, will=will)
+            self.up = open_link(upstream_config(m, self.upstream), cid + "-up", clean_start=True,
+                                will=will, password_variable=None)
         self.up.subscribe(t.config, self._on_config)
         self.up.subscribe(t.global_, self._on_global)
         self.up.subscribe(t.grant(self.id), self._on_grant)

@@ -61,3 +61,26 @@ def test_no_credential_reaches_a_log_status_results_or_state(form, mosquitto, tm
                              "--wait", "0.5", *(given or [])], capture_output=True, text=True,
                             timeout=60, env=env)
     assert secret not in status.stdout + status.stderr
+
+
+def test_a_workers_upstream_link_gets_none_of_the_device_brokers_credentials(
+        monkeypatch) -> None:
+    # the attack (a reviewer helper's): a site aggregator with --upstream
+    # mqtt://s1:CENTRAL@root-broker sent the *device* broker's login (site1 / SITE_PW) to the
+    # root's broker, another host, and ignored the URL's credentials; its TLS key went too
+    from edgefcl.runtime.links import open_link, upstream_config
+
+    monkeypatch.setenv("EDGEFCL_MQTT_PASSWORD", "SITE_ENV_PW")
+    m = MqttConfig(broker="mqtts://127.0.0.1:8883", username="site1", password="SITE_PW",
+                   tls_cert="site.crt", tls_key="site.key")
+    up = upstream_config(m, "mqtt://s1:CENTRAL@127.0.0.1:1884")
+    assert (up.broker, up.username, up.password) == ("mqtt://127.0.0.1:1884", "s1", "CENTRAL")
+    assert not (up.tls_cert or up.tls_key or up.tls_ca)
+    link = open_link(up, "w0-up", connect=False, password_variable=None)
+    assert (link._client.username, link._client.password) == ("s1", "CENTRAL")
+    monkeypatch.setenv("EDGEFCL_UPSTREAM_PASSWORD", "CENTRAL_ENV")
+    up = upstream_config(m, "mqtt://s1@127.0.0.1:1884")  # the password from its own variable
+    assert (up.username, up.password) == ("s1", "CENTRAL_ENV")
+    up = upstream_config(m, "mqtt://127.0.0.1:1884")  # none given: anonymous, never site1's
+    link = open_link(up, "w0-up", connect=False, password_variable=None)
+    assert link._client.username is None and "SITE" not in str(link._client.password)
