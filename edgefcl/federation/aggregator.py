@@ -501,7 +501,10 @@ class Aggregator:
             rnd.updates[msg.client] = msg
             rnd.nbytes += msg.nbytes
             if self.carries:
-                self.task_ends.keep(msg)
+                evicted = self.task_ends.evicted
+                self.task_ends.keep(msg, len(self.active))
+                if self.task_ends.evicted > evicted:  # over their share: see task_ends.py
+                    self.counters["gate_carry_evicted"] += self.task_ends.evicted - evicted
             rnd.arrived += 1
             if self._round_full() and rnd.clients() < self._round_needs(self._quorum()) \
                     and self.spills:

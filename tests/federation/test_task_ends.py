@@ -132,3 +132,26 @@ def test_on_a_congested_link_the_carry_keeps_tiny_tasks_from_collapsing():
     collapsed = sum(x < 0.1 for x in without), sum(x < 0.1 for x in with_carry)
     assert collapsed[1] < collapsed[0], (without, with_carry)
     assert np.mean(with_carry) > np.mean(without) + 0.1, (without, with_carry)
+
+
+def test_one_device_cannot_take_the_carry_budget_of_the_others():
+    """The attack (a reviewer helper's): one device's valid update 19x an honest one's, first in,
+    took the budget that 8 of 20 honest end-of-task updates needed. An update that does not
+    fit now evicts the largest kept updates over a device's share and larger than it; honest
+    updates of one size never evict each other."""
+    honest = upd("h", 1, 0.0).nbytes
+    ends = TaskEnds(budget=4 * honest)  # 4 devices' worth: a share of `honest` among 4
+    big = Update("evil", 0, 1, 0, 1, 10, {"w": np.zeros(6, np.float32)})  # 3x an honest one
+    assert ends.keep(big, devices=4)
+    kept = [ends.keep(upd(c, 1, 1.0), devices=4) for c in "abcd"]
+    assert kept == [True] * 4 and "evil" not in ends.kept and ends.evicted == 1
+    assert not ends.keep(upd("e", 1, 1.0), devices=4)  # full of shares: no one evicted
+    assert not ends.keep(big, devices=4)  # a larger one never evicts a smaller one
+    assert set(ends.kept) == set("abcd") and ends.nbytes == 4 * honest and ends.evicted == 1
+
+
+def test_the_kept_updates_bookkeeping_stays_bounded():
+    ends = TaskEnds(budget=1 << 20)
+    for i in range(10_000):
+        ends.keep(upd(f"c{i % 3}", i + 1, 1.0), devices=3)
+    assert len(ends.kept) == 3 and len(ends._largest) <= 2 * 3 + 65
