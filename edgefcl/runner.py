@@ -32,7 +32,8 @@ def run_many(cfg: RunConfig, on_done: Callable[[RunResult], None] | None = None,
     done = done or {}
     total = total_runs(cfg)
     for label, method, fed in run_entries(cfg):
-        run_cfg = dataclasses.replace(cfg, fed=fed)
+        run_cfg = dataclasses.replace(cfg, fed=fed, compare=label)  # (this entry's alone: an
+        # apc entry's encoding is no other entry's)
         for seed in range(cfg.seed, cfg.seed + cfg.seeds):
             if (label, seed) in done:
                 results.append(done[(label, seed)])

@@ -113,6 +113,18 @@ def test_a_sweep_is_sweep_and_simulate_refuses_one() -> None:
                                                   ("fedavg", 1)]
 
 
+def test_a_sweep_runs_apc_beside_methods_of_other_encodings() -> None:
+    # a researcher's (a reviewer helper's): --compare er,apc ran er, then stopped with
+    # "encoding apc needs method apc": each run's config was checked with every entry
+    cfg = edgefcl.RunConfig(data=edgefcl.DataConfig(tasks=2, classes_per_task=2),
+                            learn=edgefcl.LearnConfig(memory_size=20, local_epochs=1),
+                            fed=edgefcl.FedConfig(clients=2, burn_in=2, jump=2),
+                            compare="er,apc,vfcl", quiet=True)
+    runs = edgefcl.sweep(cfg)
+    assert [r.method for r in runs] == ["er", "apc", "vfcl"]
+    assert [r.config["fed"]["encoding"] for r in runs] == ["dense", "apc", "gaussian"]
+
+
 @pytest.mark.parametrize("build,flags", [
     (lambda: edgefcl.LearnConfig(memory_size=-3), ["--memory-size", "-3"]),
     (lambda: edgefcl.FedConfig(jump=0), ["--jump", "0"]),

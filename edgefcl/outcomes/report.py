@@ -267,11 +267,14 @@ def _expected(cfg: RunConfig, label: str, seed: int) -> dict[str, Any]:
 
     fed = next(f for lbl, _, f in run_entries(cfg) if lbl == label)
     method = next(m for lbl, m, _ in run_entries(cfg) if lbl == label)
-    return cfg_dict(for_method(dataclasses.replace(cfg, fed=fed), method), method, seed)
+    return cfg_dict(for_method(dataclasses.replace(cfg, fed=fed, compare=label), method),
+                    method, seed)
 
 
 def _comparable(cfg: RunConfig) -> str:
-    cfg.quiet = False
+    """A run's options as text, for telling runs of other options apart (not its sweep's
+    other entries, nor whether it printed progress)."""
+    cfg.quiet, cfg.compare = False, ""
     return dump_toml(cfg)
 
 
