@@ -13,8 +13,9 @@ seed gives the same numbers, in well under a second per run):
   `synchronised` (every device due at the same instant) or `bursty` (synchronised, and due
   only in the first 10 s of every 40 s);
 - the daemon: an inbox of `inbox` updates (its byte budget over the update size), a main loop
-  that takes one update at a time, asks the update quota and folds an admitted one in
-  `1 / capacity` seconds; every `interval` seconds the inbox's load sets the factor, the
+  that takes one update at a time, asks the update quota (its rate limit, and with `pace` its
+  check of the update's sequence number: each device numbers its due updates, the ones its
+  pacer holds included) and folds an admitted one in `1 / capacity` seconds; every `interval` seconds the inbox's load sets the factor, the
   quota's interval ends, and the devices follow the new factor at once (the retained config);
   as in the daemon, the main loop does this when it is free, so an interval that ends while
   it closes a round (`rounds`) ends after the close.
@@ -86,6 +87,9 @@ class Loop:
     newcomers: float = 0.0
     """New device ids a second, each sending one update and then nothing (active, as a joined
     device, for CLIENT_TIMEOUT_S): the honest devices' cost of counting them."""
+    pace: str = "on"
+    """The daemon's check of each update's sequence number against the factor
+    (`UpdateQuota.paced`), or off."""
 
 
 CLIENT_TIMEOUT_S = 120.0
@@ -131,7 +135,8 @@ def run_loop(spec: Loop) -> dict:
     events += [(k * RELEASE_EVERY, RELEASE, -1)
                for k in range(1, int(spec.seconds / RELEASE_EVERY) + 1)]
     heapq.heapify(events)
-    payload = bytes(SIZE)
+    seqs = np.zeros(n, np.int64)  # each device's due updates so far (its sequence number)
+    sends: list[deque[int]] = [deque() for _ in range(n)]  # the numbers of its sends under way
     folded = np.zeros(n, np.int64)
     steady = _steady(spec)
     sent = np.zeros(n, np.int64)  # per device, in the steady window: updates sent, and those
@@ -174,8 +179,9 @@ def run_loop(spec: Loop) -> dict:
         while (len(inbox) or released) and busy <= until:
             now[0] = busy
             if len(inbox):
-                device, _ = inbox.get(0)
-                if quota.admit(device, device):
+                device, payload = inbox.get(0)
+                seq = int.from_bytes(payload[:8], "big") if spec.pace == "on" else None
+                if quota.admit(device, device, seq=seq):
                     busy = fold(device, busy)
                 elif steady.start <= busy < steady.stop:
                     hold(device, 1)
@@ -185,11 +191,11 @@ def run_loop(spec: Loop) -> dict:
             inbox.waited(until - busy)
             busy = until
 
-    def arrive(i: int, at: float) -> None:
+    def arrive(i: int, at: float, seq: int) -> None:
         nonlocal busy
         sent[i] += steady.start <= at < steady.stop
         busy = max(busy, at) + spec.receive_share / spec.capacity
-        inbox.put(names[i], payload)
+        inbox.put(names[i], seq.to_bytes(8, "big") + bytes(SIZE - 8))
 
     while events:
         t, kind, i = heapq.heappop(events)
@@ -199,18 +205,20 @@ def run_loop(spec: Loop) -> dict:
         now[0] = t
         if kind == NEW:
             joined[f"d{i}"] = t
-            inbox.put(f"d{i}", payload)
+            inbox.put(f"d{i}", (1).to_bytes(8, "big") + bytes(SIZE - 8))
             continue
         if kind == DUE:
             heapq.heappush(events, (_due_after(t, spec, float(periods[i])), DUE, i))
+            seqs[i] += 1
             if pacers[i].take(t) or i in ignoring:
                 if spec.jitter == "off":
-                    arrive(i, t)
+                    arrive(i, t, int(seqs[i]))
                 else:
+                    sends[i].append(int(seqs[i]))
                     heapq.heappush(events, (t + pacers[i].delay(), SEND, i))
             continue
         if kind == SEND:
-            arrive(i, t)
+            arrive(i, t, sends[i].popleft())
             continue
         if kind == RELEASE:
             released.extend(quota.release())  # what waited for its device's token
@@ -301,6 +309,9 @@ CASES = [{"pacing": "random", "offered": 1.0}, {"pacing": "random", "offered": 2
          {"pacing": "random", "offered": 2.0, "ignoring": 0.5},
          {"pacing": "random", "offered": 2.0, "ignoring": 0.5, "capacity": 350.0},
          {"pacing": "random", "offered": 2.0, "ignoring": 0.5, "capacity": 140.0},
+         {"pacing": "random", "offered": 2.0, "ignoring": 0.5, "capacity": 20.0,
+          "seconds": 600.0},
+         {"pacing": "bursty", "offered": 2.0, "ignoring": 0.5, **DENSE_RECEIVING},
          {"pacing": "random", "offered": 1.0, **SPARSE_ROUNDS},
          {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS},
          {"pacing": "random", "offered": 2.0, **SPARSE_ROUNDS, "max_factor": 1.0},
@@ -330,6 +341,8 @@ def _label(case: dict, devices: int) -> str:
         text += ", backpressure off"
     if case.get("jitter", "on") != "on":
         text += f", delay {case['jitter']}"
+    if case.get("seconds"):
+        text += f", {case['seconds']:g} s"
     return text
 
 

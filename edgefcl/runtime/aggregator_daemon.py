@@ -44,6 +44,7 @@ from edgefcl.transport.codec import (
     Message,
     decode,
     encode,
+    peek_seq,
     spec_hash,
     tensor_spec,
 )
@@ -260,7 +261,7 @@ class AggregatorDaemon:
             raise CodecError("topic", f"no message is accepted on {topic}")
         sender = None if topic == self.topics.control else self.topics.client_from(topic)
         if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(
-                sender, (topic, payload), len(payload)):
+                sender, (topic, payload), len(payload), peek_seq(payload)):
             return  # over its fair share under backpressure: waits, undecoded, for a token
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True,  # a damaged update must never be aggregated

@@ -53,7 +53,14 @@ from edgefcl.runtime.threads import stop_on_signals
 from edgefcl.runtime.update_quota import RELEASE_EVERY, UpdateQuota
 from edgefcl.support.errors import UserError
 from edgefcl.transport.bounds import DEFAULT_LIMITS, STATUS_LIMITS
-from edgefcl.transport.codec import DEFAULT_MAX_BYTES, CodecError, Message, decode, encode
+from edgefcl.transport.codec import (
+    DEFAULT_MAX_BYTES,
+    CodecError,
+    Message,
+    decode,
+    encode,
+    peek_seq,
+)
 from edgefcl.transport.partials import decode_grant, encode_claim, encode_partial
 from edgefcl.transport.topics import UPDATE_KINDS
 from edgefcl.transport.transport_error import TransportError
@@ -295,7 +302,7 @@ class WorkerDaemon:
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
         if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(
-                t.client_from(topic), (topic, payload), len(payload)):
+                t.client_from(topic), (topic, payload), len(payload), peek_seq(payload)):
             return  # over its fair share under backpressure: waits for its next token
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True, limits=message_limits(allowed, self.update_limits))

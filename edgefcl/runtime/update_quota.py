@@ -32,12 +32,13 @@ that compliant devices are slowed by the factor rather than held here.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from edgefcl.runtime.backpressure import MAX_DELAY_S
 from edgefcl.runtime.device_rates import DeviceRates
 
 SMOOTHING = 0.3
@@ -119,6 +120,14 @@ with a fifth of the devices 8x slower than the rest it sat above the mean share 
 load fitted (1.2x offered: 0.93 folded, 28 % of the updates held; 0.985 and 17 % without)."""
 
 
+PACE_SLACK = 1.1
+"""A device may send this many times the updates the factor lets its schedule send
+(`paced`)."""
+PACE_BOUND = 2.0
+"""The most credit `paced` holds for a device: what its pacer can hold after a send (under 1)
+and one update's."""
+
+
 class UpdateQuota:
     """Per-device update budgets, set once per status interval."""
 
@@ -167,16 +176,67 @@ class UpdateQuota:
         0.82 of capacity, 0.92 before)."""
         self._over: frozenset[str] = frozenset()
         self._sent: dict[str, int] = {}  # active device -> the last interval it sent in
+        self.paces: dict[str, tuple[float, int]] = {}  # device -> (credit, its last seq)
+        self.unpaced = 0
+        """Updates `paced` refused (sent more often than the factor lets a device)."""
+        self._factors: deque[tuple[float, float]] = deque([(self.clock(), 1.0)])
 
-    def admit(self, device: str, item: Any = None, size: int = 0) -> bool:
-        """Whether an update of `device` may be handled now (counted either way). When not,
-        `item` (of `size` bytes) waits as the device's newest (one per device: it replaces
-        the one waiting, which is shed) until `release` finds a token for it, unless the
-        waiting updates would then hold more than MAX_WAITING devices or `max_bytes`: then it
-        is shed."""
+    def paced(self, device: str, seq: int) -> bool:
+        """Whether `device`'s update numbered `seq` keeps to the advertised factor: the
+        daemon's mirror of the device's `Pacer`, on the sequence numbers a device gives every
+        update its schedule makes due, the ones its pacer holds included.
+
+        With f the lowest factor advertised since the device's pacer could have taken the
+        first of those numbers (`_lowest_factor`), each number since its last update earns
+        PACE_SLACK / f, up to PACE_BOUND in all, and each update costs one. A device that
+        sends every due update under a factor f thus gets one in f / PACE_SLACK through,
+        whatever its or the fleet's pace (firmware that ignores the factor: the rate limit of
+        `admit` alone let it have 3x a compliant device's share in fleets due every 25 s).
+        A paced device is never refused: it earns at least what its pacer does, and what its
+        pacer holds after a send (under 1) is under what the bound leaves. A refused update
+        counts against its device (`shed`: status "flooding"). A new device, or a number that
+        goes back (a new session), starts with PACE_BOUND; one that jumps ahead earns at once,
+        so a device that makes its numbers up is held by the rate limit alone."""
+        low = self._lowest_factor(device)
+        credit, last = self.paces.get(device, (PACE_BOUND, seq - 1))
+        credit = (min(PACE_BOUND, credit + PACE_SLACK * (seq - last) / low) if seq > last
+                  else PACE_BOUND)
+        ok = credit >= 1.0
+        self.paces[device] = (credit - 1.0 if ok else credit, seq)
+        if not ok:
+            self.unpaced += 1
+            self.shed[device] += 1
+        return ok
+
+    def _lowest_factor(self, device: str) -> float:
+        """The lowest factor in force since `device`'s pacer could have taken the first update
+        numbered after its previous one: from that update's arrival, less its send delay
+        (`Pacer.delay`: at most the time between its updates, and MAX_DELAY_S) and a status
+        interval; since the first factor kept (KEEP_S) for a device seen once."""
+        now = self.clock()
+        while len(self._factors) > 1 and self._factors[1][0] <= now - KEEP_S:
+            self._factors.popleft()  # the factor in force then stays first
+        times = self.times.times.get(device)
+        since = -float("inf")
+        if times is not None and len(times) > 1:
+            since = times[-2] - min(MAX_DELAY_S, times[-1] - times[-2]) - self.seconds
+        return min(f for k, (_, f) in enumerate(self._factors)
+                   if k + 1 == len(self._factors) or self._factors[k + 1][0] > since)
+
+    def admit(self, device: str, item: Any = None, size: int = 0,
+              seq: int | None = None) -> bool:
+        """Whether an update of `device` may be handled now (counted either way). An update
+        numbered `seq` (`codec.peek_seq`) that is over its device's pace (`paced`) is refused.
+        Otherwise, over the rate limit, `item` (of `size` bytes) waits as the device's newest
+        (one per device: it replaces the one waiting, which is shed) until `release` finds a
+        token for it, unless the waiting updates would then hold more than MAX_WAITING
+        devices or `max_bytes`: then it is shed."""
         self.counts[device] += 1
         now = self.clock()
         self.times.note(device, now)
+        if seq is not None and not self.paced(device, seq):
+            self.refused += 1
+            return False
         if self.limit is None:
             return self._pass(device)
         tokens = self._tokens(device, now)
@@ -312,6 +372,8 @@ class UpdateQuota:
         set), and the waiting updates superseded so far (once there are some)."""
         out: dict[str, float | int] = {"waiting_superseded": self.superseded} if (
             self.superseded) else {}
+        if self.unpaced:
+            out["updates_unpaced"] = self.unpaced
         if self.limit is None:
             return out
         return out | {"update_limit_per_s": round(self.limit, 3),
@@ -329,6 +391,9 @@ class UpdateQuota:
                         reverse=True)  # the latest first
         keep = active | {d for t, d in others[:len(active)] if clock - t < KEEP_S}
         self.times.keep(keep)
+        self.paces = {d: v for d, v in self.paces.items() if d in keep}
+        self._factors.append((clock, max(factor, 1.0)))
+        self._lowest_factor("")  # (drops the factors out of its window)
         now = {d: self.counts.get(d, 0) / seconds for d in keep}
         quiet = sum(1 for r in now.values() if r) < QUIET_SHARE * len(now)
         old = self.rates  # a quiet interval keeps the rates of the devices that did not send

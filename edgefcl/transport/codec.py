@@ -381,6 +381,30 @@ def _decode_message(kind: str, m: dict[str, Any]) -> Message:
     return Message(kind, body if check is None else check(body), m["fleet"], m["sender"])
 
 
+PEEK_BYTES = 512
+"""How far into a payload `peek_seq` reads (an update's sequence number is in its first
+hundred bytes: the envelope, the client and the base version come before it)."""
+
+
+def peek_seq(payload: bytes) -> int | None:
+    """An update's or tick's sequence number, read from the payload's first PEEK_BYTES without
+    decoding or checking anything (None where it is not there as `to_map` puts it: among the
+    first 8 entries, after scalars only). For the daemon's pace check before it decodes an
+    update (`UpdateQuota.admit`); the decoded message is checked in full after."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=PEEK_BYTES)
+        unpacker.feed(bytes(payload[:PEEK_BYTES]))
+        for _ in range(min(unpacker.read_map_header(), 8)):
+            key, value = unpacker.unpack(), unpacker.unpack()
+            if not isinstance(value, (str, int)):
+                return None
+            if key == "seq":
+                return value if type(value) is int else None
+    except Exception:  # cut short, not a map, junk: no number to pace by
+        return None
+    return None
+
+
 def decode(
     payload: bytes, expect_fleet: str | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
     require_digest: bool = False, limits: Limits = DEFAULT_LIMITS,

@@ -1170,3 +1170,24 @@ def test_a_log_line_is_cut_after_its_escapes() -> None:
                                ("\U0010ffff" * 5000,), None)
     line = PlainFormatter("%(message)s").format(record)
     assert len(line) <= MAX_LINE + 40 and line.endswith("characters left out)")
+
+
+def test_a_device_that_ignores_the_factor_has_its_extra_updates_refused_unpaced(tmp_path) -> None:
+    # firmware that ignores the backpressure factor sends every update its schedule makes due
+    # (sequence numbers 1, 2, 3, ...); under a factor of 4 the daemon lets one in 4 / 1.1
+    # through (`UpdateQuota.paced`), and a device that follows the factor (numbers 4 apart)
+    # loses none
+    d = make_daemon(tmp_path, roster="a,b,c")
+    now = [0.0]
+    d.quota.clock = lambda: now[0]
+    d.quota._factors.clear()
+    d.quota._factors.append((0.0, 4.0))
+    tp = topics(d.cfg.mqtt)
+    for k in range(1, 41):
+        now[0] = 100.0 + k
+        for client, seq in (("a", k), ("b", 4 * k)):
+            d.handle(tp.update(client), update(client, seq=seq, batch=seq,
+                                               base=d.agg.global_.version))
+    assert d.quota.unpaced == d.quota.shed["a"] == 40 - 12  # credit 2 + 39 x 0.275: 12 pass
+    assert d.quota.shed["b"] == 0 and d.agg.counters["accepted"] == 40 + 12
+    assert d.status()["updates_unpaced"] == 28  # what the status shows

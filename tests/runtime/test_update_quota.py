@@ -489,3 +489,81 @@ def test_a_worker_forgets_a_device_quiet_for_keep_s_however_quiet_the_fleet():
         quota.admit(f"d{k % 100}")
         quota.end_interval(2.0, quota.recent(), 2.0)
     assert "sybil" not in quota.recent() and "sybil" not in quota.rates
+
+
+def paced_quota(factor: float) -> UpdateQuota:
+    """A quota whose factor has been `factor` since 0 s (at 60 s)."""
+    quota = UpdateQuota(clock=Clock())
+    quota.end_interval(2.0, set(), factor)
+    quota.clock.t = 60.0
+    quota.end_interval(2.0, set(), factor)
+    return quota
+
+
+def test_paced_lets_a_device_that_sends_every_due_update_have_one_in_factor_over_slack():
+    """By hand, factor 4 (and 1 before: the first update, of a device seen once, has 2 -> 1),
+    then each earns 1.1 / 4 = 0.275: 1.275 -> 0.275 (passed), 0.55, 0.825 (refused), 1.1
+    (passed) -> 0.1, 0.375, 0.65, 0.925, 1.2 (passed) ... and over 100 updates 2 + 99 x 0.275
+    = 29.2 credits (the first's own is over the bound of 2): 29 passed."""
+    quota = paced_quota(4.0)
+    passed = []
+    for seq in range(1, 101):  # one a second from 100 s on
+        quota.clock.t = 99.0 + seq
+        quota.times.note("x", quota.clock.t)
+        passed.append(quota.paced("x", seq))
+    assert passed[:9] == [True, True, False, False, True, False, False, False, True]
+    assert sum(passed) == 29 and quota.unpaced == 71 and quota.shed["x"] == 71
+
+
+def test_paced_never_refuses_a_device_that_follows_the_factor():
+    """Devices paced by `Pacer` (any starting credit) through factors that move, updates
+    arriving after their send delay: none is ever refused (the bound: the daemon's credit
+    never falls below the device's own, with a bucket of 2)."""
+    from edgefcl.runtime.backpressure import Pacer
+
+    rng = random.Random(0)
+    quota = UpdateQuota(clock=Clock())
+    pacers = {f"d{i}": Pacer(f"d{i}", 0) for i in range(50)}
+    seqs = Counter()
+    due = {d: rng.uniform(0, 5) for d in pacers}
+    period = {d: rng.choice([0.3, 1.0, 5.0, 25.0]) for d in pacers}
+    in_flight: list[tuple[float, str, int]] = []
+    factor, t = 1.0, 0.0
+    while t < 3000:
+        t += 0.1
+        quota.clock.t = t
+        for d, p in pacers.items():
+            if due[d] <= t:
+                due[d] += period[d]
+                seqs[d] += 1
+                if p.take(t):
+                    in_flight.append((t + p.phase * min(period[d], 10.0), d, seqs[d]))
+        for item in sorted(x for x in in_flight if x[0] <= t):
+            in_flight.remove(item)
+            quota.times.note(item[1], t)
+            assert quota.paced(item[1], item[2]), item
+        if round(t * 10) % 20 == 0:  # a status interval: the factor moves
+            factor = rng.choice([1.0, 1.5, 2.0, 3.7, 8.0]) if rng.random() < 0.2 else factor
+            quota.end_interval(2.0, set(pacers), factor)
+            for p in pacers.values():
+                p.factor = factor
+    assert quota.unpaced == 0
+
+
+def test_paced_takes_the_lowest_factor_since_the_devices_previous_update():
+    """Its numbers since then were taken by its pacer under the factors from that update's
+    arrival, less its send delay (at most its period, and 10 s) and an interval (2 s)."""
+    quota = paced_quota(1.0)
+    for t in (59.0, 60.0):
+        quota.times.note("a", t)
+    quota.clock.t = 61.0
+    quota.end_interval(2.0, {"a"}, 8.0)  # the factor rises to 8 at 61 s
+    quota.clock.t = 64.0
+    assert quota._lowest_factor("a") == 1.0  # since 59 - 1 - 2 = 56 s: 1 then
+    quota.clock.t = 100.0
+    for t in (90.0, 100.0):
+        quota.times.note("a", t)
+    assert quota._lowest_factor("a") == 8.0  # since 90 - 10 - 2 = 78 s
+    assert quota._lowest_factor("new") == 1.0  # seen once: every factor kept
+    assert quota.paced("b", 5) and quota.paced("b", 1)  # a new session: a full bucket again
+    assert quota.paces["b"] == (1.0, 1)

@@ -84,6 +84,24 @@ def test_update_round_trip(up: Update) -> None:
         t += 0  # decoded arrays own writable memory
 
 
+@settings(max_examples=60, deadline=None)
+@given(updates())
+def test_peek_seq_reads_an_updates_number_without_decoding_it(up: Update) -> None:
+    assert codec.peek_seq(codec.encode(up, fleet=FLEET)) == up.seq
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=2048) | st.builds(
+    lambda m: msgpack.packb(m, use_bin_type=True),
+    st.dictionaries(st.sampled_from(["seq", "kind", "x", ""]) | st.text(max_size=8),
+                    st.integers(-2**63, 2**64 - 1) | st.text() | st.booleans()
+                    | st.lists(st.integers(0, 9), max_size=3), max_size=10)))
+def test_peek_seq_never_raises_and_reads_only_an_int(payload: bytes) -> None:
+    seq = codec.peek_seq(payload)
+    assert seq is None or type(seq) is int
+    assert codec.peek_seq(_raw(seq=True)) is None and codec.peek_seq(_raw(seq=7)) == 7
+
+
 @settings(max_examples=40, deadline=None)
 @given(updates(dtypes=["<f4", "<i8"]))
 def test_float16_wire_round_trip(up: Update) -> None:
