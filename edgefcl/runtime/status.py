@@ -165,6 +165,7 @@ def _aggregator_row(b: dict[str, Any], now: float) -> dict[str, Any]:
             "update_limit_per_s": _num(b.get("update_limit_per_s")),
             "devices_over_limit": _int(b.get("devices_over_limit")),
             "waiting_superseded": _int(b.get("waiting_superseded")),
+            "updates_unpaced": _int(b.get("updates_unpaced")),
             "busy": _num(b.get("busy"))}
 
 
@@ -237,7 +238,9 @@ def render(snap: dict[str, Any]) -> str:
                 + ("" if limit is None else f"   update limit {limit:.2f}/s per device, "
                    f"{_fmt(a.get('devices_over_limit'))} devices over it")
                 + ("" if not a.get("waiting_superseded") else
-                   f"   {a['waiting_superseded']} waiting updates superseded"))
+                   f"   {a['waiting_superseded']} waiting updates superseded")
+                + ("" if not a.get("updates_unpaced") else
+                   f"   {a['updates_unpaced']} updates over their device's pace"))
         if a.get("flooding"):
             lines.append("  flooding (messages shed over their share): " + ", ".join(
                 f"{k} {v}" for k, v in a["flooding"].items()))

@@ -155,13 +155,15 @@ def test_the_backpressure_factor_and_update_limit_are_shown() -> None:
     view = view_with()
     body = {"state": "online", "version": 3, "rounds": 3, "backpressure": 2.1,
             "backpressure_reason": f"shed{ESC}[2J", "update_limit_per_s": 0.46,
-            "devices_over_limit": 212, "waiting_superseded": 7, "busy": 0.83}
+            "devices_over_limit": 212, "waiting_superseded": 7, "busy": 0.83,
+            "updates_unpaced": 40}
     view.on_message(topics(view.cfg.mqtt).aggregator_status,
                     encode(Message("status", body, sender="aggregator"), fleet=FLEET))
     text = render(view.snapshot())
     assert "backpressure 2.10 (shed" in text and ESC not in text
     assert "update limit 0.46/s per device, 212 devices over it" in text
     assert "7 waiting updates superseded" in text
+    assert "40 updates over their device's pace" in text
     assert "main loop busy 83%" in text
     view.on_message(topics(view.cfg.mqtt).aggregator_status,
                     encode(Message("status", {"state": "online", "backpressure": "x"},
