@@ -17,7 +17,7 @@ from edgefcl.version import __version__
 
 API = {
     "Learner": "edgefcl.api", "simulate": "edgefcl.api", "sweep": "edgefcl.api",
-    "RunResult": "edgefcl.api",
+    "summarize": "edgefcl.api", "RunResult": "edgefcl.api",
     "RunConfig": "edgefcl.config", "DataConfig": "edgefcl.config",
     "LearnConfig": "edgefcl.config", "FedConfig": "edgefcl.config",
     "MqttConfig": "edgefcl.config", "ConfigError": "edgefcl.config",

@@ -16,6 +16,8 @@ from the same `LearnConfig` the CLI fills, with the same checks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from numpy.typing import ArrayLike
@@ -29,29 +31,41 @@ from edgefcl.learn.client import Client
 from edgefcl.learn.model_heads import head_of, library_model_head
 from edgefcl.learn.models import build_model
 from edgefcl.learn.variational import client_hooks
+from edgefcl.outcomes.report import run_dir, summarize, write_run, write_summary
 from edgefcl.outcomes.results import RunResult
 from edgefcl.runner import run_many
 from edgefcl.sim.runs import simulate as simulate_one
 
-__all__ = ["Learner", "RunResult", "simulate", "sweep"]
+__all__ = ["Learner", "RunResult", "simulate", "summarize", "sweep"]
 
 
 def simulate(cfg: RunConfig) -> RunResult:
     """One run of `cfg` in process (lock-step, or async on the virtual clock with its
-    `profile`): its method, its seed. The same config gives the same `global_sha256`. A config
-    with `compare` or `seeds` > 1 is a sweep: ConfigError, use `sweep`."""
+    `profile`): its method, its seed. The same config gives the same `global_sha256`. With
+    `cfg.out`, its results, config, global and plots are written there, as `edgefcl simulate
+    --out` writes them. A config with `compare` or `seeds` > 1 is a sweep: ConfigError, use
+    `sweep`."""
     if cfg.compare or cfg.seeds > 1:
         raise ConfigError("simulate runs one method and one seed; edgefcl.sweep(cfg) runs "
                           "every method of compare for every seed (a RunResult each)")
-    return simulate_one(cfg)
+    result = simulate_one(cfg)
+    if cfg.out:
+        write_run(result, Path(cfg.out))
+    return result
 
 
 def sweep(cfg: RunConfig) -> list[RunResult]:
     """Every method of `cfg.compare` (or its method) for `cfg.seeds` seeds from `cfg.seed`,
     in process, as `edgefcl simulate --compare ... --seeds N` runs them: a RunResult each, in
-    that order (labelled by its compare entry); `edgefcl.outcomes.report.summarize` gives
-    their mean ± sample std per method."""
-    return run_many(cfg)
+    that order (labelled by its compare entry). With `cfg.out`, each run's folder is written
+    as it finishes and the summary (results.json, comparison.png) at the end, as the CLI
+    writes them. `summarize` gives their mean ± sample std per method."""
+    out = Path(cfg.out) if cfg.out else None
+    results = run_many(cfg, on_done=None if out is None else (
+        lambda r: write_run(r, run_dir(out, r))))
+    if out is not None:
+        write_summary(results, out)
+    return results
 
 
 class Learner:

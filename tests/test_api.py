@@ -113,6 +113,19 @@ def test_a_sweep_is_sweep_and_simulate_refuses_one() -> None:
                                                   ("fedavg", 1)]
 
 
+def test_out_writes_what_the_cli_writes(tmp_path) -> None:
+    # a researcher's (a reviewer helper's): sweep(RunConfig(..., out=DIR)) wrote nothing
+    small = {"data": edgefcl.DataConfig(tasks=2, classes_per_task=2),
+             "learn": edgefcl.LearnConfig(memory_size=20, local_epochs=1),
+             "fed": edgefcl.FedConfig(clients=2, burn_in=2, jump=2), "quiet": True}
+    edgefcl.sweep(edgefcl.RunConfig(**small, compare="er,fedavg", out=str(tmp_path / "s")))
+    for path in ("results.json", "comparison.png", "er/seed0/results.json",
+                 "fedavg/seed0/config.toml"):
+        assert (tmp_path / "s" / path).is_file(), path
+    edgefcl.simulate(edgefcl.RunConfig(**small, out=str(tmp_path / "one")))
+    assert (tmp_path / "one" / "results.json").is_file()
+
+
 def test_a_sweep_runs_apc_beside_methods_of_other_encodings() -> None:
     # a researcher's (a reviewer helper's): --compare er,apc ran er, then stopped with
     # "encoding apc needs method apc": each run's config was checked with every entry
@@ -122,6 +135,7 @@ def test_a_sweep_runs_apc_beside_methods_of_other_encodings() -> None:
                             compare="er,apc,vfcl", quiet=True)
     runs = edgefcl.sweep(cfg)
     assert [r.method for r in runs] == ["er", "apc", "vfcl"]
+    assert list(edgefcl.summarize(runs)) == ["er", "apc", "vfcl"]
     assert [r.config["fed"]["encoding"] for r in runs] == ["dense", "apc", "gaussian"]
 
 

@@ -15,8 +15,9 @@ seed gives the same numbers, in well under a second per run):
 - the daemon: an inbox of `inbox` updates (its byte budget over the update size), a main loop
   that takes one update at a time, asks the update quota (its rate limit, and with `pace` its
   check of the update's sequence number: each device numbers its due updates, the ones its
-  pacer holds included) and folds an admitted one in `1 / capacity` seconds; every `interval` seconds the inbox's load sets the factor, the
-  quota's interval ends, and the devices follow the new factor at once (the retained config);
+  pacer holds included) and folds an admitted one in `1 / capacity` seconds; every
+  `interval` seconds the inbox's load sets the factor, the quota's interval ends, and the
+  devices follow the new factor at once (the retained config);
   as in the daemon, the main loop does this when it is free, so an interval that ends while
   it closes a round (`rounds`) ends after the close.
 
