@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -81,6 +82,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             kept = f" ({len(done)} kept)" if done else ""
             print(f"{len(done) + len(ran)}/{total} runs done{kept}, about "
                   f"{per * (todo - len(ran)):.0f} s left", file=sys.stderr, flush=True)
+    term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # (kill: as Ctrl-C)
     try:
         results = run_many(cfg, on_done=finished, done=done)
     except KeyboardInterrupt:
@@ -88,6 +90,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"{len(done) + len(ran)} of {total} runs finished, in {out}; the same "
                   "command with --resume runs the rest", file=sys.stderr)
         raise
+    finally:
+        signal.signal(signal.SIGTERM, term)
     if several:
         if args.resume:
             results, extra = with_held_runs(results, out)

@@ -321,6 +321,10 @@ def test_report_renders_run_and_compare_directories(tmp_path, capsys):
     assert (out / "comparison.png").stat().st_size > 1000
     assert main(["report", str(out / "fedavg" / "seed1")]) == 0
     assert "A = " in capsys.readouterr().out
+    (out / "results.json").unlink()  # a sweep stopped before its summary (a researcher's)
+    assert main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "mean ± sample standard deviation" in text and "the 2 runs it finished" in text
 
 
 def test_a_broken_or_foreign_results_file_is_a_one_line_error(tmp_path, capsys):

@@ -450,6 +450,14 @@ def report_dir(path: Path) -> str:
             plot_rounds(rounds, path / "rounds.png", f"fleet state {path.name}: bytes and "
                         "held-out accuracy of the global per round")
         parts.append(fleet_table(path, rounds))
+    runs = sorted(path.glob(f"*/seed*/{RESULTS}"))
+    if not parts and runs:  # a sweep stopped before its summary: the runs it finished
+        found = [result_from_dict(load_json(f), f) for f in runs]
+        summary = summarize(found)
+        plot_comparison(summary, path / "comparison.png")
+        parts += [*(run_table(r) for r in found), "", compare_table(summary),
+                  f"(a sweep without its summary: the {len(found)} runs it finished; "
+                  "edgefcl simulate with the same options and --resume runs the rest)"]
     if not parts:
         inner = sorted({p.parent for name in (RESULTS, ROUNDS)
                         for p in [*path.glob(f"*/{name}"), *path.glob(f"*/*/{name}")]})
