@@ -123,7 +123,8 @@ def test_out_writes_what_the_cli_writes(tmp_path) -> None:
                  "fedavg/seed0/config.toml"):
         assert (tmp_path / "s" / path).is_file(), path
     edgefcl.simulate(edgefcl.RunConfig(**small, out=str(tmp_path / "one")))
-    assert (tmp_path / "one" / "results.json").is_file()
+    for name in ("results.json", "config.toml", "global.npz"):  # readable by collaborators
+        assert (tmp_path / "one" / name).stat().st_mode & 0o777 == 0o644, name
 
 
 def test_a_sweep_runs_apc_beside_methods_of_other_encodings() -> None:

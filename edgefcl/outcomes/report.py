@@ -121,10 +121,12 @@ def write_run(r: RunResult, out: Path) -> None:
     """results.json, config.toml (what `--config` reruns to the same global_sha256), the
     final global and the plots of one run."""
     make_dir(out)
-    atomic_write(out / RESULTS, json.dumps(r.to_dict(), indent=1).encode(), fsync=False)
-    atomic_write(out / CONFIG, dump_toml(run_config(r.config)).encode(), fsync=False)
+    atomic_write(out / RESULTS, json.dumps(r.to_dict(), indent=1).encode(), fsync=False,
+                 shared=True)
+    atomic_write(out / CONFIG, dump_toml(run_config(r.config)).encode(), fsync=False,
+                 shared=True)
     if r.global_state is not None:  # rebuilt by `edgefcl export --run` with model_spec
-        save_tensors(out / GLOBAL_FILE, r.global_state)
+        save_tensors(out / GLOBAL_FILE, r.global_state, shared=True)
     plot_run(r, out)
 
 
@@ -139,7 +141,8 @@ def write_summary(results: list[RunResult], out: Path) -> dict:
     summary = summarize(results)
     make_dir(out)
     payload = {"summary": summary, "runs": [r.to_dict() for r in results]}
-    atomic_write(out / RESULTS, json.dumps(payload, indent=1).encode(), fsync=False)
+    atomic_write(out / RESULTS, json.dumps(payload, indent=1).encode(), fsync=False,
+                 shared=True)
     plot_comparison(summary, out / "comparison.png")
     return summary
 

@@ -17,12 +17,16 @@ from edgefcl.config import ConfigError
 Tensors = dict[str, np.ndarray]
 
 
-def atomic_write(path: Path, data: bytes, fsync: bool = True) -> None:
+def atomic_write(path: Path, data: bytes, fsync: bool = True, shared: bool = False) -> None:
     """Replace `path` with `data` so that readers see the old or the new file, never a mix
-    (temporary file + rename); with `fsync` the data and the rename survive a power cut."""
+    (temporary file + rename); with `fsync` the data and the rename survive a power cut. The
+    file is its owner's alone (state), or with `shared` readable by all, like a plot (a
+    run's results for collaborators on the machine)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        if shared:
+            os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if fsync:
@@ -53,10 +57,10 @@ def load_json(path: Path) -> Any:
                           "run what wrote it again") from None
 
 
-def save_tensors(path: Path, tensors: Tensors) -> None:
+def save_tensors(path: Path, tensors: Tensors, shared: bool = False) -> None:
     buf = io.BytesIO()
     np.savez(buf, **tensors)
-    atomic_write(path, buf.getvalue())
+    atomic_write(path, buf.getvalue(), shared=shared)
 
 
 def load_tensors(path: Path) -> Tensors:
