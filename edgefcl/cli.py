@@ -182,7 +182,8 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
     if what in ("crash", "fuzz", "flood"):
         what_of = {"crash": "SIGKILLs of the aggregator (default: 100)",
                    "fuzz": "mutated payloads (default: 100000)",
-                   "flood": "MiB sent in each flood (default: 1024)"}[what]
+                   "flood": "MiB sent in each flood, in whole messages: at least one (a "
+                            "tensor-count update is 49 MiB) (default: 1024)"}[what]
         p.add_argument("--count", type=int, default=0, metavar="N", help=what_of)
     if what == "fleet":
         from edgefcl.bench.loadgen.fleet_options import add_fleet_arguments

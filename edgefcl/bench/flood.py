@@ -260,9 +260,10 @@ def bench_flood(cfg: RunConfig, out: Path, count: int) -> dict:
                      "flooding": during[-1].get("flooding", {}) if during else {},
                      "aggregator_alive": agg.poll() is None}
             report["phases"][name] = phase
+            slowest = phase["slowest_honest_round_s"]
             print(f"{name:>18}: offered {phase['offered_mib']:7.1f} MiB in {wall:5.1f} s; "
-                  f"aggregator RSS peak {phase['rss_peak_mib']} MiB; {len(rounds)} honest rounds, "
-                  f"slowest {phase['slowest_honest_round_s']} s", flush=True)
+                  f"aggregator RSS peak {phase['rss_peak_mib']} MiB; {len(rounds)} honest rounds"
+                  + ("" if slowest is None else f", slowest {slowest} s"), flush=True)
         time.sleep(2.5)  # one more aggregator status with the final counters
         report["rss_hwm_mib"] = round(_rss(agg.pid, "VmHWM"), 1)
         report["counters"] = status[-1].get("counters", {}) if status else {}

@@ -92,13 +92,15 @@ def summarize(results: list[RunResult]) -> dict[str, dict[str, float]]:
 def compare_table(summary: dict[str, dict[str, float]]) -> str:
     """Methods side by side as mean ± sample std over seeds, like the paper's tables."""
     w = max([10, *map(len, summary)])
-    lines = [f"{'method':<{w}} {'seeds':>5} {'A (%)':>14} {'F (%)':>14} {'rounds':>8} "
+    lines = [f"{'method':<{w}} {'seeds':>5} {'A (%)':>14} {'F (%)':>14} {'rounds':>12} "
              f"{'bytes up':>10} {'time (s)':>9}"]
     for m, s in summary.items():
+        rounds = (f"{s['rounds_mean']:.0f}" if not s["rounds_std"] else
+                  pm(s["rounds_mean"], s["rounds_std"]))  # (async runs differ by seed)
         lines.append(
             f"{m:<{w}} {s['seeds']:>5} {pm(s['accuracy_mean'], s['accuracy_std']):>14} "
             f"{pm(s['forgetting_mean'], s['forgetting_std']):>14} "
-            f"{s['rounds_mean']:8.0f} {fmt_bytes(s['bytes_up_mean']):>10} "
+            f"{rounds:>12} {fmt_bytes(s['bytes_up_mean']):>10} "
             f"{s['wall_s_mean']:9.1f}")
     lines.append("(mean ± sample standard deviation over seeds; the mean alone for one seed)")
     return "\n".join(lines)
