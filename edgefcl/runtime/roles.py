@@ -226,7 +226,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     freeze_startup_heap()  # one device per process: the model lives as long as it does
     results = runner.run()
     acc = results.get("accuracy")
-    print(f"{client.cid}: {results['batches']} batches, {results['rounds']} rounds"
+    print(f"{client.cid}: {results['batches']} batches, {results['rounds']} globals merged"
           + (f", A = {acc:.1f} %" if acc is not None else "")
           + (f", F = {results['forgetting']:.1f} %" if "forgetting" in results else ""))
     if results["rounds"] == 0 and results["batches"] > 0:
