@@ -116,7 +116,7 @@ BENCHES = {
                  "and embedded broker, 1M-parameter model), aggregation memory for 10 vs 100 "
                  "updates",
     "fleet": "lightweight devices (one MQTT connection each) against Mosquitto and the "
-             "aggregator daemon, vs the raw broker rate (see the fleet options)",
+             "aggregator daemon, vs the raw broker rate (its options below)",
     "shard": "CPU time per update of one aggregator vs an aggregator worker, and per partial "
              "of the root (dense and sparse demo updates, through the daemons' handlers)",
     "backpressure": "the backpressure control loop on a virtual clock (the daemon's inbox, "
@@ -157,9 +157,11 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
                        help="runs at once, each in its own process (same results; the wall "
                        "times per run then include their contention)")
     if what == "async":
+        from edgefcl.bench.async_study import PRESETS
+
         p.add_argument("--async-rules", metavar="RULES",
-                       help="comma-separated rules NAME[/FIELD=VALUE...] (presets in "
-                       "edgefcl/bench/async_study.py; default: lockstep and the async presets)")
+                       help="comma-separated rules NAME[/FIELD=VALUE...], NAME one of "
+                       f"{', '.join(PRESETS)} (default: lockstep and the async presets)")
         p.add_argument("--profiles", help="comma-separated timing profiles (default: "
                        "homogeneous,heterogeneous)")
     if what == "memory":

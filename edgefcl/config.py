@@ -402,7 +402,9 @@ class RunConfig:
     mqtt: MqttConfig = field(default_factory=MqttConfig)
     seed: int = opt(0, "random seed (data split, class order, init, training)")
     seeds: int = opt(1, "number of seeds to run (seed, seed+1, ...); results as mean ± std")
-    compare: str = opt("", "comma-separated methods to run side by side, e.g. bi,er,fedavg")
+    compare: str = opt("", "comma-separated methods to run side by side, e.g. bi,er,fedavg; "
+                       "an entry METHOD+ENCODING/AGGREGATION also sets those, e.g. "
+                       "bi+gaussian/conflation")
     profile: str = opt(
         "homogeneous", "async in process: the devices' timing on the virtual clock: "
         "homogeneous | heterogeneous (10x spread of speeds, lognormal delays, 3 %% dropouts) | "
