@@ -221,7 +221,8 @@ def test_compare_writes_each_run_as_it_finishes_and_resumes(tmp_path, capsys, mo
     assert summary["fedavg"]["seeds"] == 2 and summary["er"]["seeds"] == 2
     # resuming with another configuration is refused, never mixed in
     assert main([*argv, "--resume", "--memory-size", "31"]) == 2
-    assert "another configuration" in one_line_error(capsys)
+    said = one_line_error(capsys)
+    assert "another configuration" in said and "memory_size" in said and "31 here" in said
     # a subset of the same runs is accepted, runs nothing and keeps the whole summary
     calls.clear()
     subset = ["simulate", *SMALL, "--compare", "er", "--seeds", "1", "--out", str(out)]

@@ -203,9 +203,11 @@ def finished_runs(cfg: RunConfig, out: Path, several: bool) -> dict[tuple[str, i
             continue
         r = result_from_dict(d, folder / RESULTS)
         mine = _comparable(run_config(_expected(cfg, label, seed)))
-        if _comparable(load_toml(folder / CONFIG)) != mine:
-            raise OtherOptions(f"--resume: {folder} holds a run of another configuration; "
-                               "use another --out or the same options")
+        theirs = _comparable(load_toml(folder / CONFIG))
+        if theirs != mine:
+            raise OtherOptions(f"--resume: {folder} holds a run of another configuration "
+                               f"({_first_difference(theirs, mine)}); use another --out or "
+                               "the same options")
         r.method = label
         done[(label, seed)] = r
     for d in held or []:  # the summary's other runs are kept beside this sweep's: same options
@@ -274,6 +276,19 @@ def _expected(cfg: RunConfig, label: str, seed: int) -> dict[str, Any]:
     method = next(m for lbl, m, _ in run_entries(cfg) if lbl == label)
     return cfg_dict(for_method(dataclasses.replace(cfg, fed=fed, compare=label), method),
                     method, seed)
+
+
+def _first_difference(theirs: str, mine: str) -> str:
+    """The first option two `_comparable` texts set apart: "[learn] memory_size 50 there, 20
+    here"."""
+    section = ""
+    for a, b in zip(theirs.splitlines(), mine.splitlines(), strict=False):
+        if a.startswith("["):
+            section = f"{a} "
+        if a != b:
+            key, _, there = a.partition(" = ")
+            return f"{section}{key} {there} there, {b.partition(' = ')[2]} here"
+    return "other options"
 
 
 def _comparable(cfg: RunConfig) -> str:
@@ -442,7 +457,7 @@ def report_dir(path: Path) -> str:
             runs = [result_from_dict(r, results) for r in d["runs"]]
             summary = summarize(runs)
             plot_comparison(summary, path / "comparison.png")
-            parts += [*(run_table(r) for r in runs), "", compare_table(summary)]
+            parts.append(compare_table(summary))  # (each run's own: report its folder)
         elif isinstance(d, dict) and "accuracy_matrix" in d:
             r = result_from_dict(d, results)
             plot_run(r, path)
@@ -460,7 +475,7 @@ def report_dir(path: Path) -> str:
         found = [result_from_dict(load_json(f), f) for f in runs]
         summary = summarize(found)
         plot_comparison(summary, path / "comparison.png")
-        parts += [*(run_table(r) for r in found), "", compare_table(summary),
+        parts += [compare_table(summary),
                   f"(a sweep without its summary: the {len(found)} runs it finished; "
                   "edgefcl simulate with the same options and --resume runs the rest)"]
     if not parts:
