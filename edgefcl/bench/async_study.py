@@ -184,9 +184,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.axhline(r["accuracy"], ls="--", color="0.3", label=f"lock-step ({r['rule']})")
             sd = or_zero(r["accuracy_std"])
             ax.axhspan(r["accuracy"] - sd, r["accuracy"] + sd, color="0.85", zorder=0)
-        lo = min(r["accuracy"] - or_zero(r["accuracy_std"]) for r in rows + sync
-                 if r["dataset"] == ds)
-        ax.set_ylim(max(0.0, lo - 5), 100)
+        ax.set_ylim(0, 100)  # bars from 0: a cut axis makes small gaps look large
         ax.set_ylabel("A (%)")
         ax.set_title(f"{ds}: final average accuracy, mean ± sample std")
         ax.legend(fontsize=8)

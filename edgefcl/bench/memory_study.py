@@ -223,7 +223,7 @@ def plot(rows: list[dict], path: Path) -> None:
             if not rs:
                 continue
             # one slot per memory size, rules side by side inside it
-            x = [sizes.index(r["per_class"]) + 0.6 * (ri / max(len(rules) - 1, 1) - 0.5)
+            x = [sizes.index(r["per_class"]) + 0.3 * (ri / max(len(rules) - 1, 1) - 0.5)
                  for r in rs]
             style = "--" if rule in BASELINES else "-"
             for i, k in enumerate(("accuracy", "forgetting")):
@@ -243,7 +243,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.legend(list(handles.values()), list(handles), loc="lower center", fontsize=8,
                ncol=min(len(handles), 6))
     fig.suptitle("memory study: mean ± sample std over seeds")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
