@@ -194,13 +194,15 @@ class UpdateQuota:
         `admit` alone let it have 3x a compliant device's share in fleets due every 25 s).
         A paced device is never refused: it earns at least what its pacer does, and what its
         pacer holds after a send (under 1) is under what the bound leaves. A refused update
-        counts against its device (`shed`: status "flooding"). A new device, or a number that
-        goes back (a new session), starts with PACE_BOUND; one that jumps ahead earns at once,
-        so a device that makes its numbers up is held by the rate limit alone."""
+        counts against its device (`shed`: status "flooding"). A new device starts with
+        PACE_BOUND. A number that goes back (a new session) earns nothing and counts from
+        there: a device that restarts may have its first update refused, and an old number
+        sent again buys no credit. One that jumps ahead earns at once, so a device that makes
+        its numbers up is held by the rate limit alone."""
         low = self._lowest_factor(device)
         credit, last = self.paces.get(device, (PACE_BOUND, seq - 1))
-        credit = (min(PACE_BOUND, credit + PACE_SLACK * (seq - last) / low) if seq > last
-                  else PACE_BOUND)
+        if seq > last:
+            credit = min(PACE_BOUND, credit + PACE_SLACK * (seq - last) / low)
         ok = credit >= 1.0
         self.paces[device] = (credit - 1.0 if ok else credit, seq)
         if not ok:

@@ -565,5 +565,6 @@ def test_paced_takes_the_lowest_factor_since_the_devices_previous_update():
         quota.times.note("a", t)
     assert quota._lowest_factor("a") == 8.0  # since 90 - 10 - 2 = 78 s
     assert quota._lowest_factor("new") == 1.0  # seen once: every factor kept
-    assert quota.paced("b", 5) and quota.paced("b", 1)  # a new session: a full bucket again
-    assert quota.paces["b"] == (1.0, 1)
+    assert quota.paced("b", 5) and quota.paced("b", 1)  # a new session: what it had left
+    assert quota.paces["b"] == (0.0, 1)
+    assert not quota.paced("b", 1)  # an old number sent again buys no credit
