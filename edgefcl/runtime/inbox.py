@@ -71,6 +71,10 @@ MAX_EVICTIONS = 4
 """Messages of senders over their limit a full inbox sheds to queue one of another sender."""
 
 
+SUPERSEDED_LOAD = 4
+"""A sender's superseded reports counted as offered load in one status interval (`load`)."""
+
+
 class Inbox:
     """Per-sender FIFOs served round-robin, with a byte budget; `put` never blocks, `get`
     waits."""
@@ -89,6 +93,8 @@ class Inbox:
         # of the same sender still waiting (async: a device's newest model is what counts)
         self.superseded = 0
         self._superseded_taken = 0
+        self._superseded_load = 0  # of `superseded`, those counted as load (SUPERSEDED_LOAD)
+        self._superseding: Counter[str] = Counter()  # per sender, since the last `load`
         self._lost: set[str] = set()  # senders of such messages refused since `take_lost`
         self.over_limit = over_limit  # senders over their fair share (see the docstring)
         self.refused: Counter[str] = Counter()  # their messages refused or shed since
@@ -230,7 +236,10 @@ class Inbox:
         2x: left out of the load, the factor stayed near 1.4 and the daemon, reading 1.5x
         what it folded, folded 0.75 of its capacity). The main loop takes nothing while it
         closes a round, so such an interval alone reads as an overload; the controller
-        rises only on two in a row (`runtime/backpressure.py`)."""
+        rises only on two in a row (`runtime/backpressure.py`). At most SUPERSEDED_LOAD of a
+        sender's an interval count: beyond, a device sends faster than any factor slows it,
+        and counted whole, five such devices at their message rate raised the factor an
+        honest fleet follows (it then folded 0.73 of the capacity, in a model of the loop)."""
         at = next((i for i, m in enumerate(mine) if self.is_report(m[0])), None)
         if at is None:
             return False
@@ -242,6 +251,9 @@ class Inbox:
         self._held[sender] += delta
         self.bytes += delta
         self.superseded += 1
+        if self._superseding[sender] < SUPERSEDED_LOAD:
+            self._superseding[sender] += 1
+            self._superseded_load += 1
         return True
 
     def _drop_oldest(self, sender: str, mine: deque[tuple[str, Any, int]]) -> None:
@@ -383,10 +395,11 @@ class Inbox:
             q, s, t, r = self._mark
             fill = self._area / span / self.max_bytes if span > 0 and self.max_bytes else 0.0
             idle = min(self._waited / span, 1.0) if span > 0 else 0.0
-            load = Load(offered=self.queued - q + self.shed - s + self.superseded - r,
+            load = Load(offered=self.queued - q + self.shed - s + self._superseded_load - r,
                         shed=self.shed - s, taken=self.taken - t, fill=fill, idle=idle)
             self._since, self._area, self._waited = self._t, 0.0, 0.0
-            self._mark = (self.queued, self.shed, self.taken, self.superseded)
+            self._mark = (self.queued, self.shed, self.taken, self._superseded_load)
+            self._superseding.clear()
             return load
 
     def worst(self, n: int = 5) -> dict[str, int]:

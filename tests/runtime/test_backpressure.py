@@ -234,6 +234,23 @@ def test_a_newer_update_supersedes_the_one_of_its_sender_still_waiting():
     assert plain.put("a", b"1") and plain.put("a", b"2") and len(plain) == 2
 
 
+def test_one_senders_superseded_updates_count_as_load_only_up_to_a_cap():
+    # a reviewer helper's case: a device at its message rate (50/s) superseding its own
+    # waiting update counted each one as offered load, so a few such devices raised the
+    # factor that every honest device follows; now 4 of a sender's an interval count
+    from edgefcl.runtime.inbox import SUPERSEDED_LOAD
+
+    box = Inbox(max_bytes=10_000, sender_of=lambda topic: topic.split("/")[1],
+                is_report=lambda topic: topic.startswith("update/"), supersede=True)
+    for i in range(100):
+        assert box.put("update/flood", b"x" * 10)
+    for d in "abc":
+        assert box.put(f"update/{d}", b"1") and box.put(f"update/{d}", b"2")
+    assert box.superseded == 99 + 3
+    assert box.load().offered == 1 + SUPERSEDED_LOAD + 3 * 2
+    assert box.put("update/flood", b"y") and box.load().offered == 1  # a new interval
+
+
 def test_advertised_factor_is_clamped_and_malformed_means_one():
     assert advertised({"backpressure": 2.5}, 8) == 2.5
     assert advertised({"backpressure": 50}, 8) == 8
