@@ -242,7 +242,7 @@ def test_one_senders_superseded_updates_count_as_load_only_up_to_a_cap():
 
     box = Inbox(max_bytes=10_000, sender_of=lambda topic: topic.split("/")[1],
                 is_report=lambda topic: topic.startswith("update/"), supersede=True)
-    for i in range(100):
+    for _ in range(100):
         assert box.put("update/flood", b"x" * 10)
     for d in "abc":
         assert box.put(f"update/{d}", b"1") and box.put(f"update/{d}", b"2")
