@@ -260,15 +260,19 @@ class AggregatorDaemon:
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
         sender = None if topic == self.topics.control else self.topics.client_from(topic)
-        if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(
-                sender, (topic, payload), len(payload), peek_seq(payload)):
-            return  # over its fair share under backpressure: waits, undecoded, for a token
+        reports = allowed == UPDATE_KINDS and not admitted  # (a released one was judged)
+        peeked = peek_seq(payload) if reports else None
+        if reports and not self.quota.admit(sender, (topic, payload), len(payload), peeked):
+            return  # over its pace or fair share under backpressure: refused, or waits
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True,  # a damaged update must never be aggregated
                      limits=message_limits(allowed, self.update_limits))
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")
+        if reports and isinstance(msg, (Update, Tick)) and not self.quota.paced_once_decoded(
+                sender, msg.seq, peeked):
+            return
         getattr(self, self._ON_MESSAGE.get(kind, "_on_other"))(msg, sender, len(payload),
                                                                time.monotonic())
 

@@ -266,6 +266,14 @@ class Pacer:
             return 0.0
         return self.phase * (min(self.period, MAX_DELAY_S) if period is None else period)
 
+    def pay(self) -> None:
+        """Count an update sent without `take`: the held update a task's end or the stream's
+        end sends (`Client.held_update`). The daemon's mirror of this pacer
+        (`UpdateQuota.paced`) charges it as any other; unpaid, it left the mirror a send
+        behind, and the device's next update was refused (4-31 % of them with short tasks at
+        factors 4-8, a reviewer helper's model)."""
+        self.credit -= 1.0
+
     def take(self, now: float | None = None) -> bool:
         """Called for every due update (at time `now`, to measure the period, a pause counted
         as PAUSE_PERIODS periods): True to send it, False to hold it back."""

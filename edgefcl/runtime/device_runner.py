@@ -558,6 +558,7 @@ class DeviceRunner:
             if not sync:
                 final = self.client.held_update()  # the last mini-batches reach the fleet
                 if final is not None:
+                    self.pacer.pay()
                     self._send(final, last=True)
                 self.flush_sends()
                 self._last_round()
@@ -603,6 +604,7 @@ class DeviceRunner:
         `task_gate` seconds and goes on."""
         held = self.client.held_update()
         if held is not None:
+            self.pacer.pay()
             self._send(held)
         self.flush_sends()  # the task's updates go out before its claim
         self.finished_task = task

@@ -301,14 +301,19 @@ class WorkerDaemon:
         allowed = t.kinds_on(topic)
         if not allowed:
             raise CodecError("topic", f"no message is accepted on {topic}")
-        if allowed == UPDATE_KINDS and not admitted and not self.quota.admit(
-                t.client_from(topic), (topic, payload), len(payload), peek_seq(payload)):
-            return  # over its fair share under backpressure: waits for its next token
+        reports = allowed == UPDATE_KINDS and not admitted  # (a released one was judged)
+        peeked = peek_seq(payload) if reports else None
+        if reports and not self.quota.admit(t.client_from(topic), (topic, payload),
+                                            len(payload), peeked):
+            return  # over its pace or fair share under backpressure: refused, or waits
         msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=self.max_payload,
                      require_digest=True, limits=message_limits(allowed, self.update_limits))
         kind = msg.kind if isinstance(msg, Message) else type(msg).__name__.lower()
         if kind not in allowed:
             raise CodecError("kind", f"a {kind} message on {topic}")
+        if reports and isinstance(msg, (Update, Tick)) and not self.quota.paced_once_decoded(
+                t.client_from(topic), msg.seq, peeked):
+            return
         handler = self._ON_MESSAGE.get(kind)
         if handler is not None:
             getattr(self, handler)(msg, topic, time.monotonic())

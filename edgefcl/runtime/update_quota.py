@@ -196,19 +196,29 @@ class UpdateQuota:
         pacer holds after a send (under 1) is under what the bound leaves. A refused update
         counts against its device (`shed`: status "flooding"). A new device starts with
         PACE_BOUND. A number that goes back (a new session) earns nothing and counts from
-        there: a device that restarts may have its first update refused, and an old number
-        sent again buys no credit. One that jumps ahead earns at once, so a device that makes
-        its numbers up is held by the rate limit alone."""
+        there: a device that restarts under backpressure may have its first update refused,
+        and an old number sent again buys no credit. With the factor at 1 none is refused.
+        A number that jumps ahead earns at once, so a device that makes its numbers up is
+        held by the rate limit alone."""
         low = self._lowest_factor(device)
         credit, last = self.paces.get(device, (PACE_BOUND, seq - 1))
         if seq > last:
             credit = min(PACE_BOUND, credit + PACE_SLACK * (seq - last) / low)
-        ok = credit >= 1.0
-        self.paces[device] = (credit - 1.0 if ok else credit, seq)
+        ok = credit >= 1.0 or low <= 1.0  # (at factor 1 no device is held)
+        self.paces[device] = (max(credit - 1.0, 0.0) if ok else credit, seq)
         if not ok:
             self.unpaced += 1
             self.shed[device] += 1
         return ok
+
+    def paced_once_decoded(self, device: str, seq: int, peeked: int | None) -> bool:
+        """`paced` for an update `admit` could not pace: its number was not where
+        `codec.peek_seq` reads it (`peeked` None: an encoder that orders its map otherwise,
+        such as `bench fleet`'s devices); counted refused as `admit` counts its own."""
+        if peeked is not None or self.paced(device, seq):
+            return True
+        self.refused += 1
+        return False
 
     def _lowest_factor(self, device: str) -> float:
         """The lowest factor in force since `device`'s pacer could have taken the first update

@@ -1191,3 +1191,23 @@ def test_a_device_that_ignores_the_factor_has_its_extra_updates_refused_unpaced(
     assert d.quota.unpaced == d.quota.shed["a"] == 40 - 12  # credit 2 + 39 x 0.275: 12 pass
     assert d.quota.shed["b"] == 0 and d.agg.counters["accepted"] == 40 + 12
     assert d.status()["updates_unpaced"] == 28  # what the status shows
+
+
+def test_updates_whose_number_is_not_up_front_are_paced_once_decoded(tmp_path) -> None:
+    # `bench fleet`'s devices pack their number after the tensors, where `peek_seq` does not
+    # read: the pace is then judged once the update is decoded
+    from edgefcl.bench.loadgen.template import UpdateTemplate
+    from edgefcl.transport.codec import peek_seq
+
+    d = make_daemon(tmp_path, roster="a,b,c")
+    now = [0.0]
+    d.quota.clock = lambda: now[0]
+    d.quota._factors.clear()
+    d.quota._factors.append((0.0, 4.0))
+    template = UpdateTemplate(INITIAL, "dense", FLEET, burn_in=0, jump=1)
+    assert peek_seq(template.payload("a", 0, 1)) is None
+    tp = topics(d.cfg.mqtt)
+    for k in range(1, 41):
+        now[0] = 100.0 + k
+        d.handle(tp.update("a"), template.payload("a", d.agg.global_.version, k))
+    assert d.quota.unpaced == 28 and d.agg.counters["accepted"] == 12

@@ -550,6 +550,28 @@ def test_paced_never_refuses_a_device_that_follows_the_factor():
     assert quota.unpaced == 0
 
 
+def test_paced_counts_the_held_update_a_task_end_sends_as_the_pacer_pays_it():
+    """A reviewer helper's case: at a task's end the device sends the update its pacer held
+    (`Client.held_update`); unpaid by the pacer, the daemon's mirror fell a send behind and
+    refused the device's next paced update after each such task end."""
+    from edgefcl.runtime.backpressure import Pacer
+
+    quota = UpdateQuota(clock=Clock())
+    quota.end_interval(2.0, set(), 1.5)
+    pacer = Pacer("dev", 0)
+    pacer.factor = 1.5
+    for seq in range(1, 201):  # a due update a second, a task every 20 of them
+        quota.clock.t = 10.0 + seq
+        sent = pacer.take(quota.clock.t)
+        if not sent and seq % 20 == 0:  # the task's last was held: the task gate sends it
+            pacer.pay()
+            sent = True
+        if sent:
+            quota.times.note("dev", quota.clock.t)
+            assert quota.paced("dev", seq), seq
+    assert quota.unpaced == 0
+
+
 def test_paced_takes_the_lowest_factor_since_the_devices_previous_update():
     """Its numbers since then were taken by its pacer under the factors from that update's
     arrival, less its send delay (at most its period, and 10 s) and an interval (2 s)."""
@@ -565,6 +587,8 @@ def test_paced_takes_the_lowest_factor_since_the_devices_previous_update():
         quota.times.note("a", t)
     assert quota._lowest_factor("a") == 8.0  # since 90 - 10 - 2 = 78 s
     assert quota._lowest_factor("new") == 1.0  # seen once: every factor kept
+    for t in (99.0, 100.0):
+        quota.times.note("b", t)
     assert quota.paced("b", 5) and quota.paced("b", 1)  # a new session: what it had left
     assert quota.paces["b"] == (0.0, 1)
     assert not quota.paced("b", 1)  # an old number sent again buys no credit
