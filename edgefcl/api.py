@@ -33,7 +33,7 @@ from edgefcl.learn.models import build_model
 from edgefcl.learn.variational import client_hooks
 from edgefcl.outcomes.report import run_dir, summarize, write_run, write_summary
 from edgefcl.outcomes.results import RunResult
-from edgefcl.runner import run_many
+from edgefcl.runner import run_many, total_runs
 from edgefcl.sim.runs import simulate as simulate_one
 
 __all__ = ["Learner", "RunResult", "simulate", "summarize", "sweep"]
@@ -61,9 +61,10 @@ def sweep(cfg: RunConfig) -> list[RunResult]:
     as it finishes and the summary (results.json, comparison.png) at the end, as the CLI
     writes them. `summarize` gives their mean ± sample std per method."""
     out = Path(cfg.out) if cfg.out else None
+    several = total_runs(cfg) > 1 or bool(cfg.compare)  # else one run's layout, as the CLI
     results = run_many(cfg, on_done=None if out is None else (
-        lambda r: write_run(r, run_dir(out, r))))
-    if out is not None:
+        lambda r: write_run(r, run_dir(out, r) if several else out)))
+    if out is not None and several:
         write_summary(results, out)
     return results
 

@@ -123,6 +123,10 @@ load fitted (1.2x offered: 0.93 folded, 28 % of the updates held; 0.985 and 17 %
 PACE_SLACK = 1.1
 """A device may send this many times the updates the factor lets its schedule send
 (`paced`)."""
+BACKLOG_GAP_S = 1.0
+"""Updates of a device that arrive closer than this are taken for a backlog (`_lowest_factor`):
+a duty-cycled link's burst had 11-14 % of its updates refused when paced at the factor of the
+burst's arrival."""
 PACE_BOUND = 2.0
 """The most credit `paced` holds for a device: what its pacer can hold after a send (under 1)
 and one update's."""
@@ -212,11 +216,16 @@ class UpdateQuota:
         return ok
 
     def paced_once_decoded(self, device: str, seq: int, peeked: int | None) -> bool:
-        """`paced` for an update `admit` could not pace: its number was not where
-        `codec.peek_seq` reads it (`peeked` None: an encoder that orders its map otherwise,
-        such as `bench fleet`'s devices); counted refused as `admit` counts its own."""
-        if peeked is not None or self.paced(device, seq):
+        """Whether an update numbered `seq` once decoded passes the pace: the number `admit`
+        paced it by (`peeked`, from `codec.peek_seq`) must be its own (a map with a second
+        `seq` key could show the pace one number and the aggregator another); one `admit`
+        could not pace (`peeked` None: an encoder that orders its map otherwise, such as
+        `bench fleet`'s devices) is paced now. A refusal counts as `admit` counts its own."""
+        if peeked == seq or (peeked is None and self.paced(device, seq)):
             return True
+        if peeked is not None:
+            self.unpaced += 1
+            self.shed[device] += 1
         self.refused += 1
         return False
 
@@ -224,14 +233,20 @@ class UpdateQuota:
         """The lowest factor in force since `device`'s pacer could have taken the first update
         numbered after its previous one: from that update's arrival, less its send delay
         (`Pacer.delay`: at most the time between its updates, and MAX_DELAY_S) and a status
-        interval; since the first factor kept (KEEP_S) for a device seen once."""
+        interval; from the arrival before a backlog for the updates of one (arrivals under
+        BACKLOG_GAP_S apart: a link that comes back delivers what was sent while it was down,
+        under the factor the device knew then); since the first factor kept (KEEP_S) for a
+        device seen once."""
         now = self.clock()
         while len(self._factors) > 1 and self._factors[1][0] <= now - KEEP_S:
             self._factors.popleft()  # the factor in force then stays first
         times = self.times.times.get(device)
         since = -float("inf")
         if times is not None and len(times) > 1:
-            since = times[-2] - min(MAX_DELAY_S, times[-1] - times[-2]) - self.seconds
+            k = len(times) - 1
+            while k > 1 and times[k] - times[k - 1] < BACKLOG_GAP_S:
+                k -= 1  # a backlog delivered at once: its numbers were taken before it came
+            since = times[k - 1] - min(MAX_DELAY_S, times[k] - times[k - 1]) - self.seconds
         return min(f for k, (_, f) in enumerate(self._factors)
                    if k + 1 == len(self._factors) or self._factors[k + 1][0] > since)
 

@@ -3,6 +3,7 @@ temporary file, fsync, then rename over the old one."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -17,6 +18,10 @@ from edgefcl.config import ConfigError
 Tensors = dict[str, np.ndarray]
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # the process's umask, read once (`os.umask` can only set it)
+
+
 def atomic_write(path: Path, data: bytes, fsync: bool = True, shared: bool = False) -> None:
     """Replace `path` with `data` so that readers see the old or the new file, never a mix
     (temporary file + rename); with `fsync` the data and the rename survive a power cut. The
@@ -26,7 +31,8 @@ def atomic_write(path: Path, data: bytes, fsync: bool = True, shared: bool = Fal
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         if shared:
-            os.fchmod(fd, 0o644)
+            with contextlib.suppress(OSError):  # (a file system without modes: as it comes)
+                os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if fsync:

@@ -1211,3 +1211,20 @@ def test_updates_whose_number_is_not_up_front_are_paced_once_decoded(tmp_path) -
         now[0] = 100.0 + k
         d.handle(tp.update("a"), template.payload("a", d.agg.global_.version, k))
     assert d.quota.unpaced == 28 and d.agg.counters["accepted"] == 12
+
+
+def test_an_update_whose_peeked_number_is_not_its_own_is_refused(tmp_path) -> None:
+    # a reviewer helper's attack: a second `seq` key first in the map showed the pace a
+    # number that earns credit while the aggregator decoded the last one
+    from edgefcl.transport import integrity
+
+    d = make_daemon(tmp_path, roster="a,b,c")
+    m = msgpack.unpackb(update("a", seq=5, batch=5), raw=False, strict_map_key=False)
+    entries = [("seq", 10**6), *((k, v) for k, v in m.items() if k != "digest")]  # seq twice
+    body = bytes([0x80 | (len(entries) + 1)]) + b"".join(
+        msgpack.packb(k, use_bin_type=True) + msgpack.packb(v, use_bin_type=True)
+        for k, v in entries) + msgpack.packb("digest") + bytes([0xC4, 16])
+    payload = body + integrity.payload_digest(body)
+    assert decode(payload, FLEET, require_digest=True).seq == 5
+    d.handle(topics(d.cfg.mqtt).update("a"), payload)
+    assert d.quota.unpaced == 1 and d.agg.counters["accepted"] == 0

@@ -68,6 +68,8 @@ def test_a_workers_upstream_link_gets_none_of_the_device_brokers_credentials(
     # the attack (a reviewer helper's): a site aggregator with --upstream
     # mqtt://s1:CENTRAL@root-broker sent the *device* broker's login (site1 / SITE_PW) to the
     # root's broker, another host, and ignored the URL's credentials; its TLS key went too
+    from dataclasses import replace
+
     from edgefcl.runtime.links import open_link, upstream_config
 
     monkeypatch.setenv("EDGEFCL_MQTT_PASSWORD", "SITE_ENV_PW")
@@ -75,9 +77,11 @@ def test_a_workers_upstream_link_gets_none_of_the_device_brokers_credentials(
                    tls_cert="site.crt", tls_key="site.key")
     up = upstream_config(m, "mqtt://s1:CENTRAL@127.0.0.1:1884")
     assert (up.broker, up.username, up.password) == ("mqtt://127.0.0.1:1884", "s1", "CENTRAL")
-    assert not (up.tls_cert or up.tls_key or up.tls_ca)
+    assert not (up.tls_cert or up.tls_key or up.tls_ca)  # a plain upstream: no TLS at all
     link = open_link(up, "w0-up", connect=False, password_variable=None)
     assert (link._client.username, link._client.password) == ("s1", "CENTRAL")
+    tls = upstream_config(replace(m, tls_ca="ca.crt"), "mqtts://s1:CENTRAL@127.0.0.1:8884")
+    assert tls.tls_ca == "ca.crt" and not (tls.tls_cert or tls.tls_key)  # the CA, not the key
     monkeypatch.setenv("EDGEFCL_UPSTREAM_PASSWORD", "CENTRAL_ENV")
     up = upstream_config(m, "mqtt://s1@127.0.0.1:1884")  # the password from its own variable
     assert (up.username, up.password) == ("s1", "CENTRAL_ENV")
