@@ -13,10 +13,12 @@ from edgefcl.support.errors import UserError
 from edgefcl.transport.codec import spec_hash, tensor_spec
 
 KEYS = ("mode", "model", "sample_shape", "n_classes", "method", "encoding", "aggregation",
-        "wire_dtype", "seed", "tasks", "batch_size", "burn_in", "jump")
+        "wire_dtype", "seed", "tasks", "batch_size", "burn_in", "jump", "max_backpressure")
 """What must agree between a device and its aggregator, in the order differences are named:
 the round mode, the model, the protocol, and the stream's shape and schedule (a device on
-another seed, task count, batch size or burn-in would send updates the aggregator refuses)."""
+another seed, task count, batch size or burn-in would send updates the aggregator refuses; one
+with a lower cap on the backpressure factor would send more than the daemon's pace lets
+through: `UpdateQuota.paced`)."""
 
 
 class JoinRefused(UserError):
@@ -33,6 +35,8 @@ def fleet_profile(cfg: RunConfig, initial: Tensors | None = None,
                            "wire_dtype": cfg.mqtt.wire_dtype, "seed": cfg.seed,
                            "tasks": cfg.data.tasks, "batch_size": cfg.data.batch_size,
                            "burn_in": cfg.fed.burn_in, "jump": cfg.fed.jump}
+    if cfg.fed.mode == "async":
+        out["max_backpressure"] = cfg.fed.max_backpressure
     if initial is not None:
         out["spec_hash"] = spec_hash(tensor_spec(initial))
     if dataset is not None:

@@ -592,3 +592,18 @@ def test_paced_takes_the_lowest_factor_since_the_devices_previous_update():
     assert quota.paced("b", 5) and quota.paced("b", 1)  # a new session: what it had left
     assert quota.paces["b"] == (0.0, 1)
     assert not quota.paced("b", 1)  # an old number sent again buys no credit
+
+
+def test_a_device_capping_the_factor_lower_than_its_fleet_does_not_join():
+    # a reviewer helper's case: a device capped at 4 under a daemon factor of 8 sends twice
+    # what the daemon's pace lets through (about 45 % of its updates refused); the join check
+    # names the difference instead
+    from edgefcl.config import RunConfig, apply
+    from edgefcl.runtime.join import differences, fleet_profile
+
+    fleet = apply(RunConfig(), {"fed": {"mode": "async"}})
+    device = apply(RunConfig(), {"fed": {"mode": "async", "max_backpressure": 4.0}})
+    said = differences(fleet_profile(device), fleet_profile(fleet))
+    assert said and "max_backpressure 4.0 here, 8.0" in said[0]
+    sync = RunConfig()  # lock-step: no factor, nothing to compare
+    assert "max_backpressure" not in fleet_profile(sync)
