@@ -32,9 +32,15 @@ T = Topics(FLEET)
 USERS = ("aggregator", "operator", "replayer", "dev1", "dev2", "dev3", "dev4")
 
 
-def _production_conf(port: int, d: Path) -> str:
+def _production_conf(port: int, d: Path, second: int | None = None) -> str:
+    """The shipped configuration on `port`; with `second`, its TLS listener uncommented as
+    an operator would, on that port, without the TLS lines (no certificates here)."""
     conf = (REPO / "broker" / "mosquitto.conf").read_text()
     conf = conf.replace("listener 1883", f"listener {port} 127.0.0.1")
+    if second is not None:
+        conf = conf.replace("#listener 8883", f"listener {second} 127.0.0.1")
+        conf = conf.replace("#protocol mqtt", "protocol mqtt")
+        conf = conf.replace("#use_username_as_clientid", "use_username_as_clientid")
     conf = conf.replace("/etc/mosquitto/edgefcl/", f"{d}/")
     conf = conf.replace("persistence_location /var/lib/mosquitto/",
                         f"persistence_location {d}/data/")
@@ -44,7 +50,7 @@ def _production_conf(port: int, d: Path) -> str:
 
 
 @pytest.fixture
-def production_broker():
+def production_broker(request):
     exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     if not Path(exe).exists() or shutil.which("mosquitto_passwd") is None:
         pytest.skip("mosquitto / mosquitto_passwd are not installed")
@@ -63,7 +69,8 @@ def production_broker():
                              capture_output=True, text=True, check=True)
         passwords[user] = re.search(r"^password: (\S+)$", out.stdout, re.M).group(1)
     port = free_port()
-    (d / "mosquitto.conf").write_text(_production_conf(port, d))
+    second = free_port() if getattr(request, "param", None) == "two listeners" else None
+    (d / "mosquitto.conf").write_text(_production_conf(port, d, second))
     log = open(d / "mosquitto.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([exe, "-c", str(d / "mosquitto.conf")], stdin=subprocess.DEVNULL,
                             stdout=log, stderr=log)
@@ -92,7 +99,12 @@ def _link(url, cid, user, password, **kw) -> MqttLink:
     return MqttLink(url, cid, username=user, password=password, **kw).connect(20)  # a loaded CI
 
 
+@pytest.mark.parametrize("production_broker", ["one listener", "two listeners"],
+                         indirect=True)
 def test_logins_acl_and_no_session_takeover(production_broker) -> None:
+    # "two listeners" (a device deployer helper's): uncommenting the TLS listener left the
+    # plain one without use_username_as_clientid (a listener option), and one login could
+    # take another's session over (the test runs on the plain listener)
     url, pw, _ = production_broker
     with pytest.raises(BrokerUnavailable):
         _link(url, "dev1", "dev1", "wrong")
