@@ -37,6 +37,7 @@ from edgefcl.runtime.backpressure import Pacer, advertised, spread_advertised
 from edgefcl.runtime.bodies import body_fault, is_number
 from edgefcl.runtime.join import JoinRefused, check_join
 from edgefcl.runtime.links import open_link, size_payload_limit, topics, wire_dtype
+from edgefcl.support.errors import UserError
 from edgefcl.support.statefiles import save_json
 from edgefcl.transport.codec import CodecError, Message, as_batch, decode, encode, tensor_spec
 
@@ -646,7 +647,16 @@ class DeviceRunner:
             log.info("%s: no answer for tick %d, re-sending", self.cid, tick)
             self.link.publish(self.topics.update(self.cid), payload, qos=1)
 
-        answer = self._wait(lambda: self.answers.pop(tick, None), self.answer_timeout, resend)
+        # the tick closes once every active device reported, or left after client_timeout
+        give_up = time.monotonic() + self.cfg.fed.client_timeout + 4 * self.answer_timeout
+        answer = self._wait(lambda: self.answers.pop(tick, None) or (
+            False if time.monotonic() > give_up else None), self.answer_timeout, resend)
+        if answer is False:
+            raise UserError(f"{self.cid}: no answer for lock-step tick {tick} in "
+                            f"{self.cfg.fed.client_timeout + 4 * self.answer_timeout:.0f} s: "
+                            "the fleet is at another tick (a device restarted from its "
+                            "stream's start cannot rejoin a lock-step run; restart the fleet, "
+                            "or run it async)")
         with self.cond:
             latest = self.latest
         if latest is not None:

@@ -189,6 +189,24 @@ def test_a_lock_step_device_gives_up_on_an_answered_global_that_never_comes(
     assert r.client.version == v and r.rejections["answer_unmet"] == 1
 
 
+def test_a_lock_step_device_out_of_step_with_its_fleet_gives_up_in_one_line(
+        runner_factory) -> None:
+    # a device deployer's (a reviewer helper's): a lock-step client restarted near a run's end
+    # sent tick 1 while the fleet was at tick 40; it re-sent it every 15 s for ever, each
+    # refused as a duplicate, and neither it nor the aggregator ever exited
+    from edgefcl.support.errors import UserError
+
+    r = runner_factory()
+    r.answer_timeout = 0.05
+    r.cfg.fed.client_timeout = 0.2
+    sent = []
+    r._send = lambda msg, last=False: sent.append(msg) or b""
+    r.link.publish = lambda *a, **k: sent.append(a)
+    with pytest.raises(UserError, match="no answer for lock-step tick 1 .* restart the fleet"):
+        r._sync_round(None)
+    assert len(sent) >= 4  # it re-sent meanwhile
+
+
 def test_deltas_that_miss_a_change_fetch_the_whole_global_once_in_a_while(runner_factory,
                                                                          monkeypatch):
     # the attack: a 150-byte delta naming a base the device does not hold made it
