@@ -23,6 +23,7 @@ Callbacks run on paho's network thread: handlers must be quick or hand work to a
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import ssl
 import threading
@@ -136,10 +137,18 @@ class MqttLink:
         if user is not None:
             self._client.username_pw_set(user, pw)
         if tls or tls_ca or tls_cert:
-            self._client.tls_set(
-                ca_certs=tls_ca, certfile=tls_cert, keyfile=tls_key,
-                cert_reqs=ssl.CERT_REQUIRED if tls_verify else ssl.CERT_NONE,
-            )
+            for flag, path in (("--tls-ca", tls_ca), ("--tls-cert", tls_cert),
+                               ("--tls-key", tls_key)):
+                if path and not os.path.isfile(path):
+                    raise TransportError(f"{flag} {path}: no such file")
+            try:
+                self._client.tls_set(
+                    ca_certs=tls_ca, certfile=tls_cert, keyfile=tls_key,
+                    cert_reqs=ssl.CERT_REQUIRED if tls_verify else ssl.CERT_NONE,
+                )
+            except (OSError, ssl.SSLError) as e:  # not a certificate, a key that does not fit
+                raise TransportError(f"TLS files {tls_ca or ''} {tls_cert or ''} "
+                                     f"{tls_key or ''}: {e}") from None
             self._client.tls_insecure_set(not (tls_verify and tls_check_hostname))
         if will is not None:
             topic, payload, qos, retain = will

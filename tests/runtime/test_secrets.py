@@ -88,3 +88,16 @@ def test_a_workers_upstream_link_gets_none_of_the_device_brokers_credentials(
     up = upstream_config(m, "mqtt://127.0.0.1:1884")  # none given: anonymous, never site1's
     link = open_link(up, "w0-up", connect=False, password_variable=None)
     assert link._client.username is None and "SITE" not in str(link._client.password)
+
+
+def test_a_missing_or_broken_tls_file_is_one_line(tmp_path) -> None:
+    # a device deployer's (a reviewer helper's): --tls-ca /nonexist/ca.crt ended in paho's
+    # FileNotFoundError traceback
+    from edgefcl.transport.transport_error import TransportError
+
+    with pytest.raises(TransportError, match="--tls-ca /nonexist/ca.crt: no such file"):
+        MqttLink("mqtts://127.0.0.1:8883", "c", tls_ca="/nonexist/ca.crt")
+    junk = tmp_path / "ca.crt"
+    junk.write_text("not a certificate")
+    with pytest.raises(TransportError, match="TLS files"):
+        MqttLink("mqtts://127.0.0.1:8883", "c", tls_ca=str(junk))
