@@ -97,9 +97,18 @@ class Replayer:
             link.subscribe(self.topics.status(cid), self._on_status)
         link.subscribe(self.topics.aggregator_status, self._on_aggregator_status)
         fleet = self.cfg.mqtt.fleet
-        with self.cond:
-            ok = self.cond.wait_for(lambda: set(self.streams) <= self.online | set(self.refused)
-                                    or self.aggregator_refused is not None, self.wait_online)
+        def settled() -> bool:
+            return (set(self.streams) <= self.online | set(self.refused)
+                    or self.aggregator_refused is not None)
+
+        deadline = time.monotonic() + self.wait_online
+        with self.cond:  # said every 10 s: one missing device holds every stream back
+            while not (ok := self.cond.wait_for(settled, min(10.0, max(
+                    deadline - time.monotonic(), 0.0)))) and time.monotonic() < deadline:
+                missing = sorted(set(self.streams) - self.online - set(self.refused))
+                log.info("waiting for clients to come online (%d of %d, up to %.0f s more): "
+                         "%s", len(self.streams) - len(missing), len(self.streams),
+                         deadline - time.monotonic(), ", ".join(missing[:5]))
             refused = dict(sorted(self.refused.items()))
         if self.aggregator_refused is not None:  # said once, not through each device
             link.close()
@@ -108,7 +117,8 @@ class Replayer:
         if refused and set(self.streams) <= set(refused):
             link.close()
             cid, why = next(iter(refused.items()))
-            raise UserError(f"every client refused to join; {cid}: {why}")
+            raise UserError(f"every client refused to join; "
+                            f"{why if why.startswith(cid) else f'{cid}: {why}'}")
         pending = {c: s for c, s in self.streams.items() if c not in refused}
         for cid, why in refused.items():  # one device cannot stop the others' streams
             log.warning("client %s refused to join (%s): its stream is not replayed", cid, why)
