@@ -108,17 +108,26 @@ class FleetResults:
 
     def check_done(self, done: set[str], active: set[str], daemon, force: bool = False) -> bool:
         """Log the fleet summary and write results.json once every expected client is done
-        and none is active, at most every WRITE_EVERY_S unless `force` (the daemon stops);
-        True when that happened now."""
-        if self.summarized or active or len(done) < self.cfg.fed.clients or (
+        and none is active, at most every WRITE_EVERY_S unless `force` (the daemon stops:
+        then of the clients done so far, if any, with the others named missing); True when
+        that happened now."""
+        complete = not active and len(done) >= self.cfg.fed.clients
+        if self.summarized or not (complete or (force and done)) or (
                 not force and time.monotonic() - self.written_at < WRITE_EVERY_S):
             return False  # (a report within WRITE_EVERY_S of the last write waits for it)
         self.summarized = True
         summary = self.summary(done, daemon)
+        if not complete:  # a device died or left: the fleet's results without it, said so
+            summary["missing"] = sorted(set(daemon.agg.admission.roster) - done)[:100]
+            summary["line"] = (f"{len(done)} of {self.cfg.fed.clients} clients done (not "
+                               f"done: {', '.join(summary['missing'][:5]) or 'unknown'}); "
+                               + summary["line"])
         if summary == self.last_summary:
             return False  # a report that changed nothing (retained statuses after a restart)
         self.last_summary = summary
-        log.info("all clients done: %s", summary["line"])
+        log.log(logging.INFO if complete else logging.WARNING, "%s: %s",
+                "all clients done" if complete else "stopped before every client was done",
+                summary["line"])
         if summary["rounds"] == 0:
             log.warning("the fleet never federated (rounds = 0): every client trained alone")
         self.write(summary, daemon)

@@ -1228,3 +1228,27 @@ def test_an_update_whose_peeked_number_is_not_its_own_is_refused(tmp_path) -> No
     assert decode(payload, FLEET, require_digest=True).seq == 5
     d.handle(topics(d.cfg.mqtt).update("a"), payload)
     assert d.quota.unpaced == 1 and d.agg.counters["accepted"] == 0
+
+
+def test_a_run_stopped_before_every_device_is_done_writes_what_the_done_ones_said(
+        tmp_path, caplog) -> None:
+    # a device deployer's (a reviewer helper's): one device killed and not restarted, the
+    # aggregator stopped with no results.json and no line saying why
+    import json
+
+    from edgefcl.runtime.fleet_results import FleetResults
+
+    d = make_daemon(tmp_path, roster="a,b,c")
+    d.results = FleetResults(d.cfg, d.state_dir, {}, started=0.0)
+    matrix = (np.eye(5) * 0.5).tolist()
+    for c in "ab":
+        d._on_status(c, {"state": "online"}, 0.0)
+        d._on_status(c, {"state": "done", "accuracy_matrix": matrix}, 1.0)
+    assert not d.results.check_done(d.done, set(), d)  # c is not done: not the fleet's end
+    with caplog.at_level(logging.WARNING):
+        assert d.results.check_done(d.done, set(), d, force=True)  # the daemon stops
+    res = json.loads((d.state_dir / "results.json").read_text())
+    assert res["fleet"]["missing"] == ["c"] and res["fleet"]["clients"] == ["a", "b"]
+    assert "2 of 3 clients done (not done: c)" in caplog.text
+    assert "never federated" in caplog.text  # and why it learnt nothing together
+    d.store.close()
