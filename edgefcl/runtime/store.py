@@ -91,8 +91,9 @@ def global_digest(tensors: Tensors, prototypes: LabelRows | None = None) -> str:
 
 
 def _finished(directory: str | Path, meta: dict[str, str]) -> str:
-    return (f"{directory} holds a finished run (run id {meta.get('run_id', '?')}); continue it "
-            "with --resume, or start over with --fresh")
+    return (f"{directory} holds a finished run (run id {meta.get('run_id', '?')}); start a "
+            "new one with --fresh, or serve its final model with --resume (its devices are "
+            "done: with --exit-when-done it ends at once)")
 
 
 class StateStore:
