@@ -123,10 +123,6 @@ load fitted (1.2x offered: 0.93 folded, 28 % of the updates held; 0.985 and 17 %
 PACE_SLACK = 1.1
 """A device may send this many times the updates the factor lets its schedule send
 (`paced`)."""
-BACKLOG_GAP_S = 1.0
-"""Updates of a device that arrive closer than this are taken for a backlog (`_lowest_factor`):
-a duty-cycled link's burst had 11-14 % of its updates refused when paced at the factor of the
-burst's arrival."""
 PACE_BOUND = 2.0
 """The most credit `paced` holds for a device: what its pacer can hold after a send (under 1)
 and one update's."""
@@ -233,20 +229,16 @@ class UpdateQuota:
         """The lowest factor in force since `device`'s pacer could have taken the first update
         numbered after its previous one: from that update's arrival, less its send delay
         (`Pacer.delay`: at most the time between its updates, and MAX_DELAY_S) and a status
-        interval; from the arrival before a backlog for the updates of one (arrivals under
-        BACKLOG_GAP_S apart: a link that comes back delivers what was sent while it was down,
-        under the factor the device knew then); since the first factor kept (KEEP_S) for a
-        device seen once."""
+        interval; since the first factor kept (KEEP_S) for a device seen once. (A backlog a
+        link delivers when it comes back reaches it as its newest update: an async inbox
+        keeps a device's newest waiting one.)"""
         now = self.clock()
         while len(self._factors) > 1 and self._factors[1][0] <= now - KEEP_S:
             self._factors.popleft()  # the factor in force then stays first
         times = self.times.times.get(device)
         since = -float("inf")
         if times is not None and len(times) > 1:
-            k = len(times) - 1
-            while k > 1 and times[k] - times[k - 1] < BACKLOG_GAP_S:
-                k -= 1  # a backlog delivered at once: its numbers were taken before it came
-            since = times[k - 1] - min(MAX_DELAY_S, times[k] - times[k - 1]) - self.seconds
+            since = times[-2] - min(MAX_DELAY_S, times[-1] - times[-2]) - self.seconds
         return min(f for k, (_, f) in enumerate(self._factors)
                    if k + 1 == len(self._factors) or self._factors[k + 1][0] > since)
 
