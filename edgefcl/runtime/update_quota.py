@@ -1,6 +1,11 @@
 """Fair service under overload: a device that ignores the backpressure factor gets no more of
 its updates folded than a compliant one.
 
+Two rules, before an update is decoded. The pace (`paced`): every device numbers the updates
+its schedule makes due, held ones included, so the daemon keeps a mirror of its pacer and
+refuses what a device sends beyond one in factor / PACE_SLACK of its numbers. The rate limit,
+below, for a device that makes its numbers up:
+
 While the aggregator advertises a factor above 1, each active device may have its updates
 handled at most at `ratio` (1.2) times the fleet's median device rate, or at FAIR_SLACK (1.1)
 times its fair share of what the aggregator let through in the last interval (those updates
@@ -207,9 +212,13 @@ class UpdateQuota:
         ok = credit >= 1.0 or low <= 1.0  # (at factor 1 no device is held)
         self.paces[device] = (max(credit - 1.0, 0.0) if ok else credit, seq)
         if not ok:
-            self.unpaced += 1
-            self.shed[device] += 1
+            self._unpaced(device)
         return ok
+
+    def _unpaced(self, device: str) -> None:
+        """Count an update of `device` refused over its pace (status: flooding)."""
+        self.unpaced += 1
+        self.shed[device] += 1
 
     def paced_once_decoded(self, device: str, seq: int, peeked: int | None) -> bool:
         """Whether an update numbered `seq` once decoded passes the pace: the number `admit`
@@ -220,8 +229,7 @@ class UpdateQuota:
         if peeked == seq or (peeked is None and self.paced(device, seq)):
             return True
         if peeked is not None:
-            self.unpaced += 1
-            self.shed[device] += 1
+            self._unpaced(device)
         self.refused += 1
         return False
 
