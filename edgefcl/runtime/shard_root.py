@@ -97,7 +97,6 @@ class RootDaemon(AggregatorDaemon):
                 return
             raise CodecError("worker", f"{worker} is not one of this root's workers")
         now = time.monotonic()
-        self._heard(now)  # one of its workers' (trusted: named in --worker-ids)
         if kind == "workers":
             msg = decode(payload, self.cfg.mqtt.fleet, max_bytes=64 << 10, require_digest=True)
             if not isinstance(msg, Message) or msg.kind != "status" or msg.sender != worker:
@@ -114,6 +113,8 @@ class RootDaemon(AggregatorDaemon):
                 self._close_safely(lambda: self.agg.worker_offline(worker, now))
             self._relay_pressure()
             return
+        self._heard(now)  # a worker's claim or partial: its devices' reports (its periodic
+        # status is no input: it kept an --exit-when-done root open after a device died)
         try:
             p = decode_worker_message(payload, self.cfg.mqtt.fleet, self.spec_shapes,
                                       worker=worker, cap=self.agg.admission.cap,
