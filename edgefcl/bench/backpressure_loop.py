@@ -400,7 +400,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     cols = min(4, len(rows))
     nrows = -(-len(rows) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.3 * nrows + 0.6),
-                             sharex=True, sharey=True, squeeze=False)
+                             sharey=True, squeeze=False)  # (x: each case its own length)
     for k, (ax, row) in enumerate(zip(axes.flat, rows, strict=False)):
         run = row["runs"][0]
         spec = run["spec"]
