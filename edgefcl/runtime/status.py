@@ -221,7 +221,7 @@ def render(snap: dict[str, Any]) -> str:
                  else a["state"])
         lines += [
             f"aggregator{' (root)' if a.get('role') == 'root' else ''}: {state}   "
-            f"version {a['version']}   rounds {a['rounds']}   "
+            f"version {_fmt(a['version'])}   rounds {_fmt(a['rounds'])}   "
             f"active {len(a['active'])}   done {len(a['done'])}   last seen "
             f"{a['last_seen_s']:.0f} s ago",
             f"  updates accepted {a['accepted']}, {_said_rejected(a['rejected'])}"

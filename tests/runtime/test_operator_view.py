@@ -169,6 +169,11 @@ def test_the_backpressure_factor_and_update_limit_are_shown() -> None:
                     encode(Message("status", {"state": "online", "backpressure": "x"},
                                    sender="aggregator"), fleet=FLEET))
     assert "backpressure" not in render(view.snapshot())  # a wrong type is not shown
+    view.on_message(topics(view.cfg.mqtt).aggregator_status,  # its last will: no counters
+                    encode(Message("status", {"state": "offline"}, sender="aggregator"),
+                           fleet=FLEET))
+    text = render(view.snapshot())
+    assert "version -   rounds -" in text and "None" not in text
 
 
 @pytest.mark.mqtt
