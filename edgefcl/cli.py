@@ -157,7 +157,7 @@ def add_bench_arguments(what: str, p: argparse.ArgumentParser) -> None:
                        help="runs at once, each in its own process (same results; the wall "
                        "times per run then include their contention)")
     if what == "async":
-        from edgefcl.bench.async_study import PRESETS
+        from edgefcl.bench.async_presets import PRESETS
 
         p.add_argument("--async-rules", metavar="RULES",
                        help="comma-separated rules NAME[/FIELD=VALUE...], NAME one of "

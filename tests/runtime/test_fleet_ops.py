@@ -99,7 +99,7 @@ def test_fleet_operations_end_to_end(fleet):
     outs = [c.communicate(timeout=300) for c in clients]
     for c, (out, errs) in zip(clients, outs, strict=True):
         assert c.returncode == 0, errs
-        assert "rounds" in out and ", F = " in out
+        assert "globals merged" in out and ", F = " in out
     for k in range(2):
         r = json.loads((tmp / "res" / f"c00{k}.json").read_text())
         assert {"accuracy", "forgetting", "accuracy_matrix"} <= set(r)

@@ -60,7 +60,7 @@ def test_foreign_and_finished_states_are_refused_with_what_to_do(tmp_path) -> No
     save_round(s, 0, T)
     s.mark_finished()
     s.close()
-    assert StateStore.finished_run(tmp_path / "st").endswith("start over with --fresh")
+    assert "start a new one with --fresh" in StateStore.finished_run(tmp_path / "st")
     with pytest.raises(StateError, match="--resume"):
         fresh_store(tmp_path)
     fresh_store(tmp_path, resume=True).close()
