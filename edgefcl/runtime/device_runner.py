@@ -114,6 +114,8 @@ class DeviceRunner:
         self.batches: queue.Queue = queue.Queue()
         self.answers: dict[int, dict] = {}  # the awaited tick's answer, once it came
         self.awaited_tick: int | None = None
+        self.fleet_tick = 0
+        """The latest tick an answer named (only the aggregator may publish answers)."""
         self.refetched_at = float("-inf")  # when a delta that missed a change last fetched
         self.refetch_pending = False  # one asked for within REFETCH_S of the last
         self.older_globals = 0  # globals in a row, rising, below the version held
@@ -267,7 +269,10 @@ class DeviceRunner:
 
     def _on_answer(self, msg: Message) -> None:
         """A lock-step tick's answer, kept only for the tick this device waits on: every
-        answer was kept, and forged ones for other ticks held 405 MiB in a device."""
+        answer was kept, and forged ones for other ticks held 405 MiB in a device. The latest
+        tick answered is noted (`fleet_tick`): a device whose tick the fleet has passed is
+        out of step (`_sync_round`)."""
+        self.fleet_tick = max(self.fleet_tick, msg.body["tick"])
         if msg.body["tick"] == self.awaited_tick:
             self.answers[msg.body["tick"]] = msg.body
 
@@ -647,14 +652,20 @@ class DeviceRunner:
             log.info("%s: no answer for tick %d, re-sending", self.cid, tick)
             self.link.publish(self.topics.update(self.cid), payload, qos=1)
 
-        # the tick closes once every active device reported, or left after client_timeout
-        give_up = time.monotonic() + self.cfg.fed.client_timeout + 4 * self.answer_timeout
-        answer = self._wait(lambda: self.answers.pop(tick, None) or (
-            False if time.monotonic() > give_up else None), self.answer_timeout, resend)
+        moved: list[float] = []  # when an answer to a later tick came: the fleet moved on
+
+        def answered() -> dict | bool | None:
+            if tick in self.answers:
+                return self.answers.pop(tick)
+            if self.fleet_tick > tick and not moved:
+                moved.append(time.monotonic())
+            return False if moved and time.monotonic() - moved[0] > 2 * self.answer_timeout \
+                else None
+
+        answer = self._wait(answered, self.answer_timeout, resend)
         if answer is False:
-            raise UserError(f"{self.cid}: no answer for lock-step tick {tick} in "
-                            f"{self.cfg.fed.client_timeout + 4 * self.answer_timeout:.0f} s: "
-                            "the fleet is at another tick (a device restarted from its "
+            raise UserError(f"{self.cid}: the lock-step fleet answers tick {self.fleet_tick}, "
+                            f"past this device's tick {tick} (a device restarted from its "
                             "stream's start cannot rejoin a lock-step run; restart the fleet, "
                             "or run it async)")
         with self.cond:
