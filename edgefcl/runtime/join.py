@@ -19,6 +19,8 @@ the round mode, the model, the protocol, and the stream's shape and schedule (a 
 another seed, task count, batch size or burn-in would send updates the aggregator refuses; one
 with a lower cap on the backpressure factor would send more than the daemon's pace lets
 through: `UpdateQuota.paced`)."""
+AT_LEAST = frozenset({"max_backpressure"})
+"""Keys a device may set higher than its aggregator (it follows the factor advertised)."""
 
 
 class JoinRefused(UserError):
@@ -57,13 +59,27 @@ def differences(mine: dict[str, Any], fleet: dict[str, Any]) -> list[str]:
     named only when nothing else explains it."""
     out = []
     for key in KEYS:
-        if key in mine and key in fleet and _norm(mine[key]) != _norm(fleet[key]):
+        if key not in mine or key not in fleet:
+            continue
+        if key in AT_LEAST:  # a higher cap here is no harm: the device follows what is said
+            if not _at_least(mine[key], fleet[key]):
+                out.append(f"{key} {_show(mine[key])} here, below {_show(fleet[key])} at the "
+                           "aggregator")
+        elif _norm(mine[key]) != _norm(fleet[key]):
             out.append(f"{key} {_show(mine[key])} here, {_show(fleet[key])} at the aggregator")
     if (not out and "spec_hash" in fleet and "spec_hash" in mine
             and mine["spec_hash"] != fleet["spec_hash"]):
         out.append(f"model tensors differ (names or shapes, e.g. --hidden): spec "
                    f"{mine.get('spec_hash')} here, {fleet['spec_hash']} at the aggregator")
     return out
+
+
+def _at_least(mine: Any, theirs: Any) -> bool:
+    """Whether `mine` is a number at least `theirs` (a value of another type is not)."""
+    try:
+        return float(mine) >= float(theirs)
+    except (TypeError, ValueError):
+        return False
 
 
 def check_join(cid: str, fleet_name: str, mine: dict[str, Any], fleet: dict[str, Any]) -> None:
