@@ -217,6 +217,8 @@ class FleetResults:
                  "reports of this run came before this process)")
         fleet = {**old.get("fleet", {}), **res["fleet"]} if isinstance(old.get("fleet"),
                                                                        dict) else res["fleet"]
+        if "missing" not in res["fleet"]:  # (an earlier stop's: this summary has them all)
+            fleet.pop("missing", None)
         return res | {k: old[k] for k in kept if k in old} | {"fleet": fleet}
 
 

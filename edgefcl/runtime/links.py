@@ -115,16 +115,15 @@ UPSTREAM_PASSWORD_VARIABLE = "EDGEFCL_UPSTREAM_PASSWORD"
 def upstream_config(m: MqttConfig, url: str) -> MqttConfig:
     """The MQTT settings of a worker's or site's link to its root's broker at `url`: the login
     written in `url` (its password there or in UPSTREAM_PASSWORD_VARIABLE; none: anonymous)
-    and TLS as its scheme says (mqtts: checked against `tls_ca`, else the system's CAs).
-    Nothing of the device broker's login or TLS identity (its client certificate and key):
-    they must never reach another host."""
+    and TLS as its scheme says (mqtts: checked against `tls_ca`, else the system's CAs; the
+    certificate always checked). Nothing of the device broker's login or TLS identity (its
+    client certificate and key): they must never reach another host."""
     bare, user, password = split_credentials(url)
     tls = bare.startswith("mqtts://")
     return replace(m, broker=bare, username=user,
                    password=(password or os.environ.get(UPSTREAM_PASSWORD_VARIABLE, ""))
                    if user else "", tls_ca=m.tls_ca if tls else "", tls_cert="", tls_key="",
-                   tls_no_verify=m.tls_no_verify and tls,
-                   tls_no_hostname_check=m.tls_no_hostname_check and tls)
+                   tls_no_verify=False, tls_no_hostname_check=False)
 
 
 def open_link(m: MqttConfig, client_id: str, *, will: tuple[str, bytes, int, bool] | None = None,

@@ -113,8 +113,6 @@ class RootDaemon(AggregatorDaemon):
                 self._close_safely(lambda: self.agg.worker_offline(worker, now))
             self._relay_pressure()
             return
-        self._heard(now)  # a worker's claim or partial: its devices' reports (its periodic
-        # status is no input: it kept an --exit-when-done root open after a device died)
         try:
             p = decode_worker_message(payload, self.cfg.mqtt.fleet, self.spec_shapes,
                                       worker=worker, cap=self.agg.admission.cap,
@@ -122,6 +120,8 @@ class RootDaemon(AggregatorDaemon):
         except CodecError:  # the round must not wait for what it held: release its grants
             self._close_safely(lambda: self.agg.release_grants(worker, now))
             raise
+        self._heard(now)  # a worker's claim or partial: its devices' reports (its periodic
+        # status is no input: it kept an --exit-when-done root open after a device died)
         if isinstance(p, tuple):  # a claim: answered at once, before the round may close
             claim, clients = p
             self._publish(self.topics.grant(worker), encode_grant(
