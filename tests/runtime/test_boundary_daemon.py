@@ -1172,16 +1172,23 @@ def test_a_log_line_is_cut_after_its_escapes() -> None:
     assert len(line) <= MAX_LINE + 40 and line.endswith("characters left out)")
 
 
-def test_a_device_that_ignores_the_factor_has_its_extra_updates_refused_unpaced(tmp_path) -> None:
-    # firmware that ignores the backpressure factor sends every update its schedule makes due
-    # (sequence numbers 1, 2, 3, ...); under a factor of 4 the daemon lets one in 4 / 1.1
-    # through (`UpdateQuota.paced`), and a device that follows the factor (numbers 4 apart)
-    # loses none
+def paced_daemon(tmp_path) -> tuple[AggregatorDaemon, list[float]]:
+    """A daemon whose quota has advertised a factor of 4 since time 0, on a virtual clock
+    (`now[0]`)."""
     d = make_daemon(tmp_path, roster="a,b,c")
     now = [0.0]
     d.quota.clock = lambda: now[0]
     d.quota._factors.clear()
     d.quota._factors.append((0.0, 4.0))
+    return d, now
+
+
+def test_a_device_that_ignores_the_factor_has_its_extra_updates_refused_unpaced(tmp_path) -> None:
+    # firmware that ignores the backpressure factor sends every update its schedule makes due
+    # (sequence numbers 1, 2, 3, ...); under a factor of 4 the daemon lets one in 4 / 1.1
+    # through (`UpdateQuota.paced`), and a device that follows the factor (numbers 4 apart)
+    # loses none
+    d, now = paced_daemon(tmp_path)
     tp = topics(d.cfg.mqtt)
     for k in range(1, 41):
         now[0] = 100.0 + k
@@ -1199,11 +1206,7 @@ def test_updates_whose_number_is_not_up_front_are_paced_once_decoded(tmp_path) -
     from edgefcl.bench.loadgen.template import UpdateTemplate
     from edgefcl.transport.codec import peek_seq
 
-    d = make_daemon(tmp_path, roster="a,b,c")
-    now = [0.0]
-    d.quota.clock = lambda: now[0]
-    d.quota._factors.clear()
-    d.quota._factors.append((0.0, 4.0))
+    d, now = paced_daemon(tmp_path)
     template = UpdateTemplate(INITIAL, "dense", FLEET, burn_in=0, jump=1)
     assert peek_seq(template.payload("a", 0, 1)) is None
     tp = topics(d.cfg.mqtt)
