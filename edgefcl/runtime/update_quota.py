@@ -243,12 +243,15 @@ class UpdateQuota:
         now = self.clock()
         while len(self._factors) > 1 and self._factors[1][0] <= now - KEEP_S:
             self._factors.popleft()  # the factor in force then stays first
-        times = self.times.times.get(device)
-        since = -float("inf")
-        if times is not None and len(times) > 1:
-            since = times[-2] - min(MAX_DELAY_S, times[-1] - times[-2]) - self.seconds
-        return min(f for k, (_, f) in enumerate(self._factors)
-                   if k + 1 == len(self._factors) or self._factors[k + 1][0] > since)
+        gap, last = self.times.gap(device), self.times.last(device)
+        since = (-float("inf") if gap is None or last is None
+                 else last - gap - min(MAX_DELAY_S, gap) - self.seconds)
+        low = float("inf")
+        for at, factor in reversed(self._factors):  # the newest back to the one in force then
+            low = min(low, factor)
+            if at <= since:
+                break
+        return low
 
     def admit(self, device: str, item: Any = None, size: int = 0,
               seq: int | None = None) -> bool:
